@@ -1,0 +1,363 @@
+"""`Engine`: the continuous-batching scheduler on an asyncio loop.
+
+    loop thread (kernel's event loop)         worker thread (owns every MLX array)
+    ---------------------------------         ------------------------------------
+    submit() -> Row, queue (FIFO)
+    _serve(): admit by policy  ── tick ──▶    BatchExecutor.tick(admits, cancels)
+              apply RowUpdates ◀─ report ──   (prefill chunk, decode N+1, read N)
+              StepRecord, listeners
+
+mlx-lm's arrays live on thread-local streams, so one worker thread does all MLX work
+(loading included) and the loop only ever sees plain Python values. The loop awaits
+each tick, so it stays free to run cells, widget messages and stop buttons meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, List, Optional, Sequence, Union
+
+from .batch import Admit, BatchExecutor
+from .rows import DECODE, DONE, PREFILL, QUEUED, Row, SamplingParams, StepRecord
+from .run import Run
+from .scheduler import Scheduler, fmt_bytes, parse_bytes
+
+_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _get_loop(loop):
+    if loop is not None:
+        return loop
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    try:  # IPython kernel: the kernel's loop even before it runs (--ext at start)
+        import tornado.ioloop
+
+        return tornado.ioloop.IOLoop.current().asyncio_loop
+    except Exception:
+        return asyncio.get_event_loop_policy().get_event_loop()
+
+
+class Engine:
+    """Continuous-batching generation on one MLX model.
+
+    `model`: "default" (bundled SmolLM2-135M-Instruct), an mlx-lm hub id, a local
+    mlx-lm directory, or a `(model, tokenizer)` pair. `kv_budget`: bytes or "2GB" or
+    None (no limit). Construction blocks while the model loads.
+    """
+
+    def __init__(self, model="default", *, max_batch: int = 32,
+                 kv_budget: Union[str, int, None] = "2GB", prefill_chunk: int = 512,
+                 prefix_cache: Union[str, int, None] = "256MB", loop=None):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        self.kv_budget = parse_bytes(kv_budget)
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.loop = _get_loop(loop)
+        self._t0 = time.perf_counter()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxnb-mlx")
+        prefix_bytes = parse_bytes(prefix_cache) or 0 if prefix_cache else 0
+        self.model_name = model if isinstance(model, str) else getattr(
+            model[0], "model_type", type(model[0]).__name__)
+        self.model, self.tokenizer, self._exec = self._pool.submit(
+            self._load, model, prefix_bytes).result()
+        self.context_length = getattr(getattr(self.model, "args", None),
+                                      "max_position_embeddings", None)
+        self.scheduler = Scheduler(max_batch, self.kv_budget, self._exec.kv_bytes_for)
+        self.rows: List[Row] = []
+        self.steps: List[StepRecord] = []
+        self._by_id = {}
+        self._cancels: List[int] = []
+        self._listeners: List[Callable] = []
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._task = None
+        self._idle: Optional[asyncio.Future] = None
+
+    def _load(self, model, prefix_bytes):
+        if isinstance(model, (tuple, list)):
+            m, tok = model
+        else:
+            from .models import load_model
+
+            m, tok = load_model(model)
+        return m, tok, BatchExecutor(m, tok, self.prefill_chunk, prefix_bytes)
+
+    def clock(self) -> float:
+        return time.perf_counter() - self._t0
+
+    # -- state -------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.active)
+
+    @property
+    def queued(self) -> int:
+        return len(self.scheduler.queue)
+
+    def add_listener(self, fn: Callable) -> None:
+        """fn(kind, obj) on the loop: ('submit', Row), ('step', StepRecord), ('finish', Row)."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    def _notify(self, kind, obj):
+        for fn in list(self._listeners):
+            try:
+                fn(kind, obj)
+            except Exception:  # a listener's bug must not stop generation
+                pass
+
+    # -- submitting ----------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = True, system: Optional[str] = None) -> List[int]:
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be a string, got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise ValueError("the prompt is empty; write some text to generate from")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the prompt holds invalid unicode (lone surrogates); "
+                             "clean the text before submitting") from None
+        tok = self.tokenizer
+        if chat and getattr(tok, "chat_template", None):
+            msgs = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}]
+            return list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+        text = f"{system}\n\n{prompt}" if system else prompt
+        return list(tok.encode(text))
+
+    def prepare(self, prompt: str, *, chat: bool = True, system: Optional[str] = None,
+                **params):
+        """Validate and tokenize without submitting: (ids, SamplingParams). Raises
+        ValueError with a one-line message for anything that cannot run."""
+        unknown = set(params) - _PARAM_NAMES
+        if unknown:
+            raise ValueError(f"unknown parameter(s): {', '.join(sorted(unknown))}")
+        if params.get("stop") is None:
+            params["stop"] = ()
+        elif isinstance(params["stop"], str):
+            params["stop"] = (params["stop"],)
+        else:
+            params["stop"] = tuple(params["stop"])
+        params["logits_processors"] = tuple(params.get("logits_processors") or ())
+        try:
+            sp = SamplingParams(**params).check()
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+        ids = self.encode(prompt, chat, system)
+        ctx = self.context_length
+        if ctx and len(ids) + sp.max_tokens > ctx:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "
+                             f"exceeds the model's context of {ctx}; shorten one of them")
+        msg = self.scheduler.never_fits(len(ids), sp.max_tokens)
+        if msg:
+            raise ValueError(msg)
+        if sp.seed is None and sp.temperature > 0:
+            sp = dataclasses.replace(sp, seed=secrets.randbits(31))
+        return ids, sp
+
+    def submit(self, prompt: str, *, chat: bool = True, system: Optional[str] = None,
+               tag=None, **params) -> Row:
+        """Queue one prompt; returns its `Row` at once (await it for the result).
+
+        Bad parameters raise ValueError. A row that can never fit the KV budget or
+        the context is returned already ended with finish_reason 'error'.
+        """
+        self._check_open()
+        try:
+            ids, sp = self.prepare(prompt, chat=chat, system=system, **params)
+            err = None
+        except ValueError as e:
+            if "KV cache" not in str(e) and "context" not in str(e):
+                raise
+            err = str(e)
+            ids, sp = [], SamplingParams(**{k: v for k, v in params.items()
+                                            if k in _PARAM_NAMES and k != "stop"})
+        return self._submit_prepared(prompt, ids, sp, tag, err)
+
+    def _submit_prepared(self, prompt, ids, sp, tag=None, err=None) -> Row:
+        self._check_open()
+        row = Row(self, len(self.rows), prompt, ids, sp, tag)
+        self.rows.append(row)
+        self._by_id[row.id] = row
+        if err:
+            row._finish("error", err)
+            return row
+        self._call_on_loop(self._enqueue, row)
+        return row
+
+    def generate(self, prompts: Iterable[str], *, chat: bool = True,
+                 system: Optional[str] = None, **params) -> Run:
+        """Submit several prompts as one `Run` (awaitable -> list of results)."""
+        prompts = list(prompts)
+        prepared = [self.prepare(p, chat=chat, system=system, **dict(params)) for p in prompts]
+        return Run([self._submit_prepared(p, ids, sp) for p, (ids, sp) in
+                    zip(prompts, prepared)], meta={"model": self.model_name})
+
+    def _enqueue(self, row: Row):
+        if row.done:  # cancelled before it reached the loop
+            return
+        self.scheduler.enqueue(row)
+        self._notify("submit", row)
+        self._ensure_task()
+        self._wake.set()
+
+    def _call_on_loop(self, fn, *args):
+        if self._on_loop_thread():
+            fn(*args)
+        else:  # ipykernel subshells run cells on another thread
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def _on_loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return getattr(self.loop, "_thread_id", None) in (None, threading.get_ident())
+
+    # -- cancelling ----------------------------------------------------------------
+    def cancel(self, rows: Sequence[Row]) -> None:
+        self._call_on_loop(self._cancel, list(rows))
+
+    def cancel_all(self) -> None:
+        self.cancel([r for r in self.rows if not r.done])
+
+    def _cancel(self, rows):
+        for row in rows:
+            if row.done:
+                continue
+            if self.scheduler.dequeue(row):
+                self._end(row, "cancelled")
+            else:
+                self._cancels.append(row.id)
+        self._wake.set()
+
+    # -- the serving loop ----------------------------------------------------------
+    def _ensure_task(self):
+        if self._task is None or self._task.done():
+            import contextvars
+
+            # A fresh context: output from this long-lived task must not be tied to
+            # the cell that happened to start it (kernel-facts.md, output routing).
+            self._task = self.loop.create_task(self._serve(), context=contextvars.Context())
+
+    async def _serve(self):
+        while not self._closed:
+            admits = self.scheduler.admit()
+            cancels, self._cancels = self._cancels, []
+            if not (admits or cancels or self._exec.busy):
+                self._wake.clear()
+                if self._idle is not None and not self._idle.done():
+                    self._idle.set_result(None)
+                await self._wake.wait()
+                continue
+            now = self.clock()
+            for row in admits:
+                row.state, row.t_admit = PREFILL, now
+            t0 = time.perf_counter()
+            try:
+                report = await self.loop.run_in_executor(
+                    self._pool, self._exec.tick,
+                    [Admit(r.id, r.prompt_ids, r.params) for r in admits], cancels)
+            except Exception as e:  # the executor itself broke: fail what it held
+                for rid in list(self.scheduler.active):
+                    self._end(self._by_id[rid], "error", f"engine step failed: {e}")
+                self._exec.close()
+                continue
+            self._apply(report, time.perf_counter() - t0)
+
+    def _apply(self, report, dt):
+        now = self.clock()
+        for rid, up in report.updates.items():
+            row = self._by_id[rid]
+            if row.done:
+                continue
+            if up.state and up.state != row.state:
+                row.state = up.state
+            if up.prefill_done is not None:
+                row.prefill_done = up.prefill_done
+            if up.cached_tokens is not None:
+                row.cached_tokens = up.cached_tokens
+            if up.tokens:
+                if row.t_first is None:
+                    row.t_first = now
+                row.tokens.extend(up.tokens)
+                self.scheduler.progress(rid, len(up.tokens))
+            row.text += up.text
+            if up.logprobs:
+                row.logprobs.extend(up.logprobs)
+            if up.finish:
+                if row.t_first is None and up.finish == "stop":
+                    row.t_first = now
+                self._end(row, up.finish, up.error)
+        rec = StepRecord(len(self.steps), now, dt, report.decoded, report.prefill_tokens,
+                         report.kv_bytes, report.row_kv_bytes, report.emitted)
+        self.steps.append(rec)
+        self._notify("step", rec)
+
+    def _end(self, row: Row, reason: str, error: Optional[str] = None):
+        self.scheduler.release(row.id)
+        row._finish(reason, error)
+        self._notify("finish", row)
+
+    # -- waiting and closing ---------------------------------------------------------
+    async def wait(self) -> None:
+        """Wait until every submitted row has finished."""
+        pending = [r._future for r in self.rows if not r.done]
+        if pending:
+            await asyncio.shield(asyncio.gather(*pending))
+
+    async def aclose(self) -> None:
+        """Cancel what is running, stop the scheduler and free the model's caches."""
+        if self._closed:
+            return
+        self.cancel_all()
+        if self._task is not None and not self._task.done():
+            self._idle = self.loop.create_future()
+            self._wake.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._idle), timeout=10)
+            except asyncio.TimeoutError:
+                pass
+        self._closed = True
+        self._wake.set()
+        for row in self.rows:  # nothing is ever left without a finish reason
+            if not row.done:
+                self._end(row, "cancelled")
+        await self.loop.run_in_executor(self._pool, self._exec.close)
+        self._pool.shutdown(wait=False)
+
+    def close(self) -> None:
+        """Synchronous close for scripts/atexit: cancel everything, drop the worker."""
+        self._closed = True
+        self._wake.set()
+        for row in self.rows:
+            if not row.done:
+                self._end(row, "cancelled")
+        self._pool.shutdown(wait=False)
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this Engine is closed; create a new one")
+
+    def status(self) -> str:
+        kv = self.steps[-1].kv_bytes if self.steps else 0
+        budget = fmt_bytes(self.kv_budget) if self.kv_budget else "no limit"
+        done = sum(r.done for r in self.rows)
+        return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
+                f"done {done} | KV {fmt_bytes(kv)} / {budget}")
+
+    def __repr__(self):
+        return f"<mlxnb.Engine {self.status()}>"

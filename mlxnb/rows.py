@@ -1,0 +1,208 @@
+"""What a submitted prompt is: its parameters, its live progress, its result.
+
+A `Row` is created on the event loop by `Engine.submit` and is only ever mutated
+there (the worker thread hands back plain values; the engine applies them), so
+readers on the loop -- the widget, the magics -- never see a half-updated row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, List, Optional
+
+QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-row generation parameters (validated by `check`)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: tuple = ()
+    logprobs: int = 0
+    logits_processors: tuple = ()
+
+    def check(self) -> "SamplingParams":
+        def bad(msg):
+            raise ValueError(msg)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (self.temperature >= 0):
+            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0 <= self.min_p < 1):
+            bad(f"min_p must be in [0, 1), got {self.min_p!r}")
+        rp = self.repetition_penalty
+        if rp is not None and not (rp > 0):
+            bad(f"repetition_penalty must be > 0, got {rp!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop strings must be non-empty strings")
+        if not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= 20):
+            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        return self
+
+    @property
+    def filters(self) -> tuple:
+        """The truncation filters; rows with equal filters are sampled together."""
+        return (self.top_k, self.top_p, self.min_p)
+
+
+@dataclass
+class RowResult:
+    """The finished row: what `await row` returns."""
+
+    id: int
+    prompt: str
+    text: str
+    tokens: List[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: Optional[float]
+    tok_s: Optional[float]
+    logprobs: Optional[List[dict]]
+    error: Optional[str]
+    seed: Optional[int]
+    params: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Row:
+    """A prompt in flight. Await it for a `RowResult`; read its live fields any time.
+
+    Live fields: `state` (queued | prefill | decode | done), `tokens`, `text` (stop
+    strings held back, never shown), `prefill_done` / `prompt_tokens`, `finish_reason`,
+    and timeline stamps `t_submit`, `t_admit`, `t_first`, `t_done` (engine clock, s).
+    """
+
+    def __init__(self, engine, row_id: int, prompt: str, prompt_ids: List[int],
+                 params: SamplingParams, tag: Any = None):
+        self.engine = engine
+        self.id = row_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.tag = tag  # free slot for the caller (e.g. the magic's sweep values)
+        self.state = QUEUED
+        self.tokens: List[int] = []
+        self.text = ""
+        self.logprobs: Optional[List[dict]] = [] if params.logprobs else None
+        self.prefill_done = 0
+        self.cached_tokens = 0
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
+        self.t_submit = engine.clock()
+        self.t_admit: Optional[float] = None
+        self.t_first: Optional[float] = None
+        self.t_done: Optional[float] = None
+        self._future: asyncio.Future = engine.loop.create_future()
+        self._callbacks: List[Callable[["Row"], None]] = []
+
+    # -- reading ---------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.state == DONE
+
+    @property
+    def ntok(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def ttft_s(self) -> Optional[float]:
+        return None if self.t_first is None else self.t_first - self.t_submit
+
+    @property
+    def tok_s(self) -> Optional[float]:
+        """Decode rate after the first token (the first one is the prefill's)."""
+        if self.t_first is None or len(self.tokens) < 2:
+            return None
+        end = self.t_done if self.t_done is not None else self.engine.clock()
+        return (len(self.tokens) - 1) / max(end - self.t_first, 1e-9)
+
+    def result(self) -> RowResult:
+        if not self.done:
+            raise RuntimeError(f"row {self.id} is still {self.state}; await it first")
+        p = self.params
+        return RowResult(
+            id=self.id, prompt=self.prompt, text=self.text, tokens=list(self.tokens),
+            finish_reason=self.finish_reason, prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens, ttft_s=self.ttft_s, tok_s=self.tok_s,
+            logprobs=self.logprobs, error=self.error, seed=p.seed,
+            params={k: v for k, v in asdict(p).items() if k != "logits_processors"},
+        )
+
+    def __await__(self):
+        # Shielded: a cancelled awaiting cell must not cancel the row itself.
+        return asyncio.shield(self._future).__await__()
+
+    def add_done_callback(self, fn: Callable[["Row"], None]) -> None:
+        if self.done:
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    # -- acting ----------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop this row at the next step boundary; it ends with 'cancelled'."""
+        self.engine.cancel([self])
+
+    def __repr__(self):
+        extra = f" {self.finish_reason}" if self.done else ""
+        return f"<Row {self.id} {self.state}{extra} ntok={self.ntok} {self.prompt[:30]!r}>"
+
+    # -- engine side (loop thread only) ----------------------------------------
+    def _finish(self, reason: str, error: Optional[str] = None) -> None:
+        if self.done:
+            return
+        self.state = DONE
+        self.finish_reason = reason
+        self.error = error
+        self.t_done = self.engine.clock()
+        if not self._future.done():
+            self._future.set_result(self.result())
+        for fn in self._callbacks:
+            try:
+                fn(self)
+            except Exception:  # a listener's bug must not break the engine
+                pass
+        self._callbacks.clear()
+
+
+@dataclass
+class StepRecord:
+    """One scheduler iteration, as the charts plot it."""
+
+    step: int
+    t: float  # engine clock at the end of the step, s
+    dt_s: float
+    batch_size: int  # rows decoded this step
+    prefill_tokens: int  # prompt tokens prefilled this step
+    kv_bytes: int  # real bytes held by all live KV caches
+    row_kv_bytes: dict = field(default_factory=dict)  # {row_id: bytes}
+    tokens: int = 0  # tokens emitted this step
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["row_kv_bytes"] = {str(k): v for k, v in self.row_kv_bytes.items()}
+        return d
