@@ -1,0 +1,269 @@
+// Pure helpers for the mlxnb widget: state from traits, delta messages, step history,
+// chart scaling, formatting. No DOM here, so `node --test` can exercise all of it.
+// widget.py inlines this file into the widget's ESM bundle (anywidget loads one module).
+
+export const MAX_POINTS = 2000; // per step-history array (same bound as widget.py)
+export const MAX_SNAP_NUMBERS = 40000;
+export const STEP_KEYS = ["s", "t", "dt", "b", "pf", "kv"];
+
+// ---------------------------------------------------------------- state
+export function emptyHist() {
+  const h = { snap: [] };
+  for (const k of STEP_KEYS) h[k] = [];
+  return h;
+}
+
+export function emptyState() {
+  return { seq: -1, rows: new Map(), hist: emptyHist(), header: {}, recvAt: 0 };
+}
+
+/** Rebuild the whole view state from the synced traits (a new view, a resync). */
+export function stateFromTraits({ rows, steps, header, seq }) {
+  const st = emptyState();
+  st.seq = seq ?? 0;
+  for (const r of rows || []) st.rows.set(r.id, { text: "", ...r });
+  const h = emptyHist();
+  for (const k of STEP_KEYS) h[k] = (steps && steps[k]) ? steps[k].slice() : [];
+  h.snap = (steps && steps.snap) ? steps.snap.slice() : [];
+  st.hist = h;
+  st.header = { ...(header || {}) };
+  return st;
+}
+
+/** Traits replace the view state unless the view already holds newer deltas. */
+export function shouldTakeTraits(st, traitSeq) {
+  return st.seq < 0 || (traitSeq ?? 0) >= st.seq;
+}
+
+/** Fold one row delta into a row object: "d" appends text, "text" replaces it. */
+export function applyRowDelta(row, delta) {
+  const r = row || { id: delta.id, text: "", state: "queued", ntok: 0 };
+  for (const k in delta) {
+    if (k === "d") r.text = (r.text || "") + delta.d;
+    else r[k] = delta[k];
+  }
+  return r;
+}
+
+/**
+ * Apply a {"type":"delta"} message. Returns {applied, gap, changed:Set<id>, steps, header}.
+ * A message older than the state is ignored; a gap (a message this view never got,
+ * e.g. sent before the view existed) means the caller must ask for a resync.
+ */
+export function applyMessage(st, msg, now = 0) {
+  const out = { applied: false, gap: false, changed: new Set(), steps: false, header: false };
+  if (!msg || msg.type !== "delta") return out;
+  if (msg.seq <= st.seq) return out;
+  if (msg.seq !== st.seq + 1) { out.gap = true; return out; }
+  st.seq = msg.seq;
+  for (const d of msg.rows || []) {
+    st.rows.set(d.id, applyRowDelta(st.rows.get(d.id), d));
+    out.changed.add(d.id);
+  }
+  if (msg.steps) { appendSteps(st.hist, msg.steps); out.steps = true; }
+  if (msg.header) { Object.assign(st.header, msg.header); out.header = true; }
+  st.recvAt = now;
+  out.applied = true;
+  if (pruneRows(st, st.header.max_rows).length) out.pruned = true;
+  return out;
+}
+
+/** Dashboard bound: drop the oldest finished rows beyond maxRows. Returns dropped ids. */
+export function pruneRows(st, maxRows) {
+  const dropped = [];
+  if (!maxRows || st.rows.size <= maxRows) return dropped;
+  for (const [id, r] of st.rows) {
+    if (st.rows.size <= maxRows) break;
+    if (r.state === "done") { st.rows.delete(id); dropped.push(id); }
+  }
+  return dropped;
+}
+
+// ---------------------------------------------------------------- step history
+/** Merge neighbouring pairs: later step kept, dt = max (spikes stay), prefill summed. */
+export function halveSteps(h) {
+  const n = Math.floor(h.s.length / 2) * 2;
+  for (const k of STEP_KEYS) {
+    const a = h[k], m = [];
+    for (let i = 0; i < n; i += 2) {
+      m.push(k === "dt" ? Math.max(a[i], a[i + 1]) : k === "pf" ? a[i] + a[i + 1] : a[i + 1]);
+    }
+    for (let i = n; i < a.length; i++) m.push(a[i]);
+    h[k] = m;
+  }
+  return h;
+}
+
+export function snapNumbers(snaps) {
+  let n = 0;
+  for (const s of snaps) n += s[2].length;
+  return n;
+}
+
+/** Every second snapshot (keeping the latest), the same rule as widget.py. */
+export function halveSnaps(snaps) {
+  const out = [];
+  for (let i = 1; i < snaps.length; i += 2) out.push(snaps[i]);
+  if (snaps.length % 2) out.push(snaps[snaps.length - 1]);
+  return out;
+}
+
+export function appendSteps(h, steps, max = MAX_POINTS) {
+  for (const k of STEP_KEYS) if (steps[k]) for (const v of steps[k]) h[k].push(v);
+  while (h.s.length > max) halveSteps(h);
+  if (steps.snap) for (const s of steps.snap) h.snap.push(s);
+  while (h.snap.length > max || (h.snap.length > 2 && snapNumbers(h.snap) > MAX_SNAP_NUMBERS)) {
+    h.snap = halveSnaps(h.snap);
+  }
+  return h;
+}
+
+/**
+ * Stack per-row KV bytes of each snapshot [step, total, [id, bytes, ...]].
+ * Returns {ids (ascending), tops: Map id -> cumulative top per snapshot, mine, totals}:
+ * the band of row `id` at snapshot i spans [tops of the previous id, tops(id)][i].
+ */
+export function stackSnaps(snaps) {
+  const idset = new Set();
+  for (const s of snaps) for (let j = 0; j < s[2].length; j += 2) idset.add(s[2][j]);
+  const ids = [...idset].sort((a, b) => a - b);
+  const tops = new Map(ids.map((id) => [id, new Array(snaps.length).fill(0)]));
+  const mine = new Array(snaps.length).fill(0);
+  const totals = snaps.map((s) => s[1]);
+  snaps.forEach((s, i) => {
+    const by = new Map();
+    for (let j = 0; j < s[2].length; j += 2) by.set(s[2][j], s[2][j + 1]);
+    let acc = 0;
+    for (const id of ids) { acc += by.get(id) || 0; tops.get(id)[i] = acc; }
+    mine[i] = acc;
+  });
+  return { ids, tops, mine, totals };
+}
+
+// ---------------------------------------------------------------- scales
+function niceNum(x, round) {
+  const e = Math.floor(Math.log10(x)), f = x / 10 ** e;
+  let nf;
+  if (round) nf = f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10;
+  else nf = f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10;
+  return nf * 10 ** e;
+}
+
+/** Round axis bounds and about `count` ticks covering [lo, hi]. */
+export function niceTicks(lo, hi, count = 4) {
+  if (!isFinite(lo) || !isFinite(hi)) { lo = 0; hi = 1; }
+  if (hi < lo) [lo, hi] = [hi, lo];
+  if (hi === lo) { hi = lo === 0 ? 1 : lo + Math.abs(lo) * 0.5; }
+  const step = niceNum(niceNum(hi - lo, false) / Math.max(1, count), true);
+  const min = Math.floor(lo / step) * step, max = Math.ceil(hi / step) * step;
+  const ticks = [];
+  for (let v = min; v <= max + step * 1e-9; v += step) ticks.push(+v.toPrecision(12));
+  return { min, max, step, ticks };
+}
+
+/** Linear map from [d0, d1] to [r0, r1]; a zero-width domain maps to its middle. */
+export function scaleLinear(d0, d1, r0, r1) {
+  const w = d1 - d0;
+  if (!w) return () => (r0 + r1) / 2;
+  return (v) => r0 + ((v - d0) / w) * (r1 - r0);
+}
+
+/** Bytes ticks that land on 1/2/5 × 1024^k boundaries read well in binary units. */
+export function bytesTicks(hi, count = 3) {
+  if (!(hi > 0)) return niceTicks(0, 1024, count);
+  const unit = 1024 ** Math.min(3, Math.max(0, Math.floor(Math.log(hi) / Math.log(1024))));
+  const t = niceTicks(0, hi / unit, count);
+  return { min: 0, max: t.max * unit, step: t.step * unit, ticks: t.ticks.map((v) => v * unit) };
+}
+
+// ---------------------------------------------------------------- timeline
+/** [{kind: queued|prefill|decode, t0, t1}] for a row; open spans end at `now`. */
+export function timelineSpans(r, now) {
+  const out = [];
+  const end = r.t_done ?? now;
+  if (r.t_submit == null) return out;
+  out.push({ kind: "queued", t0: r.t_submit, t1: r.t_admit ?? end });
+  if (r.t_admit != null) out.push({ kind: "prefill", t0: r.t_admit, t1: r.t_first ?? end });
+  if (r.t_first != null) out.push({ kind: "decode", t0: r.t_first, t1: end });
+  return out.filter((s) => s.t1 >= s.t0);
+}
+
+/** Engine-clock "now" while live: last header time plus the wall time since it came. */
+export function liveNow(header, recvAt, wallNow) {
+  const base = header.now ?? 0;
+  return header.live ? base + Math.max(0, (wallNow - recvAt) / 1000) : base;
+}
+
+// ---------------------------------------------------------------- summaries
+export function countStates(rows) {
+  const c = { queued: 0, prefill: 0, decode: 0, done: 0 };
+  for (const r of rows) c[r.state] = (c[r.state] || 0) + 1;
+  return c;
+}
+
+/** Whole-run throughput from finished rows: tokens over first-admit..last-done. */
+export function runStats(rows) {
+  let tokens = 0, t0 = Infinity, t1 = -Infinity;
+  for (const r of rows) {
+    tokens += r.ntok || 0;
+    if (r.t_admit != null) t0 = Math.min(t0, r.t_admit);
+    if (r.t_done != null) t1 = Math.max(t1, r.t_done);
+  }
+  const span = t1 - t0;
+  return { tokens, span: span > 0 ? span : 0, tok_s: span > 0 ? tokens / span : 0 };
+}
+
+export function badgeText(r) {
+  if (r.state === "done") return `done: ${r.finish || "?"}`;
+  if (r.state === "prefill") return `prefill ${Math.max(0, Math.min(100, r.pf ?? 0))}%`;
+  if (r.state === "decode") return "decoding";
+  return "queued";
+}
+
+// ---------------------------------------------------------------- formatting
+export function formatBytes(n) {
+  if (n == null || !isFinite(n)) return "–";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0, v = Math.abs(n);
+  while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
+  const s = i === 0 ? String(Math.round(v)) : v >= 100 ? v.toFixed(0) : v.toFixed(1);
+  return `${n < 0 ? "-" : ""}${s} ${units[i]}`;
+}
+
+export function formatDuration(s) {
+  if (s == null || !isFinite(s)) return "–";
+  if (s < 0) return "-" + formatDuration(-s);
+  if (s < 0.001) return `${(s * 1000).toFixed(2)} ms`;
+  if (s < 1) return `${(s * 1000).toPrecision(3).replace(/\.0+$/, "")} ms`;
+  if (s < 10) return `${s.toFixed(2)} s`;
+  if (s < 60) return `${s.toFixed(1)} s`;
+  if (s < 3600) {
+    const m = Math.floor(s / 60);
+    return `${m}m ${String(Math.floor(s - m * 60)).padStart(2, "0")}s`;
+  }
+  const h = Math.floor(s / 3600);
+  return `${h}h ${String(Math.floor((s - h * 3600) / 60)).padStart(2, "0")}m`;
+}
+
+export function formatRate(x) {
+  if (x == null || !isFinite(x)) return "–";
+  return x >= 100 ? x.toFixed(0) : x.toFixed(1);
+}
+
+/** The end of a streaming text for a one-line view: newlines shown as ⏎. */
+export function tailText(text, n = 240) {
+  const t = text.length > n ? "…" + text.slice(-n) : text;
+  return t.replace(/\r?\n/g, " ⏎ ");
+}
+
+export function oneLine(text, n = 240) {
+  const t = text.replace(/\s+/g, " ").trim();
+  return t.length > n ? t.slice(0, n - 1) + "…" : t;
+}
+
+// Ten hues readable on light and dark backgrounds; a row keeps its colour by id.
+export const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
+  "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#8cd17d"];
+export function rowColor(id) {
+  return PALETTE[((id % PALETTE.length) + PALETTE.length) % PALETTE.length];
+}

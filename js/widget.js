@@ -1,0 +1,349 @@
+// mlxnb generation widget (anywidget ESM). State comes from the synced traits (a new
+// view, a reopened notebook) and then from ~15 Hz "delta" custom messages; everything
+// is redrawn at most once per animation frame. Charts are plain <canvas>.
+import { applyMessage, badgeText, bytesTicks, countStates, formatBytes, formatDuration, formatRate, liveNow, niceTicks, oneLine, rowColor, runStats, scaleLinear, shouldTakeTraits, stackSnaps, stateFromTraits, tailText, timelineSpans } from "./lib.js";
+
+const TIMELINE_LANES = 48; // the newest rows get a lane; older ones scroll off
+
+function h(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text != null) e.textContent = text;
+  return e;
+}
+
+function setAttr(e, k, v) {
+  const s = v == null ? "" : String(v);
+  if (e.getAttribute(k) !== s) e.setAttribute(k, s);
+}
+
+function setText(e, s) {
+  if (e.textContent !== s) e.textContent = s;
+}
+
+// ---------------------------------------------------------------- canvas helpers
+function colors(root) {
+  const cs = getComputedStyle(root);
+  const v = (k, d) => (cs.getPropertyValue(k) || "").trim() || d;
+  return {
+    fg: v("--mlxnb-fg", "#333"), muted: v("--mlxnb-muted", "#888"),
+    grid: v("--mlxnb-grid", "rgba(128,128,128,0.25)"), accent: v("--mlxnb-accent", "#4e79a7"),
+    warn: v("--mlxnb-warn", "#e49b26"), err: v("--mlxnb-err", "#d9534f"),
+    other: v("--mlxnb-other", "rgba(128,128,128,0.35)"),
+    font: `10px ${v("--mlxnb-font", "sans-serif")}`,
+  };
+}
+
+/** Size the canvas backing store to its CSS box; returns a ctx in CSS pixels or null. */
+function prep(canvas) {
+  const w = canvas.clientWidth, ht = canvas.clientHeight;
+  if (!w || !ht) return null; // hidden (collapsed output, windowed notebook)
+  const dpr = window.devicePixelRatio || 1;
+  const W = Math.round(w * dpr), H = Math.round(ht * dpr);
+  if (canvas.width !== W || canvas.height !== H) { canvas.width = W; canvas.height = H; }
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.clearRect(0, 0, w, ht);
+  return { ctx, w, h: ht };
+}
+
+function yAxis(g, c, box, ticks, fmt, right = false) {
+  const { ctx } = g;
+  const y = scaleLinear(ticks.min, ticks.max, box.b, box.t);
+  ctx.font = c.font; ctx.textBaseline = "middle";
+  ctx.textAlign = right ? "left" : "right";
+  for (const v of ticks.ticks) {
+    const py = Math.round(y(v)) + 0.5;
+    if (!right) {
+      ctx.strokeStyle = c.grid; ctx.lineWidth = 1;
+      ctx.beginPath(); ctx.moveTo(box.l, py); ctx.lineTo(box.r, py); ctx.stroke();
+    }
+    ctx.fillStyle = c.muted;
+    ctx.fillText(fmt(v), right ? box.r + 3 : box.l - 3, py);
+  }
+  return y;
+}
+
+function xLabels(g, c, box, lo, hi, fmt) {
+  const { ctx } = g;
+  const t = niceTicks(lo, hi, Math.max(2, Math.floor((box.r - box.l) / 70)));
+  const x = scaleLinear(lo, hi, box.l, box.r);
+  ctx.font = c.font; ctx.fillStyle = c.muted; ctx.textAlign = "center"; ctx.textBaseline = "top";
+  for (const v of t.ticks) if (v >= lo && v <= hi) ctx.fillText(fmt(v), x(v), box.b + 3);
+  return x;
+}
+
+function empty(g, c, msg) {
+  g.ctx.font = c.font; g.ctx.fillStyle = c.muted; g.ctx.textAlign = "center";
+  g.ctx.textBaseline = "middle"; g.ctx.fillText(msg, g.w / 2, g.h / 2);
+}
+
+// ---------------------------------------------------------------- charts
+function drawKV(canvas, st, c) {
+  const snaps = st.hist.snap;
+  setAttr(canvas, "data-points", snaps.length);
+  const g = prep(canvas);
+  if (!g) return;
+  if (!snaps.length) return empty(g, c, "KV memory: no steps yet");
+  const { ctx } = g;
+  const box = { l: 44, r: g.w - 6, t: 6, b: g.h - 14 };
+  const { ids, tops, totals } = stackSnaps(snaps);
+  const peak = Math.max(...totals, 1);
+  const budget = st.header.kv_budget;
+  const showBudget = budget && budget <= 3 * peak; // else the rows would be a flat line
+  const yt = bytesTicks((showBudget ? Math.max(peak, budget) : peak) * 1.05);
+  const y = yAxis(g, c, box, yt, formatBytes);
+  const s0 = snaps[0][0], s1 = Math.max(snaps[snaps.length - 1][0], s0 + 1);
+  const x = xLabels(g, c, box, s0, s1, (v) => String(Math.round(v)));
+  const xs = snaps.map((s) => x(s[0]));
+  const band = (lo, hi, fill) => {
+    ctx.beginPath();
+    ctx.moveTo(xs[0], y(hi[0]));
+    for (let i = 1; i < xs.length; i++) ctx.lineTo(xs[i], y(hi[i]));
+    for (let i = xs.length - 1; i >= 0; i--) ctx.lineTo(xs[i], y(lo ? lo[i] : 0));
+    ctx.closePath(); ctx.fillStyle = fill; ctx.fill();
+  };
+  if (xs.length === 1) { // one snapshot: draw it as a thin bar, not an invisible line
+    xs.push(xs[0] + 2); totals.push(totals[0]);
+    for (const id of ids) tops.get(id).push(tops.get(id)[0]);
+  }
+  band(null, totals, c.other); // rows of other cells (and anything unattributed)
+  let prev = null;
+  for (const id of ids) {
+    const top = tops.get(id);
+    ctx.globalAlpha = 0.85; band(prev, top, rowColor(id)); ctx.globalAlpha = 1;
+    prev = top;
+  }
+  ctx.textAlign = "right"; ctx.textBaseline = "top"; ctx.font = c.font; ctx.fillStyle = c.fg;
+  if (budget) {
+    if (showBudget) {
+      const py = Math.round(y(budget)) + 0.5;
+      ctx.strokeStyle = c.err; ctx.setLineDash([4, 3]); ctx.lineWidth = 1;
+      ctx.beginPath(); ctx.moveTo(box.l, py); ctx.lineTo(box.r, py); ctx.stroke();
+      ctx.setLineDash([]);
+      ctx.fillStyle = c.err; ctx.fillText("budget", box.r - 2, py + 2);
+    } else {
+      ctx.fillText(`budget ${formatBytes(budget)} ↑`, box.r - 2, box.t);
+    }
+  }
+}
+
+function drawSteps(canvas, st, c) {
+  const { s, dt, b, pf } = st.hist;
+  setAttr(canvas, "data-points", s.length);
+  const g = prep(canvas);
+  if (!g) return;
+  if (!s.length) return empty(g, c, "step time: no steps yet");
+  const { ctx } = g;
+  const box = { l: 36, r: g.w - 24, t: 6, b: g.h - 14 };
+  const s0 = s[0], s1 = Math.max(s[s.length - 1], s0 + 1);
+  const x = xLabels(g, c, box, s0, s1, (v) => String(Math.round(v)));
+  // Batch size first, as a faint step area on the right axis, so the line stays on top.
+  const bt = niceTicks(0, Math.max(1, ...b), 2);
+  const yb = scaleLinear(0, bt.max, box.b, box.t);
+  ctx.beginPath(); ctx.moveTo(x(s[0]), box.b);
+  for (let i = 0; i < s.length; i++) {
+    ctx.lineTo(x(i ? s[i - 1] : s[0]), yb(b[i])); ctx.lineTo(x(s[i]), yb(b[i]));
+  }
+  ctx.lineTo(x(s[s.length - 1]), box.b); ctx.closePath();
+  ctx.fillStyle = c.other; ctx.fill();
+  yAxis(g, c, box, bt, (v) => String(v), true);
+  const yt = niceTicks(0, Math.max(0.1, ...dt), 3);
+  const y = yAxis(g, c, box, yt, (v) => (v >= 10 ? v.toFixed(0) : +v.toFixed(2)) + "");
+  ctx.strokeStyle = c.accent; ctx.lineWidth = 1.25; ctx.beginPath();
+  for (let i = 0; i < s.length; i++) (i ? ctx.lineTo : ctx.moveTo).call(ctx, x(s[i]), y(dt[i]));
+  if (s.length === 1) ctx.lineTo(x(s[0]) + 2, y(dt[0]));
+  ctx.stroke();
+  ctx.fillStyle = c.warn; // steps that prefilled a prompt chunk: where joiners stall the batch
+  for (let i = 0; i < s.length; i++) if (pf[i] > 0) ctx.fillRect(x(s[i]) - 1.5, y(dt[i]) - 1.5, 3, 3);
+}
+
+function drawTimeline(canvas, st, c, now) {
+  const rows = [...st.rows.values()].slice(-TIMELINE_LANES).filter((r) => r.t_submit != null);
+  setAttr(canvas, "data-points", rows.length);
+  const g = prep(canvas);
+  if (!g) return;
+  if (!rows.length) return empty(g, c, "timeline: no rows yet");
+  const { ctx } = g;
+  const box = { l: 6, r: g.w - 6, t: 4, b: g.h - 14 };
+  const t0 = Math.min(...rows.map((r) => r.t_submit));
+  let t1 = now;
+  for (const r of rows) t1 = Math.max(t1, r.t_done ?? 0);
+  t1 = Math.max(t1, t0 + 0.01);
+  const x = xLabels(g, c, box, 0, t1 - t0, (v) => formatDuration(v));
+  const lane = (box.b - box.t) / rows.length, bar = Math.max(1, Math.min(10, lane - 1));
+  const fill = { queued: c.other, prefill: c.warn };
+  rows.forEach((r, i) => {
+    const py = box.t + i * lane + (lane - bar) / 2;
+    for (const sp of timelineSpans(r, now)) {
+      ctx.fillStyle = fill[sp.kind] || rowColor(r.id);
+      const xa = x(sp.t0 - t0), xb = x(sp.t1 - t0);
+      ctx.fillRect(xa, py, Math.max(1, xb - xa), bar);
+    }
+    if (r.t_done != null && r.finish && r.finish !== "stop" && r.finish !== "length") {
+      ctx.fillStyle = r.finish === "error" ? c.err : c.fg; // cancelled / error: an end mark
+      ctx.fillRect(x(r.t_done - t0) - 1, py - 1, 2, bar + 2);
+    }
+  });
+  if (st.header.live) {
+    ctx.strokeStyle = c.muted; ctx.setLineDash([2, 2]);
+    const px = Math.round(x(now - t0)) + 0.5;
+    ctx.beginPath(); ctx.moveTo(px, box.t); ctx.lineTo(px, box.b); ctx.stroke();
+    ctx.setLineDash([]);
+  }
+}
+
+// ---------------------------------------------------------------- view
+function render({ model, el }) {
+  const root = h("div", "mlxnb-widget");
+  const head = h("div", "mlxnb-header");
+  const hModel = h("span", "mlxnb-model"), hTitle = h("span", "mlxnb-title");
+  const hStats = h("span", "mlxnb-stats");
+  const stopAll = h("button", "mlxnb-stop-all", "stop all");
+  head.append(hModel, hTitle, hStats, stopAll);
+  const charts = h("div", "mlxnb-charts");
+  const chart = (cls, title) => {
+    const box = h("div", "mlxnb-chart"), cv = h("canvas", cls);
+    box.append(h("div", "mlxnb-chart-title", title), cv);
+    charts.append(box);
+    return cv;
+  };
+  const cvKV = chart("mlxnb-chart-kv", "KV memory by row · budget");
+  const cvStep = chart("mlxnb-chart-step", "step time ms · batch size (right)");
+  const cvTime = chart("mlxnb-chart-timeline", "rows: queued · prefill · decode");
+  const rowsEl = h("div", "mlxnb-rows");
+  root.append(head, charts, rowsEl);
+  el.append(root);
+
+  const readTraits = () => ({ rows: model.get("rows"), steps: model.get("steps"),
+    header: model.get("header"), seq: model.get("seq") });
+  let st = stateFromTraits(readTraits());
+  st.recvAt = performance.now();
+  const rowEls = new Map();
+  let dirty = new Set(st.rows.keys()), relayout = true, raf = 0, traitsQueued = false;
+  let askedAt = -1e9;
+
+  const schedule = () => { if (!raf) raf = requestAnimationFrame(draw); };
+  const askSync = () => { // a gap: deltas were sent before this view existed
+    const now = performance.now();
+    if (now - askedAt > 2000) { askedAt = now; model.send({ type: "sync" }); }
+  };
+  const onMsg = (msg) => {
+    const res = applyMessage(st, msg, performance.now());
+    if (res.gap) return askSync();
+    if (!res.applied) return;
+    for (const id of res.changed) { if (!rowEls.has(id)) relayout = true; dirty.add(id); }
+    if (res.pruned) relayout = true;
+    schedule();
+  };
+  const onTraits = () => { // several traits change in one update: take them once
+    if (traitsQueued) return;
+    traitsQueued = true;
+    queueMicrotask(() => {
+      traitsQueued = false;
+      const t = readTraits();
+      if (!shouldTakeTraits(st, t.seq)) return;
+      st = stateFromTraits(t);
+      st.recvAt = performance.now();
+      askedAt = -1e9;
+      dirty = new Set(st.rows.keys()); relayout = true;
+      schedule();
+    });
+  };
+  const events = ["change:rows", "change:steps", "change:header", "change:seq"];
+  model.on("msg:custom", onMsg);
+  for (const ev of events) model.on(ev, onTraits);
+  stopAll.addEventListener("click", () => model.send({ type: "stop_all" }));
+  if (st.header.live) model.send({ type: "sync" }); // catch up on what was sent before us
+
+  function rowView(id) {
+    const e = h("div", "mlxnb-row");
+    e.dataset.id = id;
+    const sw = h("span", "mlxnb-swatch"); sw.style.background = rowColor(id);
+    const badge = h("span", "mlxnb-badge"), prompt = h("span", "mlxnb-prompt");
+    const text = h("span", "mlxnb-text"), inner = h("span", "mlxnb-text-inner");
+    text.append(inner);
+    const ntok = h("span", "mlxnb-num mlxnb-ntok"), rate = h("span", "mlxnb-num mlxnb-rate");
+    const ttft = h("span", "mlxnb-num mlxnb-ttft"), stop = h("button", "mlxnb-stop", "■");
+    stop.title = "stop this row";
+    stop.addEventListener("click", (ev) => {
+      ev.stopPropagation(); stop.disabled = true; model.send({ type: "stop", id });
+    });
+    text.addEventListener("click", () => { e.classList.toggle("mlxnb-expanded"); update(id); });
+    e.append(sw, badge, prompt, text, ntok, rate, ttft, stop);
+    const v = { e, badge, prompt, inner, ntok, rate, ttft, stop };
+    rowEls.set(id, v);
+    return v;
+  }
+
+  function update(id) {
+    const r = st.rows.get(id), v = rowEls.get(id);
+    if (!r || !v) return;
+    setAttr(v.e, "data-state", r.state); setAttr(v.e, "data-ntok", r.ntok ?? 0);
+    setAttr(v.e, "data-finish", r.state === "done" ? r.finish || "" : "");
+    setText(v.badge, badgeText(r)); setAttr(v.badge, "data-finish", r.finish || "");
+    setText(v.prompt, oneLine(r.prompt || "", 80)); setAttr(v.prompt, "title", r.prompt || "");
+    const text = r.error ? `error: ${r.error}` : r.text || "";
+    const expanded = v.e.classList.contains("mlxnb-expanded");
+    setText(v.inner, expanded ? text : r.state === "done" ? oneLine(text, 400) : tailText(text, 240));
+    setText(v.ntok, `${r.ntok ?? 0} tok`);
+    setText(v.rate, r.tok_s != null ? `${formatRate(r.tok_s)} tok/s` : "");
+    setText(v.ttft, r.ttft != null ? `ttft ${formatDuration(r.ttft)}` : "");
+    if (r.state === "done") v.stop.disabled = true;
+  }
+
+  function drawHeader() {
+    const hd = st.header, rows = [...st.rows.values()], n = countStates(rows);
+    setText(hModel, hd.model || "mlxnb");
+    setText(hTitle, hd.title || (hd.mode === "dashboard" ? "dashboard" : ""));
+    const parts = [`${hd.running ?? 0} running · ${hd.queued ?? 0} queued`];
+    if (hd.mode !== "dashboard" || rows.length) parts.push(`rows ${n.done}/${rows.length} done`);
+    if (hd.live) parts.push(`${formatRate(hd.tok_s ?? 0)} tok/s`);
+    else if (rows.length) parts.push(`avg ${formatRate(runStats(rows).tok_s)} tok/s`);
+    const kvNow = hd.live ? hd.kv : Math.max(0, ...st.hist.kv);
+    parts.push(`KV ${hd.live ? "" : "peak "}${formatBytes(kvNow || 0)}` +
+      (hd.kv_budget ? ` / ${formatBytes(hd.kv_budget)}` : ""));
+    setText(hStats, parts.join(" · "));
+    setAttr(root, "data-live", hd.live ? "1" : "0");
+    setAttr(root, "data-seq", st.seq);
+    setAttr(head, "data-running", hd.running ?? 0); setAttr(head, "data-queued", hd.queued ?? 0);
+    stopAll.textContent = hd.mode === "dashboard" ? "stop all" : "stop run";
+    stopAll.style.display = hd.live ? "" : "none";
+  }
+
+  function draw() {
+    raf = 0;
+    if (relayout) { // rows added or pruned: put elements in state order
+      for (const [id, v] of rowEls) if (!st.rows.has(id)) { v.e.remove(); rowEls.delete(id); }
+      let prev = null;
+      for (const id of st.rows.keys()) {
+        const v = rowEls.get(id) || rowView(id);
+        const want = prev ? prev.nextSibling : rowsEl.firstChild;
+        if (want !== v.e) rowsEl.insertBefore(v.e, want);
+        prev = v.e;
+      }
+      relayout = false;
+    }
+    for (const id of dirty) update(id);
+    dirty.clear();
+    drawHeader();
+    const c = colors(root);
+    drawKV(cvKV, st, c);
+    drawSteps(cvStep, st, c);
+    drawTimeline(cvTime, st, c, liveNow(st.header, st.recvAt, performance.now()));
+  }
+
+  // Canvases size to their box: redraw when the output area is resized or shown.
+  const ro = typeof ResizeObserver !== "undefined" ? new ResizeObserver(schedule) : null;
+  if (ro) ro.observe(charts);
+  schedule();
+
+  return () => {
+    model.off("msg:custom", onMsg);
+    for (const ev of events) model.off(ev, onTraits);
+    if (raf) cancelAnimationFrame(raf);
+    if (ro) ro.disconnect();
+  };
+}
+
+export default { render };

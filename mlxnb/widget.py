@@ -1,0 +1,427 @@
+"""The live generation widget: rows streaming, KV memory, step timing, row timeline.
+
+Traffic design (measured in /work/shared/notes/kernel-facts.md): reassigning traits per
+token resends whole lists, so live progress travels as small custom messages
+(`widget.send`) batched at ~15 Hz by one flush task that runs only while rows are live.
+Custom messages never reach views created later, so the full state is also written
+into synced traits -- when rows finish (debounced) and in `sync_now()` -- and every
+message carries a sequence number: a view that sees a gap asks for a resync.
+
+Message protocol (kernel -> front end), one per flush::
+
+    {"type": "delta", "seq": n,
+     "rows": [{"id", changed fields among ROW_FIELDS, "d": appended text | "text": full}],
+     "steps": {"s", "t", "dt", "b", "pf", "kv": [...], "snap": [[step, kv, [id, bytes, ...]]]},
+     "header": {changed header fields}}
+
+Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextvars
+import re
+import time
+from collections import deque
+from pathlib import Path
+
+import anywidget
+import traitlets as t
+
+FLUSH_HZ = 15
+MAX_STEP_POINTS = 2000  # per history array, in traits and in a view
+MAX_SNAP_NUMBERS = 40000  # bound on per-row KV numbers kept in traits
+STEPS_PER_FLUSH = 32  # steps beyond this in one flush are averaged into buckets
+SNAPS_PER_FLUSH = 8
+PROMPT_CHARS = 200
+STEP_KEYS = ("s", "t", "dt", "b", "pf", "kv")
+
+
+def _asset(name: str) -> Path:
+    # A wheel ships the front end in mlxnb/static; a source checkout has it in js/.
+    here = Path(__file__).resolve().parent
+    for p in (here / "static" / name, here.parent / "js" / name):
+        if p.exists():
+            return p
+    return here.parent / "js" / name
+
+
+def _bundle() -> str:
+    """widget.js with its `import ... from "./lib.js"` replaced by lib.js itself:
+    anywidget loads `_esm` as one module (a blob), so relative imports cannot resolve."""
+    lib = _asset("lib.js").read_text(encoding="utf-8")
+    src = _asset("widget.js").read_text(encoding="utf-8")
+    return re.sub(r'^import\s*\{[^}]*\}\s*from\s*"\./lib\.js";?\s*$', lambda m: lib,
+                  src, count=1, flags=re.M)
+
+
+def _r(x, nd):
+    return None if x is None else round(float(x), nd)
+
+
+def _halve(h: dict) -> None:
+    """Merge neighbouring pairs in place: keep the later step; dt = max (prefill spikes
+    stay visible), prefill tokens summed. Same rule as lib.js `halveSteps`."""
+    n = len(h["s"]) // 2 * 2
+    for k in STEP_KEYS:
+        a = h[k]
+        if k == "dt":
+            m = [max(a[i], a[i + 1]) for i in range(0, n, 2)]
+        elif k == "pf":
+            m = [a[i] + a[i + 1] for i in range(0, n, 2)]
+        else:
+            m = a[1:n:2]
+        h[k] = m + a[n:]
+
+
+def _fmt_bytes(n) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":  # binary units, like the engine's "2GB" budget
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _clip(s: str, n: int) -> str:
+    s = " ".join(s.split())  # one line: newlines and runs of spaces become one space
+    return s if len(s) <= n else s[: n - 1] + "\u2026"
+
+
+def _row_line(r, width: int) -> str:
+    """`[done:stop]   12 tok  34.1 tok/s  ttft 0.12s  "prompt..." -> "text..."`"""
+    if r.done:
+        badge = f"done:{r.finish_reason}"
+    elif r.state == "prefill":
+        pt = r.prompt_tokens or 1
+        badge = f"prefill {min(100, int(100 * r.prefill_done / pt))}%"
+    else:
+        badge = {"decode": "decoding"}.get(r.state, r.state)
+    stats = f"{r.ntok:>5} tok"
+    stats += f" {r.tok_s:6.1f} tok/s" if r.tok_s is not None else " " * 12
+    stats += f"  ttft {r.ttft_s:.2f}s" if r.ttft_s is not None else " " * 12
+    room = max(20, width - 16 - len(stats))
+    p = _clip(r.prompt, max(8, room // 3))
+    line = f"[{badge}]".ljust(15) + stats + f'  "{p}"'
+    if r.error:
+        return line + f" -> error: {_clip(str(r.error), max(10, room - len(p)))}"
+    if r.text:
+        line += f' -> "{_clip(r.text, max(10, room - len(p) - 6))}"'
+    return line
+
+
+class GenerationWidget(anywidget.AnyWidget):
+    """Live view of an engine's rows. `rows=None`: dashboard of every row, present and
+    future; otherwise the given rows only (one `%%generate` cell)."""
+
+    _esm = _bundle()
+    _css = _asset("widget.css")
+
+    rows = t.List(t.Dict()).tag(sync=True)  # full row dicts (ROW_FIELDS + prompt, text)
+    steps = t.Dict().tag(sync=True)  # compact step history, see module docstring
+    header = t.Dict().tag(sync=True)
+    seq = t.Int(0).tag(sync=True)  # last delta message folded into the traits
+
+    def __init__(self, engine, rows=None, *, title: str = "", max_rows: int = 200,
+                 flush_hz: float = FLUSH_HZ, **kwargs):
+        super().__init__(**kwargs)
+        self.engine = engine
+        self.dashboard = rows is None
+        self.title = title
+        self.max_rows = max_rows if self.dashboard else None
+        self._period = 1.0 / flush_hz
+        self._trait_interval = 3.0 if self.dashboard else 1.0
+        src = list(engine.rows)[-max_rows:] if self.dashboard else list(rows)
+        self._rows = {r.id: r for r in src}  # insertion order = display order
+        self._live = {i for i, r in self._rows.items()}  # not yet reported as done
+        self._sent = {}  # id -> {"text": str, field: last value sent}
+        self._seq = 0
+        self._pending = []  # StepRecords since the last flush
+        self._hist = {k: [] for k in STEP_KEYS}
+        self._snaps = []
+        self._rate = deque()  # (t, tokens) of recent steps, for the aggregate tok/s
+        self._hdr_sent = {}
+        self._dirty = False  # traits lag behind a finished row
+        self._t_traits = 0.0
+        self._flusher = None
+        self._listening = False
+        self._pending.extend(self._backfill())
+        self._flush(send=False)
+        self._write_traits()
+        self.on_msg(self._on_front_msg)
+        if self._live or self.dashboard:
+            engine.add_listener(self._on_event)
+            self._listening = True
+        if self._live:
+            self._wake()
+
+    # -- engine events (on the engine loop) -------------------------------------------
+    def _on_event(self, kind, obj):
+        if kind == "step":
+            if self._live:
+                self._pending.append(obj)
+                self._wake()
+        elif kind == "submit":
+            if self.dashboard and obj.id not in self._rows:
+                self._rows[obj.id] = obj
+                self._live.add(obj.id)
+                self._prune()
+                self._wake()
+        elif kind == "finish" and obj.id in self._rows:
+            self._dirty = True
+            self._wake()
+
+    def _backfill(self):
+        """Steps already recorded that belong to this widget (it may be made late)."""
+        steps = self.engine.steps
+        if not steps:
+            return []
+        if self.dashboard:
+            return list(steps[-MAX_STEP_POINTS:])
+        if not self._rows:
+            return []
+        t0 = min(r.t_submit for r in self._rows.values())
+        try:
+            i = bisect.bisect_left(steps, t0, key=lambda s: s.t)
+        except TypeError:  # not a plain list
+            i = next((k for k, s in enumerate(steps) if s.t >= t0), len(steps))
+        ends = [r.t_done for r in self._rows.values()]
+        t1 = None if None in ends else max(ends)
+        return [s for s in steps[i:] if t1 is None or s.t <= t1 + 1e-6]
+
+    def _prune(self):
+        # Dashboard rows are bounded: drop the oldest finished rows (front end: lib.pruneRows).
+        if self.max_rows is None or len(self._rows) <= self.max_rows:
+            return
+        for rid in [i for i, r in self._rows.items() if r.done and i not in self._live]:
+            if len(self._rows) <= self.max_rows:
+                break
+            del self._rows[rid]
+            self._sent.pop(rid, None)
+
+    # -- flushing ------------------------------------------------------------------------
+    def _wake(self):
+        if self._flusher is not None and not self._flusher.done():
+            return
+        loop = self.engine.loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is not loop and loop.is_running():
+            loop.call_soon_threadsafe(self._wake)  # a subshell thread: hop onto the loop
+            return
+        # A fresh context, so the flusher's messages are not tied to the cell that
+        # happened to start it (kernel-facts.md, output routing).
+        self._flusher = loop.create_task(self._flush_loop(), context=contextvars.Context())
+
+    async def _flush_loop(self):
+        try:
+            while True:
+                await asyncio.sleep(self._period)
+                self._flush()
+                if not self._live and not self._pending:
+                    self._write_traits()
+                    if not self.dashboard:
+                        self._detach()  # a finished run needs no more events
+                    return
+                if self._dirty and time.monotonic() - self._t_traits > self._trait_interval:
+                    self._write_traits()
+        finally:
+            self._flusher = None
+
+    def _flush(self, send: bool = True) -> None:
+        rows = []
+        for rid in [i for i in self._rows if i in self._live]:
+            d = self._row_delta(self._rows[rid])
+            if d is not None:
+                rows.append(d)
+            if self._rows[rid].done:
+                self._live.discard(rid)
+        steps = self._take_steps(STEPS_PER_FLUSH if send else MAX_STEP_POINTS)
+        hdr = self._header()
+        hdiff = {k: v for k, v in hdr.items() if self._hdr_sent.get(k, ...) != v}
+        self._hdr_sent = hdr
+        if send and (rows or steps or hdiff):
+            self._seq += 1
+            msg = {"type": "delta", "seq": self._seq, "rows": rows}
+            if steps:
+                msg["steps"] = steps
+            if hdiff:
+                msg["header"] = hdiff
+            self.send(msg)
+
+    def _row_fields(self, r) -> dict:
+        pt = r.prompt_tokens
+        return {
+            "state": r.state, "ntok": r.ntok,
+            "pf": 100 if r.state in ("decode", "done") or not pt
+            else min(100, int(100 * r.prefill_done / pt)),
+            "tok_s": _r(r.tok_s, 1), "ttft": _r(r.ttft_s, 3),
+            "finish": r.finish_reason, "error": r.error and str(r.error)[:300],
+            "t_admit": _r(r.t_admit, 3), "t_first": _r(r.t_first, 3),
+            "t_done": _r(r.t_done, 3),
+        }
+
+    def _row_delta(self, r):
+        sent = self._sent.get(r.id)
+        out = {"id": r.id}
+        if sent is None:
+            sent = self._sent[r.id] = {"text": ""}
+            out.update(prompt=r.prompt[:PROMPT_CHARS], prompt_tokens=r.prompt_tokens,
+                       t_submit=_r(r.t_submit, 3))
+        for k, v in self._row_fields(r).items():
+            if sent.get(k, ...) != v:
+                out[k] = sent[k] = v
+        text, old = r.text, sent["text"]
+        if text is not old and text != old:
+            if text.startswith(old):
+                out["d"] = text[len(old):]
+            else:  # text was rewritten (not just grown): replace it
+                out["text"] = text
+            sent["text"] = text
+        return out if len(out) > 1 else None
+
+    def _take_steps(self, max_points: int):
+        recs, self._pending = self._pending, []
+        if not recs:
+            return None
+        for rec in recs:
+            self._rate.append((rec.t, rec.tokens or rec.batch_size))
+        # Buckets of consecutive steps: the last step's values, mean dt, summed prefill.
+        k = -(-len(recs) // max_points)
+        new = {key: [] for key in STEP_KEYS}
+        for i in range(0, len(recs), k):
+            grp = recs[i:i + k]
+            last = grp[-1]
+            new["s"].append(last.step)
+            new["t"].append(round(last.t, 3))
+            new["dt"].append(round(1000 * sum(g.dt_s for g in grp) / len(grp), 2))
+            new["b"].append(last.batch_size)
+            new["pf"].append(sum(g.prefill_tokens for g in grp))
+            new["kv"].append(last.kv_bytes)
+        # Per-row KV snapshots are the bulky part: a few per flush, fewer as rows grow.
+        mine = self._rows
+        nsnap = max(1, min(SNAPS_PER_FLUSH, 256 // max(1, len(self._live))))
+        stride = -(-len(recs) // nsnap)
+        snaps = []
+        for rec in recs[len(recs) - 1::-stride][::-1]:
+            flat = []
+            for rid, b in rec.row_kv_bytes.items():
+                if rid in mine:
+                    flat += (rid, int(b))
+            snaps.append([rec.step, rec.kv_bytes, flat])
+        new["snap"] = snaps
+        for key in STEP_KEYS:
+            self._hist[key] += new[key]
+        while len(self._hist["s"]) > MAX_STEP_POINTS:
+            _halve(self._hist)
+        self._snaps += snaps
+        while len(self._snaps) > MAX_STEP_POINTS or (
+                len(self._snaps) > 2 and sum(len(s[2]) for s in self._snaps) > MAX_SNAP_NUMBERS):
+            self._snaps = self._snaps[1::2] + ([self._snaps[-1]] if len(self._snaps) % 2 else [])
+        return new
+
+    def _header(self) -> dict:
+        e = self.engine
+        now = e.clock()
+        while self._rate and self._rate[0][0] < now - 2.0:
+            self._rate.popleft()
+        toks = sum(n for _, n in self._rate)
+        span = now - self._rate[0][0] if self._rate else 0.0
+        return {
+            "model": str(getattr(e, "model_name", "") or ""),
+            "kv_budget": getattr(e, "kv_budget", None), "max_batch": getattr(e, "max_batch", None),
+            "running": int(e.running), "queued": int(e.queued),
+            "tok_s": round(toks / max(span, 0.25), 1) if toks else 0.0,
+            "kv": e.steps[-1].kv_bytes if e.steps and e.running else 0,
+            "now": round(now, 3), "live": bool(self._live),
+            "mode": "dashboard" if self.dashboard else "run", "title": self.title,
+            "max_rows": self.max_rows,
+        }
+
+    # -- full state ----------------------------------------------------------------------
+    def _row_full(self, r) -> dict:
+        d = {"id": r.id, "prompt": r.prompt[:PROMPT_CHARS], "prompt_tokens": r.prompt_tokens,
+             "t_submit": _r(r.t_submit, 3), "text": r.text}
+        d.update(self._row_fields(r))
+        return d
+
+    def _write_traits(self) -> None:
+        steps = {k: list(v) for k, v in self._hist.items()}
+        steps["snap"] = list(self._snaps)
+        with self.hold_sync():  # one state message for all four traits
+            self.rows = [self._row_full(r) for r in self._rows.values()]
+            self.steps = steps
+            self.header = self._header()
+            self.seq = self._seq
+        self._dirty = False
+        self._t_traits = time.monotonic()
+
+    def sync_now(self) -> None:
+        """Send what is pending, then write the complete state into the traits, at once.
+
+        Call it before a cell ends (Run.__await__ does) so a saved notebook holds the
+        finished widget; views already open see the same state twice, harmlessly."""
+        self._flush()
+        self._write_traits()
+
+    # -- front-end requests ------------------------------------------------------------
+    def _on_front_msg(self, _widget, content, _buffers):
+        kind = content.get("type") if isinstance(content, dict) else None
+        if kind == "stop":
+            row = self._rows.get(content.get("id"))
+            if row is not None and not row.done:
+                row.cancel()
+        elif kind == "stop_all":
+            pool = self.engine.rows if self.dashboard else self._rows.values()
+            live = [r for r in pool if not r.done]
+            if live and hasattr(self.engine, "cancel"):
+                self.engine.cancel(live)
+            else:
+                for r in live:
+                    r.cancel()
+        elif kind == "sync":
+            self.sync_now()
+
+    def _detach(self):
+        if self._listening:
+            self.engine.remove_listener(self._on_event)
+            self._listening = False
+
+    def close(self):
+        self._detach()
+        if self._flusher is not None:
+            self._flusher.cancel()
+        super().close()
+
+    # -- text fallback ---------------------------------------------------------------------
+    def summary_text(self, max_rows: int = 20, width: int = 100) -> str:
+        """A compact tqdm-like text view (terminal IPython, nbconvert, text/plain)."""
+        h = self._header()
+        rows = list(self._rows.values())
+        counts = {}
+        for r in rows:
+            k = "done" if r.done else r.state
+            counts[k] = counts.get(k, 0) + 1
+        parts = [f"mlxnb {h['model']}".rstrip(), f"{len(rows)} rows"
+                 + (" (" + ", ".join(f"{v} {k}" for k, v in counts.items()) + ")" if rows else "")]
+        if h["tok_s"]:
+            parts.append(f"{h['tok_s']:.0f} tok/s")
+        if h["kv_budget"]:
+            parts.append(f"KV {_fmt_bytes(h['kv'])} / {_fmt_bytes(h['kv_budget'])}")
+        lines = [" | ".join(parts)]
+        shown = rows[-max_rows:]
+        if len(rows) > len(shown):
+            lines.append(f"  ... {len(rows) - len(shown)} earlier rows")
+        lines += [_row_line(r, width) for r in shown]
+        return "\n".join(lines)
+
+    def _repr_mimebundle_(self, **kwargs):
+        data, meta = super()._repr_mimebundle_(**kwargs)
+        data["text/plain"] = self.summary_text()
+        return data, meta
+
+    def __repr__(self):
+        return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"
