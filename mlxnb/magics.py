@@ -1,0 +1,469 @@
+"""IPython surface: ``%load_ext mlxnb``, the ``%%generate`` cell magic, ``%mlxnb``.
+
+Loading the extension is cheap: it registers the magics, the ``MLXNB`` configurable
+(``%config MLXNB.max_tokens = 128``) and a display hook for `Run`; the engine (the
+model and its scheduler) starts lazily on the first ``%%generate`` or ``%mlxnb load``.
+
+One engine per kernel, kept in this module's session registry ``_S``. Unloading the
+extension (``%unload_ext mlxnb``) unregisters the magics but leaves the engine and its
+running rows alone, so ``%reload_ext mlxnb`` picks the same engine up again (never a
+second scheduler). ``%mlxnb unload`` (or ``await mlxnb.magics.shutdown()``) frees it.
+
+A cell magic cannot block on the loop it runs on, so ``%%generate`` returns a `Run` at
+once; wait with ``await run`` or ``await mlxnb.wait()`` in a later cell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import keyword
+import os
+import shlex
+import sys
+import time
+import weakref
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import (MagicArgumentParser, argument,
+                                          magic_arguments)
+from traitlets import Bool, Float, Int, List, Unicode, Union
+from traitlets.config import Configurable
+
+from . import cellparse as cp
+from .run import Run
+
+__all__ = ["MLXNB", "MLXNBMagics", "load_ipython_extension", "unload_ipython_extension",
+           "wait", "shutdown", "use", "get_engine"]
+
+
+class MLXNB(Configurable):
+    """Defaults for ``%%generate`` and the engine: ``%config MLXNB.<name> = value``."""
+
+    model = Unicode("default", help="Model loaded on first use: 'default', an mlx-lm "
+                    "hub id or a local mlx-lm directory.").tag(config=True)
+    kv_budget = Union([Int(), Unicode()], default_value="2GB", allow_none=True,
+                      help="KV-cache byte budget: '2GB', bytes, or None for no limit."
+                      ).tag(config=True)
+    max_batch = Int(32, min=1, help="Most rows decoded together.").tag(config=True)
+    prefill_chunk = Int(512, min=1, help="Prompt tokens prefilled per step.").tag(config=True)
+    max_tokens = Int(64, min=1, help="Default --max-tokens.").tag(config=True)
+    temperature = Float(0.0, min=0.0, help="Default --temp (0 = greedy).").tag(config=True)
+    top_p = Float(1.0, help="Default --top-p.").tag(config=True)
+    top_k = Int(0, min=0, help="Default --top-k (0 = off).").tag(config=True)
+    min_p = Float(0.0, help="Default --min-p.").tag(config=True)
+    repetition_penalty = Float(None, allow_none=True,
+                               help="Default --repetition-penalty.").tag(config=True)
+    seed = Int(None, allow_none=True, help="Default --seed.").tag(config=True)
+    stop = List(Unicode(), help="Default stop strings.").tag(config=True)
+    system = Unicode(None, allow_none=True, help="Default --system prompt.").tag(config=True)
+    chat = Bool(True, help="Apply the chat template (False = --raw).").tag(config=True)
+    logprobs = Int(0, min=0, max=20, help="Default --logprobs K.").tag(config=True)
+    quiet = Bool(False, help="Default --quiet (no widget).").tag(config=True)
+    max_rows = Int(1024, min=1, help="Most rows one cell may expand to.").tag(config=True)
+
+
+class _Session:
+    """Module-level registry: survives %reload_ext (and a reload of this module)."""
+
+    def __init__(self):
+        self.engine = None
+        self.model_spec = None  # what the user asked for ("default", hub id, dir)
+        self.config = None
+        self.shell = None
+        self.widgets = weakref.WeakSet()  # every widget we showed, for wait()'s sync
+        self.closing = set()  # aclose() tasks in flight
+
+
+_S = globals().get("_S") or _Session()
+
+
+def get_engine():
+    """The kernel's engine, or None before the first %%generate / %mlxnb load."""
+    eng = _S.engine
+    if eng is not None and getattr(eng, "_closed", False):
+        _S.engine = eng = None
+    return eng
+
+
+def use(engine, name=None):
+    """Make an `Engine` built in Python (e.g. from an in-memory model) the one the
+    magics use. The previous engine, if any, is closed."""
+    if _S.engine is not None and _S.engine is not engine:
+        _close(_S.engine)
+    _S.engine, _S.model_spec = engine, name or getattr(engine, "model_name", None)
+    return engine
+
+
+def _close(eng):
+    if _S.engine is eng:
+        _S.engine, _S.model_spec = None, None
+    loop = eng.loop
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is loop:  # free the caches in the background, rows end 'cancelled'
+        task = loop.create_task(eng.aclose())
+        _S.closing.add(task)
+        task.add_done_callback(_S.closing.discard)
+    else:
+        eng.close()
+
+
+async def shutdown():
+    """Close the kernel's engine (its unfinished rows end 'cancelled') and forget it."""
+    eng = _S.engine
+    _S.engine, _S.model_spec = None, None
+    if eng is not None:
+        await eng.aclose()
+    if _S.closing:
+        await asyncio.gather(*list(_S.closing), return_exceptions=True)
+
+
+async def wait():
+    """Wait until every row of the kernel's engine has finished (``await mlxnb.wait()``),
+    then bring every widget the magics showed fully up to date (for saved notebooks).
+    Interrupting the awaiting cell leaves the rows running."""
+    eng = get_engine()
+    if eng is None:
+        return None
+
+    async def on_loop():
+        while any(not r.done for r in list(eng.rows)):
+            await eng.wait()
+        for w in list(_S.widgets):
+            try:
+                w.sync_now()
+            except Exception:
+                pass
+
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is eng.loop or not eng.loop.is_running():
+        await on_loop()
+    else:  # an ipykernel subshell: the rows live on the kernel's loop
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_loop(), eng.loop))
+    return None
+
+
+# -- helpers -------------------------------------------------------------------------
+def _split(line: str) -> list:
+    try:
+        return shlex.split(line or "")
+    except ValueError as e:
+        raise UsageError(f"could not read the options ({e}); close your quotes") from None
+
+
+def _parse(parser, line: str, what: str, hint: str):
+    try:
+        return parser.parse_args(_split(line))
+    except UsageError as e:
+        msg = " ".join(str(e).split())
+        raise UsageError(f"{what}: {msg}; {hint}") from None
+
+
+def _one_line(e: BaseException, n: int = 300) -> str:
+    s = " ".join(str(e).split()) or type(e).__name__
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _kernel_loop(ip):
+    """The loop rows must live on: the kernel's (also from a subshell thread, and at
+    --ext time before it runs), else the running one, else IPython's autoawait loop."""
+    io_loop = getattr(getattr(ip, "kernel", None), "io_loop", None)
+    loop = getattr(io_loop, "asyncio_loop", None)
+    if loop is not None:
+        return loop
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        from IPython.core.async_helpers import get_asyncio_loop
+
+        return get_asyncio_loop()
+
+
+def _norm(spec) -> str:
+    s = str(spec).strip().rstrip("/")
+    p = os.path.expanduser(s)
+    return os.path.abspath(p) if os.path.isdir(p) else s
+
+
+def _same_model(eng, want: str) -> bool:
+    have = {_norm(x) for x in (_S.model_spec, getattr(eng, "model_name", None)) if x}
+    return _norm(want) in have
+
+
+def _run_bundle(run):
+    """Display a `Run` as its widget (one output: the cell's value is the run)."""
+    w = getattr(run, "widget", None)
+    return None if w is None else w._repr_mimebundle_()
+
+
+_LOAD = MagicArgumentParser(prog="%mlxnb load", add_help=False)
+_LOAD.add_argument("model", nargs="?", default=None)
+_LOAD.add_argument("--kv-budget", default=None)
+_LOAD.add_argument("--max-batch", default=None)
+_LOAD.add_argument("--prefill-chunk", default=None)
+
+_HELP = """%mlxnb subcommands:
+  %mlxnb load [MODEL] [--kv-budget 2GB|none] [--max-batch N] [--prefill-chunk N]
+  %mlxnb status            model, rows running / queued / done, KV memory
+  %mlxnb stop [all|NAME]   cancel every unfinished row (or one Run/Row variable)
+  %mlxnb dashboard         a live widget of every row of every cell
+  %mlxnb wait              how to wait (await mlxnb.wait() in a cell)
+  %mlxnb unload            close the engine and free the model"""
+
+
+@magics_class
+class MLXNBMagics(Magics):
+    def __init__(self, shell, config: MLXNB):
+        super().__init__(shell)
+        self.cfg = config
+
+    # -- the engine ------------------------------------------------------------------
+    def _load(self, spec, kv_budget=None, max_batch=None, prefill_chunk=None, quiet=False):
+        from .engine import Engine
+
+        c = self.cfg
+        kw = dict(max_batch=c.max_batch if max_batch is None else max_batch,
+                  kv_budget=c.kv_budget if kv_budget is None else kv_budget,
+                  prefill_chunk=c.prefill_chunk if prefill_chunk is None else prefill_chunk,
+                  loop=_kernel_loop(self.shell))
+        if isinstance(kw["kv_budget"], str) and kw["kv_budget"].strip().isdigit():
+            kw["kv_budget"] = int(kw["kv_budget"])
+        if not quiet:
+            print(f"mlxnb: loading model {spec!r} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            eng = Engine(spec, **kw)
+        except ValueError as e:
+            raise UsageError(f"%mlxnb load: {_one_line(e)}") from None
+        except Exception as e:  # hub / file / format errors: all the user's to fix
+            raise UsageError(
+                f"could not load model {spec!r} ({type(e).__name__}: {_one_line(e, 200)}); "
+                "give an mlx-lm hub id, a local mlx-lm directory, or 'default'") from None
+        _S.engine, _S.model_spec = eng, spec
+        if not quiet:
+            print(f"mlxnb: loaded {eng.model_name!r} in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+        return eng
+
+    def _engine_for(self, model, quiet):
+        eng = get_engine()
+        if eng is None:
+            return self._load(model or self.cfg.model, quiet=quiet)
+        if model and not _same_model(eng, model):
+            raise UsageError(
+                f"this kernel runs {_S.model_spec or eng.model_name!r}; run "
+                f"`%mlxnb load {model}` first to switch models (one engine at a time)")
+        return eng
+
+    # -- %mlxnb ------------------------------------------------------------------------
+    @line_magic
+    def mlxnb(self, line=""):
+        """Manage the mlxnb engine. Subcommands: load, status, stop, dashboard, wait,
+        unload (``%mlxnb`` alone lists them)."""
+        sub, _, rest = (line or "").strip().partition(" ")
+        fn = getattr(self, f"_cmd_{sub}", None) if sub else self._cmd_help
+        if fn is None:
+            raise UsageError(f"%mlxnb: unknown subcommand {sub!r}; use one of load, "
+                             "status, stop, dashboard, wait, unload")
+        return fn(rest.strip())
+
+    def _cmd_help(self, rest=""):
+        print(_HELP)
+
+    def _cmd_load(self, rest):
+        a = _parse(_LOAD, rest, "%mlxnb load", "run %mlxnb alone for the options")
+        mb = cp.parse_values("max_batch", a.max_batch, int, sweep=False)[0]
+        pc = cp.parse_values("prefill_chunk", a.prefill_chunk, int, sweep=False)[0]
+        for flag, v in (("--max-batch", mb), ("--prefill-chunk", pc)):
+            if v is not None and v < 1:
+                raise UsageError(f"%mlxnb load: {flag} must be a positive integer; got {v}")
+        spec = a.model or self.cfg.model
+        eng = get_engine()
+        if eng is not None:
+            if _same_model(eng, spec) and a.kv_budget is a.max_batch is a.prefill_chunk is None:
+                print(f"mlxnb: {spec!r} is already loaded")
+                return None
+            busy = eng.running + eng.queued
+            if busy:
+                raise UsageError(f"{busy} rows are still running or queued; `%mlxnb stop` "
+                                 f"them (or `await mlxnb.wait()`) before loading {spec!r}")
+        self._load(spec, a.kv_budget, mb, pc)  # a failed load keeps the old engine
+        if eng is not None:
+            _close(eng)
+        return None
+
+    def _cmd_status(self, rest=""):
+        eng = get_engine()
+        if eng is None:
+            print(f"mlxnb: no model loaded yet; {self.cfg.model!r} loads on the first "
+                  "%%generate (or `%mlxnb load [MODEL]`)")
+            return None
+        rows = list(eng.rows)
+        err = sum(r.finish_reason == "error" for r in rows)
+        cancelled = sum(r.finish_reason == "cancelled" for r in rows)
+        print(f"mlxnb: {eng.status()}\n  {len(rows)} rows submitted ({cancelled} cancelled, "
+              f"{err} error), {len(eng.steps)} steps, max_batch {eng.max_batch}")
+        return None
+
+    def _cmd_stop(self, rest=""):
+        eng = get_engine()
+        if rest and rest != "all":
+            obj = self.shell.user_ns.get(rest)
+            if not (isinstance(obj, Run) or hasattr(obj, "cancel") and hasattr(obj, "done")):
+                raise UsageError(f"%mlxnb stop: {rest!r} is not a Run or Row variable; "
+                                 "use `%mlxnb stop` to stop everything")
+            live = [r for r in (obj.rows if isinstance(obj, Run) else [obj]) if not r.done]
+            obj.cancel()
+        else:
+            live = [] if eng is None else [r for r in eng.rows if not r.done]
+            if eng is not None:
+                eng.cancel_all()
+        print(f"mlxnb: stopping {len(live)} row{'s' * (len(live) != 1)}")
+        return None
+
+    def _cmd_dashboard(self, rest=""):
+        eng = get_engine()
+        if eng is None:
+            raise UsageError("no model loaded yet: run a %%generate cell or "
+                             "`%mlxnb load [MODEL]` first, then `%mlxnb dashboard`")
+        from .widget import GenerationWidget
+
+        w = GenerationWidget(eng)
+        _S.widgets.add(w)
+        return w
+
+    def _cmd_wait(self, rest=""):
+        print("mlxnb: a magic cannot block on the kernel's loop; in a cell run "
+              "`await mlxnb.wait()` (every row) or `await run` (one cell's rows)")
+
+    def _cmd_unload(self, rest=""):
+        eng = get_engine()
+        if eng is None:
+            print("mlxnb: no engine to unload")
+            return None
+        live = sum(not r.done for r in eng.rows)
+        _close(eng)
+        print(f"mlxnb: closed the engine ({live} unfinished rows cancelled)")
+        return None
+
+    # -- %%generate ----------------------------------------------------------------------
+    @magic_arguments("%generate")
+    @argument("--max-tokens", nargs="+", action="extend", metavar="N",
+              help="Most new tokens per row (comma list to sweep).")
+    @argument("--temp", "--temperature", dest="temp", nargs="+", action="extend",
+              metavar="T", help="Temperature, 0 = greedy; a comma list sweeps: 0.2,0.7,1.0.")
+    @argument("--top-p", nargs="+", action="extend", metavar="P", help="Nucleus top-p.")
+    @argument("--top-k", nargs="+", action="extend", metavar="K", help="Top-k (0 = off).")
+    @argument("--min-p", nargs="+", action="extend", metavar="P", help="Min-p.")
+    @argument("--repetition-penalty", nargs="+", action="extend", metavar="R",
+              help="Repetition penalty (> 0; 1 = off).")
+    @argument("--seed", nargs="+", action="extend", metavar="S",
+              help="Seed; a comma list sweeps: 1,2,3.")
+    @argument("-n", "--n", dest="n", default=None, metavar="N",
+              help="Samples per prompt (distinct seeds derived from --seed).")
+    @argument("--stop", action="append", default=None, metavar="TEXT",
+              help='Stop string (repeatable; "\\n" is a newline).')
+    @argument("--system", default=None, metavar="TEXT", help="System prompt.")
+    @argument("--chat", dest="chat", action="store_const", const=True, default=None,
+              help="Apply the model's chat template (default).")
+    @argument("--raw", dest="chat", action="store_const", const=False,
+              help="Send the prompt text as is (no chat template).")
+    @argument("--logprobs", default=None, metavar="K",
+              help="Keep the top-K log-probabilities per token (0-20).")
+    @argument("--model", default=None, help="Model the cell expects (loads it if no "
+              "model is loaded yet).")
+    @argument("-o", "--out", dest="out", default=None, metavar="NAME",
+              help="Also bind the Run to this notebook variable.")
+    @argument("--quiet", dest="quiet", action="store_const", const=True, default=None,
+              help="No widget; the cell's value is the Run.")
+    @cell_magic
+    def generate(self, line="", cell=""):
+        """Submit one row per prompt to the engine and return the `Run` at once.
+
+        Body rule: every non-empty line is one prompt. If any line is exactly ``---``,
+        the body is instead split into blocks at the ``---`` lines: each block is one
+        multi-line prompt (blank lines inside kept, surrounding whitespace removed).
+        ``{name}`` inserts a notebook variable (``{{`` / ``}}`` are literal braces); a
+        list or tuple variable expands the prompt into one row per element (cartesian
+        product for several; ``{name!s}`` inserts the list itself). Comma lists in
+        --temp/--seed/--top-p/... sweep; ``--n K`` samples each prompt K times. The
+        whole grid (prompts x sweeps x samples) is checked first, then submitted as
+        one batch; it joins rows already running. Wait with ``await run`` or
+        ``await mlxnb.wait()`` in a later cell. Defaults: ``%config MLXNB``.
+        """
+        a = _parse(self.generate.parser, line, "%%generate", "see %%generate? for the options")
+        c = self.cfg
+        if a.out is not None and not (a.out.isidentifier() and not keyword.iskeyword(a.out)):
+            raise UsageError(f"-o {a.out!r} is not a valid variable name; write e.g. -o run")
+        defaults = {"max_tokens": c.max_tokens, "temp": c.temperature, "top_p": c.top_p,
+                    "top_k": c.top_k, "min_p": c.min_p,
+                    "repetition_penalty": c.repetition_penalty, "seed": c.seed}
+        sweeps = {}
+        for opt, (_kw, kind, _col) in cp.SWEEPABLE.items():
+            raw = getattr(a, opt)
+            sweeps[opt] = cp.parse_values(opt, defaults[opt] if raw is None else raw, kind)
+        n = cp.parse_values("n", a.n if a.n is not None else 1, int, sweep=False)[0]
+        lp = cp.parse_values("logprobs", a.logprobs if a.logprobs is not None else c.logprobs,
+                             int, sweep=False)[0]
+        stop = [cp.unescape(s) for s in (a.stop if a.stop is not None else c.stop)]
+        if any(not s for s in stop):
+            raise UsageError("--stop needs a non-empty string; write e.g. --stop '\\n\\n'")
+        system = cp.unescape(a.system) if a.system is not None else c.system
+        chat = c.chat if a.chat is None else a.chat
+        quiet = c.quiet if a.quiet is None else a.quiet
+        grid = cp.build_grid(cp.split_body(cell), self.shell.user_ns, sweeps, n,
+                             limit=c.max_rows)
+
+        eng = self._engine_for(a.model, quiet)
+        common = dict(stop=tuple(stop), logprobs=lp)
+        prepared = []  # validate and tokenize EVERY row before submitting any
+        for i, g in enumerate(grid):
+            try:
+                prepared.append(eng.prepare(g.prompt, chat=chat, system=system,
+                                            **g.params, **common))
+            except ValueError as e:
+                where = f"row {i + 1} {cp.short(g.prompt)}" if len(grid) > 1 else "%%generate"
+                raise UsageError(f"{where}: {_one_line(e)}") from None
+        rows = [eng._submit_prepared(g.prompt, ids, sp, g.tag)
+                for g, (ids, sp) in zip(grid, prepared)]
+        run = Run(rows, name=a.out, meta={"model": eng.model_name, "options": line.strip(),
+                                          "chat": chat, "system": system})
+        if not quiet:
+            try:
+                from .widget import GenerationWidget
+
+                run.widget = GenerationWidget(eng, rows, title=a.out or "")
+                _S.widgets.add(run.widget)
+            except Exception as e:  # no widget: the run's text repr is the output
+                print(f"mlxnb: no live widget ({_one_line(e, 120)})", file=sys.stderr)
+        if a.out:
+            self.shell.user_ns[a.out] = run
+        return run
+
+
+# -- the extension -------------------------------------------------------------------------
+def load_ipython_extension(ip):
+    """``%load_ext mlxnb``: register the magics and ``%config MLXNB``; loads no model."""
+    cfg = _S.config if (_S.config is not None and _S.shell is ip) else MLXNB(parent=ip)
+    _S.config, _S.shell = cfg, ip
+    ip.configurables[:] = [x for x in ip.configurables if type(x).__name__ != "MLXNB"]
+    ip.configurables.append(cfg)
+    ip.register_magics(MLXNBMagics(ip, cfg))
+    ip.display_formatter.mimebundle_formatter.for_type(Run, _run_bundle)
+
+
+def unload_ipython_extension(ip):
+    """``%unload_ext mlxnb``: unregister the magics; the engine and its rows keep
+    running (``%mlxnb unload`` first to free it), so a reload reuses them."""
+    mm = ip.magics_manager
+    mm.magics["line"].pop("mlxnb", None)
+    mm.magics["cell"].pop("generate", None)
+    mm.registry.pop("MLXNBMagics", None)
+    ip.configurables[:] = [x for x in ip.configurables if type(x).__name__ != "MLXNB"]
+    ip.display_formatter.mimebundle_formatter.pop(Run, None)
