@@ -50,8 +50,8 @@ class SamplingParams:
             bad(f"repetition_penalty must be > 0, got {rp!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad(f"seed must be a non-negative integer, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop strings must be non-empty strings")
+        if any(not (callable(s) or (isinstance(s, str) and s)) for s in self.stop):
+            bad("stop entries must be non-empty strings (or callables text -> bool)")
         if not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         return self

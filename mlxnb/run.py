@@ -93,7 +93,7 @@ class Run:
                 from dataclasses import asdict
 
                 params = {k: v for k, v in asdict(r.params).items() if k != "logits_processors"}
-                params["stop"] = list(params["stop"])
+                params["stop"] = [s for s in params["stop"] if isinstance(s, str)]
                 rec.update(params=params, token_ids=list(r.tokens), logprobs=r.logprobs,
                            model=self.meta.get("model"))
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")

@@ -67,6 +67,7 @@ class BatchSampler:
         self._seeds = None  # [B] uint32
         self.counters = None  # [B] uint32: tokens sampled so far per row
         self._groups: Optional[Dict[tuple, mx.array]] = None
+        self._any_sampled = False
 
     def __len__(self):
         return len(self.temps)
@@ -87,6 +88,7 @@ class BatchSampler:
                 mx.concatenate([a, b]) for a, b in
                 zip((self._temp, self._seeds, self.counters), new))
         self._groups = None
+        self._any_sampled = any(t > 0 for t in self.temps)
 
     def filter(self, keep: List[int]) -> None:
         self.temps = [self.temps[i] for i in keep]
@@ -98,6 +100,7 @@ class BatchSampler:
             self._temp, self._seeds, self.counters = (
                 self._temp[idx], self._seeds[idx], self.counters[idx])
         self._groups = None
+        self._any_sampled = any(t > 0 for t in self.temps)
 
     def _filter_groups(self) -> Dict[tuple, mx.array]:
         if self._groups is None:
@@ -110,9 +113,8 @@ class BatchSampler:
 
     def sample(self, logits: mx.array) -> mx.array:
         """logits [B, V] float32 -> tokens [B] uint32; advances the counters."""
-        any_sampled = any(t > 0 for t in self.temps)
         greedy = mx.argmax(logits, axis=-1)
-        if not any_sampled:
+        if not self._any_sampled:
             self.counters = self.counters + _u32(1)
             return greedy
         groups = self._filter_groups()

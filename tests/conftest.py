@@ -1,0 +1,32 @@
+import asyncio
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """A random-weight 2-layer llama with a byte-level tokenizer (milliseconds)."""
+    from mlxnb.tiny import tiny_model
+
+    return tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_swa():
+    """The same shape with sliding-window (rotating) caches of 16 tokens."""
+    from mlxnb.tiny import tiny_model
+
+    return tiny_model(sliding_window=16)
+
+
+@pytest.fixture
+def arun():
+    """Run a coroutine function on a fresh loop: arun(main, *args)."""
+
+    def run(fn, *args, timeout=60):
+        async def guarded():
+            return await asyncio.wait_for(fn(*args), timeout)
+
+        return asyncio.run(guarded())
+
+    return run
