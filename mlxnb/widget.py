@@ -101,13 +101,14 @@ def _row_line(r, width: int) -> str:
     stats = f"{r.ntok:>5} tok"
     stats += f" {r.tok_s:6.1f} tok/s" if r.tok_s is not None else " " * 12
     stats += f"  ttft {r.ttft_s:.2f}s" if r.ttft_s is not None else " " * 12
-    room = max(20, width - 16 - len(stats))
-    p = _clip(r.prompt, max(8, room // 3))
-    line = f"[{badge}]".ljust(15) + stats + f'  "{p}"'
-    if r.error:
-        return line + f" -> error: {_clip(str(r.error), max(10, room - len(p)))}"
-    if r.text:
-        line += f' -> "{_clip(r.text, max(10, room - len(p) - 6))}"'
+    line = f"[{badge}]".ljust(15) + stats
+    tail = f"error: {r.error}" if r.error else r.text
+    p, t = " ".join(r.prompt.split()), " ".join(tail.split())
+    room = max(24, width - len(line) - 10)  # quotes, arrow
+    pn = min(len(p), max(12, room - min(len(t), int(room * 0.6))))  # short text: long prompt
+    line += f'  "{_clip(p, pn)}"'
+    if t:
+        line += f' -> "{_clip(t, max(8, room - pn))}"'
     return line
 
 
@@ -181,14 +182,15 @@ class GenerationWidget(anywidget.AnyWidget):
             return list(steps[-MAX_STEP_POINTS:])
         if not self._rows:
             return []
+        steps = list(steps)
         t0 = min(r.t_submit for r in self._rows.values())
-        try:
-            i = bisect.bisect_left(steps, t0, key=lambda s: s.t)
-        except TypeError:  # not a plain list
-            i = next((k for k, s in enumerate(steps) if s.t >= t0), len(steps))
+        i = bisect.bisect_left(steps, t0, key=lambda s: s.t)
         ends = [r.t_done for r in self._rows.values()]
-        t1 = None if None in ends else max(ends)
-        return [s for s in steps[i:] if t1 is None or s.t <= t1 + 1e-6]
+        if None in ends:
+            return steps[i:]
+        # up to the step that finished the last row (stamped just before or after it)
+        j = bisect.bisect_right(steps, max(ends), key=lambda s: s.t)
+        return steps[i:j + 1]
 
     def _prune(self):
         # Dashboard rows are bounded: drop the oldest finished rows (front end: lib.pruneRows).
@@ -397,7 +399,7 @@ class GenerationWidget(anywidget.AnyWidget):
         super().close()
 
     # -- text fallback ---------------------------------------------------------------------
-    def summary_text(self, max_rows: int = 20, width: int = 100) -> str:
+    def summary_text(self, max_rows: int = 20, width: int = 120) -> str:
         """A compact tqdm-like text view (terminal IPython, nbconvert, text/plain)."""
         h = self._header()
         rows = list(self._rows.values())

@@ -1,0 +1,372 @@
+"""GenerationWidget against a fake engine that follows the engine contract (no model).
+
+The fake uses the real `Row` / `StepRecord` types and emits the same listener events
+on its loop: "submit", then per step "finish" (for rows ending) and "step".
+"""
+
+import asyncio
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mlxnb.rows import DECODE, DONE, PREFILL, Row, SamplingParams, StepRecord
+from mlxnb.widget import MAX_STEP_POINTS, GenerationWidget
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FakeEngine:
+    """Continuous batching in miniature: admit, chunked prefill, one token per step."""
+
+    def __init__(self, max_batch=8, kv_budget=1 << 20, step_s=0.001, chunk=16,
+                 bytes_per_tok=64):
+        self.model_name, self.kv_budget, self.max_batch = "fake-model", kv_budget, max_batch
+        self.loop = asyncio.get_running_loop()
+        self.rows, self.steps, self._listeners = [], [], []
+        self.step_s, self.chunk, self.bpt = step_s, chunk, bytes_per_tok
+        self._active, self._queue, self._cancels = [], [], set()
+        self._task = None
+        self._t0 = self.loop.time()
+
+    def clock(self):
+        return self.loop.time() - self._t0
+
+    running = property(lambda self: len(self._active))
+    queued = property(lambda self: len(self._queue))
+
+    def add_listener(self, fn):
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn):
+        self._listeners.remove(fn)
+
+    def _notify(self, kind, obj):
+        for fn in list(self._listeners):
+            fn(kind, obj)
+
+    def submit(self, prompt, max_tokens=16, prompt_len=40):
+        row = Row(self, len(self.rows), prompt, list(range(prompt_len)),
+                  SamplingParams(max_tokens=max_tokens))
+        self.rows.append(row)
+        self._queue.append(row)
+        self._notify("submit", row)
+        if self._task is None or self._task.done():
+            self._task = self.loop.create_task(self._serve())
+        return row
+
+    def cancel(self, rows):
+        for r in rows:
+            if r in self._queue:
+                self._queue.remove(r)
+                self._end(r, "cancelled")
+            elif not r.done:
+                self._cancels.add(r.id)
+
+    def _end(self, row, reason):
+        if row in self._active:
+            self._active.remove(row)
+        row._finish(reason)
+        self._notify("finish", row)
+
+    async def _serve(self):
+        while self._active or self._queue:
+            await asyncio.sleep(self.step_s)
+            while self._queue and len(self._active) < self.max_batch:
+                r = self._queue.pop(0)
+                r.state, r.t_admit = PREFILL, self.clock()
+                self._active.append(r)
+            decoded = prefilled = 0
+            for r in list(self._active):
+                if r.id in self._cancels:
+                    self._end(r, "cancelled")
+                elif r.state == PREFILL:
+                    n = min(self.chunk, r.prompt_tokens - r.prefill_done)
+                    r.prefill_done += n
+                    prefilled += n
+                    if r.prefill_done >= r.prompt_tokens:
+                        r.state, r.t_first = DECODE, self.clock()
+                        r.tokens.append(0)
+                        r.text += "T0 "
+                else:
+                    r.tokens.append(len(r.tokens))
+                    r.text += f"t{len(r.tokens)} "
+                    decoded += 1
+                    if r.ntok >= r.params.max_tokens:
+                        self._end(r, "length")
+            row_kv = {r.id: (r.prefill_done + r.ntok) * self.bpt for r in self._active}
+            rec = StepRecord(len(self.steps), self.clock(), self.step_s, decoded, prefilled,
+                             sum(row_kv.values()), row_kv, decoded)
+            self.steps.append(rec)
+            self._notify("step", rec)
+
+    async def wait(self):
+        await asyncio.gather(*(r._future for r in self.rows))
+
+
+def capture(w):
+    """Record every comm message the widget sends (custom and state updates)."""
+    msgs = []
+    w.comm.publish_msg = lambda msg_type, data=None, metadata=None, buffers=None, **k: \
+        msgs.append(data)
+    return msgs
+
+
+def customs(msgs):
+    return [m["content"] for m in msgs if m and m.get("method") == "custom"]
+
+
+def replay(rows, deltas):
+    """The front end's delta rule (lib.js applyRowDelta), in Python."""
+    state = {r["id"]: dict(r) for r in rows}
+    for m in deltas:
+        for d in m["rows"]:
+            r = state.setdefault(d["id"], {"text": ""})
+            for k, v in d.items():
+                if k == "d":
+                    r["text"] = r.get("text", "") + v
+                else:
+                    r[k] = v
+    return state
+
+
+async def settle(w, eng):
+    await eng.wait()
+    for _ in range(100):  # the flusher sends the final delta, writes traits, exits
+        if w._flusher is None:
+            break
+        await asyncio.sleep(0.02)
+
+
+def test_flush_batches_tokens_into_few_small_messages():
+    async def main():
+        eng = FakeEngine(step_s=0.002)
+        rows = [eng.submit(f"prompt {i}", max_tokens=100) for i in range(4)]
+        w = GenerationWidget(eng, rows)
+        msgs = capture(w)
+        t0 = eng.clock()
+        await settle(w, eng)
+        return eng, rows, w, msgs, eng.clock() - t0
+
+    eng, rows, w, msgs, dur = asyncio.run(main())
+    deltas = customs(msgs)
+    ntok = sum(r.ntok for r in rows)
+    assert ntok == 400
+    # ~15 Hz, never one message per token
+    assert len(deltas) <= dur * 20 + 3, (len(deltas), dur)
+    assert len(deltas) < ntok / 5
+    assert [m["seq"] for m in deltas] == list(range(deltas[0]["seq"], deltas[0]["seq"] + len(deltas)))
+    nbytes = sum(len(json.dumps(m)) for m in deltas)
+    assert nbytes / ntok < 200, nbytes / ntok  # bytes per streamed token, all included
+    # deltas alone rebuild every row exactly (the initial traits held the prompts)
+    state = replay([], deltas)
+    for r in rows:
+        assert state[r.id]["text"] == r.text
+        assert state[r.id]["state"] == "done" and state[r.id]["finish"] == "length"
+        assert state[r.id]["ntok"] == 100
+    # no message resends the whole text of a row
+    for m in deltas:
+        for d in m["rows"]:
+            assert "text" not in d
+
+
+def test_traits_complete_after_sync_now_and_at_the_end():
+    async def main():
+        eng = FakeEngine(step_s=0.002)
+        rows = [eng.submit(f"p{i}", max_tokens=60) for i in range(3)]
+        w = GenerationWidget(eng, rows, title="run")
+        msgs = capture(w)
+        while rows[0].ntok < 10:
+            await asyncio.sleep(0.005)
+        w.sync_now()  # synchronous: the traits are whole when it returns
+        mid = {r["id"]: r["text"] for r in w.rows}
+        assert mid == {r.id: r.text for r in rows}
+        assert w.seq == customs(msgs)[-1]["seq"]
+        assert w.steps["s"] and w.steps["snap"]
+        assert w.header["live"] is True and w.header["title"] == "run"
+        await settle(w, eng)
+        return eng, rows, w, msgs
+
+    eng, rows, w, msgs = asyncio.run(main())
+    assert [r["state"] for r in w.rows] == ["done"] * 3
+    assert [r["text"] for r in w.rows] == [r.text for r in rows]
+    assert all(r["finish"] == "length" and r["ntok"] == 60 for r in w.rows)
+    assert all(r["t_done"] is not None and r["ttft"] is not None for r in w.rows)
+    assert w.header["live"] is False
+    assert w.seq == customs(msgs)[-1]["seq"]
+    # the KV history belongs to this widget's rows only
+    ids = {r.id for r in rows}
+    assert all(set(s[2][0::2]) <= ids for s in w.steps["snap"])
+    # the finished widget stops listening and its flush task is gone
+    assert w._flusher is None and w._on_event not in eng._listeners
+    # one state message per trait write, holding all four traits
+    updates = [m for m in msgs if m and m.get("method") == "update"]
+    assert updates and all({"rows", "seq"} <= set(u["state"]) for u in updates if "rows" in u["state"])
+
+
+def test_new_view_rebuilds_from_traits_plus_later_deltas():
+    async def main():
+        eng = FakeEngine(step_s=0.002)
+        rows = [eng.submit(f"p{i}", max_tokens=80) for i in range(2)]
+        w = GenerationWidget(eng, rows)
+        msgs = capture(w)
+        while rows[0].ntok < 20:
+            await asyncio.sleep(0.005)
+        w._on_front_msg(w, {"type": "sync"}, [])  # what a late view asks for
+        snap = (list(w.rows), w.seq)
+        n_before = len(msgs)
+        await settle(w, eng)
+        return rows, snap, msgs[n_before:]
+
+    rows, (trait_rows, seq), later = asyncio.run(main())
+    deltas = [m for m in customs(later) if m["seq"] > seq]
+    assert deltas and deltas[0]["seq"] == seq + 1
+    state = replay(trait_rows, deltas)
+    assert [state[r.id]["text"] for r in rows] == [r.text for r in rows]
+
+
+def test_stop_message_cancels_the_row():
+    async def main():
+        eng = FakeEngine(step_s=0.002)
+        rows = [eng.submit(f"p{i}", max_tokens=500) for i in range(3)]
+        w = GenerationWidget(eng, rows)
+        while rows[1].ntok < 3:
+            await asyncio.sleep(0.005)
+        w._handle_custom_msg({"type": "stop", "id": rows[1].id}, [])  # as from the view
+        w._handle_custom_msg({"type": "stop", "id": 999}, [])  # unknown ids are ignored
+        await asyncio.wait_for(asyncio.shield(rows[1]._future), 2)
+        assert rows[1].finish_reason == "cancelled"
+        assert not rows[0].done and not rows[2].done
+        w._handle_custom_msg({"type": "stop_all"}, [])
+        await asyncio.wait_for(settle(w, eng), 5)
+        return rows, w
+
+    rows, w = asyncio.run(main())
+    assert [r.finish_reason for r in rows] == ["cancelled"] * 3
+    assert [r["finish"] for r in w.rows] == ["cancelled"] * 3
+
+
+def test_text_fallback():
+    async def main():
+        eng = FakeEngine(step_s=0.001)
+        rows = [eng.submit("Write a haiku about the sea.\nPlease.", max_tokens=8),
+                eng.submit("Name three primes", max_tokens=4)]
+        w = GenerationWidget(eng, rows)
+        live = w.summary_text()
+        await settle(w, eng)
+        return w, live
+
+    w, live = asyncio.run(main())
+    assert "[queued]" in live and "fake-model" in live
+    data, _meta = w._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    text = data["text/plain"]
+    assert text == w.summary_text()
+    lines = text.splitlines()
+    assert lines[0].startswith("mlxnb fake-model | 2 rows (2 done)")
+    assert "KV" in lines[0]
+    assert lines[1].startswith("[done:length]") and "8 tok" in lines[1]
+    assert '"Write a haiku about the sea. Please."' in lines[1]  # one line, newline folded
+    assert '-> "T0 t2 t3' in lines[1]
+    assert "tok/s" in lines[1] and "ttft" in lines[1]
+    assert max(len(s) for s in lines) <= 120
+
+
+def test_dashboard_picks_up_new_rows_and_stays_bounded():
+    async def main():
+        eng = FakeEngine(step_s=0.001)
+        w = GenerationWidget(eng, max_rows=5)
+        msgs = capture(w)
+        assert w.rows == [] and w.header["mode"] == "dashboard"
+        first = [eng.submit(f"a{i}", max_tokens=5) for i in range(3)]
+        await settle(w, eng)
+        assert [r["id"] for r in w.rows] == [r.id for r in first]
+        assert all(r["state"] == "done" for r in w.rows)
+        later = [eng.submit(f"b{i}", max_tokens=5) for i in range(4)]  # a later "cell"
+        await settle(w, eng)
+        return eng, w, msgs, first + later
+
+    eng, w, msgs, rows = asyncio.run(main())
+    assert [r["id"] for r in w.rows] == [r.id for r in rows[-5:]]  # oldest done dropped
+    sent_ids = {d["id"] for m in customs(msgs) for d in m["rows"]}
+    assert sent_ids == {r.id for r in rows}
+    assert w._on_event in eng._listeners  # a dashboard keeps listening
+    w.close()
+    assert w._on_event not in eng._listeners
+
+
+def test_late_widget_backfills_and_history_is_bounded():
+    async def main():
+        eng = FakeEngine(step_s=0.0, max_batch=4)
+        rows = [eng.submit(f"p{i}", max_tokens=1500) for i in range(4)]
+        await eng.wait()
+        w = GenerationWidget(eng, rows)  # made after the run: traits only, no task
+        return eng, rows, w
+
+    eng, rows, w = asyncio.run(main())
+    assert len(eng.steps) > 1500
+    assert w._flusher is None and w._on_event not in eng._listeners
+    assert 0 < len(w.steps["s"]) <= MAX_STEP_POINTS
+    assert len({len(w.steps[k]) for k in ("s", "t", "dt", "b", "pf", "kv")}) == 1
+    assert w.steps["s"][-1] == eng.steps[-1].step
+    assert 0 < len(w.steps["snap"]) <= MAX_STEP_POINTS
+    assert len(json.dumps(w.steps)) < 400_000
+    assert [r["text"] for r in w.rows] == [r.text for r in rows]
+
+
+def test_rewritten_text_is_replaced_not_appended():
+    async def main():
+        eng = FakeEngine(step_s=0.002)
+        row = eng.submit("p", max_tokens=30)
+        w = GenerationWidget(eng, [row])
+        msgs = capture(w)
+        while row.ntok < 5:
+            await asyncio.sleep(0.005)
+        w._flush()
+        row.text = "rewritten "  # e.g. a held-back stop string released differently
+        await settle(w, eng)
+        return row, msgs
+
+    row, msgs = asyncio.run(main())
+    ds = [d for m in customs(msgs) for d in m["rows"]]
+    assert any(d.get("text", "").startswith("rewritten") for d in ds)
+    assert replay([], customs(msgs))[row.id]["text"] == row.text
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_lib_js_rebuilds_the_same_state_as_the_kernel(tmp_path):
+    """Cross-check with the real front-end code: traits + deltas through lib.js."""
+    async def main():
+        eng = FakeEngine(step_s=0.002)
+        rows = [eng.submit(f"p{i}", max_tokens=50) for i in range(3)]
+        w = GenerationWidget(eng, rows)
+        traits = {"rows": w.rows, "steps": w.steps, "header": w.header, "seq": w.seq}
+        msgs = capture(w)
+        await settle(w, eng)
+        return rows, w, traits, customs(msgs)
+
+    rows, w, traits, deltas = asyncio.run(main())
+    (tmp_path / "in.json").write_text(json.dumps({"traits": traits, "msgs": deltas}))
+    script = f"""
+import {{ stateFromTraits, applyMessage }} from {json.dumps(str(ROOT / 'js' / 'lib.js'))};
+import {{ readFileSync }} from "node:fs";
+const {{ traits, msgs }} = JSON.parse(readFileSync(process.argv[2], "utf8"));
+const st = stateFromTraits(traits);
+let gaps = 0;
+for (const m of msgs) if (applyMessage(st, m).gap) gaps++;
+console.log(JSON.stringify({{ gaps, seq: st.seq, rows: [...st.rows.values()],
+  n: st.hist.s.length, last: st.hist.s.at(-1) }}));
+"""
+    (tmp_path / "t.mjs").write_text(script)
+    out = subprocess.run(["node", str(tmp_path / "t.mjs"), str(tmp_path / "in.json")],
+                         capture_output=True, text=True, timeout=30, check=True)
+    got = json.loads(out.stdout)
+    assert got["gaps"] == 0 and got["seq"] == w.seq
+    assert [r["text"] for r in got["rows"]] == [r.text for r in rows]
+    assert [r["state"] for r in got["rows"]] == ["done"] * 3
+    assert got["last"] == w.steps["s"][-1]
+    # the view's rows carry the same fields as the final traits
+    for mine, final in zip(got["rows"], w.rows):
+        assert {k: mine.get(k) for k in final} == final
