@@ -225,16 +225,16 @@ def parse_values(opt: str, raw: Any, kind: type = float, sweep: bool = True) -> 
     ``[0.2, 0.7]`` as IPython writes a list variable. Returns a non-empty list."""
     if raw is None:
         return [None]
-    if isinstance(raw, (list, tuple)):
-        raw = ",".join(str(x) for x in raw)
-    text = str(raw).strip()
     if isinstance(raw, (int, float)) and not isinstance(raw, bool):
         items: List[Any] = [raw]
     else:
-        text = text.strip("[]() ")
-        items = [t.strip() for t in text.split(",")]
-        if len(items) > 1 and items[-1] == "":
-            items.pop()  # trailing comma: "0.7,"
+        # tokens as argparse collected them: "0.2,0.7" | "0.2," "0.7" | "[0.2," "0.7]"
+        items = []
+        for tok in (raw if isinstance(raw, (list, tuple)) else [raw]):
+            t = str(tok).strip().strip("[]()").strip()
+            if len(t) > 1:
+                t = t.strip(",")  # a token's own leading/trailing comma
+            items += [x.strip() for x in t.split(",")]
     if not sweep and len(items) > 1:
         raise UsageError(f"{_flag(opt)} takes one value, not a list; got {raw!r}")
     out = []
