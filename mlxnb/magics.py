@@ -81,7 +81,7 @@ _S = globals().get("_S") or _Session()
 def get_engine():
     """The kernel's engine, or None before the first %%generate / %mlxnb load."""
     eng = _S.engine
-    if eng is not None and getattr(eng, "_closed", False):
+    if eng is not None and getattr(eng, "closed", getattr(eng, "_closed", False)):
         _S.engine = eng = None
     return eng
 
@@ -430,8 +430,8 @@ class MLXNBMagics(Magics):
             except ValueError as e:
                 where = f"row {i + 1} {cp.short(g.prompt)}" if len(grid) > 1 else "%%generate"
                 raise UsageError(f"{where}: {_one_line(e)}") from None
-        rows = [eng._submit_prepared(g.prompt, ids, sp, g.tag)
-                for g, (ids, sp) in zip(grid, prepared)]
+        submit = getattr(eng, "submit_prepared", None) or eng._submit_prepared
+        rows = [submit(g.prompt, ids, sp, g.tag) for g, (ids, sp) in zip(grid, prepared)]
         run = Run(rows, name=a.out, meta={"model": eng.model_name, "options": line.strip(),
                                           "chat": chat, "system": system})
         if not quiet:

@@ -222,3 +222,17 @@ def test_fuzz_values(opt, raw):
         assert "\n" not in str(e)
         return
     assert vals and all(isinstance(v, kind) for v in vals)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=80), st.dictionaries(
+    st.sampled_from(["x", "xs", "a", "text"]),
+    st.one_of(st.text(max_size=5), st.integers(), st.lists(st.text(max_size=3), max_size=3)),
+))
+def test_fuzz_any_text_and_namespace(body, ns):
+    try:
+        out = grid(split_body(body), ns, limit=100)
+    except UsageError as e:
+        assert "\n" not in str(e)
+        return
+    assert out and all(r.prompt and r.prompt == r.prompt.strip() for r in out)

@@ -253,6 +253,8 @@ def test_mlxnb_load_status_stop_unload(ip, models, arun_shut, capsys):
         assert "await mlxnb.wait()" in capsys.readouterr().out
         ip.run_line_magic("mlxnb", "unload")
         assert magics.get_engine() is None
+        ip.run_line_magic("mlxnb", "")
+        assert "%mlxnb load [MODEL]" in capsys.readouterr().out
 
     arun_shut(main)
 
@@ -337,8 +339,9 @@ def test_mistakes_are_one_line_usage_errors_and_disturb_nothing(ip, tiny, arun_s
 def test_kv_budget_too_small_rejects_whole_grid(ip, tiny, arun_shut):
     async def main():
         eng = attach(tiny, kv_budget="64KB")
+        eng.context_length = None
         with pytest.raises(UsageError) as e:
-            gen(ip, "--quiet --max-tokens 4000", "a\nb\nc")
+            gen(ip, "--quiet --max-tokens 100000", "a\nb\nc")
         assert "kv_budget" in str(e.value) and str(e.value).startswith("row 1 'a'")
         assert eng.rows == []
 
