@@ -3,7 +3,7 @@
 // widget.py inlines this file into the widget's ESM bundle (anywidget loads one module).
 
 export const MAX_POINTS = 2000; // per step-history array (same bound as widget.py)
-export const MAX_SNAP_NUMBERS = 40000;
+export const MAX_SNAP_NUMBERS = 20000;
 export const STEP_KEYS = ["s", "t", "dt", "b", "pf", "kv"];
 
 // ---------------------------------------------------------------- state
@@ -141,11 +141,9 @@ export function stackSnaps(snaps) {
 }
 
 // ---------------------------------------------------------------- scales
-function niceNum(x, round) {
+function niceNum(x) {
   const e = Math.floor(Math.log10(x)), f = x / 10 ** e;
-  let nf;
-  if (round) nf = f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10;
-  else nf = f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10;
+  const nf = f <= 1.0000001 ? 1 : f <= 2.0000001 ? 2 : f <= 5.0000001 ? 5 : 10;
   return nf * 10 ** e;
 }
 
@@ -154,7 +152,8 @@ export function niceTicks(lo, hi, count = 4) {
   if (!isFinite(lo) || !isFinite(hi)) { lo = 0; hi = 1; }
   if (hi < lo) [lo, hi] = [hi, lo];
   if (hi === lo) { hi = lo === 0 ? 1 : lo + Math.abs(lo) * 0.5; }
-  const step = niceNum(niceNum(hi - lo, false) / Math.max(1, count), true);
+  // A 1/2/5 step no smaller than range/count: the axis overshoots the data by < 1 step.
+  const step = niceNum((hi - lo) / Math.max(1, count));
   const min = Math.floor(lo / step) * step, max = Math.ceil(hi / step) * step;
   const ticks = [];
   for (let v = min; v <= max + step * 1e-9; v += step) ticks.push(+v.toPrecision(12));

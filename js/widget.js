@@ -69,7 +69,12 @@ function xLabels(g, c, box, lo, hi, fmt) {
   const t = niceTicks(lo, hi, Math.max(2, Math.floor((box.r - box.l) / 70)));
   const x = scaleLinear(lo, hi, box.l, box.r);
   ctx.font = c.font; ctx.fillStyle = c.muted; ctx.textAlign = "center"; ctx.textBaseline = "top";
-  for (const v of t.ticks) if (v >= lo && v <= hi) ctx.fillText(fmt(v), x(v), box.b + 3);
+  for (const v of t.ticks) {
+    if (v < lo || v > hi) continue;
+    const s = fmt(v), half = ctx.measureText(s).width / 2, px = x(v);
+    // keep edge labels inside the canvas instead of clipping them
+    ctx.fillText(s, Math.min(Math.max(px, half + 1), g.w - half - 1), box.b + 3);
+  }
   return x;
 }
 
@@ -170,7 +175,7 @@ function drawTimeline(canvas, st, c, now) {
   let t1 = now;
   for (const r of rows) t1 = Math.max(t1, r.t_done ?? 0);
   t1 = Math.max(t1, t0 + 0.01);
-  const x = xLabels(g, c, box, 0, t1 - t0, (v) => formatDuration(v));
+  const x = xLabels(g, c, box, 0, t1 - t0, (v) => (v ? formatDuration(v) : "0"));
   const lane = (box.b - box.t) / rows.length, bar = Math.max(1, Math.min(10, lane - 1));
   const fill = { queued: c.other, prefill: c.warn };
   rows.forEach((r, i) => {

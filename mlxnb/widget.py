@@ -32,9 +32,9 @@ import traitlets as t
 
 FLUSH_HZ = 15
 MAX_STEP_POINTS = 2000  # per history array, in traits and in a view
-MAX_SNAP_NUMBERS = 40000  # bound on per-row KV numbers kept in traits
+MAX_SNAP_NUMBERS = 20000  # bound on per-row KV numbers kept in traits (lib.js: same)
 STEPS_PER_FLUSH = 32  # steps beyond this in one flush are averaged into buckets
-SNAPS_PER_FLUSH = 8
+SNAPS_PER_FLUSH = 4
 PROMPT_CHARS = 200
 STEP_KEYS = ("s", "t", "dt", "b", "pf", "kv")
 
@@ -305,7 +305,7 @@ class GenerationWidget(anywidget.AnyWidget):
             new["kv"].append(last.kv_bytes)
         # Per-row KV snapshots are the bulky part: a few per flush, fewer as rows grow.
         mine = self._rows
-        nsnap = max(1, min(SNAPS_PER_FLUSH, 256 // max(1, len(self._live))))
+        nsnap = max(1, min(SNAPS_PER_FLUSH, 128 // max(1, len(self._live))))
         stride = -(-len(recs) // nsnap)
         snaps = []
         for rec in recs[len(recs) - 1::-stride][::-1]:

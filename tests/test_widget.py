@@ -370,3 +370,37 @@ console.log(JSON.stringify({{ gaps, seq: st.seq, rows: [...st.rows.values()],
     # the view's rows carry the same fields as the final traits
     for mine, final in zip(got["rows"], w.rows):
         assert {k: mine.get(k) for k in final} == final
+
+
+def test_real_engine_streams_into_the_widget():
+    """The real Engine on the tiny random model: deltas and traits match the rows."""
+    tiny = pytest.importorskip("mlxnb.tiny")
+    from mlxnb import Engine
+
+    model = tiny.tiny_model()
+
+    async def main():
+        eng = Engine(model, max_batch=8, kv_budget=None)
+        try:
+            run = eng.generate([f"row {i} says" for i in range(4)], max_tokens=40)
+            run.widget = w = GenerationWidget(eng, run.rows, title="t")
+            msgs = capture(w)
+            dash = GenerationWidget(eng)
+            late = eng.generate(["a late row"], max_tokens=10)  # joins the running batch
+            await run  # calls w.sync_now() before returning
+            traits = list(w.rows)
+            await late
+            await settle(w, eng)
+            await settle(dash, eng)
+            return run, late, w, dash, msgs, traits
+        finally:
+            await eng.aclose()
+
+    run, late, w, dash, msgs, traits = asyncio.run(main())
+    assert [r["text"] for r in traits] == run.texts
+    assert all(r["state"] == "done" for r in traits)
+    state = replay([], customs(msgs))
+    assert [state[r.id]["text"] for r in run.rows] == run.texts
+    assert {r["id"] for r in dash.rows} >= {r.id for r in run.rows + late.rows}
+    assert w.steps["s"] and any(s[2] for s in w.steps["snap"])
+    assert w.header["model"] and "tok" in w.summary_text()

@@ -1,0 +1,136 @@
+"""Widget traffic: messages/s, bytes per streamed token, kernel time spent on the widget.
+
+Drives a GenerationWidget from the fake engine of tests/test_widget.py (same listener
+events and Row/StepRecord types as mlxnb.Engine, no model), captures every comm
+message the widget would put on the wire (custom deltas and trait updates, JSON-sized
+as ipykernel would serialize them) and times the widget's own code on the loop.
+
+  python bench/widget_traffic.py                 # fake engine, 10 ms steps
+  python bench/widget_traffic.py --real          # also mlxnb.Engine on mlxnb.tiny (if present):
+                                                 # aggregate tok/s with vs without a widget
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from mlxnb.widget import GenerationWidget  # noqa: E402
+
+
+class TimedWidget(GenerationWidget):
+    """Accumulates the seconds the widget's own code runs on the loop."""
+
+    busy = 0.0
+
+    def _timed(self, fn, *a):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a)
+        finally:
+            self.busy += time.perf_counter() - t0
+
+    def _on_event(self, kind, obj):
+        return self._timed(super()._on_event, kind, obj)
+
+    def _flush(self, send=True):
+        return self._timed(super()._flush, send)
+
+    def _write_traits(self):
+        return self._timed(super()._write_traits)
+
+
+def capture(w):
+    sent = []
+
+    def publish(msg_type, data=None, metadata=None, buffers=None, **k):
+        sent.append((data.get("method"), len(json.dumps(data, separators=(",", ":")))))
+
+    w.comm.publish_msg = publish
+    return sent
+
+
+async def fake_case(nrows, ntok, step_s, max_batch):
+    from test_widget import FakeEngine
+
+    eng = FakeEngine(max_batch=max_batch, step_s=step_s, kv_budget=1 << 30)
+    rows = [eng.submit(f"prompt number {i}: tell me something", max_tokens=ntok,
+                       prompt_len=64) for i in range(nrows)]
+    w = TimedWidget(eng, rows)
+    sent = capture(w)
+    t0 = time.perf_counter()
+    await eng.wait()
+    while w._flusher is not None:
+        await asyncio.sleep(0.01)
+    wall = time.perf_counter() - t0
+    return report(f"fake {nrows} rows x {ntok} tok, {step_s * 1e3:.0f} ms steps",
+                  sent, sum(r.ntok for r in rows), wall, w.busy, len(eng.steps))
+
+
+def report(name, sent, ntok, wall, busy, nsteps):
+    cust = [n for m, n in sent if m == "custom"]
+    upd = [n for m, n in sent if m == "update"]
+    r = {
+        "case": name, "wall_s": round(wall, 2), "tokens": ntok, "steps": nsteps,
+        "msgs": len(cust), "msgs_per_s": round(len(cust) / wall, 1),
+        "delta_bytes": sum(cust), "bytes_per_token": round(sum(cust) / max(ntok, 1), 1),
+        "max_msg_bytes": max(cust, default=0),
+        "trait_updates": len(upd), "trait_bytes": sum(upd), "max_trait_bytes": max(upd, default=0),
+        "widget_cpu_pct": round(100 * busy / wall, 2),
+    }
+    print(json.dumps(r))
+    return r
+
+
+async def real_case(nrows, ntok, with_widget):
+    from mlxnb import Engine
+    from mlxnb.tiny import tiny_model
+
+    eng = Engine(tiny_model(), max_batch=max(nrows, 1), kv_budget=None)
+    warm = eng.generate(["warm up"], max_tokens=4)
+    await warm
+    w = sent = None
+    t0 = time.perf_counter()
+    run = eng.generate([f"row {i} says" for i in range(nrows)], max_tokens=ntok)
+    if with_widget:
+        w = TimedWidget(eng, run.rows)
+        sent = capture(w)
+    await run
+    wall = time.perf_counter() - t0
+    toks = sum(r.ntok for r in run.rows)
+    if w is not None:
+        while w._flusher is not None:
+            await asyncio.sleep(0.01)
+        report(f"real tiny {nrows} rows x {ntok} tok, widget", sent, toks, wall, w.busy,
+               len(eng.steps))
+    await eng.aclose()
+    return toks / wall
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--real", action="store_true")
+    ap.add_argument("--step-ms", type=float, default=10.0)
+    a = ap.parse_args()
+    for nrows, ntok in [(1, 200), (8, 200), (32, 200), (64, 200)]:
+        asyncio.run(fake_case(nrows, ntok, a.step_ms / 1000, 64))
+    asyncio.run(fake_case(8, 2000, 0.001, 64))  # fast steps: bucketing in one flush
+    if a.real:
+        for nrows in (8, 32):
+            for _ in range(2):  # alternate to spread noise
+                base = asyncio.run(real_case(nrows, 128, False))
+                wid = asyncio.run(real_case(nrows, 128, True))
+                print(json.dumps({"case": f"real tiny {nrows} rows", "tok_s_plain": round(base),
+                                  "tok_s_widget": round(wid),
+                                  "ratio": round(wid / base, 3)}))
+
+
+if __name__ == "__main__":
+    main()
