@@ -3,24 +3,39 @@
     %load_ext mlxnb          # then %%generate cells; see README.md
 
 Errors: bad parameters raise ValueError (UsageError in magics) with a one-line
-message; a row that fails ends with finish_reason 'error' and `row.error` set.
+message; a row that fails ends with finish_reason 'error' and `row.error` set:
+
+    ValueError            bad parameter, empty prompt, never fits budget/context
+    ModelLoadError        (a ValueError) unknown model name, not an mlx-lm dir
+    RowResult.error       why a row ended with 'error' (callback, forward, prefill)
 """
 
 from ._blas import preload_openblas as _preload_openblas
 
-_preload_openblas()  # before mlx is imported: see _blas.py for why
+_preload_openblas()  # before anything imports mlx: see _blas.py for why
 
-from .engine import Engine  # noqa: E402
-from .rows import Row, RowResult, SamplingParams, StepRecord  # noqa: E402
-from .run import Run  # noqa: E402
+from .magics import load_ipython_extension, unload_ipython_extension, wait  # noqa: E402
 
 __all__ = ["Engine", "Row", "RowResult", "Run", "SamplingParams", "StepRecord",
-           "load_model"]
+           "GenerationWidget", "load_model", "wait", "load_ipython_extension",
+           "unload_ipython_extension"]
 __version__ = "0.1.0"
 
+# `%load_ext mlxnb` must stay cheap: mlx-lm (and transformers under it) load on
+# first use of these names, not at import.
+_LAZY = {
+    "Engine": ".engine", "Row": ".rows", "RowResult": ".rows", "Run": ".run",
+    "SamplingParams": ".rows", "StepRecord": ".rows", "GenerationWidget": ".widget",
+    "load_model": ".models", "ModelLoadError": ".models",
+}
 
-def load_model(name: str = "default"):
-    """`(model, tokenizer)` as `mlx_lm.load` returns: 'default', a hub id or a dir."""
-    from .models import load_model as _load
 
-    return _load(name)
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'mlxnb' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value

@@ -186,9 +186,10 @@ class Engine:
             err = str(e)
             ids, sp = [], SamplingParams(**{k: v for k, v in params.items()
                                             if k in _PARAM_NAMES and k != "stop"})
-        return self._submit_prepared(prompt, ids, sp, tag, err)
+        return self.submit_prepared(prompt, ids, sp, tag, err)
 
-    def _submit_prepared(self, prompt, ids, sp, tag=None, err=None) -> Row:
+    def submit_prepared(self, prompt, ids, sp, tag=None, err=None) -> Row:
+        """Submit what `prepare` returned (the magics validate a whole grid first)."""
         self._check_open()
         row = Row(self, len(self.rows), prompt, ids, sp, tag)
         self.rows.append(row)
@@ -204,7 +205,7 @@ class Engine:
         """Submit several prompts as one `Run` (awaitable -> list of results)."""
         prompts = list(prompts)
         prepared = [self.prepare(p, chat=chat, system=system, **dict(params)) for p in prompts]
-        return Run([self._submit_prepared(p, ids, sp) for p, (ids, sp) in
+        return Run([self.submit_prepared(p, ids, sp) for p, (ids, sp) in
                     zip(prompts, prepared)], meta={"model": self.model_name})
 
     def _enqueue(self, row: Row):
@@ -347,6 +348,10 @@ class Engine:
             if not row.done:
                 self._end(row, "cancelled")
         self._pool.shutdown(wait=False)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _check_open(self):
         if self._closed:

@@ -12,6 +12,22 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, List, Optional
 
+def on_loop(loop, make_awaitable):
+    """An awaitable for `make_awaitable()` run on `loop`, awaitable from whatever loop
+    is running: ipykernel 7 subshells run cells on another thread with another loop."""
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is None or here is loop:
+        return make_awaitable()
+
+    async def hop():
+        return await make_awaitable()
+
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(hop(), loop))
+
+
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -154,7 +170,7 @@ class Row:
 
     def __await__(self):
         # Shielded: a cancelled awaiting cell must not cancel the row itself.
-        return asyncio.shield(self._future).__await__()
+        return on_loop(self.engine.loop, lambda: asyncio.shield(self._future)).__await__()
 
     def add_done_callback(self, fn: Callable[["Row"], None]) -> None:
         if self.done:

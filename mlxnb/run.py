@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import List
 
-from .rows import Row, RowResult
+from .rows import Row, RowResult, on_loop
 
 
 class Run:
@@ -34,7 +34,9 @@ class Run:
         return self.rows[i]
 
     def __await__(self):
-        return self._wait().__await__()
+        if not self.rows:
+            return self._wait().__await__()
+        return on_loop(self.rows[0].engine.loop, self._wait).__await__()
 
     async def _wait(self) -> List[RowResult]:
         if self.rows:
