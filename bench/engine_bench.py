@@ -1,0 +1,885 @@
+"""Decode throughput: bare MLX loop vs mlx-lm's BatchGenerator vs mlxnb's Engine.
+
+One process, one model, the same random prompts for all three:
+
+  raw     model forward on a plain mlx-lm KV cache (batch B, no padding) + argmax +
+          mx.async_eval pipelining (launch step N+1, then read step N to the host).
+          decode tok/s = B * new_tokens / decode time (prefill excluded).
+  bg      mlx_lm.generate.BatchGenerator, greedy, all B prompts inserted at once
+          (completion_batch_size = prefill_batch_size = B). tok/s = its own
+          stats().generation_tps (wall minus prompt time); decode_tps kept in JSON.
+  engine  mlxnb.Engine(max_batch=B, kv_budget=None). Two runs per B:
+          natural  every row max_tokens = N, submitted at once -> e2e wall tok/s;
+          steady   every row max_tokens = N + B. The engine prefills one row per
+                   tick, so rows join (and leave) the batch staggered; with N + B
+                   tokens each there are >= N steps with all B rows decoding and no
+                   prefill. engine = sum(tokens) / sum(dt_s) over those steps
+                   (eng.steps with prefill_tokens == 0 and batch_size == B);
+                   eng_span = the same tokens over the wall time between those
+                   steps' records (includes the loop side of every step).
+
+Weights are random (llama shapes), prompts are random token ids of one length, and
+no token stops a row (no EOS), so every row runs to max_tokens; this is checked.
+Each (method, B) is warmed up once on other prompts before it is measured.
+
+  --mixed    continuous run: rows with prompt lengths 16..512 submitted in waves
+             (engine, and BatchGenerator driven the same way): aggregate tok/s and
+             time-to-first-token, all rows and joiners (waves after the first).
+  --profile  B: where the engine's time goes per decode step at batch B (timers
+             wrapped around BatchExecutor / Engine methods; mlxnb is not edited),
+             next to the raw loop's own per-step split.
+
+Examples:
+  python bench/engine_bench.py --quick
+  python bench/engine_bench.py --shape smollm2 --dtype float32 --batch 1,8,32 --new 32
+  python bench/engine_bench.py --plan "smollm2:bfloat16:1,8,32,128 llama1b:bfloat16:8,128" \
+      --mixed --profile 128 --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+try:  # an mlxnb on PYTHONPATH (e.g. a snapshot on the device) wins over this checkout
+    import mlxnb  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(_ROOT))
+
+import mlxnb  # noqa: E402  (first: it puts OpenBLAS under MLX on Linux CPU)
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+pc = time.perf_counter
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    # SmolLM2-135M
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                    rope_theta=100000.0),
+    # Llama-3.2-1B (plain rope: the llama3 scaling changes no cost)
+    "llama1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                    head_dim=64, rope_theta=500000.0),
+}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# -- model and tokenizer --------------------------------------------------------------
+class _IdDetok:
+    """Streaming detokenizer with the interface BatchExecutor uses; text is ' <id>'."""
+
+    def __init__(self):
+        self._seg = ""
+
+    def reset(self):
+        self._seg = ""
+
+    def add_token(self, tok):
+        self._seg += " " + str(tok)
+
+    def finalize(self):
+        pass
+
+    @property
+    def last_segment(self):
+        s, self._seg = self._seg, ""
+        return s
+
+
+class IdTokenizer:
+    """A prompt is its token ids written as decimal numbers; no EOS, no chat template."""
+
+    chat_template = None
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = []  # nothing stops a row: all run to max_tokens
+
+    def encode(self, text, **_):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, **_):
+        return " ".join(map(str, ids))
+
+    @property
+    def detokenizer(self):
+        return _IdDetok()
+
+
+def build_model(shape, dtype, seed=0):
+    if shape == "default":
+        model, tok = mlxnb.load_model("default")
+        tok.eos_token_ids = []  # random prompts: no early stop (decode speed only)
+        return model, tok, model.args.vocab_size
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    args = ModelArgs(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=True,
+                     max_position_embeddings=16384, **SHAPES[shape])
+    mx.random.seed(seed)
+    model = Model(args)
+    if dtype == "4bit":
+        model.set_dtype(mx.bfloat16)
+        nn.quantize(model, group_size=64, bits=4)
+    else:
+        model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    model.eval()
+    return model, IdTokenizer(args.vocab_size), args.vocab_size
+
+
+def make_prompts(rng, n, length, vocab):
+    # ids >= 2 avoid 0/1 (BOS/EOS in many vocabs; harmless here, but keeps it clean)
+    return rng.integers(2, vocab, size=(n, length)).tolist()
+
+
+# -- (a) raw loop ----------------------------------------------------------------------
+def run_raw(model, prompts, n, prof=None):
+    B = len(prompts)
+    cache = make_prompt_cache(model)
+    ids = mx.array(prompts, dtype=mx.uint32)
+    t0 = pc()
+    model(ids[:, :-1], cache=cache)
+    mx.eval([c.state for c in cache])
+    y = ids[:, -1]
+    mx.eval(y)
+    t1 = pc()
+    out = []
+    prev = None
+    tb = ta = tw = 0.0
+    for _ in range(n):
+        s = pc()
+        logits = model(y[:, None], cache=cache)
+        s1 = pc()
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.async_eval(y)
+        s2 = pc()
+        if prev is not None:
+            out.append(prev.tolist())
+        s3 = pc()
+        tb += s1 - s
+        ta += s2 - s1
+        tw += s3 - s2
+        prev = y
+    out.append(prev.tolist())
+    t2 = pc()
+    assert len(out) == n and all(len(r) == B for r in out)
+    res = dict(decode_tps=B * n / (t2 - t1), e2e_tps=B * n / (t2 - t0),
+               prefill_s=t1 - t0, decode_s=t2 - t1, tokens=B * n, ok=True)
+    if prof is not None:
+        prof.update(step_ms=1e3 * (t2 - t1) / n, build_ms=1e3 * tb / n,
+                    argmax_async_eval_ms=1e3 * ta / n, wait_tolist_ms=1e3 * tw / n)
+    del cache
+    return res
+
+
+def run_raw_sync(model, prompts, n):
+    """Same loop with a full sync per step (no overlap): build + launch + device."""
+    cache = make_prompt_cache(model)
+    ids = mx.array(prompts, dtype=mx.uint32)
+    model(ids[:, :-1], cache=cache)
+    y = ids[:, -1]
+    mx.eval([c.state for c in cache], y)
+    tb = 0.0
+    t1 = pc()
+    for _ in range(n):
+        s = pc()
+        logits = model(y[:, None], cache=cache)
+        tb += pc() - s
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.eval(y)
+        y.tolist()
+    t2 = pc()
+    return dict(sync_step_ms=1e3 * (t2 - t1) / n, sync_build_ms=1e3 * tb / n)
+
+
+# -- (b) BatchGenerator ----------------------------------------------------------------
+def run_bg(model, prompts, n):
+    B = len(prompts)
+    gen = BatchGenerator(model, max_tokens=n, stop_tokens=None,
+                         completion_batch_size=B, prefill_batch_size=B)
+    counts = {}
+    reasons = {}
+    try:
+        uids = gen.insert(prompts, [n] * B)
+        with gen.stats() as st:
+            while responses := gen.next_generated():
+                for r in responses:
+                    counts[r.uid] = counts.get(r.uid, 0) + 1
+                    if r.finish_reason is not None:
+                        reasons[r.uid] = r.finish_reason
+    finally:
+        gen.close()
+    ok = all(counts.get(u) == n and reasons.get(u) == "length" for u in uids)
+    return dict(decode_tps=st.generation_tps, decode_step_tps=st.decode_tps,
+                e2e_tps=st.generation_tokens / st.wall_time if st.wall_time else 0.0,
+                prefill_s=st.prompt_time, wall_s=st.wall_time,
+                tokens=st.generation_tokens, ok=ok)
+
+
+# -- (c) Engine ----------------------------------------------------------------------
+def _text(ids):
+    return " ".join(map(str, ids))
+
+
+async def engine_run(eng, prompts, n):
+    """All prompts at once, max_tokens=n each. Returns (results, steps of this run, wall)."""
+    s0 = len(eng.steps)
+    t0 = pc()
+    run = eng.generate([_text(p) for p in prompts], max_tokens=n, chat=False)
+    res = await run
+    wall = pc() - t0
+    ok = all(r.finish_reason == "length" and len(r.tokens) == n for r in res)
+    return res, eng.steps[s0:], wall, ok
+
+
+def decode_window(steps, B):
+    """Steps with all B rows decoding and no prefill: (tokens, sum dt, span tokens, span s, n)."""
+    idx = [i for i, s in enumerate(steps) if s.prefill_tokens == 0 and s.batch_size == B]
+    if not idx:
+        return None
+    tok = sum(steps[i].tokens for i in idx)
+    dt = sum(steps[i].dt_s for i in idx)
+    # contiguous span: tokens read in steps after the first window step, over the wall
+    # time between the first and the last window step's records
+    i0, i1 = idx[0], idx[-1]
+    span_tok = sum(s.tokens for s in steps[i0 + 1:i1 + 1])
+    span_s = steps[i1].t - steps[i0].t
+    return dict(tokens=tok, dt_s=dt, tps=tok / dt if dt > 0 else 0.0,
+                span_tps=span_tok / span_s if span_s > 0 else 0.0, nsteps=len(idx))
+
+
+async def run_engine(model, tok, prompts_nat, prompts_steady, n, B, warm_prompts, warm_n,
+                     prof_hook=None):
+    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None)
+    try:
+        await engine_run(eng, warm_prompts, warm_n)
+        res, steps, wall, ok_nat = await engine_run(eng, prompts_nat, n)
+        nat = decode_window(steps, B)
+        if prof_hook is not None:
+            prof_hook.attach(eng)
+        res2, steps2, wall2, ok_st = await engine_run(eng, prompts_steady, n + B)
+        if prof_hook is not None:
+            prof_hook.detach(eng)
+        st = decode_window(steps2, B)
+        ttft = [r.ttft_s for r in res]
+        out = dict(
+            decode_tps=st["tps"] if st else 0.0, span_tps=st["span_tps"] if st else 0.0,
+            steady_steps=st["nsteps"] if st else 0,
+            e2e_tps=B * n / wall, wall_s=wall, ok=ok_nat and ok_st,
+            natural_decode_tps=nat["tps"] if nat else None,
+            natural_full_steps=nat["nsteps"] if nat else 0,
+            natural_steps=len(steps),
+            ttft_mean_s=statistics.mean(ttft), ttft_max_s=max(ttft),
+        )
+        if prof_hook is not None:
+            prof_hook.summarize(steps2, B)
+        return out
+    finally:
+        await eng.aclose()
+
+
+# -- profile ---------------------------------------------------------------------------
+class _MxShim:
+    """Stands in for `mx` inside mlxnb.batch only: times eval / async_eval."""
+
+    def __init__(self, prof):
+        self._prof = prof
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def async_eval(self, *a, **k):
+        t = pc()
+        try:
+            return mx.async_eval(*a, **k)
+        finally:
+            self._prof.add(self._prof.phase + ".async_eval", pc() - t)
+
+    def eval(self, *a, **k):
+        t = pc()
+        try:
+            return mx.eval(*a, **k)
+        finally:
+            self._prof.add(self._prof.phase + ".eval", pc() - t)
+
+
+class _ModelProxy:
+    def __init__(self, model, prof):
+        self.__dict__["_m"] = model
+        self.__dict__["_prof"] = prof
+
+    def __call__(self, *a, **k):
+        t = pc()
+        try:
+            return self._m(*a, **k)
+        finally:
+            self._prof.add(self._prof.phase + ".fwd_build", pc() - t)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+
+class EngineProfiler:
+    """Per-tick host timers around BatchExecutor / Engine methods (no mlxnb edits).
+
+    Every tick gets a dict of seconds; `_read` is split into the wait for the device
+    (an explicit mx.eval of the in-flight tokens, which `tokens.tolist()` would do
+    anyway) and the Python after it (tolist of a ready array, _accept per row).
+    """
+
+    KEYS = ["tick", "filter", "join", "launch", "launch.fwd_build", "launch.sample",
+            "launch.async_eval", "prefill", "read.wait", "read.py", "read.accept",
+            "kv_report", "apply", "gap"]
+
+    def __init__(self):
+        self.ticks = []
+        self.cur = {}
+        self.phase = "other"
+        self.summary = None
+        self._saved = None
+
+    def add(self, key, dt):
+        self.cur[key] = self.cur.get(key, 0.0) + dt
+
+    def _wrap(self, key, fn, phase=None):
+        def w(*a, **k):
+            prev = self.phase
+            if phase:
+                self.phase = phase
+            t = pc()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.add(key, pc() - t)
+                self.phase = prev
+        return w
+
+    def attach(self, eng):
+        import mlxnb.batch as mb
+        import mlxnb.sampling as ms
+
+        ex = eng._exec
+        self._saved = (ex.model, mb.mx, ms.BatchSampler.sample)
+        names = ["tick", "_filter", "_join", "_launch", "_prefill_chunk", "_read",
+                 "_accept", "_kv_report"]
+        for nm in names:
+            assert nm not in ex.__dict__
+        orig_tick = ex.tick
+
+        def tick(*a, **k):
+            self.cur = {}
+            t0 = pc()
+            try:
+                return orig_tick(*a, **k)
+            finally:
+                t1 = pc()
+                self.cur["t0"], self.cur["tick"] = t0, t1 - t0
+                self.ticks.append(self.cur)
+
+        orig_read = ex._read
+
+        def read(inflight, u):
+            t = pc()
+            mx.eval(inflight[1])
+            t1 = pc()
+            r = orig_read(inflight, u)
+            self.add("read.wait", t1 - t)
+            self.add("read.py", pc() - t1)
+            return r
+
+        ex.tick = tick
+        ex._read = read
+        ex._filter = self._wrap("filter", ex._filter)
+        ex._join = self._wrap("join", ex._join)
+        ex._launch = self._wrap("launch", ex._launch, "launch")
+        ex._prefill_chunk = self._wrap("prefill", ex._prefill_chunk, "prefill")
+        ex._accept = self._wrap("read.accept", ex._accept)
+        ex._kv_report = self._wrap("kv_report", ex._kv_report)
+        ex.model = _ModelProxy(ex.model, self)
+        mb.mx = _MxShim(self)
+        orig_sample = self._saved[2]
+        prof = self
+
+        def sample(sampler, logits):
+            t = pc()
+            try:
+                return orig_sample(sampler, logits)
+            finally:
+                prof.add("launch.sample", pc() - t)
+
+        ms.BatchSampler.sample = sample
+        orig_apply = eng._apply
+
+        def apply(report, dt):
+            t = pc()
+            try:
+                return orig_apply(report, dt)
+            finally:
+                if self.ticks:
+                    self.ticks[-1]["apply"] = pc() - t
+                    self.ticks[-1]["t_apply_end"] = pc()
+
+        eng._apply = apply
+
+    def detach(self, eng):
+        import mlxnb.batch as mb
+        import mlxnb.sampling as ms
+
+        ex = eng._exec
+        ex.model, mb.mx, ms.BatchSampler.sample = self._saved
+        for nm in ["tick", "_filter", "_join", "_launch", "_prefill_chunk", "_read",
+                   "_accept", "_kv_report"]:
+            ex.__dict__.pop(nm, None)
+        eng.__dict__.pop("_apply", None)
+
+    def summarize(self, steps, B):
+        ticks = self.ticks
+        if len(ticks) != len(steps):
+            log(f"  [profile] {len(ticks)} ticks vs {len(steps)} steps; aligning by tail")
+            ticks = ticks[-len(steps):]
+        for i in range(len(ticks) - 1):
+            ticks[i]["period"] = ticks[i + 1]["t0"] - ticks[i]["t0"]
+            ticks[i]["gap"] = ticks[i + 1]["t0"] - (ticks[i]["t0"] + ticks[i]["tick"])
+        win = [t for t, s in zip(ticks[:-1], steps[:-1])
+               if s.prefill_tokens == 0 and s.batch_size == B]
+        if not win:
+            self.summary = None
+            return
+        keys = ["period"] + self.KEYS + ["launch.eval", "read.eval"]
+        mean = {k: 1e3 * statistics.mean(t.get(k, 0.0) for t in win) for k in keys}
+        med = {k: 1e3 * statistics.median(t.get(k, 0.0) for t in win) for k in keys}
+        self.summary = dict(B=B, nticks=len(win), mean_ms=mean, median_ms=med)
+
+
+def format_profile(eng_prof, raw_prof, B, new):
+    m = eng_prof["mean_ms"]
+    md = eng_prof["median_ms"]
+    r = raw_prof
+
+    def row(name, key, note=""):
+        return f"| {name} | {m.get(key, 0):.3f} | {md.get(key, 0):.3f} | {note} |"
+
+    launch_rest = m["launch"] - m["launch.fwd_build"] - m["launch.sample"] - m["launch.async_eval"]
+    read_rest = m["read.py"] - m["read.accept"]
+    tick_rest = (m["tick"] - m["filter"] - m["join"] - m["launch"] - m["prefill"]
+                 - m["read.wait"] - m["read.py"] - m["kv_report"])
+    gap_rest = m["gap"] - m["apply"]
+    host = m["period"] - m["read.wait"]
+    lines = [
+        f"Engine per decode step at B={B} ({eng_prof['nticks']} steady ticks, all rows "
+        f"decoding, no prefill); ms per step:",
+        "",
+        "| where | mean ms | median ms | note |",
+        "|---|---|---|---|",
+        row("step period (tick start to tick start)", "period",
+            f"= {B / m['period'] * 1e3:,.0f} tok/s"),
+        row("worker: tick total", "tick"),
+        row("  _filter", "filter"),
+        row("  _join", "join"),
+        row("  _launch", "launch"),
+        row("    model forward (graph build)", "launch.fwd_build"),
+        row("    sampler.sample (graph build)", "launch.sample"),
+        row("    mx.async_eval (launch)", "launch.async_eval"),
+        f"|     rest of _launch (per-row Python) | {launch_rest:.3f} | | |",
+        row("  _prefill_chunk", "prefill"),
+        row("  _read: blocked waiting for device", "read.wait",
+            "device still busy with step N"),
+        row("  _read: tolist + per-row Python", "read.py"),
+        row("    of which _accept (all rows)", "read.accept",
+            f"{1e3 * m['read.accept'] / B:.2f} us/row"),
+        f"|     rest of _read | {read_rest:.3f} | | |",
+        row("  _kv_report", "kv_report"),
+        f"|   rest of tick (TickReport, RowUpdates, mx.clear_cache...) | {tick_rest:.3f} | | |",
+        row("loop side: gap between ticks", "gap"),
+        row("  Engine._apply", "apply"),
+        f"|   rest of gap (thread handoff, _serve, scheduler.admit) | {gap_rest:.3f} | | |",
+        f"| **host busy per step (period - wait)** | {host:.3f} | | |",
+        "",
+        f"Raw loop at B={B}: step {r['step_ms']:.3f} ms (= {B / r['step_ms'] * 1e3:,.0f} "
+        f"tok/s): forward graph build {r['build_ms']:.3f}, argmax+async_eval "
+        f"{r['argmax_async_eval_ms']:.3f}, blocked in tolist {r['wait_tolist_ms']:.3f}; "
+        f"host busy {r['step_ms'] - r['wait_tolist_ms']:.3f} ms/step.",
+    ]
+    if "sync_step_ms" in r:
+        lines.append(
+            f"Raw loop fully synchronous (mx.eval every step, no overlap): "
+            f"{r['sync_step_ms']:.3f} ms/step, of which graph build {r['sync_build_ms']:.3f}"
+            f" -> launch + device ~ {r['sync_step_ms'] - r['sync_build_ms']:.3f} ms/step.")
+    return "\n".join(lines)
+
+
+# -- (d) mixed continuous run -----------------------------------------------------------
+def mixed_workload(rng, rows, waves, lo, hi, vocab):
+    lens = rng.integers(lo, hi + 1, size=rows).tolist()
+    prompts = [rng.integers(2, vocab, size=L).tolist() for L in lens]
+    per = -(-rows // waves)
+    return [prompts[w * per:(w + 1) * per] for w in range(waves)]
+
+
+def _ttft_stats(ttfts, joiners):
+    def st(xs):
+        xs = sorted(xs)
+        if not xs:
+            return None
+        p90 = xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
+        return dict(n=len(xs), mean_s=statistics.mean(xs), p90_s=p90, max_s=xs[-1])
+    return dict(all=st(ttfts), joiners=st(joiners))
+
+
+async def run_mixed_engine(model, tok, waves, n, gap, max_batch):
+    eng = mlxnb.Engine((model, tok), max_batch=max_batch, kv_budget=None)
+    try:
+        # warm-up: one short row of each distinct shape class
+        await eng.generate([_text(waves[0][0]), _text(waves[-1][-1])], max_tokens=4,
+                           chat=False)
+        s0 = len(eng.steps)
+        t0 = pc()
+        rows = []
+        for w, prompts in enumerate(waves):
+            if w:
+                await asyncio.sleep(max(0.0, t0 + w * gap - pc()))
+            rows.append([eng.submit(_text(p), chat=False, max_tokens=n) for p in prompts])
+        allrows = [r for ws in rows for r in ws]
+        res = [await r for r in allrows]
+        wall = pc() - t0
+        ok = all(r.finish_reason == "length" and len(r.tokens) == n for r in res)
+        tot = sum(len(r.tokens) for r in res)
+        ttft = [r.ttft_s for r in allrows]
+        join = [r.ttft_s for ws in rows[1:] for r in ws]
+        steps = eng.steps[s0:]
+        return dict(tps=tot / wall, wall_s=wall, tokens=tot, ok=ok, steps=len(steps),
+                    max_batch_seen=max(s.batch_size for s in steps),
+                    ttft=_ttft_stats(ttft, join))
+    finally:
+        await eng.aclose()
+
+
+def run_mixed_bg(model, waves, n, gap, max_batch):
+    def one(waves, gap):
+        gen = BatchGenerator(model, max_tokens=n, stop_tokens=None,
+                             completion_batch_size=max_batch)
+        t_ins, t_first, counts, wave_of = {}, {}, {}, {}
+        pending = set()  # inserted and not finished
+        t0 = pc()
+        w = 0
+        try:
+            while True:
+                now = pc()
+                while w < len(waves) and now >= t0 + w * gap:
+                    uids = gen.insert(waves[w], [n] * len(waves[w]))
+                    for u in uids:
+                        t_ins[u], wave_of[u] = pc(), w
+                    pending.update(uids)
+                    w += 1
+                if not pending:
+                    if w >= len(waves):
+                        break
+                    time.sleep(max(0.0, t0 + w * gap - pc()))
+                    continue
+                _, gen_resp = gen.next()
+                tn = pc()
+                for r in gen_resp:
+                    if r.uid not in t_first:
+                        t_first[r.uid] = tn
+                    counts[r.uid] = counts.get(r.uid, 0) + 1
+                    if r.finish_reason is not None:
+                        pending.discard(r.uid)
+        finally:
+            gen.close()
+        wall = pc() - t0
+        return t_ins, t_first, counts, wave_of, wall
+
+    one([waves[0][:1], waves[-1][-1:]], 0.0)  # warm-up
+    t_ins, t_first, counts, wave_of, wall = one(waves, gap)
+    tot = sum(counts.values())
+    ok = all(counts.get(u) == n for u in t_ins)
+    ttft = [t_first[u] - t_ins[u] for u in t_ins]
+    join = [t_first[u] - t_ins[u] for u in t_ins if wave_of[u] > 0]
+    return dict(tps=tot / wall, wall_s=wall, tokens=tot, ok=ok, ttft=_ttft_stats(ttft, join))
+
+
+# -- driver -----------------------------------------------------------------------------
+def parse_plan(args):
+    if args.plan:
+        plan = []
+        for item in args.plan.split():
+            shape, dtype, bs = item.split(":")
+            plan.append((shape, dtype, [int(b) for b in bs.split(",")]))
+        return plan
+    return [(args.shape, args.dtype, [int(b) for b in args.batch.split(",")])]
+
+
+def fmt(x, nd=0):
+    if x is None:
+        return "-"
+    return f"{x:,.{nd}f}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
+    ap.add_argument("--shape", default="smollm2", choices=list(SHAPES) + ["default"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16",
+                                                             "float32", "4bit"])
+    ap.add_argument("--batch", default="1,8,32,128")
+    ap.add_argument("--plan", default=None,
+                    help="space-separated shape:dtype:B1,B2 entries (overrides the three above)")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt length (tokens)")
+    ap.add_argument("--new", type=int, default=128, help="new tokens per row")
+    ap.add_argument("--warm-new", type=int, default=16, help="new tokens in warm-up runs")
+    ap.add_argument("--methods", default="raw,bg,engine")
+    ap.add_argument("--repeat", type=int, default=1, help="measure each N times, keep best")
+    ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--mixed-rows", type=int, default=64)
+    ap.add_argument("--mixed-waves", type=int, default=8)
+    ap.add_argument("--mixed-gap", type=float, default=0.2)
+    ap.add_argument("--mixed-min", type=int, default=16)
+    ap.add_argument("--mixed-max", type=int, default=512)
+    ap.add_argument("--mixed-new", type=int, default=None, help="default: --new")
+    ap.add_argument("--mixed-batch", type=int, default=None, help="default: --mixed-rows")
+    ap.add_argument("--mixed-bg", action="store_true", default=True)
+    ap.add_argument("--no-mixed-bg", dest="mixed_bg", action="store_false")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="profile the engine at this batch size (first plan entry)")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds: past 60%% of it measure once, past it skip what is left")
+    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny shape, seconds")
+    ap.add_argument("--out", default=None, help="folder for results.json and results.md")
+    args = ap.parse_args()
+    if args.quick:
+        args.plan = None
+        args.shape, args.dtype, args.batch = "tiny", "float32", "1,4"
+        args.prompt, args.new, args.warm_new = 16, 16, 4
+        args.mixed = True
+        args.mixed_rows, args.mixed_waves, args.mixed_gap = 8, 4, 0.05
+        args.mixed_min, args.mixed_max = 8, 64
+        args.profile = args.profile or 4
+    asyncio.run(amain(args))
+
+
+async def amain(args):
+    methods = args.methods.split(",")
+    plan = parse_plan(args)
+    out_dir = Path(args.out) if args.out else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(device=str(mx.default_device()), mlx=mx.__version__,
+               python=platform.python_version(), machine=platform.machine(),
+               cpus=os.cpu_count(), argv=sys.argv[1:], mlxnb=mlxnb.__file__)
+    try:
+        import mlx_lm
+
+        env["mlx_lm"] = mlx_lm.__version__
+    except Exception:
+        pass
+    log(f"# engine_bench  {env}")
+    results = dict(env=env, args=vars(args), rows=[], mixed=None, profile=None)
+    rng = np.random.default_rng(1234)
+    t_start = pc()
+
+    def over(frac=1.0):
+        return args.budget > 0 and pc() - t_start > frac * args.budget
+
+    def save():
+        if out_dir:
+            (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+            (out_dir / "results.md").write_text(render(results))
+
+    for pi, (shape, dtype, batches) in enumerate(plan):
+        if over():
+            log(f"## {shape} {dtype}: skipped (--budget)")
+            continue
+        t = pc()
+        model, tok, vocab = build_model(shape, dtype)
+        log(f"## {shape} {dtype}: built in {pc() - t:.1f}s")
+        for B in batches:
+            row = dict(shape=shape, dtype=dtype, B=B, prompt=args.prompt, new=args.new)
+            prof_here = args.profile == B and pi == 0
+            for meth in methods:
+                best = None
+                if over():
+                    row[meth] = dict(error="skipped: --budget", decode_tps=None)
+                    continue
+                try:
+                    warm = make_prompts(rng, B, args.prompt, vocab)
+                    for rep in range(1 if over(0.6) else args.repeat):
+                        p1 = make_prompts(rng, B, args.prompt, vocab)
+                        p2 = make_prompts(rng, B, args.prompt, vocab)
+                        t = pc()
+                        if meth == "raw":
+                            if rep == 0:
+                                run_raw(model, warm, args.warm_new)
+                            r = run_raw(model, p1, args.new)
+                        elif meth == "bg":
+                            if rep == 0:
+                                run_bg(model, warm, args.warm_new)
+                            r = run_bg(model, p1, args.new)
+                        elif meth == "engine":
+                            r = await run_engine(model, tok, p1, p2, args.new, B, warm,
+                                                 args.warm_new)
+                        else:
+                            raise ValueError(meth)
+                        r["took_s"] = pc() - t
+                        if not r["ok"]:
+                            log(f"  WARNING {meth} B={B}: not every row ran to max_tokens")
+                        if best is None or r["decode_tps"] > best["decode_tps"]:
+                            best = r
+                except Exception as e:
+                    traceback.print_exc()
+                    best = dict(error=f"{type(e).__name__}: {e}", decode_tps=None)
+                row[meth] = best
+                log(f"  B={B:<4} {meth:<6} " + ", ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in best.items()))
+                gc.collect()
+                mx.clear_cache()
+            results["rows"].append(row)
+            save()
+            if prof_here and not over():
+                await do_profile(model, tok, rng, args, B, vocab, results)
+                save()
+        if args.profile and pi == 0 and args.profile not in batches and not over():
+            await do_profile(model, tok, rng, args, args.profile, vocab, results)
+            save()
+        if args.mixed and pi == 0 and not over():
+            n = args.mixed_new or args.new
+            mb = args.mixed_batch or args.mixed_rows
+            waves = mixed_workload(rng, args.mixed_rows, args.mixed_waves, args.mixed_min,
+                                   args.mixed_max, vocab)
+            mixed = dict(shape=shape, dtype=dtype, rows=args.mixed_rows,
+                         waves=args.mixed_waves, gap_s=args.mixed_gap, new=n,
+                         max_batch=mb, prompt_range=[args.mixed_min, args.mixed_max])
+            try:
+                mixed["engine"] = await run_mixed_engine(model, tok, waves, n,
+                                                         args.mixed_gap, mb)
+            except Exception as e:
+                traceback.print_exc()
+                mixed["engine"] = dict(error=f"{type(e).__name__}: {e}")
+            log(f"  mixed engine: {mixed['engine']}")
+            if args.mixed_bg:
+                try:
+                    mixed["bg"] = run_mixed_bg(model, waves, n, args.mixed_gap, mb)
+                except Exception as e:
+                    traceback.print_exc()
+                    mixed["bg"] = dict(error=f"{type(e).__name__}: {e}")
+                log(f"  mixed bg: {mixed['bg']}")
+            results["mixed"] = mixed
+            save()
+        del model
+        gc.collect()
+        mx.clear_cache()
+    text = render(results)
+    log("\n" + text)
+    save()
+
+
+async def do_profile(model, tok, rng, args, B, vocab, results):
+    log(f"## profile at B={B}")
+    try:
+        warm = make_prompts(rng, B, args.prompt, vocab)
+        p1 = make_prompts(rng, B, args.prompt, vocab)
+        raw_prof = {}
+        run_raw(model, warm, args.warm_new)
+        run_raw(model, p1, args.new, prof=raw_prof)
+        raw_prof.update(run_raw_sync(model, p1, min(args.new, 32)))
+        prof = EngineProfiler()
+        p2 = make_prompts(rng, B, args.prompt, vocab)
+        p3 = make_prompts(rng, B, args.prompt, vocab)
+        eng = await run_engine(model, tok, p2, p3, args.new, B, warm, args.warm_new,
+                               prof_hook=prof)
+        if prof.summary is None:
+            raise RuntimeError("no steady ticks to profile")
+        results["profile"] = dict(engine=prof.summary, raw=raw_prof, engine_run=eng,
+                                  text=format_profile(prof.summary, raw_prof, B, args.new))
+        log(results["profile"]["text"])
+    except Exception as e:
+        traceback.print_exc()
+        results["profile"] = dict(error=f"{type(e).__name__}: {e}")
+
+
+def render(results):
+    L = []
+    env = results["env"]
+    a = results["args"]
+    L.append(f"device {env['device']}, mlx {env['mlx']}, mlx-lm {env.get('mlx_lm')}, "
+             f"python {env['python']}; prompt {a['prompt']} tokens, {a['new']} new tokens, "
+             f"greedy, random weights")
+    L.append("")
+    L.append("Decode tok/s (prefill excluded). engine = tokens / sum(dt_s) over steps with "
+             "all B rows decoding and no prefill; eng-span = same over their wall span; "
+             "e2e = B*new / wall of a plain run (prefill, ramp-up, loop included).")
+    L.append("")
+    L.append("| shape | dtype | B | raw | BG | engine | eng-span | engine/BG | engine/raw |"
+             " eng-span/raw | raw e2e | BG e2e | engine e2e |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        raw = (r.get("raw") or {}).get("decode_tps")
+        bg = (r.get("bg") or {}).get("decode_tps")
+        e = r.get("engine") or {}
+        en, sp = e.get("decode_tps"), e.get("span_tps")
+
+        def ratio(x, y):
+            return f"{x / y:.2f}" if x and y else "-"
+        L.append(f"| {r['shape']} | {r['dtype']} | {r['B']} | {fmt(raw)} | {fmt(bg)} | "
+                 f"{fmt(en)} | {fmt(sp)} | {ratio(en, bg)} | {ratio(en, raw)} | "
+                 f"{ratio(sp, raw)} | {fmt((r.get('raw') or {}).get('e2e_tps'))} | "
+                 f"{fmt((r.get('bg') or {}).get('e2e_tps'))} | {fmt(e.get('e2e_tps'))} |")
+    errs = [(r["shape"], r["dtype"], r["B"], m, r[m]["error"]) for r in results["rows"]
+            for m in ("raw", "bg", "engine") if isinstance(r.get(m), dict) and "error" in r[m]]
+    bad = [(r["shape"], r["dtype"], r["B"], m) for r in results["rows"]
+           for m in ("raw", "bg", "engine") if isinstance(r.get(m), dict)
+           and r[m].get("ok") is False]
+    for e in errs:
+        L.append(f"\nERROR {e}")
+    if bad:
+        L.append(f"\nWARNING rows that did not run to max_tokens: {bad}")
+    m = results.get("mixed")
+    if m:
+        L.append("")
+        L.append(f"Mixed: {m['rows']} rows, prompts {m['prompt_range'][0]}..."
+                 f"{m['prompt_range'][1]} tokens, {m['new']} new each, {m['waves']} waves "
+                 f"{m['gap_s']} s apart, max_batch {m['max_batch']} ({m['shape']} {m['dtype']})")
+        L.append("")
+        L.append("| engine | tok/s | wall s | TTFT mean s | TTFT p90 s | joiners TTFT mean s"
+                 " | joiners TTFT p90 s | ok |")
+        L.append("|---|---|---|---|---|---|---|---|")
+        for k in ("engine", "bg"):
+            x = m.get(k)
+            if not x:
+                continue
+            if "error" in x:
+                L.append(f"| {k} | ERROR {x['error']} |||||||")
+                continue
+            ta, tj = x["ttft"]["all"], x["ttft"]["joiners"] or {}
+            L.append(f"| {'mlxnb' if k == 'engine' else 'BatchGenerator'} | {fmt(x['tps'])} | "
+                     f"{x['wall_s']:.2f} | {ta['mean_s']:.3f} | {ta['p90_s']:.3f} | "
+                     f"{tj.get('mean_s', 0):.3f} | {tj.get('p90_s', 0):.3f} | {x['ok']} |")
+    p = results.get("profile")
+    if p:
+        L.append("")
+        L.append(p.get("text") or f"profile ERROR {p.get('error')}")
+    return "\n".join(L) + "\n"
+
+
+if __name__ == "__main__":
+    main()
