@@ -5,6 +5,9 @@ One process, one model, the same random prompts for all three:
   raw     model forward on a plain mlx-lm KV cache (batch B, no padding) + argmax +
           mx.async_eval pipelining (launch step N+1, then read step N to the host).
           decode tok/s = B * new_tokens / decode time (prefill excluded).
+  rawb    the same loop on mlx-lm's BatchKVCache (what BatchGenerator and the engine
+          decode on: per-row offsets, an array attention mask), zero padding; the
+          gap raw -> rawb is the batch cache's cost, rawb -> engine the engine's own.
   bg      mlx_lm.generate.BatchGenerator, greedy, all B prompts inserted at once
           (completion_batch_size = prefill_batch_size = B). tok/s = its own
           stats().generation_tps (wall minus prompt time); decode_tps kept in JSON.
@@ -61,7 +64,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 
 pc = time.perf_counter
 
@@ -152,9 +155,12 @@ def make_prompts(rng, n, length, vocab):
 
 
 # -- (a) raw loop ----------------------------------------------------------------------
-def run_raw(model, prompts, n, prof=None):
+def run_raw(model, prompts, n, prof=None, batch_cache=False):
     B = len(prompts)
-    cache = make_prompt_cache(model)
+    if batch_cache:  # mlx-lm's BatchKVCache (no padding here): array mask, offsets [B]
+        cache = [BatchKVCache([0] * B) for _ in model.layers]
+    else:
+        cache = make_prompt_cache(model)
     ids = mx.array(prompts, dtype=mx.uint32)
     t0 = pc()
     model(ids[:, :-1], cache=cache)
@@ -647,7 +653,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=64, help="prompt length (tokens)")
     ap.add_argument("--new", type=int, default=128, help="new tokens per row")
     ap.add_argument("--warm-new", type=int, default=16, help="new tokens in warm-up runs")
-    ap.add_argument("--methods", default="raw,bg,engine")
+    ap.add_argument("--methods", default="raw,rawb,bg,engine")
     ap.add_argument("--repeat", type=int, default=1, help="measure each N times, keep best")
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--mixed-rows", type=int, default=64)
@@ -726,10 +732,11 @@ async def amain(args):
                         p1 = make_prompts(rng, B, args.prompt, vocab)
                         p2 = make_prompts(rng, B, args.prompt, vocab)
                         t = pc()
-                        if meth == "raw":
+                        if meth in ("raw", "rawb"):
+                            bc = meth == "rawb"
                             if rep == 0:
-                                run_raw(model, warm, args.warm_new)
-                            r = run_raw(model, p1, args.new)
+                                run_raw(model, warm, args.warm_new, batch_cache=bc)
+                            r = run_raw(model, p1, args.new, batch_cache=bc)
                         elif meth == "bg":
                             if rep == 0:
                                 run_bg(model, warm, args.warm_new)
@@ -829,9 +836,9 @@ def render(results):
              "all B rows decoding and no prefill; eng-span = same over their wall span; "
              "e2e = B*new / wall of a plain run (prefill, ramp-up, loop included).")
     L.append("")
-    L.append("| shape | dtype | B | raw | BG | engine | eng-span | engine/BG | engine/raw |"
-             " eng-span/raw | raw e2e | BG e2e | engine e2e |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    L.append("| shape | dtype | B | raw | raw-bkv | BG | engine | eng-span | engine/BG |"
+             " engine/raw | eng-span/raw | raw e2e | BG e2e | engine e2e |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         raw = (r.get("raw") or {}).get("decode_tps")
         bg = (r.get("bg") or {}).get("decode_tps")
@@ -840,14 +847,16 @@ def render(results):
 
         def ratio(x, y):
             return f"{x / y:.2f}" if x and y else "-"
-        L.append(f"| {r['shape']} | {r['dtype']} | {r['B']} | {fmt(raw)} | {fmt(bg)} | "
+        rawb = (r.get("rawb") or {}).get("decode_tps")
+        L.append(f"| {r['shape']} | {r['dtype']} | {r['B']} | {fmt(raw)} | {fmt(rawb)} | {fmt(bg)} | "
                  f"{fmt(en)} | {fmt(sp)} | {ratio(en, bg)} | {ratio(en, raw)} | "
                  f"{ratio(sp, raw)} | {fmt((r.get('raw') or {}).get('e2e_tps'))} | "
                  f"{fmt((r.get('bg') or {}).get('e2e_tps'))} | {fmt(e.get('e2e_tps'))} |")
     errs = [(r["shape"], r["dtype"], r["B"], m, r[m]["error"]) for r in results["rows"]
-            for m in ("raw", "bg", "engine") if isinstance(r.get(m), dict) and "error" in r[m]]
+            for m in ("raw", "rawb", "bg", "engine")
+            if isinstance(r.get(m), dict) and "error" in r[m]]
     bad = [(r["shape"], r["dtype"], r["B"], m) for r in results["rows"]
-           for m in ("raw", "bg", "engine") if isinstance(r.get(m), dict)
+           for m in ("raw", "rawb", "bg", "engine") if isinstance(r.get(m), dict)
            and r[m].get("ok") is False]
     for e in errs:
         L.append(f"\nERROR {e}")
