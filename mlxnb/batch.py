@@ -1,26 +1,25 @@
 """MLX batch execution: everything here runs on the engine's one worker thread.
 
-One `tick` = apply cancellations, admit rows, drop finished rows from the batch, join
-rows whose prefill is complete, launch decode step N+1, run one prefill chunk, then
-read step N's tokens (so the device computes N+1 while the host reads N), detokenize
-and check stops. The loop thread gets back plain Python values (`TickReport`).
+One `tick` = apply cancellations, drop finished rows from the batch, join rows whose
+prefill is complete, launch decode step N+1, prefill up to one chunk, then read step
+N's tokens (so the device computes N+1 while the host reads N), detokenize and check
+stops. The loop thread gets back plain Python values (`TickReport`).
 
-Rows prefill alone, on their own cache, `prefill_chunk` tokens per tick, all but their
-last prompt token; then their cache is merged into the running left-padded batch
-cache (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`) and the last prompt token is
-their first decode input.
+Admitted rows prefill in groups, all prompt tokens but the last, as one right-padded
+batch (or alone, continuing from a reused prefix); the group's cache then joins the
+running left-padded batch cache (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`)
+and each row's last prompt token is its first decode input. When no row is padded
+the model sees plain-KVCache views: no mask array, scalar RoPE offsets.
 """
 
 from __future__ import annotations
 
-import time
-import traceback
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from .prefix import PrefixStore
@@ -29,6 +28,7 @@ from .sampling import BatchSampler, top_logprobs
 
 SUPPORTED_CACHES = (KVCache, RotatingKVCache)
 _HISTORY = 256  # tokens of context kept for logits processors (repetition penalty)
+_IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
 
 
 @dataclass
@@ -44,27 +44,81 @@ class RowUpdate:
     state: Optional[str] = None  # 'prefill' | 'decode'
     prefill_done: Optional[int] = None
     cached_tokens: Optional[int] = None
-    tokens: List[int] = field(default_factory=list)
-    text: str = ""  # newly visible text
-    logprobs: Optional[List[dict]] = None
     finish: Optional[str] = None
     error: Optional[str] = None
 
 
 @dataclass
 class TickReport:
-    updates: Dict[int, RowUpdate]
+    updates: Dict[int, RowUpdate]  # state changes, prefill progress, finishes
+    emitted: List[tuple]  # (row id, token or None, new text, logprob or None)
     decoded: int  # rows in the decode step launched this tick
     prefill_tokens: int
-    emitted: int  # tokens read back this tick
     kv_bytes: int
-    row_kv_bytes: Dict[int, int]
+    batch_ids: tuple  # rows in the decode batch, each holding `batch_share` bytes
+    batch_share: int
+    prefill_bytes: Dict[int, int]
     busy: bool  # more work pending inside the executor
 
 
-class _Prefill:
-    def __init__(self, a: Admit, cache: list):
-        self.admit, self.cache, self.pos, self.looked_up = a, cache, 0, False
+class _Group:
+    """Rows prefilling together on one cache: a fresh batch (prompts right-padded,
+    mlx-lm's prepare/finalize turn that into left padding), or one row continuing
+    from a reused prefix on its own single-row cache."""
+
+    def __init__(self, admits: List[Admit], cache: list, start: int, batched: bool):
+        self.admits, self.cache, self.pos, self.batched = admits, cache, start, batched
+        self.lengths = [len(a.ids) - 1 for a in admits]  # all but the last token
+        self.width = max(self.lengths)
+        self.cancelled: set = set()
+        if batched:
+            pad = [self.width - n for n in self.lengths]
+            self.tokens = mx.array([a.ids[:-1] + [0] * p for a, p in zip(admits, pad)]
+                                   if self.width else [[0]] * len(admits))
+            if max(pad) > 0:
+                for c in cache:
+                    c.prepare(lengths=self.lengths, right_padding=pad)
+            self.padded = max(pad) > 0
+        else:
+            self.tokens = mx.array([admits[0].ids[:-1]])
+
+    def row_ids(self):
+        return [a.row_id for a in self.admits]
+
+
+class _LeanBatchKV(BatchKVCache):
+    """mlx-lm's BatchKVCache with `offset` derived (= _idx - left_padding, an
+    invariant of every method) instead of stored: its per-layer `offset + 1` update
+    each decode step becomes a node nobody evaluates."""
+
+    @property
+    def offset(self):
+        return self._idx - self.left_padding
+
+    @offset.setter
+    def offset(self, value):
+        pass
+
+
+class _AlignedView:
+    """Decode-time stand-in for a batch cache none of whose rows is padded: a plain
+    KVCache to the model (scalar RoPE offset, no mask array), so attention takes
+    the same fused path as an unbatched loop."""
+
+    __slots__ = ("c",)
+
+    def __init__(self, c):
+        self.c = c
+
+    @property
+    def offset(self):
+        return self.c._idx
+
+    def update_and_fetch(self, keys, values):
+        return self.c.update_and_fetch(keys, values)
+
+    def make_mask(self, N, **kwargs):
+        return None
 
 
 class _Decode:
@@ -96,8 +150,9 @@ class BatchExecutor:
                 f"model uses {', '.join(sorted(bad))}. Use mlx_lm.generate for it.")
         self.layer_shapes = self._probe_kv(probe)
         self.prefix = PrefixStore(prefix_bytes) if PrefixStore.supports(probe) else None
-        self.prefilling: "OrderedDict[int, _Prefill]" = OrderedDict()
-        self.ready: List[_Prefill] = []
+        self.waiting: Deque[Admit] = deque()  # admitted, prefill not started
+        self.current: Optional[_Group] = None  # the group being prefilled
+        self.ready: List[_Group] = []  # prefilled, joining at the next tick
         self._reset_batch()
         self.nsteps = 0
 
@@ -120,14 +175,22 @@ class BatchExecutor:
         self.ids: List[int] = []  # row ids in batch order
         self.rows: Dict[int, _Decode] = {}
         self.caches: Optional[list] = None
+        self.views: Optional[list] = None  # what the model sees: caches or aligned views
         self.y: Optional[mx.array] = None  # [B] next input tokens
         self.sampler = BatchSampler()
         self.inflight = None  # (row ids, tokens [B], logprob arrays) of the last launch
         self.drop: set = set()
 
     @property
+    def prefilling(self) -> List[int]:
+        """Rows admitted whose prefill has not finished."""
+        return [a.row_id for a in self.waiting] + (
+            [r for r in self.current.row_ids() if r not in self.current.cancelled]
+            if self.current else [])
+
+    @property
     def busy(self) -> bool:
-        return bool(self.prefilling or self.ready or self.ids or self.inflight)
+        return bool(self.waiting or self.current or self.ready or self.ids or self.inflight)
 
     # -- the tick ----------------------------------------------------------------
     def tick(self, admits: List[Admit], cancels: List[int]) -> TickReport:
@@ -137,54 +200,58 @@ class BatchExecutor:
             return up.setdefault(rid, RowUpdate(rid))
 
         for rid in cancels:
-            if self.prefilling.pop(rid, None) is not None or any(
-                    j.admit.row_id == rid for j in self.ready):
-                self.ready = [j for j in self.ready if j.admit.row_id != rid]
-                u(rid).finish = "cancelled"
-            elif rid in self.rows:
-                self.drop.add(rid)
-                u(rid).finish = "cancelled"
-        for a in admits:
-            self.prefilling[a.row_id] = _Prefill(a, make_prompt_cache(self.model))
-            u(a.row_id).state = "prefill"
+            self._cancel(rid, u)
+        self.waiting.extend(admits)
 
         self._filter()
-        decoded = 0
+        emitted: List[tuple] = []
         try:
             self._join(u)
-            if self.ids:
-                launched = self._launch(u)
-                decoded = len(self.ids)
-            else:
-                launched = None
+            launched = self._launch(u) if self.ids else None
         except Exception as e:  # a forward error fails this step's rows, not the engine
             self._fail_batch(u, e)
             launched = None
-        prefill_tokens = self._prefill_chunk(u)
-        emitted = 0
+        decoded = len(self.ids) if launched else 0
+        prefill_tokens = self._prefill(u)
         if self.inflight is not None:
             try:
-                emitted = self._read(self.inflight, u)
+                self._read(self.inflight, u, emitted)
             except Exception as e:
                 self._fail_batch(u, e)
                 launched = None
         self.inflight = launched
         self.nsteps += 1
-        if self.nsteps % 256 == 0:
+        if self.nsteps % 1024 == 0:
             mx.clear_cache()
-        kv, per_row = self._kv_report()
-        return TickReport(up, decoded, prefill_tokens, emitted, kv, per_row, self.busy)
+        kv, share, other = self._kv_report()
+        return TickReport(up, emitted, decoded, prefill_tokens, kv, tuple(self.ids), share,
+                          other, self.busy)
+
+    def _cancel(self, rid, u):
+        for a in self.waiting:
+            if a.row_id == rid:
+                self.waiting.remove(a)
+                break
+        else:
+            groups = [self.current] + self.ready if self.current else self.ready
+            if any(rid in g.row_ids() for g in groups):
+                for g in groups:
+                    if rid in g.row_ids():
+                        g.cancelled.add(rid)
+            elif rid in self.rows:
+                self.drop.add(rid)
+            else:
+                return
+        u(rid).finish = "cancelled"
 
     def _fail_batch(self, u, e: Exception):
         msg = f"{type(e).__name__}: {e}"
-        for rid in list(self.ids) + list(self.inflight[0] if self.inflight else []):
-            if rid not in self.drop:
-                up = u(rid)
-                if up.finish is None:
-                    up.finish, up.error = "error", msg
-        for j in self.ready:
-            up = u(j.admit.row_id)
-            up.finish, up.error = "error", msg
+        rids = list(self.ids) + list(self.inflight[0] if self.inflight else [])
+        rids += [rid for g in self.ready for rid in g.row_ids() if rid not in g.cancelled]
+        for rid in rids:
+            up = u(rid)
+            if up.finish is None and rid not in self.drop:
+                up.finish, up.error = "error", msg
         self.ready = []
         self._reset_batch()
 
@@ -213,42 +280,63 @@ class BatchExecutor:
             if rid not in in_flight or rid in self.drop:
                 self.rows.pop(rid, None)
         self.drop -= set(gone)
+        self._align()
 
     def _join(self, u):
         if not self.ready:
             return
-        jobs, self.ready = self.ready, []
-        new = [type(layer).merge([j.cache[i] for j in jobs]) for i, layer in
-               enumerate(jobs[0].cache)]
-        if self.caches is None:
-            self.caches = new
-        else:
-            for c, n in zip(self.caches, new):
-                c.extend(n)
-        last = mx.array([j.admit.ids[-1] for j in jobs])
-        self.y = last if self.y is None else mx.concatenate([self.y, last])
-        for j in jobs:
-            a = j.admit
-            procs = list(a.params.logits_processors)
-            if a.params.repetition_penalty is not None:
-                procs += make_logits_processors(repetition_penalty=a.params.repetition_penalty)
-            self.rows[a.row_id] = _Decode(a, self.tokenizer.detokenizer, procs)
-            self.ids.append(a.row_id)
-            u(a.row_id).state = "decode"
-        self.sampler.extend([j.admit.params.temperature for j in jobs],
-                            [j.admit.params.filters for j in jobs],
-                            [j.admit.params.seed or 0 for j in jobs],
-                            [0] * len(jobs))
+        groups, self.ready = self.ready, []
+        for g in groups:
+            keep = [i for i, a in enumerate(g.admits) if a.row_id not in g.cancelled]
+            if not keep:
+                continue
+            cache = g.cache if g.batched else [type(c).merge([c]) for c in g.cache]
+            for c in cache:
+                if type(c) is BatchKVCache:
+                    c.__class__ = _LeanBatchKV
+                if len(keep) < len(g.admits):
+                    c.filter(mx.array(keep))
+            if self.caches is None:
+                self.caches = cache
+            else:
+                for c, n in zip(self.caches, cache):
+                    c.extend(n)
+            admits = [g.admits[i] for i in keep]
+            last = mx.array([a.ids[-1] for a in admits])
+            self.y = last if self.y is None else mx.concatenate([self.y, last])
+            for a in admits:
+                procs = list(a.params.logits_processors)
+                if a.params.repetition_penalty is not None:
+                    procs += make_logits_processors(
+                        repetition_penalty=a.params.repetition_penalty)
+                self.rows[a.row_id] = _Decode(a, self.tokenizer.detokenizer, procs)
+                self.ids.append(a.row_id)
+                u(a.row_id).state = "decode"
+            self.sampler.extend([a.params.temperature for a in admits],
+                                [a.params.filters for a in admits],
+                                [a.params.seed or 0 for a in admits], [0] * len(admits))
+        self._align()
+
+    def _align(self):
+        """Choose what the model sees: when no row is padded, aligned views."""
+        if not self.caches:
+            self.views = None
+            return
+        aligned = (all(type(c) is _LeanBatchKV for c in self.caches)
+                   and max(self.caches[0].left_padding.tolist()) == 0)
+        self.views = [_AlignedView(c) for c in self.caches] if aligned else self.caches
 
     # -- compute -----------------------------------------------------------------
     def _launch(self, u):
         rows = [self.rows[rid] for rid in self.ids]
-        logits = self.model(self.y[:, None], cache=self.caches)[:, -1, :]  # [B, V]
-        logits = logits.astype(mx.float32)
-        if any(r.processors for r in rows):
+        logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
+        want = [i for i, r in enumerate(rows) if r.params.logprobs]
+        procs = any(r.processors for r in rows)
+        if want or procs or self.sampler.needs_float32:
+            logits = logits.astype(mx.float32)
+        if procs:
             logits = self._process(rows, logits, u)
         tokens = self.sampler.sample(logits)  # [B]
-        want = [i for i, r in enumerate(rows) if r.params.logprobs]
         lp = None
         if want:
             k = max(rows[i].params.logprobs for i in want)
@@ -281,95 +369,145 @@ class BatchExecutor:
             out.append(li)
         return mx.concatenate(out, axis=0)
 
-    def _prefill_chunk(self, u) -> int:
-        if not self.prefilling:
-            return 0
-        rid, job = next(iter(self.prefilling.items()))
-        ids = job.admit.ids
-        if not job.looked_up:
-            job.looked_up = True
-            if self.prefix is not None:
-                n, cache = self.prefix.lookup(ids)
-                if n:
-                    job.cache, job.pos = cache, n
-                    u(rid).cached_tokens = n
-        n = min(self.prefill_chunk, len(ids) - 1 - job.pos)
-        try:
-            if n > 0:
-                self.model(mx.array(ids[job.pos:job.pos + n])[None], cache=job.cache)
-                mx.eval([c.state for c in job.cache])
-                job.pos += n
-        except Exception as e:
-            del self.prefilling[rid]
-            up = u(rid)
-            up.finish, up.error = "error", f"prefill failed: {type(e).__name__}: {e}"
-            return 0
-        u(rid).prefill_done = job.pos
-        if job.pos >= len(ids) - 1:
-            del self.prefilling[rid]
-            if self.prefix is not None and job.pos > 0:
-                self.prefix.add(ids[:job.pos], job.cache)
-            self.ready.append(job)
-        return max(n, 0)
+    # -- prefill -------------------------------------------------------------------
+    def _prefill(self, u) -> int:
+        """Prefill up to `prefill_chunk` tokens beside a running batch (its stall is
+        bounded by one chunk), or everything admitted when nothing is decoding."""
+        budget = self.prefill_chunk if self.ids else max(self.prefill_chunk, _IDLE_PREFILL)
+        done = 0
+        while done < budget:
+            if self.current is None:
+                self.current = self._next_group(budget - done)
+                if self.current is None:
+                    break
+            try:
+                done += self._chunk(self.current, budget - done, u)
+            except Exception as e:
+                for rid in self.current.row_ids():
+                    if rid not in self.current.cancelled:
+                        up = u(rid)
+                        up.finish, up.error = "error", f"prefill failed: {type(e).__name__}: {e}"
+                self.current = None
+        return done
+
+    def _next_group(self, budget: int) -> Optional[_Group]:
+        if not self.waiting:
+            return None
+        head = self.waiting.popleft()
+        if self.prefix is not None:
+            n, cache = self.prefix.lookup(head.ids)
+            if n:
+                g = _Group([head], cache, n, batched=False)
+                g.cached = n
+                return g
+        group = [head]
+        width = len(head.ids) - 1
+        while self.waiting:
+            a = self.waiting[0]
+            w = max(width, len(a.ids) - 1)
+            if (len(group) + 1) * w > max(budget, len(head.ids) - 1):
+                break
+            if self.prefix is not None and self.prefix.lookup(a.ids)[0]:
+                break  # it prefills faster on its own, from the reused prefix
+            group.append(self.waiting.popleft())
+            width = w
+        proto = make_prompt_cache(self.model)
+        cache = [type(c).merge([c] * len(group)) for c in proto]
+        g = _Group(group, cache, 0, batched=True)
+        g.cached = 0
+        return g
+
+    def _chunk(self, g: _Group, budget: int, u) -> int:
+        k = len(g.admits)
+        n = min(g.width - g.pos, max(1, budget // k))
+        if n > 0:
+            cols = g.tokens[:, g.pos - (0 if g.batched else g.cached):][:, :n]
+            self.model(cols, cache=g.cache)
+            mx.eval([c.state for c in g.cache])
+            g.pos += n
+        if g.pos >= g.width:
+            if g.batched and g.padded:
+                for c in g.cache:
+                    c.finalize()
+                mx.eval([c.state for c in g.cache])
+            self._remember(g)
+            self.current = None
+            self.ready.append(g)
+        for a, length in zip(g.admits, g.lengths):
+            if a.row_id not in g.cancelled:
+                upd = u(a.row_id)
+                upd.prefill_done = len(a.ids) if g.pos >= g.width else min(g.pos, length)
+                if g.cached:
+                    upd.cached_tokens = g.cached
+        return max(n, 0) * k
+
+    def _remember(self, g: _Group):
+        if self.prefix is None or not g.width:
+            return
+        layers = [(c.keys, c.values) for c in g.cache]
+        for i, (a, length) in enumerate(zip(g.admits, g.lengths)):
+            if length:
+                self.prefix.add(a.ids[:length], layers, i, g.width - length if g.batched else 0)
 
     # -- reading back --------------------------------------------------------------
-    def _read(self, inflight, u) -> int:
+    def _read(self, inflight, u, emitted: List[tuple]) -> None:
         ids, tokens, lp = inflight
         toks = tokens.tolist()  # the one host sync per step
-        lps = None
-        if lp is not None:
-            want, chosen, top_ids, top_lp = lp
-            chosen = chosen.tolist()
-            top_ids = top_ids.tolist() if top_ids is not None else None
-            top_lp = top_lp.tolist() if top_lp is not None else None
-            lps = {}
-            for j, i in enumerate(want):
-                k = self.rows[ids[i]].params.logprobs if ids[i] in self.rows else 0
-                lps[i] = {"logprob": chosen[j],
-                          "top": list(zip(top_ids[j][:k], top_lp[j][:k])) if top_ids else []}
-        emitted = 0
+        lps = self._read_logprobs(ids, lp) if lp is not None else None
+        rows, drop = self.rows, self.drop
         for i, rid in enumerate(ids):
-            r = self.rows.get(rid)
-            if r is None or rid in self.drop:
+            r = rows.get(rid)
+            if r is None or rid in drop:
                 continue
-            emitted += 1
-            self._accept(r, toks[i], None if lps is None else lps.get(i), u(rid))
-            if u(rid).finish is not None:
-                self.drop.add(rid)
-            if u(rid).finish is not None and rid not in self.ids:
-                self.rows.pop(rid, None)
-                self.drop.discard(rid)
-        return emitted
+            finish = self._accept(r, toks[i], None if lps is None else lps.get(i), emitted)
+            if finish is not None:
+                up = u(rid)
+                up.finish, up.error = finish
+                drop.add(rid)
+                if rid not in self.ids:
+                    rows.pop(rid, None)
+                    drop.discard(rid)
 
-    def _accept(self, r: _Decode, tok: int, lp: Optional[dict], up: RowUpdate):
+    def _read_logprobs(self, ids, lp) -> dict:
+        want, chosen, top_ids, top_lp = lp
+        chosen = chosen.tolist()
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        top_lp = top_lp.tolist() if top_lp is not None else None
+        out = {}
+        for j, i in enumerate(want):
+            k = self.rows[ids[i]].params.logprobs if ids[i] in self.rows else 0
+            out[i] = {"logprob": chosen[j],
+                      "top": list(zip(top_ids[j][:k], top_lp[j][:k])) if top_ids else []}
+        return out
+
+    def _accept(self, r: _Decode, tok: int, lp: Optional[dict], emitted) -> Optional[tuple]:
+        """Take one sampled token; append (row, token|None, new text, logprob) to
+        `emitted`; return (finish_reason, error) when the row ends here."""
         if tok in self.eos:
             r.detok.finalize()
-            self._emit(r, up, final=True)
-            up.finish = "stop"
-            return
+            r.text += r.detok.last_segment
+            emitted.append((r.id, None, self._visible(r, True), None))
+            return ("stop", None)
         r.ntok += 1
-        up.tokens.append(tok)
-        if lp is not None:
-            lp["token"] = tok
-            up.logprobs = (up.logprobs or []) + [lp]
         r.detok.add_token(tok)
         final = r.ntok >= r.params.max_tokens
         if final:
             r.detok.finalize()
         r.text += r.detok.last_segment
-        try:
-            hit = self._find_stop(r)
-        except Exception as e:  # a stop callback's failure ends its row only
-            up.finish, up.error = "error", f"stop callback failed: {type(e).__name__}: {e}"
-            return
-        if hit is not None:
-            r.text = r.text[:hit]
-            self._emit(r, up, final=True)
-            up.finish = "stop"
-            return
-        self._emit(r, up, final)
-        if final:
-            up.finish = "length"
+        if lp is not None:
+            lp["token"] = tok
+        if r.params.stop:
+            try:
+                hit = self._find_stop(r)
+            except Exception as e:  # a stop callback's failure ends its row only
+                emitted.append((r.id, tok, "", lp))
+                return ("error", f"stop callback failed: {type(e).__name__}: {e}")
+            if hit is not None:
+                r.text = r.text[:hit]
+                emitted.append((r.id, tok, self._visible(r, True), lp))
+                return ("stop", None)
+        emitted.append((r.id, tok, self._visible(r, final), lp))
+        return ("length", None) if final else None
 
     def _find_stop(self, r: _Decode) -> Optional[int]:
         start = max(0, r.shown - r.hold)
@@ -384,34 +522,35 @@ class BatchExecutor:
                 best = j
         return best
 
-    def _emit(self, r: _Decode, up: RowUpdate, final: bool):
-        # Hold back a tail that could still become a stop string.
+    def _visible(self, r: _Decode, final: bool) -> str:
+        """The newly showable text; a tail that could still become a stop string
+        is held back."""
         end = len(r.text) if final or not r.hold else max(r.shown, len(r.text) - r.hold + 1)
-        if end > r.shown:
-            up.text += r.text[r.shown:end]
-            r.shown = end
+        if end <= r.shown:
+            return ""
+        out, r.shown = r.text[r.shown:end], end
+        return out
 
     # -- memory ----------------------------------------------------------------------
     def _kv_report(self):
-        per_row: Dict[int, int] = {}
+        """(total bytes, bytes per batch row, {prefilling row: bytes})."""
+        share, other = 0, {}
         total = 0
         if self.caches is not None and self.ids:
             batch = sum(c.nbytes for c in self.caches)
             total += batch
-            for rid in self.ids:
-                per_row[rid] = batch // len(self.ids)
-        for rid, job in self.prefilling.items():
-            b = sum(c.nbytes for c in job.cache if c.keys is not None)
-            per_row[rid] = b
+            share = batch // len(self.ids)
+        for g in ([self.current] if self.current else []) + self.ready:
+            b = sum(c.nbytes for c in g.cache)
             total += b
-        for job in self.ready:
-            b = sum(c.nbytes for c in job.cache if c.keys is not None)
-            per_row[job.admit.row_id] = b
-            total += b
-        return total, per_row
+            live = [rid for rid in g.row_ids() if rid not in g.cancelled]
+            for rid in live:
+                other[rid] = b // max(len(live), 1)
+        return total, share, other
 
     def close(self):
-        self.prefilling.clear()
+        self.waiting.clear()
+        self.current = None
         self.ready = []
         self._reset_batch()
         if self.prefix is not None:

@@ -281,30 +281,35 @@ class Engine:
 
     def _apply(self, report, dt):
         now = self.clock()
+        by_id = self._by_id
+        for rid, tok, text, lp in report.emitted:
+            row = by_id[rid]
+            if tok is not None:
+                if row.t_first is None:
+                    row.t_first = now
+                row.tokens.append(tok)
+                if lp is not None:
+                    row.logprobs.append(lp)
+            if text:
+                row.text += text
+        self.scheduler.progress_many(report.emitted)
         for rid, up in report.updates.items():
-            row = self._by_id[rid]
+            row = by_id[rid]
             if row.done:
                 continue
-            if up.state and up.state != row.state:
+            if up.state:
                 row.state = up.state
             if up.prefill_done is not None:
                 row.prefill_done = up.prefill_done
             if up.cached_tokens is not None:
                 row.cached_tokens = up.cached_tokens
-            if up.tokens:
-                if row.t_first is None:
-                    row.t_first = now
-                row.tokens.extend(up.tokens)
-                self.scheduler.progress(rid, len(up.tokens))
-            row.text += up.text
-            if up.logprobs:
-                row.logprobs.extend(up.logprobs)
             if up.finish:
                 if row.t_first is None and up.finish == "stop":
                     row.t_first = now
                 self._end(row, up.finish, up.error)
         rec = StepRecord(len(self.steps), now, dt, report.decoded, report.prefill_tokens,
-                         report.kv_bytes, report.row_kv_bytes, report.emitted)
+                         report.kv_bytes, report.batch_ids, report.batch_share,
+                         report.prefill_bytes, len(report.emitted))
         self.steps.append(rec)
         self._notify("step", rec)
 

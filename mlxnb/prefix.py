@@ -1,9 +1,12 @@
 """Prompt-prefix KV reuse: rows that share a prefix (system prompt, few-shot header,
 `--n` samples of one prompt) copy its KV instead of prefilling it again.
 
-Entries are whole prefilled prompts; a lookup takes the longest common prefix with
-any entry and trims a copy to it. Only models whose caches are all plain, trimmable
-`KVCache`s take part (rotating windows would need the evicted tokens back).
+Entries are whole prefilled prompts. An entry references the prefill's own KV arrays
+(a row of a batch, from `start` for `n` tokens) instead of copying them: decode only
+ever writes past the prompt, and MLX slices taken now are values, so the stored
+region never changes. A lookup takes the longest common prefix with any entry.
+Only models whose caches are all plain, trimmable `KVCache`s take part (rotating
+windows would need the evicted tokens back).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import List, Optional, Tuple
 
-import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 
@@ -28,7 +30,8 @@ class PrefixStore:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.min_tokens = min_tokens
-        self._entries: "OrderedDict[tuple, list]" = OrderedDict()
+        # key tokens -> (per-layer [(keys, values)] sliced to [1, H, n, D], bytes)
+        self._entries: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.nbytes = 0
 
     @staticmethod
@@ -36,7 +39,7 @@ class PrefixStore:
         return all(type(c) is KVCache for c in cache)
 
     def lookup(self, ids: List[int]) -> Tuple[int, Optional[list]]:
-        """(n, cache): a fresh cache holding the first n tokens of `ids` (n < len(ids))."""
+        """(n, cache): a fresh single-row cache holding the first n tokens of `ids`."""
         best, best_key = 0, None
         for key in self._entries:
             n = _common_prefix(key, ids)
@@ -47,33 +50,33 @@ class PrefixStore:
             return 0, None
         self._entries.move_to_end(best_key)
         cache = []
-        for keys, values in self._entries[best_key]:
+        for keys, values in self._entries[best_key][0]:
             c = KVCache()
-            # Slices are new arrays: the row's in-place cache updates can't reach
-            # the stored entry.
             c.keys, c.values = keys[..., :best, :], values[..., :best, :]
             c.offset = best
             cache.append(c)
         return best, cache
 
-    def add(self, ids: List[int], cache: list) -> None:
-        if self.max_bytes <= 0 or len(ids) < self.min_tokens:
+    def add(self, ids: List[int], layers: list, row: int, start: int) -> None:
+        """Remember `ids` as held by `layers` ([(keys, values)] of a batch) at `row`,
+        positions start .. start + len(ids)."""
+        n = len(ids)
+        if self.max_bytes <= 0 or n < self.min_tokens:
             return
         key = tuple(ids)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        n = len(ids)
-        layers = [(mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :]))
-                  for c in cache]
-        size = sum(k.nbytes + v.nbytes for k, v in layers)
+        sliced = [(k[row:row + 1, :, start:start + n, :], v[row:row + 1, :, start:start + n, :])
+                  for k, v in layers]
+        size = sum(k.nbytes + v.nbytes for k, v in sliced)
         if size > self.max_bytes:
             return
-        self._entries[key] = layers
+        self._entries[key] = (sliced, size)
         self.nbytes += size
         while self.nbytes > self.max_bytes or len(self._entries) > self.max_entries:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= sum(k.nbytes + v.nbytes for k, v in old)
+            _, (_, old) = self._entries.popitem(last=False)
+            self.nbytes -= old
 
     def clear(self) -> None:
         self._entries.clear()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, List, Optional
 
 def on_loop(loop, make_awaitable):
@@ -205,20 +205,39 @@ class Row:
         self._callbacks.clear()
 
 
-@dataclass
 class StepRecord:
-    """One scheduler iteration, as the charts plot it."""
+    """One scheduler iteration, as the charts plot it.
 
-    step: int
-    t: float  # engine clock at the end of the step, s
-    dt_s: float
-    batch_size: int  # rows decoded this step
-    prefill_tokens: int  # prompt tokens prefilled this step
-    kv_bytes: int  # real bytes held by all live KV caches
-    row_kv_bytes: dict = field(default_factory=dict)  # {row_id: bytes}
-    tokens: int = 0  # tokens emitted this step
+    step, t (engine clock at the step's end, s), dt_s, batch_size (rows decoded),
+    prefill_tokens, kv_bytes (real bytes held by all live KV caches), row_kv_bytes
+    ({row_id: bytes}, computed on access: in a padded batch every row holds an equal
+    share, so a step stores only the batch's row ids, shared between steps), tokens
+    (tokens emitted this step).
+    """
+
+    __slots__ = ("step", "t", "dt_s", "batch_size", "prefill_tokens", "kv_bytes",
+                 "_batch_ids", "_share", "_prefill", "tokens")
+
+    def __init__(self, step, t, dt_s, batch_size, prefill_tokens, kv_bytes,
+                 batch_ids=(), share=0, prefill_bytes=None, tokens=0):
+        self.step, self.t, self.dt_s = step, t, dt_s
+        self.batch_size, self.prefill_tokens, self.kv_bytes = batch_size, prefill_tokens, kv_bytes
+        self._batch_ids, self._share, self._prefill = batch_ids, share, prefill_bytes or {}
+        self.tokens = tokens
+
+    @property
+    def row_kv_bytes(self) -> dict:
+        d = dict.fromkeys(self._batch_ids, self._share)
+        d.update(self._prefill)
+        return d
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["row_kv_bytes"] = {str(k): v for k, v in self.row_kv_bytes.items()}
-        return d
+        return {"step": self.step, "t": self.t, "dt_s": self.dt_s,
+                "batch_size": self.batch_size, "prefill_tokens": self.prefill_tokens,
+                "kv_bytes": self.kv_bytes, "tokens": self.tokens,
+                "row_kv_bytes": {str(k): v for k, v in self.row_kv_bytes.items()}}
+
+    def __repr__(self):
+        return (f"StepRecord(step={self.step}, t={self.t:.3f}, dt_s={self.dt_s:.4f}, "
+                f"batch_size={self.batch_size}, prefill_tokens={self.prefill_tokens}, "
+                f"kv_bytes={self.kv_bytes}, tokens={self.tokens})")

@@ -111,6 +111,10 @@ class BatchSampler:
             self._groups = {f: mx.array(ix) for f, ix in groups.items()}
         return self._groups
 
+    @property
+    def needs_float32(self) -> bool:
+        return self._any_sampled
+
     def sample(self, logits: mx.array) -> mx.array:
         """logits [B, V] float32 -> tokens [B] uint32; advances the counters."""
         greedy = mx.argmax(logits, axis=-1)

@@ -81,6 +81,14 @@ class Scheduler:
             s.length += new_tokens
             s.remaining = max(0, s.remaining - new_tokens)
 
+    def progress_many(self, emitted) -> None:
+        active = self.active
+        for rid, tok, _, _ in emitted:
+            s = active.get(rid)
+            if s is not None and tok is not None:
+                s.length += 1
+                s.remaining -= 1
+
     def release(self, row_id: int) -> None:
         self.active.pop(row_id, None)
 
