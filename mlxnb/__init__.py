@@ -14,7 +14,18 @@ from ._blas import preload_openblas as _preload_openblas
 
 _preload_openblas()  # before anything imports mlx: see _blas.py for why
 
-from .magics import load_ipython_extension, unload_ipython_extension, wait  # noqa: E402
+
+def load_ipython_extension(ip):  # `%load_ext mlxnb`
+    from .magics import load_ipython_extension as load
+
+    load(ip)
+
+
+def unload_ipython_extension(ip):
+    from .magics import unload_ipython_extension as unload
+
+    unload(ip)
+
 
 __all__ = ["Engine", "Row", "RowResult", "Run", "SamplingParams", "StepRecord",
            "GenerationWidget", "load_model", "wait", "load_ipython_extension",
@@ -26,7 +37,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": ".engine", "Row": ".rows", "RowResult": ".rows", "Run": ".run",
     "SamplingParams": ".rows", "StepRecord": ".rows", "GenerationWidget": ".widget",
-    "load_model": ".models", "ModelLoadError": ".models",
+    "load_model": ".models", "ModelLoadError": ".models", "wait": ".magics",
 }
 
 
