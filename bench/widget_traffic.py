@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -118,19 +119,24 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--real", action="store_true")
     ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--tokens", type=int, default=256, help="--real: tokens per row")
+    ap.add_argument("--repeat", type=int, default=3, help="--real: plain/widget pairs")
     a = ap.parse_args()
     for nrows, ntok in [(1, 200), (8, 200), (32, 200), (64, 200)]:
         asyncio.run(fake_case(nrows, ntok, a.step_ms / 1000, 64))
     asyncio.run(fake_case(8, 2000, 0.001, 64))  # fast steps: bucketing in one flush
     if a.real:
+        asyncio.run(real_case(8, 32, False))  # warm-up: imports, first compile
         for nrows in (8, 32):
-            for _ in range(2):  # alternate to spread noise
-                base = asyncio.run(real_case(nrows, 128, False))
-                wid = asyncio.run(real_case(nrows, 128, True))
+            ratios = []
+            for _ in range(a.repeat):  # alternate plain / widget runs to spread noise
+                base = asyncio.run(real_case(nrows, a.tokens, False))
+                wid = asyncio.run(real_case(nrows, a.tokens, True))
+                ratios.append(wid / base)
                 print(json.dumps({"case": f"real tiny {nrows} rows", "tok_s_plain": round(base),
-                                  "tok_s_widget": round(wid),
-                                  "ratio": round(wid / base, 3)}))
-
+                                  "tok_s_widget": round(wid), "ratio": round(wid / base, 3)}))
+            print(json.dumps({"case": f"real tiny {nrows} rows", "median_ratio":
+                              round(statistics.median(ratios), 3)}))
 
 if __name__ == "__main__":
     main()

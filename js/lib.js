@@ -187,10 +187,11 @@ export function timelineSpans(r, now) {
   return out.filter((s) => s.t1 >= s.t0);
 }
 
-/** Engine-clock "now" while live: last header time plus the wall time since it came. */
-export function liveNow(header, recvAt, wallNow) {
+/** Engine-clock "now" while live: last header time plus the wall time since it came
+ *  (at most `cap` s: a silent kernel must not make the timeline run on forever). */
+export function liveNow(header, recvAt, wallNow, cap = 5) {
   const base = header.now ?? 0;
-  return header.live ? base + Math.max(0, (wallNow - recvAt) / 1000) : base;
+  return header.live ? base + Math.min(cap, Math.max(0, (wallNow - recvAt) / 1000)) : base;
 }
 
 // ---------------------------------------------------------------- summaries

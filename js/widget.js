@@ -177,13 +177,16 @@ function drawTimeline(canvas, st, c, now) {
   t1 = Math.max(t1, t0 + 0.01);
   const x = xLabels(g, c, box, 0, t1 - t0, (v) => (v ? formatDuration(v) : "0"));
   const lane = (box.b - box.t) / rows.length, bar = Math.max(1, Math.min(10, lane - 1));
-  const fill = { queued: c.other, prefill: c.warn };
   rows.forEach((r, i) => {
     const py = box.t + i * lane + (lane - bar) / 2;
     for (const sp of timelineSpans(r, now)) {
-      ctx.fillStyle = fill[sp.kind] || rowColor(r.id);
+      // queued: a thin grey line; prefill: the row's colour, pale; decode: solid
+      const q = sp.kind === "queued", hq = q ? Math.max(1, bar * 0.35) : bar;
+      ctx.fillStyle = q ? c.other : rowColor(r.id);
+      ctx.globalAlpha = sp.kind === "prefill" ? 0.35 : 1;
       const xa = x(sp.t0 - t0), xb = x(sp.t1 - t0);
-      ctx.fillRect(xa, py, Math.max(1, xb - xa), bar);
+      ctx.fillRect(xa, py + (bar - hq) / 2, Math.max(1, xb - xa), hq);
+      ctx.globalAlpha = 1;
     }
     if (r.t_done != null && r.finish && r.finish !== "stop" && r.finish !== "length") {
       ctx.fillStyle = r.finish === "error" ? c.err : c.fg; // cancelled / error: an end mark
@@ -215,7 +218,7 @@ function render({ model, el }) {
   };
   const cvKV = chart("mlxnb-chart-kv", "KV memory by row · budget");
   const cvStep = chart("mlxnb-chart-step", "step time ms · batch size (right)");
-  const cvTime = chart("mlxnb-chart-timeline", "rows: queued · prefill · decode");
+  const cvTime = chart("mlxnb-chart-timeline", "rows over time: queued ─ · prefill (pale) · decode");
   const rowsEl = h("div", "mlxnb-rows");
   root.append(head, charts, rowsEl);
   el.append(root);
@@ -301,7 +304,9 @@ function render({ model, el }) {
     const hd = st.header, rows = [...st.rows.values()], n = countStates(rows);
     setText(hModel, hd.model || "mlxnb");
     setText(hTitle, hd.title || (hd.mode === "dashboard" ? "dashboard" : ""));
-    const parts = [`${hd.running ?? 0} running · ${hd.queued ?? 0} queued`];
+    // Engine-wide counts are news only while live (a finished run's would be stale).
+    const parts = hd.live || hd.mode === "dashboard"
+      ? [`${hd.running ?? 0} running · ${hd.queued ?? 0} queued`] : [];
     if (hd.mode !== "dashboard" || rows.length) parts.push(`rows ${n.done}/${rows.length} done`);
     if (hd.live) parts.push(`${formatRate(hd.tok_s ?? 0)} tok/s`);
     else if (rows.length) parts.push(`avg ${formatRate(runStats(rows).tok_s)} tok/s`);

@@ -216,7 +216,7 @@ class GenerationWidget(anywidget.AnyWidget):
             return
         # A fresh context, so the flusher's messages are not tied to the cell that
         # happened to start it (kernel-facts.md, output routing).
-        self._flusher = loop.create_task(self._flush_loop(), context=contextvars.Context())
+        self._flusher = contextvars.Context().run(loop.create_task, self._flush_loop())
 
     async def _flush_loop(self):
         try:
@@ -244,8 +244,11 @@ class GenerationWidget(anywidget.AnyWidget):
         steps = self._take_steps(STEPS_PER_FLUSH if send else MAX_STEP_POINTS)
         hdr = self._header()
         hdiff = {k: v for k, v in hdr.items() if self._hdr_sent.get(k, ...) != v}
-        self._hdr_sent = hdr
-        if send and (rows or steps or hdiff):
+        # The clock and the rate drift every flush: alone they are not worth a message.
+        news = rows or steps or set(hdiff) - {"now", "tok_s"}
+        if news or not send:
+            self._hdr_sent = hdr
+        if send and news:
             self._seq += 1
             msg = {"type": "delta", "seq": self._seq, "rows": rows}
             if steps:
@@ -418,6 +421,8 @@ class GenerationWidget(anywidget.AnyWidget):
         if len(rows) > len(shown):
             lines.append(f"  ... {len(rows) - len(shown)} earlier rows")
         lines += [_row_line(r, width) for r in shown]
+        if any(not r.done for r in rows):
+            lines.append("(a snapshot: the live widget shows progress; display it again for now)")
         return "\n".join(lines)
 
     def _repr_mimebundle_(self, **kwargs):

@@ -176,6 +176,7 @@ test("timelineSpans covers queued, prefill, decode; open spans end now", () => {
 test("liveNow extrapolates only while live", () => {
   assert.equal(liveNow({ now: 10, live: true }, 1000, 1500), 10.5);
   assert.equal(liveNow({ now: 10, live: false }, 1000, 1500), 10);
+  assert.equal(liveNow({ now: 10, live: true }, 1000, 60000), 15); // capped
 });
 
 test("badges, counts and run stats", () => {
