@@ -291,7 +291,7 @@ class Engine:
                 if lp is not None:
                     row.logprobs.append(lp)
             if text:
-                row.text += text
+                row._text += text
         self.scheduler.progress_many(report.emitted)
         for rid, up in report.updates.items():
             row = by_id[rid]

@@ -118,7 +118,12 @@ class Row:
         self.tag = tag  # free slot for the caller (e.g. the magic's sweep values)
         self.state = QUEUED
         self.tokens: List[int] = []
-        self.text = ""
+        self._text = ""
+        # Text is decoded lazily from `tokens` when read (rows with stop strings get
+        # it from the worker instead, which must see it to find the stops).
+        self._decoded = 0
+        tok = getattr(engine, "tokenizer", None)
+        self._detok = None if params.stop or tok is None else tok.detokenizer
         self.logprobs: Optional[List[dict]] = [] if params.logprobs else None
         self.prefill_done = 0
         self.cached_tokens = 0
@@ -135,6 +140,24 @@ class Row:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def text(self) -> str:
+        """The generated text so far (stop strings never included)."""
+        d = self._detok
+        if d is not None and self._decoded < len(self.tokens):
+            parts = []
+            for t in self.tokens[self._decoded:]:
+                d.add_token(t)
+                parts.append(d.last_segment)
+            self._decoded = len(self.tokens)
+            self._text += "".join(parts)
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
+        self._decoded = len(self.tokens)
 
     @property
     def done(self) -> bool:
@@ -191,6 +214,11 @@ class Row:
     def _finish(self, reason: str, error: Optional[str] = None) -> None:
         if self.done:
             return
+        if self._detok is not None:
+            _ = self.text
+            self._detok.finalize()
+            self._text += self._detok.last_segment
+            self._detok = None
         self.state = DONE
         self.finish_reason = reason
         self.error = error

@@ -119,7 +119,8 @@ class BatchSampler:
         """logits [B, V] float32 -> tokens [B] uint32; advances the counters."""
         greedy = mx.argmax(logits, axis=-1)
         if not self._any_sampled:
-            self.counters = self.counters + _u32(1)
+            # Counters only feed sampled rows' noise, and any sampled row keeps this
+            # branch off while it is in the batch: all-greedy steps skip the update.
             return greedy
         groups = self._filter_groups()
         if groups:

@@ -398,3 +398,23 @@ def test_steps_record_real_kv_bytes(tiny, arun):
     s = full[-1]
     assert set(s.row_kv_bytes) == {r.id for r in run}
     assert sum(s.row_kv_bytes.values()) <= s.kv_bytes
+
+
+def test_text_matches_tokens_streamed_or_not(tiny, arun):
+    _, tok = tiny
+
+    async def main():
+        eng = make(tiny)
+        row = eng.submit("hello there", chat=False, max_tokens=30)
+        seen = []
+        while not row.done:  # read while streaming: lazy decoding catches up
+            seen.append(row.text)
+            await asyncio.sleep(0)
+        plain = await row
+        stopped = await alone(eng, "hello there", max_tokens=30, stop=["never-there"])
+        await eng.aclose()
+        return plain, stopped, seen
+
+    plain, stopped, seen = arun(main)
+    assert plain.text == tok.decode(plain.tokens) == stopped.text
+    assert all(plain.text.startswith(s) for s in seen)
