@@ -309,7 +309,10 @@ class BatchExecutor:
                 if a.params.repetition_penalty is not None:
                     procs += make_logits_processors(
                         repetition_penalty=a.params.repetition_penalty)
-                self.rows[a.row_id] = _Decode(a, self.tokenizer.detokenizer, procs)
+                # Only rows with stop strings are detokenized here, per token; the
+                # others' text is decoded on the loop side when someone reads it.
+                detok = self.tokenizer.detokenizer if a.params.stop else None
+                self.rows[a.row_id] = _Decode(a, detok, procs)
                 self.ids.append(a.row_id)
                 u(a.row_id).state = "decode"
             self.sampler.extend([a.params.temperature for a in admits],
@@ -483,29 +486,33 @@ class BatchExecutor:
     def _accept(self, r: _Decode, tok: int, lp: Optional[dict], emitted) -> Optional[tuple]:
         """Take one sampled token; append (row, token|None, new text, logprob) to
         `emitted`; return (finish_reason, error) when the row ends here."""
+        detok = r.detok
         if tok in self.eos:
-            r.detok.finalize()
-            r.text += r.detok.last_segment
-            emitted.append((r.id, None, self._visible(r, True), None))
+            if detok is not None:
+                detok.finalize()
+                r.text += detok.last_segment
+                emitted.append((r.id, None, self._visible(r, True), None))
             return ("stop", None)
         r.ntok += 1
-        r.detok.add_token(tok)
         final = r.ntok >= r.params.max_tokens
-        if final:
-            r.detok.finalize()
-        r.text += r.detok.last_segment
         if lp is not None:
             lp["token"] = tok
-        if r.params.stop:
-            try:
-                hit = self._find_stop(r)
-            except Exception as e:  # a stop callback's failure ends its row only
-                emitted.append((r.id, tok, "", lp))
-                return ("error", f"stop callback failed: {type(e).__name__}: {e}")
-            if hit is not None:
-                r.text = r.text[:hit]
-                emitted.append((r.id, tok, self._visible(r, True), lp))
-                return ("stop", None)
+        if detok is None:
+            emitted.append((r.id, tok, None, lp))
+            return ("length", None) if final else None
+        detok.add_token(tok)
+        if final:
+            detok.finalize()
+        r.text += detok.last_segment
+        try:
+            hit = self._find_stop(r)
+        except Exception as e:  # a stop callback's failure ends its row only
+            emitted.append((r.id, tok, "", lp))
+            return ("error", f"stop callback failed: {type(e).__name__}: {e}")
+        if hit is not None:
+            r.text = r.text[:hit]
+            emitted.append((r.id, tok, self._visible(r, True), lp))
+            return ("stop", None)
         emitted.append((r.id, tok, self._visible(r, final), lp))
         return ("length", None) if final else None
 
