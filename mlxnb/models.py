@@ -89,8 +89,13 @@ def _check_dir(p: Path, name: str) -> Path:
 def _load_dir(path: Path, name: str, kwargs: dict):
     import mlx_lm
 
+    # mlx-lm does not pass its trust_remote_code on to AutoTokenizer, which then (for a
+    # tokenizer_config auto_map naming an unknown class) *asks* on stdin whether to run
+    # the directory's code; in a notebook that question reaches the user. Say no here.
+    tok_cfg = dict(kwargs.pop("tokenizer_config", None) or {}, trust_remote_code=False)
     try:
-        return mlx_lm.load(str(path), trust_remote_code=False, **kwargs)
+        return mlx_lm.load(str(path), trust_remote_code=False,
+                           tokenizer_config=tok_cfg, **kwargs)
     except Exception as e:  # mlx-lm raises ValueError/FileNotFoundError/KeyError...
         raise ModelLoadError(f"could not load {name!r} from {path}: "
                              f"{type(e).__name__}: {e}") from e
