@@ -183,6 +183,9 @@ def test_missing_gguf_package(tmp_path, monkeypatch):
 
 
 def test_unknown_hub_id_fails_fast():
+    import huggingface_hub  # noqa: F401  (time the lookup, not the imports)
+    import mlx_lm.utils  # noqa: F401
+
     t = time.perf_counter()
     with pytest.raises(ModelLoadError) as e:
         load_model("no/such-model")
