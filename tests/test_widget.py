@@ -98,7 +98,7 @@ class FakeEngine:
                         self._end(r, "length")
             row_kv = {r.id: (r.prefill_done + r.ntok) * self.bpt for r in self._active}
             rec = StepRecord(len(self.steps), self.clock(), self.step_s, decoded, prefilled,
-                             sum(row_kv.values()), row_kv, decoded)
+                             sum(row_kv.values()), prefill_bytes=row_kv, tokens=decoded)
             self.steps.append(rec)
             self._notify("step", rec)
 
@@ -196,9 +196,13 @@ def test_traits_complete_after_sync_now_and_at_the_end():
     assert all(r["t_done"] is not None and r["ttft"] is not None for r in w.rows)
     assert w.header["live"] is False
     assert w.seq == customs(msgs)[-1]["seq"]
-    # the KV history belongs to this widget's rows only
+    # the KV history belongs to this widget's rows only, with the engine's byte counts
     ids = {r.id for r in rows}
     assert all(set(s[2][0::2]) <= ids for s in w.steps["snap"])
+    by_step = {rec.step: rec for rec in eng.steps}
+    for s, total, flat in w.steps["snap"]:
+        assert total == by_step[s].kv_bytes
+        assert dict(zip(flat[0::2], flat[1::2])) == by_step[s].row_kv_bytes
     # the finished widget stops listening and its flush task is gone
     assert w._flusher is None and w._on_event not in eng._listeners
     # one state message per trait write, holding all four traits
