@@ -10,7 +10,10 @@ message carries a sequence number: a view that sees a gap asks for a resync.
 Message protocol (kernel -> front end), one per flush::
 
     {"type": "delta", "seq": n,
-     "rows": [{"id", changed fields among ROW_FIELDS, "d": appended text | "text": full}],
+     "rows": [{"id", and only what changed among: state, ntok, pf (prefill %), tok_s,
+               ttft, finish, error, t_admit, t_first, t_done; prompt, prompt_tokens,
+               t_submit on a row's first appearance; "d": text appended since the
+               last message, or "text": the whole text when it was rewritten}],
      "steps": {"s", "t", "dt", "b", "pf", "kv": [...], "snap": [[step, kv, [id, bytes, ...]]]},
      "header": {changed header fields}}
 
@@ -102,13 +105,13 @@ def _row_line(r, width: int) -> str:
     stats += f" {r.tok_s:6.1f} tok/s" if r.tok_s is not None else " " * 12
     stats += f"  ttft {r.ttft_s:.2f}s" if r.ttft_s is not None else " " * 12
     line = f"[{badge}]".ljust(15) + stats
-    tail = f"error: {r.error}" if r.error else r.text
-    p, t = " ".join(r.prompt.split()), " ".join(tail.split())
+    out = f"error: {r.error}" if r.error else r.text
+    p, txt = " ".join(r.prompt.split()), " ".join(out.split())
     room = max(24, width - len(line) - 10)  # quotes, arrow
-    pn = min(len(p), max(12, room - min(len(t), int(room * 0.6))))  # short text: long prompt
+    pn = min(len(p), max(12, room - min(len(txt), int(room * 0.6))))  # short text: long prompt
     line += f'  "{_clip(p, pn)}"'
-    if t:
-        line += f' -> "{_clip(t, max(8, room - pn))}"'
+    if txt:
+        line += f' -> "{_clip(txt, max(8, room - pn))}"'
     return line
 
 
@@ -119,7 +122,7 @@ class GenerationWidget(anywidget.AnyWidget):
     _esm = _bundle()
     _css = _asset("widget.css")
 
-    rows = t.List(t.Dict()).tag(sync=True)  # full row dicts (ROW_FIELDS + prompt, text)
+    rows = t.List(t.Dict()).tag(sync=True)  # full row dicts: every delta field + "text"
     steps = t.Dict().tag(sync=True)  # compact step history, see module docstring
     header = t.Dict().tag(sync=True)
     seq = t.Int(0).tag(sync=True)  # last delta message folded into the traits
@@ -135,7 +138,7 @@ class GenerationWidget(anywidget.AnyWidget):
         self._trait_interval = 3.0 if self.dashboard else 1.0
         src = list(engine.rows)[-max_rows:] if self.dashboard else list(rows)
         self._rows = {r.id: r for r in src}  # insertion order = display order
-        self._live = {i for i, r in self._rows.items()}  # not yet reported as done
+        self._live = set(self._rows)  # rows not yet reported as done
         self._sent = {}  # id -> {"text": str, field: last value sent}
         self._seq = 0
         self._pending = []  # StepRecords since the last flush
