@@ -431,7 +431,7 @@ class BatchExecutor:
         k = len(g.admits)
         n = min(g.width - g.pos, max(1, budget // k))
         if n > 0:
-            cols = g.tokens[:, g.pos - (0 if g.batched else g.cached):][:, :n]
+            cols = g.tokens[:, g.pos:g.pos + n]
             self.model(cols, cache=g.views)
             mx.eval([c.state for c in g.cache])
             g.pos += n
