@@ -33,6 +33,8 @@ demo: system-deps $(STAMP)
 test: system-deps $(STAMP)
 	cd js && node --test test/
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --nbval-lax notebooks/
+	$(BIN)/python bench/engine_bench.py --quick > /dev/null
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e and not browser"

@@ -195,7 +195,8 @@ class Engine:
         self.rows.append(row)
         self._by_id[row.id] = row
         if err:
-            row._finish("error", err)
+            self._notify("submit", row)
+            self._end(row, "error", err)
             return row
         self._call_on_loop(self._enqueue, row)
         return row
@@ -343,7 +344,9 @@ class Engine:
             if not row.done:
                 self._end(row, "cancelled")
         await self.loop.run_in_executor(self._pool, self._exec.close)
-        self._pool.shutdown(wait=False)
+        # The worker is idle now: join it, so no thread holding MLX state is left
+        # for interpreter exit to tear down.
+        self._pool.shutdown(wait=True)
 
     def close(self) -> None:
         """Synchronous close for scripts/atexit: cancel everything, drop the worker."""
