@@ -174,9 +174,15 @@ class BatchExecutor:
         return out
 
     def kv_bytes_for(self, length: int) -> int:
-        """Real bytes a cache holding `length` tokens allocates (256-token steps)."""
-        alloc = -(-max(length, 1) // 256) * 256
-        return sum(b * (min(alloc, w) if w else alloc) for b, w in self.layer_shapes)
+        """Most bytes a row's caches can allocate while it holds `length` tokens."""
+        # fix: caches grow in 256-token steps from wherever they stand, and merges,
+        # prefix hits and batch filters leave them at unaligned sizes, so n tokens can
+        # take up to n + 255 slots (n + 511 with a chunk over 256 and not a multiple of
+        # it). A RotatingKVCache holds window - 1 + chunk tokens while prefilling.
+        c = self.prefill_chunk
+        alloc = max(length, 1) + (256 if c <= 256 or c % 256 == 0 else -(-c // 256) * 256)
+        win = max(c, _IDLE_PREFILL)
+        return sum(b * (min(alloc, w + win) if w else alloc) for b, w in self.layer_shapes)
 
     def _reset_batch(self):
         self.ids: List[int] = []  # row ids in batch order
