@@ -298,7 +298,9 @@ class BatchExecutor:
     def _join(self, u):
         if not self.ready:
             return
-        groups, self.ready = self.ready, []
+        # fix: groups stay in self.ready until joined, so that if merging raises,
+        # tick's _fail_batch ends their rows instead of losing them in 'prefill'.
+        groups = self.ready
         for g in groups:
             keep = [i for i, a in enumerate(g.admits) if a.row_id not in g.cancelled]
             if not keep:
@@ -331,6 +333,7 @@ class BatchExecutor:
             self.sampler.extend([a.params.temperature for a in admits],
                                 [a.params.filters for a in admits],
                                 [a.params.seed or 0 for a in admits], [0] * len(admits))
+        self.ready = []
         self._align()
 
     def _align(self):
@@ -377,6 +380,12 @@ class BatchExecutor:
                 try:
                     for p in r.processors:
                         li = p(r.history, li)
+                    # fix: anything but [1, vocab] logits would break the concatenate
+                    # below and fail every row in the batch, not just this one.
+                    if not isinstance(li, mx.array) or li.shape != logits[i:i + 1].shape:
+                        raise TypeError(f"returned {type(li).__name__} of shape "
+                                        f"{getattr(li, 'shape', None)}, expected logits "
+                                        f"of shape {tuple(logits[i:i + 1].shape)}")
                 except Exception as e:
                     self.drop.add(r.id)
                     up = u(r.id)
