@@ -128,6 +128,9 @@ class Engine:
             raise ValueError("the prompt is empty; write some text to generate from")
         try:
             prompt.encode("utf-8")
+            # fix: the system prompt too (tokenizers raise a TypeError on surrogates)
+            if isinstance(system, str):
+                system.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("the prompt holds invalid unicode (lone surrogates); "
                              "clean the text before submitting") from None
@@ -150,14 +153,21 @@ class Engine:
             params["stop"] = ()
         elif isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
-        else:
-            params["stop"] = tuple(params["stop"])
-        params["logits_processors"] = tuple(params.get("logits_processors") or ())
+        try:  # fix: stop=5 / logits_processors=5 raised a bare TypeError
+            if not isinstance(params["stop"], tuple):
+                params["stop"] = tuple(params["stop"])
+            params["logits_processors"] = tuple(params.get("logits_processors") or ())
+        except TypeError:
+            raise ValueError("stop and logits_processors take a list (stop: strings or "
+                             "callables text -> bool)") from None
         try:
             sp = SamplingParams(**params).check()
         except TypeError as e:
             raise ValueError(str(e)) from None
         ids = self.encode(prompt, chat, system)
+        if not ids:  # fix: a row with no tokens would sit in 'prefill' forever
+            raise ValueError("the prompt encodes to no tokens (the tokenizer drops all of "
+                             "its characters); write some text to generate from")
         ctx = self.context_length
         if ctx and len(ids) + sp.max_tokens > ctx:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "

@@ -8,6 +8,8 @@ readers on the loop -- the widget, the magics -- never see a half-updated row.
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, List, Optional
@@ -32,6 +34,12 @@ QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
+def _short(v) -> str:
+    """A one-line, bounded repr for error messages."""
+    s = " ".join(repr(v).split())
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-row generation parameters (validated by `check`)."""
@@ -51,6 +59,21 @@ class SamplingParams:
         def bad(msg):
             raise ValueError(msg)
 
+        # fix: check types first. Non-numbers used to fail the comparisons below with
+        # "'>=' not supported between ..." (naming no parameter); bools passed as ints
+        # (logprobs=True then failed every row of the batch); inf/nan passed too.
+        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, int) or v is None and name == "seed"):
+                bad(f"{name} must be an integer, got {_short(v)}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            v = getattr(self, name)
+            if v is None and name == "repetition_penalty":
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                bad(f"{name} must be a finite number, got {_short(v)}")
+        if any(not callable(p) for p in self.logits_processors):
+            bad("logits_processors entries must be callables (tokens, logits) -> logits")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (self.temperature >= 0):
