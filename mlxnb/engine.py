@@ -15,7 +15,9 @@ each tick, so it stays free to run cells, widget messages and stop buttons meanw
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
+import os
 import secrets
 import threading
 import time
@@ -28,6 +30,19 @@ from .run import Run
 from .scheduler import Scheduler, fmt_bytes, parse_bytes
 
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+_WORKER_TIDS: set = set()
+
+
+@atexit.register
+def _await_worker_exit():
+    # fix: MLX's thread-local destructors take the GIL as a thread exits; a worker still
+    # exiting while the interpreter finalizes aborts the process ("terminate called
+    # without an active exception", rc 134, ~10% of script runs). atexit runs after
+    # the pool threads are joined, so wait (bounded) until their OS threads are gone.
+    deadline = time.monotonic() + 2.0
+    for tid in list(_WORKER_TIDS):
+        while os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 def _get_loop(loop):
@@ -66,6 +81,7 @@ class Engine:
         self.loop = _get_loop(loop)
         self._t0 = time.perf_counter()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxnb-mlx")
+        _WORKER_TIDS.add(self._pool.submit(threading.get_native_id).result())
         prefix_bytes = parse_bytes(prefix_cache) or 0 if prefix_cache else 0
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
