@@ -405,6 +405,10 @@ class EngineProfiler:
             assert nm not in ex.__dict__, nm
             assert callable(getattr(ex, nm)), nm  # fails loudly if batch.py renames it
         orig_tick = ex.tick
+        # Per-tick timers need one decode step per tick: no streaks while profiling.
+        import mlxnb.engine as me
+
+        self._streak, me._STREAK_S = me._STREAK_S, 0.0
 
         def tick(*a, **k):
             self.cur = {}
@@ -417,8 +421,8 @@ class EngineProfiler:
                 t1 = pc()
                 self.cur["t0"], self.cur["tick"] = t0, t1 - t0
                 if rep is not None:
-                    self.cur["n.decoded"] = rep.decoded
-                    self.cur["n.prefill_tokens"] = rep.prefill_tokens
+                    self.cur["n.decoded"] = rep.steps[0].decoded
+                    self.cur["n.prefill_tokens"] = rep.steps[0].prefill_tokens
                     self.cur["n.emitted"] = len(rep.emitted)
                 self.ticks.append(self.cur)
 
@@ -484,6 +488,9 @@ class EngineProfiler:
         import mlxnb.batch as mb
         import mlxnb.sampling as ms
 
+        import mlxnb.engine as me
+
+        me._STREAK_S = self._streak
         ex = eng._exec
         ex.model, mb.mx, ms.BatchSampler.sample = self._saved
         for nm in self.METHODS:

@@ -14,6 +14,7 @@ the model sees plain-KVCache views: no mask array, scalar RoPE offsets.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional
@@ -52,13 +53,20 @@ class RowUpdate:
 class TickReport:
     updates: Dict[int, RowUpdate]  # state changes, prefill progress, finishes
     emitted: List[tuple]  # (row id, token or None, new text, logprob or None)
-    decoded: int  # rows in the decode step launched this tick
+    steps: List["StepStat"]  # one per decode step taken in this tick
+    busy: bool  # more work pending inside the executor
+
+
+@dataclass
+class StepStat:
+    decoded: int  # rows in the decode step launched
     prefill_tokens: int
+    read: int  # tokens read back
+    seconds: float
     kv_bytes: int
     batch_ids: tuple  # rows in the decode batch, each holding `batch_share` bytes
     batch_share: int
     prefill_bytes: Dict[int, int]
-    busy: bool  # more work pending inside the executor
 
 
 class _Group:
@@ -206,7 +214,11 @@ class BatchExecutor:
         return bool(self.waiting or self.current or self.ready or self.ids or self.inflight)
 
     # -- the tick ----------------------------------------------------------------
-    def tick(self, admits: List[Admit], cancels: List[int]) -> TickReport:
+    def tick(self, admits: List[Admit], cancels: List[int], streak_s: float = 0.0
+             ) -> TickReport:
+        """One scheduler iteration. With `streak_s` > 0 and nothing to prefill or
+        finish, keep decoding further steps for up to that long before returning:
+        each return trip through the event loop costs host time the device waits for."""
         up: Dict[int, RowUpdate] = {}
 
         def u(rid) -> RowUpdate:
@@ -215,30 +227,39 @@ class BatchExecutor:
         for rid in cancels:
             self._cancel(rid, u)
         self.waiting.extend(admits)
-
-        self._filter()
         emitted: List[tuple] = []
-        try:
-            self._join(u)
-            launched = self._launch(u) if self.ids else None
-        except Exception as e:  # a forward error fails this step's rows, not the engine
-            self._fail_batch(u, e)
-            launched = None
-        decoded = len(self.ids) if launched else 0
-        prefill_tokens = self._prefill(u)
-        if self.inflight is not None:
+        steps: List[StepStat] = []
+        t0 = t = time.perf_counter()
+        while True:
+            self._filter()
+            n_read = len(emitted)
             try:
-                self._read(self.inflight, u, emitted)
-            except Exception as e:
+                self._join(u)
+                launched = self._launch(u) if self.ids else None
+            except Exception as e:  # a forward error fails this step's rows only
                 self._fail_batch(u, e)
                 launched = None
-        self.inflight = launched
-        self.nsteps += 1
-        if self.nsteps % 1024 == 0:
-            mx.clear_cache()
-        kv, share, other = self._kv_report()
-        return TickReport(up, emitted, decoded, prefill_tokens, kv, tuple(self.ids), share,
-                          other, self.busy)
+            decoded = len(self.ids) if launched else 0
+            prefill_tokens = self._prefill(u) if not steps else 0
+            if self.inflight is not None:
+                try:
+                    self._read(self.inflight, u, emitted)
+                except Exception as e:
+                    self._fail_batch(u, e)
+                    launched = None
+            self.inflight = launched
+            self.nsteps += 1
+            if self.nsteps % 1024 == 0:
+                mx.clear_cache()
+            now = time.perf_counter()
+            kv, share, other = self._kv_report()
+            steps.append(StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t,
+                                  kv, tuple(self.ids), share, other))
+            t = now
+            if (now - t0 >= streak_s or launched is None or self.waiting or self.current
+                    or self.ready or self.drop or any(x.finish for x in up.values())):
+                break
+        return TickReport(up, emitted, steps, self.busy)
 
     def _cancel(self, rid, u):
         for a in self.waiting:
