@@ -30,6 +30,11 @@ from .sampling import BatchSampler, top_logprobs
 SUPPORTED_CACHES = (KVCache, RotatingKVCache)
 _HISTORY = 256  # tokens of context kept for logits processors (repetition penalty)
 _IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
+_PREFILL_BUCKET = 64  # joiners' prefill widths are multiples of this
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 @dataclass
@@ -74,10 +79,12 @@ class _Group:
     mlx-lm's prepare/finalize turn that into left padding), or one row continuing
     from a reused prefix on its own single-row cache."""
 
-    def __init__(self, admits: List[Admit], cache: list, start: int, batched: bool):
+    def __init__(self, admits: List[Admit], cache: list, start: int, batched: bool,
+                 width: Optional[int] = None):
         self.admits, self.cache, self.pos, self.batched = admits, cache, start, batched
         self.lengths = [len(a.ids) - 1 for a in admits]  # all but the last token
-        self.width = max(self.lengths)
+        self.width = width or max(self.lengths)
+        self.step = 1  # chunk widths are multiples of this
         self.cancelled: set = set()
         self.views = cache
         if batched:
@@ -446,12 +453,16 @@ class BatchExecutor:
                 g = _Group([head], cache, n, batched=False)
                 g.cached = n
                 return g
+        # Joiners of a running batch get padded to it anyway: round their widths up
+        # so prefill shapes repeat (backends that prepare kernels per shape, e.g.
+        # cuDNN attention on CUDA, then reuse them).
+        step = min(_PREFILL_BUCKET, self.prefill_chunk) if self.ids else 1
         group = [head]
-        width = len(head.ids) - 1
+        width = _round_up(len(head.ids) - 1, step)
         while self.waiting:
             a = self.waiting[0]
-            w = max(width, len(a.ids) - 1)
-            if (len(group) + 1) * w > max(budget, len(head.ids) - 1):
+            w = max(width, _round_up(len(a.ids) - 1, step))
+            if (len(group) + 1) * w > max(budget, width):
                 break
             if self.prefix is not None and self.prefix.lookup(a.ids)[0]:
                 break  # it prefills faster on its own, from the reused prefix
@@ -459,13 +470,13 @@ class BatchExecutor:
             width = w
         proto = make_prompt_cache(self.model)
         cache = [type(c).merge([c] * len(group)) for c in proto]
-        g = _Group(group, cache, 0, batched=True)
-        g.cached = 0
+        g = _Group(group, cache, 0, batched=True, width=width)
+        g.cached, g.step = 0, step
         return g
 
     def _chunk(self, g: _Group, budget: int, u) -> int:
         k = len(g.admits)
-        n = min(g.width - g.pos, max(1, budget // k))
+        n = min(g.width - g.pos, max(g.step, budget // k // g.step * g.step))
         if n > 0:
             cols = g.tokens[:, g.pos:g.pos + n]
             self.model(cols, cache=g.views)
