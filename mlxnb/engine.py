@@ -30,6 +30,14 @@ from .run import Run
 from .scheduler import Scheduler, fmt_bytes, parse_bytes
 
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class _WontFit(ValueError):
+    """fix: a valid row that exceeds the context or KV budget; submit() returns it as
+    an errored row. (It matched messages on "context"/"KV cache", so other bad input
+    naming those words -- submit(context=1) -- became a row instead of raising.)"""
+
+
 _STREAK_S = 0.010  # longest run of decode steps the worker takes without the loop
 _WORKER_TIDS: set = set()
 
@@ -187,11 +195,11 @@ class Engine:
                              "its characters); write some text to generate from")
         ctx = self.context_length
         if ctx and len(ids) + sp.max_tokens > ctx:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "
-                             f"exceeds the model's context of {ctx}; shorten one of them")
+            raise _WontFit(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "
+                           f"exceeds the model's context of {ctx}; shorten one of them")
         msg = self.scheduler.never_fits(len(ids), sp.max_tokens)
         if msg:
-            raise ValueError(msg)
+            raise _WontFit(msg)
         if sp.seed is None and sp.temperature > 0:
             sp = dataclasses.replace(sp, seed=secrets.randbits(31))
         return ids, sp
@@ -207,9 +215,7 @@ class Engine:
         try:
             ids, sp = self.prepare(prompt, chat=chat, system=system, **params)
             err = None
-        except ValueError as e:
-            if "KV cache" not in str(e) and "context" not in str(e):
-                raise
+        except _WontFit as e:
             err = str(e)
             ids, sp = [], SamplingParams(**{k: v for k, v in params.items()
                                             if k in _PARAM_NAMES and k != "stop"})
