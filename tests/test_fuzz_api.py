@@ -138,6 +138,16 @@ def test_unknown_parameter(bench):
         bench.eng.submit("hello", chat=False, temprature=0.5)
 
 
+@pytest.mark.parametrize("kw", [dict(context=1), dict(kv_cache=True),
+                                dict(max_tokens="context"), dict(seed="KV cache")])
+def test_bad_input_mentioning_context_still_raises(bench, kw):
+    """submit() turns "does not fit the context / KV budget" into an errored row; other
+    bad input must still raise, even when its message happens to contain those words."""
+    with pytest.raises(ValueError) as e:
+        bench.eng.submit("hello", chat=False, **kw)
+    one_line(str(e.value))
+
+
 def test_bad_values_in_generate_reject_the_whole_batch(bench):
     n = len(bench.eng.rows)
     with pytest.raises(ValueError):
