@@ -30,6 +30,7 @@ from .sampling import BatchSampler, top_logprobs
 SUPPORTED_CACHES = (KVCache, RotatingKVCache)
 _HISTORY = 256  # tokens of context kept for logits processors (repetition penalty)
 _IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
+_IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
 _PREFILL_BUCKET = 64  # joiners' prefill widths are multiples of this
 
 
@@ -175,6 +176,7 @@ class BatchExecutor:
         self.waiting: Deque[Admit] = deque()  # admitted, prefill not started
         self.current: Optional[_Group] = None  # the group being prefilled
         self.ready: List[_Group] = []  # prefilled, joining at the next tick
+        self._prefill_rate = 0.0  # prompt tokens/s, measured on idle prefill ticks
         self._reset_batch()
         self.nsteps = 0
 
@@ -425,12 +427,20 @@ class BatchExecutor:
     # -- prefill -------------------------------------------------------------------
     def _prefill(self, u) -> int:
         """Prefill up to `prefill_chunk` tokens beside a running batch (its stall is
-        bounded by one chunk), or everything admitted when nothing is decoding."""
-        budget = self.prefill_chunk if self.ids else max(self.prefill_chunk, _IDLE_PREFILL)
+        bounded by one chunk). With nothing decoding, group everything admitted (up to
+        _IDLE_PREFILL tokens) so the rows start decoding together, unpadded, but still
+        compute only about _IDLE_TICK_S of it per tick, so cancels land promptly."""
+        if self.ids:
+            budget = group_budget = self.prefill_chunk
+        else:
+            budget = int(min(_IDLE_PREFILL, max(self.prefill_chunk,
+                                                self._prefill_rate * _IDLE_TICK_S)))
+            group_budget = max(budget, _IDLE_PREFILL)
         done = 0
+        t0 = time.perf_counter()
         while done < budget:
             if self.current is None:
-                self.current = self._next_group(budget - done)
+                self.current = self._next_group(group_budget if not self.ids else budget - done)
                 if self.current is None:
                     break
             try:
@@ -441,6 +451,8 @@ class BatchExecutor:
                         up = u(rid)
                         up.finish, up.error = "error", f"prefill failed: {type(e).__name__}: {e}"
                 self.current = None
+        if done and not self.ids:  # alone on the device: a clean prefill rate
+            self._prefill_rate = done / max(time.perf_counter() - t0, 1e-6)
         return done
 
     def _next_group(self, budget: int) -> Optional[_Group]:

@@ -1,10 +1,10 @@
 """Prompt-prefix KV reuse: rows that share a prefix (system prompt, few-shot header,
 `--n` samples of one prompt) copy its KV instead of prefilling it again.
 
-Entries are whole prefilled prompts. An entry references the prefill's own KV arrays
-(a row of a batch, from `start` for `n` tokens) instead of copying them: decode only
-ever writes past the prompt, and MLX slices taken now are values, so the stored
-region never changes. A lookup takes the longest common prefix with any entry.
+Entries are whole prefilled prompts, copied out of the prefill's KV arrays (a row of
+a batch, from `start` for `n` tokens). A lookup takes the longest common prefix with
+any entry and hands out slices of it (new arrays: the row's in-place cache updates
+never reach the entry).
 Only models whose caches are all plain, trimmable `KVCache`s take part (rotating
 windows would need the evicted tokens back).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import List, Optional, Tuple
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 
@@ -67,8 +68,11 @@ class PrefixStore:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        sliced = [(k[row:row + 1, :, start:start + n, :], v[row:row + 1, :, start:start + n, :])
-                  for k, v in layers]
+        # A copy: a view would keep the whole prefill group's buffer (every row, all
+        # padding) alive, several times what the entry accounts for.
+        sliced = [(mx.contiguous(k[row:row + 1, :, start:start + n, :]),
+                   mx.contiguous(v[row:row + 1, :, start:start + n, :])) for k, v in layers]
+        mx.eval(sliced)
         size = sum(k.nbytes + v.nbytes for k, v in sliced)
         if size > self.max_bytes:
             return
