@@ -370,7 +370,7 @@ class EngineProfiler:
             "kv_report", "tick.rest", "apply", "gap", "gap.rest", "period"]
     COUNTS = ["n.decoded", "n.prefill_tokens", "n.groups", "n.group_rows", "n.emitted"]
     METHODS = ["tick", "_filter", "_join", "_align", "_launch", "_prefill", "_next_group",
-               "_read", "_accept", "_kv_report"]
+               "_read", "_kv_report"]
 
     def __init__(self):
         self.ticks = []
@@ -457,7 +457,10 @@ class EngineProfiler:
         ex._align = self._wrap("align", ex._align)
         ex._launch = self._wrap("launch", ex._launch, "launch")
         ex._prefill = self._wrap("prefill", ex._prefill, "prefill")
-        ex._accept = self._wrap("read.accept", ex._accept)
+        import mlxnb.decoding as md
+
+        self._accept = md.RowDecoder.accept
+        md.RowDecoder.accept = self._wrap("read.accept", md.RowDecoder.accept)
         ex._kv_report = self._wrap("kv_report", ex._kv_report)
         ex.model = _ModelProxy(ex.model, self)
         mb.mx = _MxShim(self)
@@ -495,6 +498,9 @@ class EngineProfiler:
         ex.model, mb.mx, ms.BatchSampler.sample = self._saved
         for nm in self.METHODS:
             ex.__dict__.pop(nm, None)
+        import mlxnb.decoding as md
+
+        md.RowDecoder.accept = self._accept
         eng.__dict__.pop("_apply", None)
         self._derive(self.ticks)
 

@@ -23,19 +23,17 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
+from .decoding import HISTORY, RowDecoder
+from .kvbatch import AlignedView, LeanBatchKVCache, PrefillGroup, round_up
 from .prefix import PrefixStore
 from .rows import SamplingParams
 from .sampling import BatchSampler, top_logprobs
 
 SUPPORTED_CACHES = (KVCache, RotatingKVCache)
-_HISTORY = 256  # tokens of context kept for logits processors (repetition penalty)
 _IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
 _IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
 _PREFILL_BUCKET = 64  # joiners' prefill widths are multiples of this
 
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
 
 
 @dataclass
@@ -75,91 +73,6 @@ class StepStat:
     prefill_bytes: Dict[int, int]
 
 
-class _Group:
-    """Rows prefilling together on one cache: a fresh batch (prompts right-padded,
-    mlx-lm's prepare/finalize turn that into left padding), or one row continuing
-    from a reused prefix on its own single-row cache."""
-
-    def __init__(self, admits: List[Admit], cache: list, start: int, batched: bool,
-                 width: Optional[int] = None):
-        self.admits, self.cache, self.pos, self.batched = admits, cache, start, batched
-        self.lengths = [len(a.ids) - 1 for a in admits]  # all but the last token
-        self.width = width or max(self.lengths)
-        self.step = 1  # chunk widths are multiples of this
-        self.cancelled: set = set()
-        self.views = cache
-        if batched:
-            pad = [self.width - n for n in self.lengths]
-            self.tokens = mx.array([a.ids[:-1] + [0] * p for a, p in zip(admits, pad)]
-                                   if self.width else [[0]] * len(admits))
-            if max(pad) > 0:
-                for c in cache:
-                    c.prepare(lengths=self.lengths, right_padding=pad)
-            self.padded = max(pad) > 0
-            if all(type(c) is BatchKVCache for c in cache):
-                # Right padding sits after every real token, so causal masking alone
-                # keeps real tokens from seeing it.
-                self.views = [_AlignedView(c) for c in cache]
-        else:
-            self.tokens = mx.array([admits[0].ids[:-1]])
-
-    def row_ids(self):
-        return [a.row_id for a in self.admits]
-
-
-class _LeanBatchKV(BatchKVCache):
-    """mlx-lm's BatchKVCache with `offset` derived (= _idx - left_padding, an
-    invariant of every method) instead of stored: its per-layer `offset + 1` update
-    each decode step becomes a node nobody evaluates."""
-
-    @property
-    def offset(self):
-        return self._idx - self.left_padding
-
-    @offset.setter
-    def offset(self, value):
-        pass
-
-
-class _AlignedView:
-    """Stand-in for a batch cache none of whose rows is left-padded (a decode batch
-    that joined together, or a fresh prefill group, right-padded): a plain KVCache
-    to the model -- scalar RoPE offset and no mask array ("causal" for a chunk), so
-    attention takes the same fused path as an unbatched loop. Mask arrays also cost
-    a per-shape setup on some backends (measured ~80 ms per prefill on CUDA)."""
-
-    __slots__ = ("c",)
-
-    def __init__(self, c):
-        self.c = c
-
-    @property
-    def offset(self):
-        return self.c._idx
-
-    def update_and_fetch(self, keys, values):
-        return self.c.update_and_fetch(keys, values)
-
-    def make_mask(self, N, **kwargs):
-        return None if N == 1 else "causal"
-
-
-class _Decode:
-    """Host-side state of one decoding row."""
-
-    def __init__(self, a: Admit, detok, processors):
-        self.id = a.row_id
-        self.params = a.params
-        self.detok = detok
-        self.processors = processors
-        self.history = mx.array(a.ids[-_HISTORY:]) if processors else None
-        self.launched = 0  # decode steps launched for this row
-        self.ntok = 0
-        self.text = ""  # full detokenized text
-        self.shown = 0  # chars of text already reported
-        self.hold = max((len(s) for s in a.params.stop if isinstance(s, str)), default=0)
-
-
 class BatchExecutor:
     def __init__(self, model, tokenizer, prefill_chunk: int = 512, prefix_bytes: int = 0):
         self.model, self.tokenizer = model, tokenizer
@@ -174,8 +87,8 @@ class BatchExecutor:
         self.layer_shapes = self._probe_kv(probe)
         self.prefix = PrefixStore(prefix_bytes) if PrefixStore.supports(probe) else None
         self.waiting: Deque[Admit] = deque()  # admitted, prefill not started
-        self.current: Optional[_Group] = None  # the group being prefilled
-        self.ready: List[_Group] = []  # prefilled, joining at the next tick
+        self.current: Optional[PrefillGroup] = None  # the group being prefilled
+        self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
         self._prefill_rate = 0.0  # prompt tokens/s, measured on idle prefill ticks
         self._reset_batch()
         self.nsteps = 0
@@ -203,7 +116,7 @@ class BatchExecutor:
 
     def _reset_batch(self):
         self.ids: List[int] = []  # row ids in batch order
-        self.rows: Dict[int, _Decode] = {}
+        self.rows: Dict[int, RowDecoder] = {}
         self.caches: Optional[list] = None
         self.views: Optional[list] = None  # what the model sees: caches or aligned views
         self.y: Optional[mx.array] = None  # [B] next input tokens
@@ -338,7 +251,7 @@ class BatchExecutor:
             cache = g.cache if g.batched else [type(c).merge([c]) for c in g.cache]
             for c in cache:
                 if type(c) is BatchKVCache:
-                    c.__class__ = _LeanBatchKV
+                    c.__class__ = LeanBatchKVCache
                 if len(keep) < len(g.admits):
                     c.filter(mx.array(keep))
             if self.caches is None:
@@ -357,7 +270,7 @@ class BatchExecutor:
                 # Only rows with stop strings are detokenized here, per token; the
                 # others' text is decoded on the loop side when someone reads it.
                 detok = self.tokenizer.detokenizer if a.params.stop else None
-                self.rows[a.row_id] = _Decode(a, detok, procs)
+                self.rows[a.row_id] = RowDecoder(a, detok, procs)
                 self.ids.append(a.row_id)
                 u(a.row_id).state = "decode"
             self.sampler.extend([a.params.temperature for a in admits],
@@ -371,9 +284,9 @@ class BatchExecutor:
         if not self.caches:
             self.views = None
             return
-        aligned = (all(type(c) is _LeanBatchKV for c in self.caches)
+        aligned = (all(type(c) is LeanBatchKVCache for c in self.caches)
                    and max(self.caches[0].left_padding.tolist()) == 0)
-        self.views = [_AlignedView(c) for c in self.caches] if aligned else self.caches
+        self.views = [AlignedView(c) for c in self.caches] if aligned else self.caches
 
     # -- compute -----------------------------------------------------------------
     def _launch(self, u):
@@ -397,7 +310,7 @@ class BatchExecutor:
         for i, r in enumerate(rows):
             r.launched += 1
             if r.processors:
-                r.history = mx.concatenate([r.history[-_HISTORY + 1:], tokens[i:i + 1]])
+                r.history = mx.concatenate([r.history[-HISTORY + 1:], tokens[i:i + 1]])
         self.y = tokens
         return (list(self.ids), tokens, lp)
 
@@ -455,14 +368,14 @@ class BatchExecutor:
             self._prefill_rate = done / max(time.perf_counter() - t0, 1e-6)
         return done
 
-    def _next_group(self, budget: int) -> Optional[_Group]:
+    def _next_group(self, budget: int) -> Optional[PrefillGroup]:
         if not self.waiting:
             return None
         head = self.waiting.popleft()
         if self.prefix is not None:
             n, cache = self.prefix.lookup(head.ids)
             if n:
-                g = _Group([head], cache, n, batched=False)
+                g = PrefillGroup([head], cache, n, batched=False)
                 g.cached = n
                 return g
         # Joiners of a running batch get padded to it anyway: round their widths up
@@ -470,10 +383,10 @@ class BatchExecutor:
         # cuDNN attention on CUDA, then reuse them).
         step = min(_PREFILL_BUCKET, self.prefill_chunk) if self.ids else 1
         group = [head]
-        width = _round_up(len(head.ids) - 1, step)
+        width = round_up(len(head.ids) - 1, step)
         while self.waiting:
             a = self.waiting[0]
-            w = max(width, _round_up(len(a.ids) - 1, step))
+            w = max(width, round_up(len(a.ids) - 1, step))
             if (len(group) + 1) * w > max(budget, width):
                 break
             if self.prefix is not None and self.prefix.lookup(a.ids)[0]:
@@ -482,11 +395,11 @@ class BatchExecutor:
             width = w
         proto = make_prompt_cache(self.model)
         cache = [type(c).merge([c] * len(group)) for c in proto]
-        g = _Group(group, cache, 0, batched=True, width=width)
+        g = PrefillGroup(group, cache, 0, batched=True, width=width)
         g.cached, g.step = 0, step
         return g
 
-    def _chunk(self, g: _Group, budget: int, u) -> int:
+    def _chunk(self, g: PrefillGroup, budget: int, u) -> int:
         k = len(g.admits)
         n = min(g.width - g.pos, max(g.step, budget // k // g.step * g.step))
         if n > 0:
@@ -510,7 +423,7 @@ class BatchExecutor:
                     upd.cached_tokens = g.cached
         return max(n, 0) * k
 
-    def _remember(self, g: _Group):
+    def _remember(self, g: PrefillGroup):
         if self.prefix is None or not g.width:
             return
         layers = [(c.keys, c.values) for c in g.cache]
@@ -528,7 +441,7 @@ class BatchExecutor:
             r = rows.get(rid)
             if r is None or rid in drop:
                 continue
-            finish = self._accept(r, toks[i], None if lps is None else lps.get(i), emitted)
+            finish = r.accept(toks[i], None if lps is None else lps.get(i), emitted, self.eos)
             if finish is not None:
                 up = u(rid)
                 up.finish, up.error = finish
@@ -547,61 +460,6 @@ class BatchExecutor:
             k = self.rows[ids[i]].params.logprobs if ids[i] in self.rows else 0
             out[i] = {"logprob": chosen[j],
                       "top": list(zip(top_ids[j][:k], top_lp[j][:k])) if top_ids else []}
-        return out
-
-    def _accept(self, r: _Decode, tok: int, lp: Optional[dict], emitted) -> Optional[tuple]:
-        """Take one sampled token; append (row, token|None, new text, logprob) to
-        `emitted`; return (finish_reason, error) when the row ends here."""
-        detok = r.detok
-        if tok in self.eos:
-            if detok is not None:
-                detok.finalize()
-                r.text += detok.last_segment
-                emitted.append((r.id, None, self._visible(r, True), None))
-            return ("stop", None)
-        r.ntok += 1
-        final = r.ntok >= r.params.max_tokens
-        if lp is not None:
-            lp["token"] = tok
-        if detok is None:
-            emitted.append((r.id, tok, None, lp))
-            return ("length", None) if final else None
-        detok.add_token(tok)
-        if final:
-            detok.finalize()
-        r.text += detok.last_segment
-        try:
-            hit = self._find_stop(r)
-        except Exception as e:  # a stop callback's failure ends its row only
-            emitted.append((r.id, tok, "", lp))
-            return ("error", f"stop callback failed: {type(e).__name__}: {e}")
-        if hit is not None:
-            r.text = r.text[:hit]
-            emitted.append((r.id, tok, self._visible(r, True), lp))
-            return ("stop", None)
-        emitted.append((r.id, tok, self._visible(r, final), lp))
-        return ("length", None) if final else None
-
-    def _find_stop(self, r: _Decode) -> Optional[int]:
-        start = max(0, r.shown - r.hold)
-        best = None
-        for s in r.params.stop:
-            if callable(s):
-                if s(r.text):
-                    return len(r.text)
-                continue
-            j = r.text.find(s, start)
-            if j >= 0 and (best is None or j < best):
-                best = j
-        return best
-
-    def _visible(self, r: _Decode, final: bool) -> str:
-        """The newly showable text; a tail that could still become a stop string
-        is held back."""
-        end = len(r.text) if final or not r.hold else max(r.shown, len(r.text) - r.hold + 1)
-        if end <= r.shown:
-            return ""
-        out, r.shown = r.text[r.shown:end], end
         return out
 
     # -- memory ----------------------------------------------------------------------

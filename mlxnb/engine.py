@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, List, Optional, Sequence, Union
 
 from .batch import Admit, BatchExecutor
-from .rows import DECODE, DONE, PREFILL, QUEUED, Row, SamplingParams, StepRecord
+from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
 from .scheduler import Scheduler, fmt_bytes, parse_bytes
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, List, Optional
 
