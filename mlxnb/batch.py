@@ -3,7 +3,9 @@
 One `tick` = apply cancellations, drop finished rows from the batch, join rows whose
 prefill is complete, launch decode step N+1, prefill up to one chunk, then read step
 N's tokens (so the device computes N+1 while the host reads N), detokenize and check
-stops. The loop thread gets back plain Python values (`TickReport`).
+stops. With nothing to prefill or finish, a tick may run a short streak of such
+decode steps before it returns. The loop thread gets back plain Python values
+(`TickReport`).
 
 Admitted rows prefill in groups, all prompt tokens but the last, as one right-padded
 batch (or alone, continuing from a reused prefix); the group's cache then joins the
