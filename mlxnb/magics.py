@@ -15,7 +15,9 @@ once; wait with ``await run`` or ``await mlxnb.wait()`` in a later cell.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import functools
 import keyword
 import os
 import shlex
@@ -157,12 +159,65 @@ def _split(line: str) -> list:
         raise UsageError(f"could not read the options ({e}); close your quotes") from None
 
 
+class _Uses(argparse.Namespace):
+    """fix: argparse keeps only the last of a repeated option (`--n 2 --n 3`,
+    `--raw --chat`, `-o a -o b`), and the extend actions silently made
+    `--temp 0.2 --temp 0.7` a sweep. Count each option's uses so `_parse` can refuse
+    a repeat. Defaults are preset, so every later set is a use on the command line."""
+
+    def __init__(self, parser):
+        super().__init__()
+        d = self.__dict__
+        d["_preset"], d["_uses"] = {}, {}
+        for a in parser._actions:
+            if a.dest != argparse.SUPPRESS and a.dest not in d:
+                d[a.dest] = d["_preset"][a.dest] = a.default
+
+    def __setattr__(self, name, value):
+        if name not in self._preset or value is not self._preset[name]:
+            self._uses[name] = self._uses.get(name, 0) + 1
+        super().__setattr__(name, value)
+
+
+_REPEATABLE = {"stop"}  # --stop A --stop B: documented as repeatable
+
+
 def _parse(parser, line: str, what: str, hint: str):
+    ns = _Uses(parser)
     try:
-        return parser.parse_args(_split(line))
+        a = parser.parse_args(_split(line), namespace=ns)
     except UsageError as e:
         msg = " ".join(str(e).split())
         raise UsageError(f"{what}: {msg}; {hint}") from None
+    for dest, n in ns._uses.items():
+        acts = [x for x in parser._actions if x.dest == dest and x.option_strings]
+        if n > 1 and acts and dest not in _REPEATABLE:
+            flags = "/".join(dict.fromkeys(o for x in acts for o in x.option_strings))
+            sweep = cp.SWEEPABLE.get(dest)
+            how = (f"; to sweep, give one comma list, e.g. --{dest.replace('_', '-')} "
+                   f"{'1,2' if sweep[1] is int else '0.2,0.7'}" if sweep else "")
+            raise UsageError(f"{what}: {flags} given more than once; give it once{how}")
+    return a
+
+
+def _sendable(magic):
+    """fix: a UsageError echoing user text (an option, a {field}, a model name) may
+    hold lone surrogates (chr(0xd800)); ipykernel then fails to serialize the error
+    and the cell gets no execute_reply at all (it looks hung). Escape them (as \\ud800)
+    and keep the message on one line."""
+
+    @functools.wraps(magic)
+    def wrapper(*args, **kwargs):
+        try:
+            return magic(*args, **kwargs)
+        except UsageError as e:
+            msg = " ".join(str(e).split())
+            safe = msg.encode("utf-8", "backslashreplace").decode("utf-8")
+            if safe == str(e):
+                raise
+            raise UsageError(safe) from None
+
+    return wrapper
 
 
 def _one_line(e: BaseException, n: int = 300) -> str:
@@ -215,6 +270,7 @@ _HELP = """%mlxnb subcommands:
   %mlxnb dashboard         a live widget of every row of every cell
   %mlxnb wait              how to wait (await mlxnb.wait() in a cell)
   %mlxnb unload            close the engine and free the model"""
+_NO_ARGS = ("status", "dashboard", "wait", "unload", "help")
 
 
 @magics_class
@@ -263,15 +319,20 @@ class MLXNBMagics(Magics):
 
     # -- %mlxnb ------------------------------------------------------------------------
     @line_magic
+    @_sendable
     def mlxnb(self, line=""):
         """Manage the mlxnb engine. Subcommands: load, status, stop, dashboard, wait,
         unload (``%mlxnb`` alone lists them)."""
-        sub, _, rest = (line or "").strip().partition(" ")
+        # fix: split at any whitespace (a tab after the subcommand made it unknown)
+        sub, rest = ((line or "").split(None, 1) + ["", ""])[:2]
+        rest = rest.strip()
         fn = getattr(self, f"_cmd_{sub}", None) if sub else self._cmd_help
         if fn is None:
             raise UsageError(f"%mlxnb: unknown subcommand {sub!r}; use one of load, "
                              "status, stop, dashboard, wait, unload")
-        return fn(rest.strip())
+        if rest and sub in _NO_ARGS:  # fix: `%mlxnb unload now` used to ignore "now"
+            raise UsageError(f"%mlxnb {sub} takes no arguments; got {rest!r}")
+        return fn(rest)
 
     def _cmd_help(self, rest=""):
         print(_HELP)
@@ -383,6 +444,7 @@ class MLXNBMagics(Magics):
     @argument("--quiet", dest="quiet", action="store_const", const=True, default=None,
               help="No widget; the cell's value is the Run.")
     @cell_magic
+    @_sendable
     def generate(self, line="", cell=""):
         """Submit one row per prompt to the engine and return the `Run` at once.
 
