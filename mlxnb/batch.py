@@ -125,6 +125,7 @@ class BatchExecutor:
         self.sampler = BatchSampler()
         self.inflight = None  # (row ids, tokens [B], logprob arrays) of the last launch
         self.drop: set = set()
+        self._batch_rows, self._want_lp, self._any_procs, self._headroom = [], [], False, 0
 
     @property
     def prefilling(self) -> List[int]:
@@ -216,6 +217,8 @@ class BatchExecutor:
     # -- batch membership --------------------------------------------------------
     def _filter(self):
         """Drop finished/cancelled rows and rows that have launched all their tokens."""
+        if not self.drop and self._headroom > 0:  # the per-step common case
+            return
         keep = [i for i, rid in enumerate(self.ids)
                 if rid not in self.drop
                 and self.rows[rid].launched < self.rows[rid].params.max_tokens]
@@ -282,7 +285,14 @@ class BatchExecutor:
         self._align()
 
     def _align(self):
-        """Choose what the model sees: when no row is padded, aligned views."""
+        """After a membership change: what the model sees (aligned views when no row
+        is padded) and the per-row facts each step needs, computed once here."""
+        rows = [self.rows[rid] for rid in self.ids]
+        self._batch_rows = rows
+        self._want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
+        self._any_procs = any(r.processors for r in rows)
+        # steps until the first row has launched all its tokens
+        self._headroom = min((r.params.max_tokens - r.launched for r in rows), default=0)
         if not self.caches:
             self.views = None
             return
@@ -292,10 +302,8 @@ class BatchExecutor:
 
     # -- compute -----------------------------------------------------------------
     def _launch(self, u):
-        rows = [self.rows[rid] for rid in self.ids]
+        rows, want, procs = self._batch_rows, self._want_lp, self._any_procs
         logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
-        want = [i for i, r in enumerate(rows) if r.params.logprobs]
-        procs = any(r.processors for r in rows)
         if want or procs or self.sampler.needs_float32:
             logits = logits.astype(mx.float32)
         if procs:
@@ -309,10 +317,13 @@ class BatchExecutor:
             mx.async_eval(tokens, *lp[1:])
         else:
             mx.async_eval(tokens)
-        for i, r in enumerate(rows):
+        for r in rows:
             r.launched += 1
-            if r.processors:
-                r.history = mx.concatenate([r.history[-HISTORY + 1:], tokens[i:i + 1]])
+        self._headroom -= 1
+        if procs:
+            for i, r in enumerate(rows):
+                if r.processors:
+                    r.history = mx.concatenate([r.history[-HISTORY + 1:], tokens[i:i + 1]])
         self.y = tokens
         return (list(self.ids), tokens, lp)
 
