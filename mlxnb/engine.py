@@ -94,8 +94,12 @@ class Engine:
         prefix_bytes = parse_bytes(prefix_cache) or 0 if prefix_cache else 0
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
-        self.model, self.tokenizer, self._exec = self._pool.submit(
-            self._load, model, prefix_bytes).result()
+        try:
+            self.model, self.tokenizer, self._exec = self._pool.submit(
+                self._load, model, prefix_bytes).result()
+        except BaseException:
+            self._pool.shutdown(wait=True)  # a failed load leaves no worker behind
+            raise
         self.context_length = getattr(getattr(self.model, "args", None),
                                       "max_position_embeddings", None)
         self.scheduler = Scheduler(max_batch, self.kv_budget, self._exec.kv_bytes_for)
