@@ -39,6 +39,7 @@ class _WontFit(ValueError):
 
 
 _STREAK_S = 0.010  # longest run of decode steps the worker takes without the loop
+_KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
 _WORKER_TIDS: set = set()
 
 
@@ -104,7 +105,8 @@ class Engine:
                                       "max_position_embeddings", None)
         self.scheduler = Scheduler(max_batch, self.kv_budget, self._exec.kv_bytes_for)
         self.rows: List[Row] = []
-        self.steps: List[StepRecord] = []
+        self.steps: List[StepRecord] = []  # the latest _KEEP_STEPS steps
+        self._nsteps = 0
         self._by_id = {}
         self._cancels: List[int] = []
         self._listeners: List[Callable] = []
@@ -354,11 +356,14 @@ class Engine:
         for i, st in enumerate(report.steps):
             secs = st.seconds + ((dt - worker) if i == 0 else 0.0)
             t += secs
-            rec = StepRecord(len(self.steps), t, secs, st.decoded, st.prefill_tokens,
+            rec = StepRecord(self._nsteps, t, secs, st.decoded, st.prefill_tokens,
                              st.kv_bytes, st.batch_ids, st.batch_share, st.prefill_bytes,
                              st.read)
+            self._nsteps += 1
             self.steps.append(rec)
             self._notify("step", rec)
+        if len(self.steps) > _KEEP_STEPS + _KEEP_STEPS // 16:  # a kernel may run for days
+            del self.steps[:len(self.steps) - _KEEP_STEPS]
 
     def _end(self, row: Row, reason: str, error: Optional[str] = None):
         self.scheduler.release(row.id)

@@ -434,3 +434,20 @@ def test_text_matches_tokens_streamed_or_not(tiny, arun):
     plain, stopped, seen = arun(main)
     assert plain.text == tok.decode(plain.tokens) == stopped.text
     assert all(plain.text.startswith(s) for s in seen)
+
+
+def test_step_history_is_bounded_and_numbered_on(tiny, arun, monkeypatch):
+    import mlxnb.engine as me
+
+    monkeypatch.setattr(me, "_KEEP_STEPS", 32)
+
+    async def main():
+        eng = make(tiny)
+        await eng.generate(PROMPTS, max_tokens=120, chat=False)
+        await eng.aclose()
+        return eng.steps
+
+    steps = arun(main)
+    assert 32 <= len(steps) <= 34
+    nums = [s.step for s in steps]
+    assert nums == list(range(nums[0], nums[0] + len(nums))) and nums[0] > 80
