@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextvars
+import os
 import re
 import time
 from collections import deque
@@ -339,7 +340,7 @@ class GenerationWidget(anywidget.AnyWidget):
         toks = sum(n for _, n in self._rate)
         span = now - self._rate[0][0] if self._rate else 0.0
         return {
-            "model": str(getattr(e, "model_name", "") or ""),
+            "model": _short_model_name(str(getattr(e, "model_name", "") or "")),
             "kv_budget": getattr(e, "kv_budget", None), "max_batch": getattr(e, "max_batch", None),
             "running": int(e.running), "queued": int(e.queued),
             "tok_s": round(toks / max(span, 0.25), 1) if toks else 0.0,
@@ -435,3 +436,10 @@ class GenerationWidget(anywidget.AnyWidget):
 
     def __repr__(self):
         return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"
+
+
+def _short_model_name(name: str) -> str:
+    """A local model directory shows as its folder name; hub ids stay whole."""
+    if os.sep in name and os.path.isdir(name):
+        return os.path.basename(name.rstrip(os.sep)) or name
+    return name
