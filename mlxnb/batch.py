@@ -126,6 +126,7 @@ class BatchExecutor:
         self.inflight = None  # (row ids, tokens [B], logprob arrays) of the last launch
         self.drop: set = set()
         self._batch_rows, self._want_lp, self._any_procs, self._headroom = [], [], False, 0
+        self._ids_tuple: tuple = ()  # self.ids, shared by step records until it changes
 
     @property
     def prefilling(self) -> List[int]:
@@ -179,7 +180,7 @@ class BatchExecutor:
             now = time.perf_counter()
             kv, share, other = self._kv_report()
             steps.append(StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t,
-                                  kv, tuple(self.ids), share, other))
+                                  kv, self._ids_tuple, share, other))
             t = now
             if (now - t0 >= streak_s or launched is None or self.waiting or self.current
                     or self.ready or self.drop or any(x.finish for x in up.values())):
@@ -288,7 +289,7 @@ class BatchExecutor:
         """After a membership change: what the model sees (aligned views when no row
         is padded) and the per-row facts each step needs, computed once here."""
         rows = [self.rows[rid] for rid in self.ids]
-        self._batch_rows = rows
+        self._batch_rows, self._ids_tuple = rows, tuple(self.ids)
         self._want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
         self._any_procs = any(r.processors for r in rows)
         # steps until the first row has launched all its tokens

@@ -335,7 +335,6 @@ class Engine:
                     row.logprobs.append(lp)
             if text:
                 row._text += text
-        self.scheduler.progress_many(report.emitted)
         for rid, up in report.updates.items():
             row = by_id[rid]
             if row.done:

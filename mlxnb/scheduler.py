@@ -11,14 +11,15 @@ That is what the real allocation can reach, so reported KV never exceeds the bud
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, Optional
 
 
-class _Slot:
-    __slots__ = ("row", "length", "remaining")
+def _length(row) -> int:
+    return row.prompt_tokens + len(row.tokens)
 
-    def __init__(self, row, length: int, remaining: int):
-        self.row, self.length, self.remaining = row, length, remaining
+
+def _remaining(row) -> int:
+    return max(0, row.params.max_tokens - len(row.tokens))
 
 
 class Scheduler:
@@ -28,7 +29,7 @@ class Scheduler:
         self.kv_budget = kv_budget
         self.bytes_for = bytes_for  # bytes one row's cache holds at a given length
         self.queue: Deque = deque()
-        self.active: Dict[int, _Slot] = {}
+        self.active: Dict[int, object] = {}  # row id -> admitted Row
 
     # -- questions ---------------------------------------------------------------
     def row_bytes(self, prompt_len: int, max_tokens: int) -> int:
@@ -44,14 +45,15 @@ class Scheduler:
                 f"{max_tokens} new tokens) but kv_budget is {fmt_bytes(self.kv_budget)}; "
                 f"raise kv_budget, lower max_tokens or shorten the prompt")
 
-    def projected_peak(self, slots: List[_Slot]) -> int:
-        if not slots:
+    def projected_peak(self, rows: list) -> int:
+        """Rows' lengths and remaining tokens are read off the rows themselves."""
+        if not rows:
             return 0
-        base = max(s.length for s in slots)
+        base = max(_length(r) for r in rows)
         peak = 0
-        alive = len(slots)
-        for s in sorted(slots, key=lambda s: s.remaining):
-            peak = max(peak, alive * self.bytes_for(base + s.remaining))
+        alive = len(rows)
+        for rem in sorted(_remaining(r) for r in rows):
+            peak = max(peak, alive * self.bytes_for(base + rem))
             alive -= 1
         return peak
 
@@ -62,32 +64,17 @@ class Scheduler:
     def admit(self) -> list:
         """Pop the rows that may start now, in FIFO order (stops at the first misfit)."""
         out = []
-        slots = list(self.active.values())
+        rows = list(self.active.values())
         while self.queue and len(self.active) < self.max_batch:
             row = self.queue[0]
-            cand = _Slot(row, row.prompt_tokens, row.params.max_tokens)
-            if (self.kv_budget is not None and slots
-                    and self.projected_peak(slots + [cand]) > self.kv_budget):
+            if (self.kv_budget is not None and rows
+                    and self.projected_peak(rows + [row]) > self.kv_budget):
                 break
             self.queue.popleft()
-            self.active[row.id] = cand
-            slots.append(cand)
+            self.active[row.id] = row
+            rows.append(row)
             out.append(row)
         return out
-
-    def progress(self, row_id: int, new_tokens: int) -> None:
-        s = self.active.get(row_id)
-        if s is not None:
-            s.length += new_tokens
-            s.remaining = max(0, s.remaining - new_tokens)
-
-    def progress_many(self, emitted) -> None:
-        active = self.active
-        for rid, tok, _, _ in emitted:
-            s = active.get(rid)
-            if s is not None and tok is not None:
-                s.length += 1
-                s.remaining -= 1
 
     def release(self, row_id: int) -> None:
         self.active.pop(row_id, None)
