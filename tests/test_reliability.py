@@ -58,6 +58,27 @@ async def serves_next(eng):
     assert r.finish_reason in ("stop", "length") and r.tokens
     return r
 
+def beside_a_bystander(tiny, arun, max_tokens, check_idle=True, **bad):
+    """Run a faulty row ("abc" unless `prompt` is given) beside a bystander row;
+    return (bystander's reference tokens, bystander result, faulty result)."""
+    prompt = bad.pop("prompt", "abc")
+
+    async def main():
+        eng = make(tiny)
+        ref = (await alone(eng, BYSTANDER, max_tokens=max_tokens)).tokens
+        by = eng.submit(BYSTANDER, chat=False, max_tokens=max_tokens)
+        row = eng.submit(prompt, chat=False, max_tokens=max_tokens, **bad)
+        res = await asyncio.wait_for(asyncio.gather(by, row), 10)
+        await serves_next(eng)
+        if check_idle:
+            await assert_idle(eng)
+        await eng.aclose()
+        return ref, res
+
+    ref, (by, row) = arun(main)
+    return ref, by, row
+
+
 
 # -- load ---------------------------------------------------------------------------
 
@@ -499,18 +520,7 @@ def test_logits_processor_raises_mid_generation(tiny, arun):
             raise RuntimeError("processor failed late")
         return logits
 
-    async def main():
-        eng = make(tiny)
-        ref = (await alone(eng, BYSTANDER, max_tokens=20)).tokens
-        by = eng.submit(BYSTANDER, chat=False, max_tokens=20)
-        bad = eng.submit("abc", chat=False, max_tokens=20, logits_processors=[late_boom])
-        res = await asyncio.wait_for(asyncio.gather(by, bad), 10)
-        await serves_next(eng)
-        await assert_idle(eng)
-        await eng.aclose()
-        return ref, res
-
-    ref, (by, bad) = arun(main)
+    ref, by, bad = beside_a_bystander(tiny, arun, 20, logits_processors=[late_boom])
     assert bad.finish_reason == "error" and "processor failed late" in bad.error
     assert 1 <= len(bad.tokens) <= 4
     assert by.tokens == ref
@@ -538,18 +548,8 @@ def test_logits_processor_bad_return_value_ends_only_its_row(tiny, arun, kind):
     own row with a one-line error (or be tolerated), never fail the whole batch."""
     ret = BAD_PROCESSOR_RETURNS[kind]
 
-    async def main():
-        eng = make(tiny)
-        ref = (await alone(eng, BYSTANDER, max_tokens=12)).tokens
-        by = eng.submit(BYSTANDER, chat=False, max_tokens=12)
-        bad = eng.submit("abd", chat=False, max_tokens=12,
-                         logits_processors=[lambda h, l: ret(l)])
-        res = await asyncio.wait_for(asyncio.gather(by, bad), 10)
-        await serves_next(eng)
-        await eng.aclose()
-        return ref, res
-
-    ref, (by, bad) = arun(main)
+    ref, by, bad = beside_a_bystander(tiny, arun, 12, check_idle=False, prompt="abd",
+                                      logits_processors=[lambda h, l: ret(l)])
     assert by.finish_reason == "length" and by.tokens == ref, by.error
     assert bad.finish_reason in ("error", "length", "stop")
     if bad.finish_reason == "error":
@@ -561,18 +561,7 @@ def test_stop_callback_returning_unusable_value(tiny, arun):
         def __bool__(self):
             raise TypeError("truth value is ambiguous")
 
-    async def main():
-        eng = make(tiny)
-        ref = (await alone(eng, BYSTANDER, max_tokens=10)).tokens
-        by = eng.submit(BYSTANDER, chat=False, max_tokens=10)
-        bad = eng.submit("abc", chat=False, max_tokens=10, stop=[lambda text: NoBool()])
-        res = await asyncio.wait_for(asyncio.gather(by, bad), 10)
-        await serves_next(eng)
-        await assert_idle(eng)
-        await eng.aclose()
-        return ref, res
-
-    ref, (by, bad) = arun(main)
+    ref, by, bad = beside_a_bystander(tiny, arun, 10, stop=[lambda text: NoBool()])
     assert bad.finish_reason == "error" and "stop callback" in bad.error
     assert by.tokens == ref
 
