@@ -8,18 +8,22 @@ One process, one model, the same random prompts for all three:
   rawb    the same loop on mlx-lm's BatchKVCache (what BatchGenerator and the engine
           decode on: per-row offsets, an array attention mask), zero padding; the
           gap raw -> rawb is the batch cache's cost, rawb -> engine the engine's own.
+  rawv    (diagnostic) the raw loop on the engine's unpadded cache views
+  rawt, rawvt  (diagnostic) raw / rawv run on a worker thread, as the engine's steps are
+  rawtc   (diagnostic, run it last) rawt after re-making the weights on that thread
   bg      mlx_lm.generate.BatchGenerator, greedy, all B prompts inserted at once
           (completion_batch_size = prefill_batch_size = B). tok/s = its own
           stats().generation_tps (wall minus prompt time); decode_tps kept in JSON.
   engine  mlxnb.Engine(max_batch=B, kv_budget=None). Two runs per B:
-          natural  every row max_tokens = N, submitted at once -> e2e wall tok/s;
-          steady   every row max_tokens = N + B. The engine prefills one row per
-                   tick, so rows join (and leave) the batch staggered; with N + B
-                   tokens each there are >= N steps with all B rows decoding and no
-                   prefill. engine = sum(tokens) / sum(dt_s) over those steps
-                   (eng.steps with prefill_tokens == 0 and batch_size == B);
-                   eng_span = the same tokens over the wall time between those
-                   steps' records (includes the loop side of every step).
+          natural  every row max_tokens = N, submitted at once (the same work as
+                   raw and bg). engine = sum(tokens) / sum(dt_s) over the steps with
+                   all B rows decoding and no prefill (eng.steps with
+                   prefill_tokens == 0 and batch_size == B); eng_span = the same
+                   tokens over the wall time between those steps' records (includes
+                   the loop side of every step); e2e = B * N / wall.
+          steady   every row max_tokens = N + B (longer caches: past 256 tokens MLX's
+                   CUDA backend switches decode attention to cuDNN), reported
+                   beside the others as eng-long.
 
 Weights are random (llama shapes), prompts are random token ids of one length, and
 no token stops a row (no EOS), so every row runs to max_tokens; this is checked.
@@ -58,6 +62,7 @@ import statistics
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -162,16 +167,20 @@ def make_prompts(rng, n, length, vocab):
 
 
 # -- (a) raw loop ----------------------------------------------------------------------
-def run_raw(model, prompts, n, prof=None, batch_cache=False):
+def run_raw(model, prompts, n, prof=None, batch_cache=False, views=False):
     B = len(prompts)
     if batch_cache:  # mlx-lm's BatchKVCache (no padding here): array mask, offsets [B]
         cache = [BatchKVCache([0] * B) for _ in model.layers]
+    elif views:  # what the engine decodes on when no row is padded
+        from mlxnb.kvbatch import AlignedView, LeanBatchKVCache
+
+        cache = [AlignedView(LeanBatchKVCache([0] * B)) for _ in model.layers]
     else:
         cache = make_prompt_cache(model)
     ids = mx.array(prompts, dtype=mx.uint32)
     t0 = pc()
     model(ids[:, :-1], cache=cache)
-    mx.eval([c.state for c in cache])
+    mx.eval([(c.c if views else c).state for c in cache])
     y = ids[:, -1]
     mx.eval(y)
     t1 = pc()
@@ -222,6 +231,9 @@ def run_raw_sync(model, prompts, n):
         y.tolist()
     t2 = pc()
     return dict(sync_step_ms=1e3 * (t2 - t1) / n, sync_build_ms=1e3 * tb / n)
+
+
+RAW_VARIANTS = {"raw": {}, "rawb": dict(batch_cache=True), "rawv": dict(views=True)}
 
 
 # -- (b) BatchGenerator ----------------------------------------------------------------
@@ -285,26 +297,25 @@ async def run_engine(model, tok, prompts_nat, prompts_steady, n, B, warm_prompts
     eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None)
     try:
         await engine_run(eng, warm_prompts, warm_n)
-        res, steps, wall, ok_nat = await engine_run(eng, prompts_nat, n)
-        nat = decode_window(steps, B)
         if prof_hook is not None:
             prof_hook.attach(eng)
-        res2, steps2, wall2, ok_st = await engine_run(eng, prompts_steady, n + B)
+        res, steps, wall, ok_nat = await engine_run(eng, prompts_nat, n)
         if prof_hook is not None:
             prof_hook.detach(eng)
+        nat = decode_window(steps, B)
+        res2, steps2, wall2, ok_st = await engine_run(eng, prompts_steady, n + B)
         st = decode_window(steps2, B)
         ttft = [r.ttft_s for r in res]
         out = dict(
-            decode_tps=st["tps"] if st else 0.0, span_tps=st["span_tps"] if st else 0.0,
-            steady_steps=st["nsteps"] if st else 0,
+            decode_tps=nat["tps"] if nat else 0.0, span_tps=nat["span_tps"] if nat else 0.0,
+            natural_full_steps=nat["nsteps"] if nat else 0, natural_steps=len(steps),
             e2e_tps=B * n / wall, wall_s=wall, ok=ok_nat and ok_st,
-            natural_decode_tps=nat["tps"] if nat else None,
-            natural_full_steps=nat["nsteps"] if nat else 0,
-            natural_steps=len(steps),
+            steady_decode_tps=st["tps"] if st else None,
+            steady_steps=st["nsteps"] if st else 0,
             ttft_mean_s=statistics.mean(ttft), ttft_max_s=max(ttft),
         )
         if prof_hook is not None:
-            prof_hook.summarize(steps2, B)
+            prof_hook.summarize(steps, B)
         return out
     finally:
         await eng.aclose()
@@ -959,11 +970,27 @@ async def amain(args):
                         p1 = make_prompts(rng, B, args.prompt, vocab)
                         p2 = make_prompts(rng, B, args.prompt, vocab)
                         t = pc()
-                        if meth in ("raw", "rawb"):
-                            bc = meth == "rawb"
+                        if meth in RAW_VARIANTS:
+                            kw = RAW_VARIANTS[meth]
                             if rep == 0:
-                                run_raw(model, warm, args.warm_new, batch_cache=bc)
-                            r = run_raw(model, p1, args.new, batch_cache=bc)
+                                run_raw(model, warm, args.warm_new, **kw)
+                            r = run_raw(model, p1, args.new, **kw)
+                        elif meth in ("rawt", "rawvt", "rawtc"):  # on a worker thread
+                            kw = RAW_VARIANTS[meth[:-1]] if meth != "rawtc" else {}
+
+                            def both():
+                                if meth == "rawtc" and rep == 0:
+                                    # weights re-made on this thread (its own stream);
+                                    # run it last: later methods see these weights
+                                    from mlx.utils import tree_map
+                                    model.update(tree_map(lambda a: a * 1,
+                                                          model.parameters()))
+                                    mx.eval(model.parameters())
+                                if rep == 0:
+                                    run_raw(model, warm, args.warm_new, **kw)
+                                return run_raw(model, p1, args.new, **kw)
+                            with ThreadPoolExecutor(1) as pool:
+                                r = pool.submit(both).result()
                         elif meth == "bg":
                             if rep == 0:
                                 run_bg(model, warm, args.warm_new)
@@ -1041,11 +1068,12 @@ def render(results):
     L.append("")
     L.append("Decode tok/s (prefill excluded). engine = tokens / sum(dt_s) over steps with "
              "all B rows decoding and no prefill; eng-span = same over their wall span; "
-             "e2e = B*new / wall of a plain run (prefill, ramp-up, loop included).")
+             "e2e = B*new / wall of a plain run (prefill, ramp-up, loop included); eng-long = "
+             "engine over B+new tokens per row (caches past 256 tokens).")
     L.append("")
     L.append("| shape | dtype | B | raw | raw-bkv | BG | engine | eng-span | engine/BG |"
-             " engine/raw | eng-span/raw | raw e2e | BG e2e | engine e2e |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+             " engine/raw | eng-span/raw | raw e2e | BG e2e | engine e2e | eng-long |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         raw = (r.get("raw") or {}).get("decode_tps")
         bg = (r.get("bg") or {}).get("decode_tps")
@@ -1058,7 +1086,13 @@ def render(results):
         L.append(f"| {r['shape']} | {r['dtype']} | {r['B']} | {fmt(raw)} | {fmt(rawb)} | {fmt(bg)} | "
                  f"{fmt(en)} | {fmt(sp)} | {ratio(en, bg)} | {ratio(en, raw)} | "
                  f"{ratio(sp, raw)} | {fmt((r.get('raw') or {}).get('e2e_tps'))} | "
-                 f"{fmt((r.get('bg') or {}).get('e2e_tps'))} | {fmt(e.get('e2e_tps'))} |")
+                 f"{fmt((r.get('bg') or {}).get('e2e_tps'))} | {fmt(e.get('e2e_tps'))} | "
+                 f"{fmt(e.get('steady_decode_tps'))} |")
+    for r in results["rows"]:
+        diag = [m for m in ("rawt", "rawv", "rawvt", "rawtc") if (r.get(m) or {}).get("decode_tps")]
+        if diag:
+            L.append(f"\nDiagnostic raw variants, {r['shape']} {r['dtype']} B={r['B']}: " +
+                     ", ".join(f"{m} {fmt(r[m]['decode_tps'])}" for m in ["raw"] + diag))
     errs = [(r["shape"], r["dtype"], r["B"], m, r[m]["error"]) for r in results["rows"]
             for m in ("raw", "rawb", "bg", "engine")
             if isinstance(r.get(m), dict) and "error" in r[m]]

@@ -35,7 +35,17 @@ SUPPORTED_CACHES = (KVCache, RotatingKVCache)
 _IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
 _IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
 _PREFILL_BUCKET = 64  # joiners' prefill widths are multiples of this
+# prefill_chunk=None ("auto"): prompt tokens per step beside a running batch = about
+# _STALL_S of prefill at the measured rate, a power of two in [_AUTO_MIN, _AUTO_MAX].
+# A fixed 512 starved fast devices: on an H200 a 512-token chunk is ~1 ms of compute,
+# so joiners waited dozens of steps (and every new chunk shape costs MLX's CUDA
+# backend a one-off cuDNN graph build of 50-90 ms, bench/results/h200-run5*.md).
+_STALL_S = 0.05
+_AUTO_MIN, _AUTO_MAX = 512, 8192
 
+
+def pow2_floor(n: float) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
 
 
 @dataclass
@@ -76,9 +86,10 @@ class StepStat:
 
 
 class BatchExecutor:
-    def __init__(self, model, tokenizer, prefill_chunk: int = 512, prefix_bytes: int = 0):
+    def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None,
+                 prefix_bytes: int = 0):
         self.model, self.tokenizer = model, tokenizer
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk  # None: auto (see _step_budget)
         self.eos = set(tokenizer.eos_token_ids or ())
         probe = make_prompt_cache(model)
         bad = {type(c).__name__ for c in probe if type(c) not in SUPPORTED_CACHES}
@@ -110,10 +121,11 @@ class BatchExecutor:
         # fix: caches grow in 256-token steps from wherever they stand, and merges,
         # prefix hits and batch filters leave them at unaligned sizes, so n tokens can
         # take up to n + 255 slots (n + 511 with a chunk over 256 and not a multiple of
-        # it). A RotatingKVCache holds window - 1 + chunk tokens while prefilling.
-        c = self.prefill_chunk
+        # it; auto chunks change size from tick to tick). A RotatingKVCache holds
+        # window - 1 + chunk tokens while prefilling.
+        c = self.prefill_chunk or 257
         alloc = max(length, 1) + (256 if c <= 256 or c % 256 == 0 else -(-c // 256) * 256)
-        win = max(c, _IDLE_PREFILL)
+        win = max(c, _IDLE_PREFILL, _AUTO_MAX)
         return sum(b * (min(alloc, w + win) if w else alloc) for b, w in self.layer_shapes)
 
     def _reset_batch(self):
@@ -352,15 +364,21 @@ class BatchExecutor:
         return mx.concatenate(out, axis=0)
 
     # -- prefill -------------------------------------------------------------------
+    def _step_budget(self) -> int:
+        """Prompt tokens to prefill per step beside the running batch."""
+        if self.prefill_chunk:
+            return self.prefill_chunk
+        return min(_AUTO_MAX, max(_AUTO_MIN, pow2_floor(self._prefill_rate * _STALL_S)))
+
     def _prefill(self, u) -> int:
-        """Prefill up to `prefill_chunk` tokens beside a running batch (its stall is
-        bounded by one chunk). With nothing decoding, group everything admitted (up to
+        """Prefill up to one step budget of tokens beside a running batch (its stall is
+        bounded by that). With nothing decoding, group everything admitted (up to
         _IDLE_PREFILL tokens) so the rows start decoding together, unpadded, but still
         compute only about _IDLE_TICK_S of it per tick, so cancels land promptly."""
         if self.ids:
-            budget = group_budget = self.prefill_chunk
+            budget = group_budget = self._step_budget()
         else:
-            budget = int(min(_IDLE_PREFILL, max(self.prefill_chunk,
+            budget = int(min(_IDLE_PREFILL, max(self.prefill_chunk or _AUTO_MIN,
                                                 self._prefill_rate * _IDLE_TICK_S)))
             group_budget = max(budget, _IDLE_PREFILL)
         done = 0
@@ -378,8 +396,11 @@ class BatchExecutor:
                         up = u(rid)
                         up.finish, up.error = "error", f"prefill failed: {type(e).__name__}: {e}"
                 self.current = None
-        if done and not self.ids:  # alone on the device: a clean prefill rate
-            self._prefill_rate = done / max(time.perf_counter() - t0, 1e-6)
+        if done:
+            # Keep the best recent rate: a tick that met a new shape (a one-off setup)
+            # or shared the device with a decode step under-reports it.
+            rate = done / max(time.perf_counter() - t0, 1e-6)
+            self._prefill_rate = max(rate, 0.9 * self._prefill_rate)
         return done
 
     def _next_group(self, budget: int) -> Optional[PrefillGroup]:
@@ -395,7 +416,7 @@ class BatchExecutor:
         # Joiners of a running batch get padded to it anyway: round their widths up
         # so prefill shapes repeat (backends that prepare kernels per shape, e.g.
         # cuDNN attention on CUDA, then reuse them).
-        step = min(_PREFILL_BUCKET, self.prefill_chunk) if self.ids else 1
+        step = min(_PREFILL_BUCKET, budget) if self.ids else 1
         group = [head]
         width = round_up(len(head.ids) - 1, step)
         while self.waiting:
@@ -415,7 +436,9 @@ class BatchExecutor:
 
     def _chunk(self, g: PrefillGroup, budget: int, u) -> int:
         k = len(g.admits)
-        n = min(g.width - g.pos, max(g.step, budget // k // g.step * g.step))
+        # Powers of two (multiples of the group's step): chunk shapes repeat from run
+        # to run, and cache growth stays within kv_bytes_for's slack.
+        n = min(g.width - g.pos, max(g.step, pow2_floor(budget // k)))
         if n > 0:
             cols = g.tokens[:, g.pos:g.pos + n]
             self.model(cols, cache=g.views)

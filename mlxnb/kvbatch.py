@@ -48,7 +48,17 @@ class PrefillGroup:
 class LeanBatchKVCache(BatchKVCache):
     """mlx-lm's BatchKVCache with `offset` derived (= _idx - left_padding, an
     invariant of every method) instead of stored: its per-layer `offset + 1` update
-    each decode step becomes a node nobody evaluates."""
+    each decode step becomes a node nobody evaluates.
+
+    It also grows its buffers 255 tokens at a time, not 256. MLX's CUDA backend sends
+    single-token attention over a buffer whose length is a multiple of 256 to cuDNN
+    (mlx/backend/cuda/scaled_dot_product_attention.cpp, use_cudnn_for_decoding),
+    which builds a graph per (batch size, buffer length): measured ~100 ms each time
+    a row leaves or joins, and ~2 ms slower per step than the vector kernel at batch
+    64 (bench/shape_costs.py). Any other length keeps decode on the vector kernel;
+    other backends don't care."""
+
+    step = 255
 
     @property
     def offset(self):

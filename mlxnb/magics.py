@@ -48,7 +48,9 @@ class MLXNB(Configurable):
                       help="KV-cache byte budget: '2GB', bytes, or None for no limit."
                       ).tag(config=True)
     max_batch = Int(32, min=1, help="Most rows decoded together.").tag(config=True)
-    prefill_chunk = Int(512, min=1, help="Prompt tokens prefilled per step.").tag(config=True)
+    prefill_chunk = Int(None, min=1, allow_none=True,
+                        help="Prompt tokens prefilled per step beside running rows; "
+                        "None = auto (about 50 ms of prefill per step).").tag(config=True)
     max_tokens = Int(64, min=1, help="Default --max-tokens.").tag(config=True)
     temperature = Float(0.0, min=0.0, help="Default --temp (0 = greedy).").tag(config=True)
     top_p = Float(1.0, help="Default --top-p.").tag(config=True)
@@ -264,7 +266,7 @@ _LOAD.add_argument("--max-batch", default=None)
 _LOAD.add_argument("--prefill-chunk", default=None)
 
 _HELP = """%mlxnb subcommands:
-  %mlxnb load [MODEL] [--kv-budget 2GB|none] [--max-batch N] [--prefill-chunk N]
+  %mlxnb load [MODEL] [--kv-budget 2GB|none] [--max-batch N] [--prefill-chunk N|auto]
   %mlxnb status            model, rows running / queued / done, KV memory
   %mlxnb stop [all|NAME]   cancel every unfinished row (or one Run/Row variable)
   %mlxnb dashboard         a live widget of every row of every cell
@@ -286,7 +288,8 @@ class MLXNBMagics(Magics):
         c = self.cfg
         kw = dict(max_batch=c.max_batch if max_batch is None else max_batch,
                   kv_budget=c.kv_budget if kv_budget is None else kv_budget,
-                  prefill_chunk=c.prefill_chunk if prefill_chunk is None else prefill_chunk,
+                  prefill_chunk=(c.prefill_chunk if prefill_chunk is None else
+                                 None if prefill_chunk == "auto" else prefill_chunk),
                   loop=_kernel_loop(self.shell))
         if isinstance(kw["kv_budget"], str) and kw["kv_budget"].strip().isdigit():
             kw["kv_budget"] = int(kw["kv_budget"])
@@ -340,8 +343,10 @@ class MLXNBMagics(Magics):
     def _cmd_load(self, rest):
         a = _parse(_LOAD, rest, "%mlxnb load", "run %mlxnb alone for the options")
         mb = cp.parse_values("max_batch", a.max_batch, int, sweep=False)[0]
-        pc = cp.parse_values("prefill_chunk", a.prefill_chunk, int, sweep=False)[0]
-        for flag, v in (("--max-batch", mb), ("--prefill-chunk", pc)):
+        auto = (a.prefill_chunk or "").strip().lower() == "auto"
+        pc = "auto" if auto else cp.parse_values("prefill_chunk", a.prefill_chunk, int,
+                                                 sweep=False)[0]
+        for flag, v in (("--max-batch", mb), ("--prefill-chunk", None if auto else pc)):
             if v is not None and v < 1:
                 raise UsageError(f"%mlxnb load: {flag} must be a positive integer; got {v}")
         spec = a.model or self.cfg.model

@@ -182,13 +182,14 @@ def test_prefix_store_holds_no_more_memory_than_it_accounts(tiny, arun):
     assert held <= 1.25 * accounted + (256 << 10), f"held {held} B, accounted {accounted} B"
 
 
-@pytest.mark.parametrize("case", ["prefix_hits", "long_prompt_joins", "chunk_300"])
+@pytest.mark.parametrize("case", ["prefix_hits", "long_prompt_joins", "chunk_300",
+                                  "chunk_auto"])
 def test_reported_kv_never_exceeds_a_two_row_budget(tiny, arun, case):
     """Budget = exactly two of the largest rows. Merged batches, prefix-cache hits and
     chunk sizes that are not a multiple of 256 leave caches at unaligned sizes; the
     admission arithmetic must still bound what is really allocated."""
     header = "A shared header, long enough to be reused. "
-    chunk = 300 if case == "chunk_300" else 64
+    chunk = {"chunk_300": 300, "chunk_auto": None}.get(case, 64)
     if case == "prefix_hits":
         prompts = [header + s for s in ("one", "two", "three", "four", "five", "six")]
     elif case == "long_prompt_joins":
