@@ -362,6 +362,24 @@ class _ModelProxy:
         return getattr(self._m, name)
 
 
+class GcTimer:
+    """Milliseconds the cyclic garbage collector ran inside the `with` block."""
+
+    def __enter__(self):
+        self.ms, self._t = 0.0, None
+        gc.callbacks.append(self._cb)
+        return self
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t = pc()
+        elif self._t is not None:
+            self.ms += 1e3 * (pc() - self._t)
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._cb)
+
+
 class EngineProfiler:
     """Per-tick host timers around BatchExecutor / Engine methods (no mlxnb edits).
 
@@ -701,6 +719,14 @@ def format_profile(eng_prof, raw_prof, B, new):
             f"Raw loop fully synchronous (mx.eval every step, no overlap): "
             f"{r['sync_step_ms']:.3f} ms/step, of which graph build {r['sync_build_ms']:.3f}"
             f" -> launch + device ~ {r['sync_step_ms'] - r['sync_build_ms']:.3f} ms/step.")
+    v = r.get("views_on_worker")
+    if v:
+        lines.append(
+            f"Raw loop on the engine's cache views, on the engine's MLX thread: step "
+            f"{v['step_ms']:.3f} ms (= {B / v['step_ms'] * 1e3:,.0f} tok/s): graph build "
+            f"{v['build_ms']:.3f}, argmax+async_eval {v['argmax_async_eval_ms']:.3f}, "
+            f"blocked in tolist {v['wait_tolist_ms']:.3f}; Python GC {v['gc_ms']:.1f} ms "
+            f"in the whole run.")
     return "\n".join(lines)
 
 
@@ -1043,15 +1069,31 @@ async def do_profile(model, tok, rng, args, B, vocab, results):
         run_raw(model, warm, args.warm_new)
         run_raw(model, p1, args.new, prof=raw_prof)
         raw_prof.update(run_raw_sync(model, p1, min(args.new, 32)))
+        # the same loop on the engine's cache views, on the engine's own MLX thread
+        from mlxnb.engine import _mlx_worker
+
+        views_prof = {}
+
+        def on_worker():
+            run_raw(model, warm, args.warm_new, views=True)
+            with GcTimer() as g:
+                run_raw(model, p1, args.new, prof=views_prof, views=True)
+            views_prof["gc_ms"] = g.ms
+        _mlx_worker().submit(on_worker).result()
+        raw_prof["views_on_worker"] = views_prof
         prof = EngineProfiler()
         p2 = make_prompts(rng, B, args.prompt, vocab)
         p3 = make_prompts(rng, B, args.prompt, vocab)
-        eng = await run_engine(model, tok, p2, p3, args.new, B, warm, args.warm_new,
-                               prof_hook=prof)
+        with GcTimer() as g:
+            eng = await run_engine(model, tok, p2, p3, args.new, B, warm, args.warm_new,
+                                   prof_hook=prof)
+        eng["gc_ms_all_runs"] = g.ms
         if prof.summary is None:
             raise RuntimeError("no steady ticks to profile")
         results["profile"] = dict(engine=prof.summary, raw=raw_prof, engine_run=eng,
-                                  text=format_profile(prof.summary, raw_prof, B, args.new))
+                                  text=format_profile(prof.summary, raw_prof, B, args.new)
+                                  + f"\nPython GC during the engine's three runs: "
+                                  f"{eng['gc_ms_all_runs']:.1f} ms.")
         log(results["profile"]["text"])
     except Exception as e:
         traceback.print_exc()

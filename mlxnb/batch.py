@@ -102,7 +102,8 @@ class BatchExecutor:
         self.waiting: Deque[Admit] = deque()  # admitted, prefill not started
         self.current: Optional[PrefillGroup] = None  # the group being prefilled
         self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
-        self._prefill_rate = 0.0  # prompt tokens/s, measured on idle prefill ticks
+        self._prefill_rate = 0.0  # prompt tokens/s (best recent, see _prefill)
+        self._step_s = 0.0  # decode step time without prefill (moving average)
         self._reset_batch()
         self.nsteps = 0
 
@@ -190,6 +191,8 @@ class BatchExecutor:
             if self.nsteps % 1024 == 0:
                 mx.clear_cache()
             now = time.perf_counter()
+            if decoded and not prefill_tokens:
+                self._step_s += 0.2 * (now - t - self._step_s)
             kv, share, other = self._kv_report()
             steps.append(StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t,
                                   kv, self._ids_tuple, share, other))
@@ -397,9 +400,14 @@ class BatchExecutor:
                         up.finish, up.error = "error", f"prefill failed: {type(e).__name__}: {e}"
                 self.current = None
         if done:
+            # The wait above includes the decode step launched before the prefill,
+            # which the running rows would wait for anyway: not part of the rate.
             # Keep the best recent rate: a tick that met a new shape (a one-off setup)
-            # or shared the device with a decode step under-reports it.
-            rate = done / max(time.perf_counter() - t0, 1e-6)
+            # under-reports it.
+            took = time.perf_counter() - t0
+            if self.ids:
+                took = max(took - self._step_s, 0.25 * took)
+            rate = done / max(took, 1e-6)
             self._prefill_rate = max(rate, 0.9 * self._prefill_rate)
         return done
 

@@ -41,6 +41,24 @@ class _WontFit(ValueError):
 _STREAK_S = 0.010  # longest run of decode steps the worker takes without the loop
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
 _WORKER_TIDS: set = set()
+_WORKER: Optional[ThreadPoolExecutor] = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _mlx_worker() -> ThreadPoolExecutor:
+    """The process's one MLX thread, shared by every Engine.
+
+    MLX keeps streams and, on CUDA, its per-shape kernel state (cuDNN attention
+    graphs, CUDA graphs, library handles) in thread-locals (`thread_local` across
+    mlx/backend/cuda). With a thread per Engine every new Engine -- a re-run cell,
+    `%mlxnb load` -- started cold: each prefill shape paid its 50-300 ms setup again
+    (bench/results/h200-run5-diagnostics.md)."""
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None:
+            _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxnb-mlx")
+            _WORKER_TIDS.add(_WORKER.submit(threading.get_native_id).result())
+        return _WORKER
 
 
 @atexit.register
@@ -97,17 +115,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.loop = _get_loop(loop)
         self._t0 = time.perf_counter()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxnb-mlx")
-        _WORKER_TIDS.add(self._pool.submit(threading.get_native_id).result())
+        self._pool = _mlx_worker()
         prefix_bytes = parse_bytes(prefix_cache) or 0 if prefix_cache else 0
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
-        try:
-            self.model, self.tokenizer, self._exec = self._pool.submit(
-                self._load, model, prefix_bytes).result()
-        except BaseException:
-            self._pool.shutdown(wait=True)  # a failed load leaves no worker behind
-            raise
+        self.model, self.tokenizer, self._exec = self._pool.submit(
+            self._load, model, prefix_bytes).result()
         self.context_length = getattr(getattr(self.model, "args", None),
                                       "max_position_embeddings", None)
         self.scheduler = Scheduler(max_batch, self.kv_budget, self._exec.kv_bytes_for)
@@ -401,18 +414,20 @@ class Engine:
             if not row.done:
                 self._end(row, "cancelled")
         await self.loop.run_in_executor(self._pool, self._exec.close)
-        # The worker is idle now: join it, so no thread holding MLX state is left
-        # for interpreter exit to tear down.
-        self._pool.shutdown(wait=True)
 
     def close(self) -> None:
-        """Synchronous close for scripts/atexit: cancel everything, drop the worker."""
+        """Synchronous close for scripts/atexit: cancel everything, free the caches."""
+        if self._closed:
+            return
         self._closed = True
         self._wake.set()
         for row in self.rows:
             if not row.done:
                 self._end(row, "cancelled")
-        self._pool.shutdown(wait=False)
+        try:  # after any tick in flight: the worker runs one thing at a time
+            self._pool.submit(self._exec.close)
+        except RuntimeError:  # interpreter shutdown already stopped the worker
+            pass
 
     @property
     def closed(self) -> bool:
