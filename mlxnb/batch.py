@@ -102,7 +102,7 @@ class BatchExecutor:
         self.waiting: Deque[Admit] = deque()  # admitted, prefill not started
         self.current: Optional[PrefillGroup] = None  # the group being prefilled
         self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
-        self._prefill_rate = 0.0  # prompt tokens/s (best recent, see _prefill)
+        self._prefill_rate = self._rate_last = 0.0  # prompt tokens/s (see _prefill)
         self._step_s = 0.0  # decode step time without prefill (moving average)
         self._reset_batch()
         self.nsteps = 0
@@ -379,23 +379,33 @@ class BatchExecutor:
         _IDLE_PREFILL tokens) so the rows start decoding together, unpadded, but still
         compute only about _IDLE_TICK_S of it per tick, so cancels land promptly."""
         if self.ids:
-            budget = group_budget = self._step_budget()
+            budget = self._step_budget()
+            # Auto: groups form from what is waiting, not from this tick's budget (it
+            # follows a measured rate), so the same arrivals give the same prefill
+            # shapes run after run; a group that does not fit what is left of this
+            # tick waits whole for the next one rather than start as an odd chunk.
+            group_budget = budget if self.prefill_chunk else _AUTO_MAX
         else:
+            # the latest rate, not the best: this bounds how late a cancel lands
             budget = int(min(_IDLE_PREFILL, max(self.prefill_chunk or _AUTO_MIN,
-                                                self._prefill_rate * _IDLE_TICK_S)))
+                                                self._rate_last * _IDLE_TICK_S)))
             group_budget = max(budget, _IDLE_PREFILL)
         done = 0
         t0 = time.perf_counter()
         while done < budget:
             if self.current is None:
-                self.current = self._next_group(group_budget if not self.ids else budget - done)
+                fixed = self.ids and self.prefill_chunk
+                self.current = self._next_group(budget - done if fixed else group_budget)
                 if self.current is None:
                     break
+            g = self.current
+            if done and g.pos == 0 and len(g.admits) * g.width > budget - done:
+                break
             try:
-                done += self._chunk(self.current, budget - done, u)
+                done += self._chunk(g, budget - done, u)
             except Exception as e:
-                for rid in self.current.row_ids():
-                    if rid not in self.current.cancelled:
+                for rid in g.row_ids():
+                    if rid not in g.cancelled:
                         up = u(rid)
                         up.finish, up.error = "error", f"prefill failed: {type(e).__name__}: {e}"
                 self.current = None
@@ -407,8 +417,8 @@ class BatchExecutor:
             took = time.perf_counter() - t0
             if self.ids:
                 took = max(took - self._step_s, 0.25 * took)
-            rate = done / max(took, 1e-6)
-            self._prefill_rate = max(rate, 0.9 * self._prefill_rate)
+            self._rate_last = done / max(took, 1e-6)
+            self._prefill_rate = max(self._rate_last, 0.9 * self._prefill_rate)
         return done
 
     def _next_group(self, budget: int) -> Optional[PrefillGroup]:
