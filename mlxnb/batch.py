@@ -104,6 +104,8 @@ class BatchExecutor:
         self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
         self._prefill_rate = self._rate_last = 0.0  # prompt tokens/s (see _prefill)
         self._step_s = 0.0  # decode step time without prefill (moving average)
+        self._seen: set = set()  # forward shapes run before (see _warm)
+        self._cold_launch = self._cold_chunk = False
         self._reset_batch()
         self.nsteps = 0
 
@@ -317,8 +319,19 @@ class BatchExecutor:
         self.views = [AlignedView(c) for c in self.caches] if aligned else self.caches
 
     # -- compute -----------------------------------------------------------------
+    def _warm(self, key) -> bool:
+        """Has a forward of this shape run before? The first one of each shape pays
+        one-off setup (tens to hundreds of ms on CUDA) that is not the prefill rate."""
+        if key in self._seen:
+            return True
+        if len(self._seen) > 100_000:
+            self._seen.clear()
+        self._seen.add(key)
+        return False
+
     def _launch(self, u):
         rows, want, procs = self._batch_rows, self._want_lp, self._any_procs
+        self._cold_launch = not self._warm(("decode", len(rows), self.views is self.caches))
         logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
         if want or procs or self.sampler.needs_float32:
             logits = logits.astype(mx.float32)
@@ -391,6 +404,7 @@ class BatchExecutor:
                                                 self._rate_last * _IDLE_TICK_S)))
             group_budget = max(budget, _IDLE_PREFILL)
         done = 0
+        self._cold_chunk = False
         t0 = time.perf_counter()
         while done < budget:
             if self.current is None:
@@ -409,16 +423,19 @@ class BatchExecutor:
                         up = u(rid)
                         up.finish, up.error = "error", f"prefill failed: {type(e).__name__}: {e}"
                 self.current = None
+            if self.current is g:  # one chunk per group per tick (a power of two of
+                break  # the budget, not a string of ever smaller shapes)
         if done:
             # The wait above includes the decode step launched before the prefill,
             # which the running rows would wait for anyway: not part of the rate.
-            # Keep the best recent rate: a tick that met a new shape (a one-off setup)
-            # under-reports it.
+            # Keep the best recent rate, from ticks whose shapes all ran before: a
+            # new shape's one-off setup under-reports it.
             took = time.perf_counter() - t0
             if self.ids:
                 took = max(took - self._step_s, 0.25 * took)
             self._rate_last = done / max(took, 1e-6)
-            self._prefill_rate = max(self._rate_last, 0.9 * self._prefill_rate)
+            if not (self._cold_chunk or (self.ids and self._cold_launch)):
+                self._prefill_rate = max(self._rate_last, 0.9 * self._prefill_rate)
         return done
 
     def _next_group(self, budget: int) -> Optional[PrefillGroup]:
@@ -458,6 +475,8 @@ class BatchExecutor:
         # to run, and cache growth stays within kv_bytes_for's slack.
         n = min(g.width - g.pos, max(g.step, pow2_floor(budget // k)))
         if n > 0:
+            if not self._warm(("prefill", k, g.pos, n, g.batched)):
+                self._cold_chunk = True
             cols = g.tokens[:, g.pos:g.pos + n]
             self.model(cols, cache=g.views)
             mx.eval([c.state for c in g.cache])
