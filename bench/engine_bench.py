@@ -933,6 +933,8 @@ def main():
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds: past 60%% of it measure once, past it skip what is left")
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny shape, seconds")
+    ap.add_argument("--streak-s", type=float, default=None,
+                    help="override mlxnb.engine._STREAK_S (decode streak per tick)")
     ap.add_argument("--out", default=None, help="folder for results.json and results.md")
     args = ap.parse_args()
     if args.quick:
@@ -949,6 +951,10 @@ def main():
 
 async def amain(args):
     methods = args.methods.split(",")
+    if args.streak_s is not None:
+        from mlxnb import engine as engine_mod
+
+        engine_mod._STREAK_S = args.streak_s
     plan = parse_plan(args)
     out_dir = Path(args.out) if args.out else None
     if out_dir:
