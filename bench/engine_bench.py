@@ -11,6 +11,7 @@ One process, one model, the same random prompts for all three:
   rawv    (diagnostic) the raw loop on the engine's unpadded cache views
   rawt, rawvt  (diagnostic) raw / rawv run on a worker thread, as the engine's steps are
   rawtc   (diagnostic, run it last) rawt after re-making the weights on that thread
+  engine0 (diagnostic) the engine with decode streaks off (one step per tick)
   bg      mlx_lm.generate.BatchGenerator, greedy, all B prompts inserted at once
           (completion_batch_size = prefill_batch_size = B). tok/s = its own
           stats().generation_tps (wall minus prompt time); decode_tps kept in JSON.
@@ -664,6 +665,21 @@ def format_mixed_profile(s, label=""):
         L.append(f"| {lab} (mean, total) | " + " | ".join(
             f"{kinds[n]['stats'][k]['mean']:.1f} ({kinds[n]['stats'][k]['total']:.0f})"
             for n in names) + " |")
+    ticks = s.get("ticks") or []
+    if ticks:
+        slow = sorted(range(len(ticks)), key=lambda i: -ticks[i].get("period", 0))[:12]
+        L.append("")
+        L.append("Slowest ticks (ms; new shapes pay one-off setup here):")
+        L.append("")
+        L.append("| tick | period | _launch | _prefill | prefill tokens | groups | rows "
+                 "in groups | rows decoded |")
+        L.append("|---|---|---|---|---|---|---|---|")
+        for i in sorted(slow):
+            t = ticks[i]
+            L.append(f"| {i} | {1e3 * t.get('period', 0):.1f} | "
+                     f"{1e3 * t.get('launch', 0):.1f} | {1e3 * t.get('prefill', 0):.1f} | "
+                     f"{t.get('n.prefill_tokens', 0)} | {t.get('n.groups', 0)} | "
+                     f"{t.get('n.group_rows', 0)} | {t.get('n.decoded', 0)} |")
     return "\n".join(L)
 
 
@@ -842,9 +858,17 @@ async def do_mixed(model, tok, rng, args, vocab, shape, dtype, over):
             if p and over():
                 log(f"  mixed {k} pass {p + 1}: skipped (--budget)")
                 continue
+            cold = None
+            if k == "engine" and p == 0 and args.profile_mixed_first:
+                cold = EngineProfiler()
             try:
                 if k == "engine":
-                    r = await run_mixed_engine(model, tok, waves, n, args.mixed_gap, mb)
+                    r = await run_mixed_engine(model, tok, waves, n, args.mixed_gap, mb,
+                                               prof=cold)
+                    if cold is not None:
+                        mixed["profile_first"] = cold.mixed
+                        cold.mixed["text"] = format_mixed_profile(
+                            cold.mixed, " (pass 1: kernels cold, timers on)")
                 else:
                     r = run_mixed_bg(model, waves, n, args.mixed_gap, mb)
             except Exception as e:
@@ -928,6 +952,8 @@ def main():
                     help="alternate engine, BG this many times; report the last of each")
     ap.add_argument("--profile-mixed", action="store_true",
                     help="one more engine pass of the mixed run with per-tick timers")
+    ap.add_argument("--profile-mixed-first", action="store_true",
+                    help="profile the first (cold) engine pass of --mixed")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile the engine at this batch size (first plan entry)")
     ap.add_argument("--budget", type=float, default=0,
@@ -1027,9 +1053,17 @@ async def amain(args):
                             if rep == 0:
                                 run_bg(model, warm, args.warm_new)
                             r = run_bg(model, p1, args.new)
-                        elif meth == "engine":
-                            r = await run_engine(model, tok, p1, p2, args.new, B, warm,
-                                                 args.warm_new)
+                        elif meth in ("engine", "engine0"):
+                            from mlxnb import engine as engine_mod
+
+                            keep = engine_mod._STREAK_S
+                            if meth == "engine0":  # diagnostic: no decode streaks
+                                engine_mod._STREAK_S = 0.0
+                            try:
+                                r = await run_engine(model, tok, p1, p2, args.new, B, warm,
+                                                     args.warm_new)
+                            finally:
+                                engine_mod._STREAK_S = keep
                         else:
                             raise ValueError(meth)
                         r["took_s"] = pc() - t
@@ -1137,10 +1171,11 @@ def render(results):
                  f"{fmt((r.get('bg') or {}).get('e2e_tps'))} | {fmt(e.get('e2e_tps'))} | "
                  f"{fmt(e.get('steady_decode_tps'))} |")
     for r in results["rows"]:
-        diag = [m for m in ("rawt", "rawv", "rawvt", "rawtc") if (r.get(m) or {}).get("decode_tps")]
+        diag = [m for m in ("rawt", "rawv", "rawvt", "rawtc", "engine0") if (r.get(m) or {}).get("decode_tps")]
         if diag:
-            L.append(f"\nDiagnostic raw variants, {r['shape']} {r['dtype']} B={r['B']}: " +
-                     ", ".join(f"{m} {fmt(r[m]['decode_tps'])}" for m in ["raw"] + diag))
+            base = ["raw"] + (["engine"] if (r.get("engine") or {}).get("decode_tps") else [])
+            L.append(f"\nDiagnostic variants, {r['shape']} {r['dtype']} B={r['B']}: " +
+                     ", ".join(f"{m} {fmt(r[m]['decode_tps'])}" for m in base + diag))
     errs = [(r["shape"], r["dtype"], r["B"], m, r[m]["error"]) for r in results["rows"]
             for m in ("raw", "rawb", "bg", "engine")
             if isinstance(r.get(m), dict) and "error" in r[m]]
@@ -1177,6 +1212,10 @@ def render(results):
                          f"{x['wall_s']:.2f} | {x.get('steps', '-')} | {ta['mean_s']:.3f} | "
                          f"{ta['p90_s']:.3f} | {tj.get('mean_s', 0):.3f} | "
                          f"{tj.get('p90_s', 0):.3f} | {x['ok']} |")
+        mf = m.get("profile_first")
+        if mf:
+            L.append("")
+            L.append(mf.get("text") or "")
         mp = m.get("profile")
         if mp:
             L.append("")
