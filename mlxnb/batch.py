@@ -7,46 +7,31 @@ stops. With nothing to prefill or finish, a tick may run a short streak of such
 decode steps before it returns. The loop thread gets back plain Python values
 (`TickReport`).
 
-Admitted rows prefill in groups, all prompt tokens but the last, as one right-padded
-batch (or alone, continuing from a reused prefix); the group's cache then joins the
-running left-padded batch cache (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`)
-and each row's last prompt token is its first decode input. When no row is padded
-the model sees plain-KVCache views: no mask array, scalar RoPE offsets.
+Admitted rows prefill in groups (prefill.py, the `Prefill` half of the executor);
+a done group's cache joins the running left-padded batch cache (mlx-lm's
+`BatchKVCache` / `BatchRotatingKVCache`) and each row's last prompt token is its
+first decode input. When no row is padded the model sees plain-KVCache views: no
+mask array, scalar RoPE offsets.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from .decoding import HISTORY, RowDecoder
-from .kvbatch import AlignedView, LeanBatchKVCache, PrefillGroup, round_up
+from .kvbatch import AlignedView, LeanBatchKVCache
+from .prefill import _AUTO_MAX, _IDLE_PREFILL, Prefill
 from .prefix import PrefixStore
 from .rows import SamplingParams
 from .sampling import BatchSampler, top_logprobs
 
 SUPPORTED_CACHES = (KVCache, RotatingKVCache)
-_IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
-_IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
-_PREFILL_BUCKET = 64  # joiners' prefill widths are multiples of this
-# prefill_chunk=None ("auto"): prompt tokens per step beside a running batch = about
-# _STALL_S of prefill at the measured rate, a power of two in [_AUTO_MIN, _AUTO_MAX].
-# A fixed 512 starved fast devices: on an H200 a 512-token chunk is ~1 ms of compute,
-# so joiners waited dozens of steps (and every new chunk shape costs MLX's CUDA
-# backend a one-off cuDNN graph build of 50-90 ms, bench/results/h200-run5*.md).
-_STALL_S = 0.05
-_AUTO_MIN, _AUTO_MAX = 512, 8192
-
-
-def pow2_floor(n: float) -> int:
-    return 1 << (max(int(n), 1).bit_length() - 1)
-
 
 @dataclass
 class Admit:
@@ -85,7 +70,7 @@ class StepStat:
     prefill_bytes: Dict[int, int]
 
 
-class BatchExecutor:
+class BatchExecutor(Prefill):
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None,
                  prefix_bytes: int = 0):
         self.model, self.tokenizer = model, tokenizer
@@ -99,13 +84,7 @@ class BatchExecutor:
                 f"model uses {', '.join(sorted(bad))}. Use mlx_lm.generate for it.")
         self.layer_shapes = self._probe_kv(probe)
         self.prefix = PrefixStore(prefix_bytes) if PrefixStore.supports(probe) else None
-        self.waiting: Deque[Admit] = deque()  # admitted, prefill not started
-        self.current: Optional[PrefillGroup] = None  # the group being prefilled
-        self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
-        self._prefill_rate = self._rate_last = 0.0  # prompt tokens/s (see _prefill)
-        self._step_s = 0.0  # decode step time without prefill (moving average)
-        self._seen: set = set()  # forward shapes run before (see _warm)
-        self._cold_launch = self._cold_chunk = False
+        self._init_prefill()
         self._reset_batch()
         self.nsteps = 0
 
@@ -142,13 +121,6 @@ class BatchExecutor:
         self.drop: set = set()
         self._batch_rows, self._want_lp, self._any_procs, self._headroom = [], [], False, 0
         self._ids_tuple: tuple = ()  # self.ids, shared by step records until it changes
-
-    @property
-    def prefilling(self) -> List[int]:
-        """Rows admitted whose prefill has not finished."""
-        return [a.row_id for a in self.waiting] + (
-            [r for r in self.current.row_ids() if r not in self.current.cancelled]
-            if self.current else [])
 
     @property
     def busy(self) -> bool:
@@ -319,16 +291,6 @@ class BatchExecutor:
         self.views = [AlignedView(c) for c in self.caches] if aligned else self.caches
 
     # -- compute -----------------------------------------------------------------
-    def _warm(self, key) -> bool:
-        """Has a forward of this shape run before? The first one of each shape pays
-        one-off setup (tens to hundreds of ms on CUDA) that is not the prefill rate."""
-        if key in self._seen:
-            return True
-        if len(self._seen) > 100_000:
-            self._seen.clear()
-        self._seen.add(key)
-        return False
-
     def _launch(self, u):
         rows, want, procs = self._batch_rows, self._want_lp, self._any_procs
         self._cold_launch = not self._warm(("decode", len(rows), self.views is self.caches))
@@ -378,132 +340,6 @@ class BatchExecutor:
                     li = logits[i:i + 1]
             out.append(li)
         return mx.concatenate(out, axis=0)
-
-    # -- prefill -------------------------------------------------------------------
-    def _step_budget(self) -> int:
-        """Prompt tokens to prefill per step beside the running batch."""
-        if self.prefill_chunk:
-            return self.prefill_chunk
-        return min(_AUTO_MAX, max(_AUTO_MIN, pow2_floor(self._prefill_rate * _STALL_S)))
-
-    def _prefill(self, u) -> int:
-        """Prefill up to one step budget of tokens beside a running batch (its stall is
-        bounded by that). With nothing decoding, group everything admitted (up to
-        _IDLE_PREFILL tokens) so the rows start decoding together, unpadded, but still
-        compute only about _IDLE_TICK_S of it per tick, so cancels land promptly."""
-        if self.ids:
-            budget = self._step_budget()
-            # Auto: groups form from what is waiting, not from this tick's budget (it
-            # follows a measured rate), so the same arrivals give the same prefill
-            # shapes run after run; a group that does not fit what is left of this
-            # tick waits whole for the next one rather than start as an odd chunk.
-            group_budget = budget if self.prefill_chunk else _AUTO_MAX
-        else:
-            # the latest rate, not the best: this bounds how late a cancel lands
-            budget = int(min(_IDLE_PREFILL, max(self.prefill_chunk or _AUTO_MIN,
-                                                self._rate_last * _IDLE_TICK_S)))
-            group_budget = max(budget, _IDLE_PREFILL)
-        done = 0
-        self._cold_chunk = False
-        t0 = time.perf_counter()
-        while done < budget:
-            if self.current is None:
-                fixed = self.ids and self.prefill_chunk
-                self.current = self._next_group(budget - done if fixed else group_budget)
-                if self.current is None:
-                    break
-            g = self.current
-            if done and g.pos == 0 and len(g.admits) * g.width > budget - done:
-                break
-            try:
-                done += self._chunk(g, budget - done, u)
-            except Exception as e:
-                for rid in g.row_ids():
-                    if rid not in g.cancelled:
-                        up = u(rid)
-                        up.finish, up.error = "error", f"prefill failed: {type(e).__name__}: {e}"
-                self.current = None
-            if self.current is g:  # one chunk per group per tick (a power of two of
-                break  # the budget, not a string of ever smaller shapes)
-        if done:
-            # The wait above includes the decode step launched before the prefill,
-            # which the running rows would wait for anyway: not part of the rate.
-            # Keep the best recent rate, from ticks whose shapes all ran before: a
-            # new shape's one-off setup under-reports it.
-            took = time.perf_counter() - t0
-            if self.ids:
-                took = max(took - self._step_s, 0.25 * took)
-            self._rate_last = done / max(took, 1e-6)
-            if not (self._cold_chunk or (self.ids and self._cold_launch)):
-                self._prefill_rate = max(self._rate_last, 0.9 * self._prefill_rate)
-        return done
-
-    def _next_group(self, budget: int) -> Optional[PrefillGroup]:
-        if not self.waiting:
-            return None
-        head = self.waiting.popleft()
-        if self.prefix is not None:
-            n, cache = self.prefix.lookup(head.ids)
-            if n:
-                g = PrefillGroup([head], cache, n, batched=False)
-                g.cached = n
-                return g
-        # Joiners of a running batch get padded to it anyway: round their widths up
-        # so prefill shapes repeat (backends that prepare kernels per shape, e.g.
-        # cuDNN attention on CUDA, then reuse them).
-        step = min(_PREFILL_BUCKET, budget) if self.ids else 1
-        group = [head]
-        width = round_up(len(head.ids) - 1, step)
-        while self.waiting:
-            a = self.waiting[0]
-            w = max(width, round_up(len(a.ids) - 1, step))
-            if (len(group) + 1) * w > max(budget, width):
-                break
-            if self.prefix is not None and self.prefix.lookup(a.ids)[0]:
-                break  # it prefills faster on its own, from the reused prefix
-            group.append(self.waiting.popleft())
-            width = w
-        proto = make_prompt_cache(self.model)
-        cache = [type(c).merge([c] * len(group)) for c in proto]
-        g = PrefillGroup(group, cache, 0, batched=True, width=width)
-        g.cached, g.step = 0, step
-        return g
-
-    def _chunk(self, g: PrefillGroup, budget: int, u) -> int:
-        k = len(g.admits)
-        # Powers of two (multiples of the group's step): chunk shapes repeat from run
-        # to run, and cache growth stays within kv_bytes_for's slack.
-        n = min(g.width - g.pos, max(g.step, pow2_floor(budget // k)))
-        if n > 0:
-            if not self._warm(("prefill", k, g.pos, n, g.batched)):
-                self._cold_chunk = True
-            cols = g.tokens[:, g.pos:g.pos + n]
-            self.model(cols, cache=g.views)
-            mx.eval([c.state for c in g.cache])
-            g.pos += n
-        if g.pos >= g.width:
-            if g.batched and g.padded:
-                for c in g.cache:
-                    c.finalize()
-                mx.eval([c.state for c in g.cache])
-            self._remember(g)
-            self.current = None
-            self.ready.append(g)
-        for a, length in zip(g.admits, g.lengths):
-            if a.row_id not in g.cancelled:
-                upd = u(a.row_id)
-                upd.prefill_done = len(a.ids) if g.pos >= g.width else min(g.pos, length)
-                if g.cached:
-                    upd.cached_tokens = g.cached
-        return max(n, 0) * k
-
-    def _remember(self, g: PrefillGroup):
-        if self.prefix is None or not g.width:
-            return
-        layers = [(c.keys, c.values) for c in g.cache]
-        for i, (a, length) in enumerate(zip(g.admits, g.lengths)):
-            if length:
-                self.prefix.add(a.ids[:length], layers, i, g.width - length if g.batched else 0)
 
     # -- reading back --------------------------------------------------------------
     def _read(self, inflight, u, emitted: List[tuple]) -> None:

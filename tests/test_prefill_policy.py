@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 
 from mlxnb import Engine
-from mlxnb.batch import _AUTO_MAX, _AUTO_MIN, _STALL_S, BatchExecutor, pow2_floor
+from mlxnb.batch import BatchExecutor
+from mlxnb.prefill import _AUTO_MAX, _AUTO_MIN, _STALL_S, pow2_floor
 from mlxnb.kvbatch import LeanBatchKVCache
 
 
