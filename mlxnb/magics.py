@@ -344,8 +344,11 @@ class MLXNBMagics(Magics):
         a = _parse(_LOAD, rest, "%mlxnb load", "run %mlxnb alone for the options")
         mb = cp.parse_values("max_batch", a.max_batch, int, sweep=False)[0]
         auto = (a.prefill_chunk or "").strip().lower() == "auto"
-        pc = "auto" if auto else cp.parse_values("prefill_chunk", a.prefill_chunk, int,
-                                                 sweep=False)[0]
+        try:
+            pc = "auto" if auto else cp.parse_values("prefill_chunk", a.prefill_chunk, int,
+                                                     sweep=False)[0]
+        except UsageError as e:
+            raise UsageError(f"{e} (or --prefill-chunk auto)") from None
         for flag, v in (("--max-batch", mb), ("--prefill-chunk", None if auto else pc)):
             if v is not None and v < 1:
                 raise UsageError(f"%mlxnb load: {flag} must be a positive integer; got {v}")

@@ -294,6 +294,7 @@ BAD_LINES = [  # %mlxnb
     ("load --max-batch x", "--max-batch: 'x' is not an integer"),
     ("load --max-batch 1,2", "--max-batch takes one value"),
     ("load --prefill-chunk -5", "--prefill-chunk must be a positive integer"),
+    ("load --prefill-chunk fast", "'fast' is not an integer; write e.g. --prefill-chunk 1 (or --prefill-chunk auto)"),
     ("load --frob", "unrecognized arguments: --frob"),
     ("load a b", "unrecognized arguments: b"),
     ("load --max-batch 2 --max-batch 3", "--max-batch given more than once"),

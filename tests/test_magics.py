@@ -249,6 +249,11 @@ def test_mlxnb_load_status_stop_unload(ip, models, arun_shut, capsys):
         assert run2.rows[0].finish_reason in ("cancelled", "stop")
         ip.run_line_magic("mlxnb", "load tiny --max-batch 8")  # idle: replaced
         assert magics.get_engine() is not eng and magics.get_engine().max_batch == 8
+        assert magics.get_engine().prefill_chunk is None  # auto by default
+        ip.run_line_magic("mlxnb", "load tiny --prefill-chunk 64")
+        assert magics.get_engine().prefill_chunk == 64
+        ip.run_line_magic("mlxnb", "load tiny --prefill-chunk AUTO")
+        assert magics.get_engine().prefill_chunk is None
         ip.run_line_magic("mlxnb", "wait")
         assert "await mlxnb.wait()" in capsys.readouterr().out
         ip.run_line_magic("mlxnb", "unload")
