@@ -294,7 +294,7 @@ def decode_window(steps, B):
 
 
 async def run_engine(model, tok, prompts_nat, prompts_steady, n, B, warm_prompts, warm_n,
-                     prof_hook=None):
+                     prof_hook=None, long=True):
     eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None)
     try:
         await engine_run(eng, warm_prompts, warm_n)
@@ -304,8 +304,10 @@ async def run_engine(model, tok, prompts_nat, prompts_steady, n, B, warm_prompts
         if prof_hook is not None:
             prof_hook.detach(eng)
         nat = decode_window(steps, B)
-        res2, steps2, wall2, ok_st = await engine_run(eng, prompts_steady, n + B)
-        st = decode_window(steps2, B)
+        ok_st, st = True, None
+        if long:
+            res2, steps2, wall2, ok_st = await engine_run(eng, prompts_steady, n + B)
+            st = decode_window(steps2, B)
         ttft = [r.ttft_s for r in res]
         out = dict(
             decode_tps=nat["tps"] if nat else 0.0, span_tps=nat["span_tps"] if nat else 0.0,
@@ -886,7 +888,7 @@ async def do_mixed(model, tok, rng, args, vocab, shape, dtype, over):
             r = await run_mixed_engine(model, tok, waves, n, args.mixed_gap, mb, prof=prof)
             r["pass"] = "profiled"
             mixed["passes"].setdefault("engine", []).append(r)
-            log(f"  mixed engine profiled pass: " + _brief(r))
+            log("  mixed engine profiled pass: " + _brief(r))
             mixed["profile"] = prof.mixed
             mixed["profile"]["text"] = format_mixed_profile(
                 prof.mixed, f" (pass {npass + 1}, timers on; unprofiled pass "
@@ -959,6 +961,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds: past 60%% of it measure once, past it skip what is left")
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny shape, seconds")
+    ap.add_argument("--no-long", action="store_true", help="skip the engine's eng-long run")
     ap.add_argument("--streak-s", type=float, default=None,
                     help="override mlxnb.engine._STREAK_S (decode streak per tick)")
     ap.add_argument("--out", default=None, help="folder for results.json and results.md")
@@ -1017,69 +1020,51 @@ async def amain(args):
         for B in batches:
             row = dict(shape=shape, dtype=dtype, B=B, prompt=args.prompt, new=args.new)
             prof_here = args.profile == B and pi == 0
+            # Repeats interleave the methods (raw, bg, engine, raw, bg, engine, ...) on
+            # the same prompts per round, so drift of the machine (clocks, neighbours)
+            # hits them alike; per-round ratios are kept beside the best of each.
+            warm = make_prompts(rng, B, args.prompt, vocab)
+            per = {m: [] for m in methods}
+            errors = {}
+            for rep in range(args.repeat):
+                if rep and over(0.6):
+                    break
+                p1 = make_prompts(rng, B, args.prompt, vocab)
+                p2 = make_prompts(rng, B, args.prompt, vocab)
+                for meth in methods:
+                    if meth in errors:
+                        continue
+                    if over():
+                        errors[meth] = "skipped: --budget"
+                        continue
+                    t = pc()
+                    try:
+                        r = await measure(meth, rep, model, tok, args, B, warm, p1, p2)
+                    except Exception as e:
+                        traceback.print_exc()
+                        errors[meth] = f"{type(e).__name__}: {e}"
+                        continue
+                    r["took_s"] = pc() - t
+                    if not r["ok"]:
+                        log(f"  WARNING {meth} B={B}: not every row ran to max_tokens")
+                    per[meth].append(r)
+                    gc.collect()
+                    mx.clear_cache()
             for meth in methods:
-                best = None
-                if over():
-                    row[meth] = dict(error="skipped: --budget", decode_tps=None)
-                    continue
-                try:
-                    warm = make_prompts(rng, B, args.prompt, vocab)
-                    for rep in range(1 if over(0.6) else args.repeat):
-                        p1 = make_prompts(rng, B, args.prompt, vocab)
-                        p2 = make_prompts(rng, B, args.prompt, vocab)
-                        t = pc()
-                        if meth in RAW_VARIANTS:
-                            kw = RAW_VARIANTS[meth]
-                            if rep == 0:
-                                run_raw(model, warm, args.warm_new, **kw)
-                            r = run_raw(model, p1, args.new, **kw)
-                        elif meth in ("rawt", "rawvt", "rawtc"):  # on a worker thread
-                            kw = RAW_VARIANTS[meth[:-1]] if meth != "rawtc" else {}
-
-                            def both():
-                                if meth == "rawtc" and rep == 0:
-                                    # weights re-made on this thread (its own stream);
-                                    # run it last: later methods see these weights
-                                    from mlx.utils import tree_map
-                                    model.update(tree_map(lambda a: a * 1,
-                                                          model.parameters()))
-                                    mx.eval(model.parameters())
-                                if rep == 0:
-                                    run_raw(model, warm, args.warm_new, **kw)
-                                return run_raw(model, p1, args.new, **kw)
-                            with ThreadPoolExecutor(1) as pool:
-                                r = pool.submit(both).result()
-                        elif meth == "bg":
-                            if rep == 0:
-                                run_bg(model, warm, args.warm_new)
-                            r = run_bg(model, p1, args.new)
-                        elif meth in ("engine", "engine0"):
-                            from mlxnb import engine as engine_mod
-
-                            keep = engine_mod._STREAK_S
-                            if meth == "engine0":  # diagnostic: no decode streaks
-                                engine_mod._STREAK_S = 0.0
-                            try:
-                                r = await run_engine(model, tok, p1, p2, args.new, B, warm,
-                                                     args.warm_new)
-                            finally:
-                                engine_mod._STREAK_S = keep
-                        else:
-                            raise ValueError(meth)
-                        r["took_s"] = pc() - t
-                        if not r["ok"]:
-                            log(f"  WARNING {meth} B={B}: not every row ran to max_tokens")
-                        if best is None or r["decode_tps"] > best["decode_tps"]:
-                            best = r
-                except Exception as e:
-                    traceback.print_exc()
-                    best = dict(error=f"{type(e).__name__}: {e}", decode_tps=None)
-                row[meth] = best
+                if per[meth]:
+                    row[meth] = max(per[meth], key=lambda r: r["decode_tps"])
+                    row[meth]["all_tps"] = [r["decode_tps"] for r in per[meth]]
+                else:
+                    row[meth] = dict(error=errors.get(meth, "no result"), decode_tps=None)
                 log(f"  B={B:<4} {meth:<6} " + ", ".join(
                     f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in best.items()))
-                gc.collect()
-                mx.clear_cache()
+                    for k, v in row[meth].items()))
+            for other in ("raw", "bg"):
+                if "engine" in per and other in per:
+                    rs = [e["decode_tps"] / o["decode_tps"]
+                          for e, o in zip(per["engine"], per[other]) if o["decode_tps"]]
+                    if rs:
+                        row[f"engine_over_{other}_median"] = statistics.median(rs)
             results["rows"].append(row)
             save()
             if prof_here and not over():
@@ -1098,6 +1083,46 @@ async def amain(args):
     text = render(results)
     log("\n" + text)
     save()
+
+
+async def measure(meth, rep, model, tok, args, B, warm, p1, p2):
+    """One measurement of one method (warmed up on `warm` in round 0)."""
+    if meth in RAW_VARIANTS:
+        kw = RAW_VARIANTS[meth]
+        if rep == 0:
+            run_raw(model, warm, args.warm_new, **kw)
+        return run_raw(model, p1, args.new, **kw)
+    if meth in ("rawt", "rawvt", "rawtc"):  # on a worker thread
+        kw = RAW_VARIANTS[meth[:-1]] if meth != "rawtc" else {}
+
+        def both():
+            if meth == "rawtc" and rep == 0:
+                # weights re-made on this thread (its own stream); run it last: later
+                # methods see these weights
+                from mlx.utils import tree_map
+                model.update(tree_map(lambda a: a * 1, model.parameters()))
+                mx.eval(model.parameters())
+            if rep == 0:
+                run_raw(model, warm, args.warm_new, **kw)
+            return run_raw(model, p1, args.new, **kw)
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(both).result()
+    if meth == "bg":
+        if rep == 0:
+            run_bg(model, warm, args.warm_new)
+        return run_bg(model, p1, args.new)
+    if meth in ("engine", "engine0"):
+        from mlxnb import engine as engine_mod
+
+        keep = engine_mod._STREAK_S
+        if meth == "engine0":  # diagnostic: no decode streaks
+            engine_mod._STREAK_S = 0.0
+        try:
+            return await run_engine(model, tok, p1, p2, args.new, B, warm, args.warm_new,
+                                    long=not args.no_long)
+        finally:
+            engine_mod._STREAK_S = keep
+    raise ValueError(meth)
 
 
 async def do_profile(model, tok, rng, args, B, vocab, results):
@@ -1151,11 +1176,14 @@ def render(results):
     L.append("Decode tok/s (prefill excluded). engine = tokens / sum(dt_s) over steps with "
              "all B rows decoding and no prefill; eng-span = same over their wall span; "
              "e2e = B*new / wall of a plain run (prefill, ramp-up, loop included); eng-long = "
-             "engine over B+new tokens per row (caches past 256 tokens).")
+             "engine over B+new tokens per row (caches past 256 tokens). Columns are the "
+             "best of --repeat rounds; 'med' = median over rounds of the per-round ratio "
+             "(methods interleave within a round, on the same prompts).")
     L.append("")
     L.append("| shape | dtype | B | raw | raw-bkv | BG | engine | eng-span | engine/BG |"
-             " engine/raw | eng-span/raw | raw e2e | BG e2e | engine e2e | eng-long |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+             " engine/raw | eng-span/raw | raw e2e | BG e2e | engine e2e | eng-long |"
+             " engine/BG med | engine/raw med |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         raw = (r.get("raw") or {}).get("decode_tps")
         bg = (r.get("bg") or {}).get("decode_tps")
@@ -1169,7 +1197,9 @@ def render(results):
                  f"{fmt(en)} | {fmt(sp)} | {ratio(en, bg)} | {ratio(en, raw)} | "
                  f"{ratio(sp, raw)} | {fmt((r.get('raw') or {}).get('e2e_tps'))} | "
                  f"{fmt((r.get('bg') or {}).get('e2e_tps'))} | {fmt(e.get('e2e_tps'))} | "
-                 f"{fmt(e.get('steady_decode_tps'))} |")
+                 f"{fmt(e.get('steady_decode_tps'))} | "
+                 f"{fmt(r.get('engine_over_bg_median'), 2)} | "
+                 f"{fmt(r.get('engine_over_raw_median'), 2)} |")
     for r in results["rows"]:
         diag = [m for m in ("rawt", "rawv", "rawvt", "rawtc", "engine0") if (r.get(m) or {}).get("decode_tps")]
         if diag:
