@@ -472,9 +472,9 @@ class EngineProfiler:
 
         orig_next = ex._next_group
 
-        def next_group(budget):
+        def next_group(*a, **k):
             t = pc()
-            g = orig_next(budget)
+            g = orig_next(*a, **k)
             self.add("prefill.group", pc() - t)
             if g is not None:
                 self.add("n.groups", 1)

@@ -100,14 +100,14 @@ class BatchExecutor(Prefill):
 
     def kv_bytes_for(self, length: int) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""
-        # fix: caches grow in 256-token steps from wherever they stand, and merges,
-        # prefix hits and batch filters leave them at unaligned sizes, so n tokens can
-        # take up to n + 255 slots (n + 511 with a chunk over 256 and not a multiple of
-        # it; auto chunks change size from tick to tick). A RotatingKVCache holds
-        # window - 1 + chunk tokens while prefilling.
-        c = self.prefill_chunk or 257
-        alloc = max(length, 1) + (256 if c <= 256 or c % 256 == 0 else -(-c // 256) * 256)
-        win = max(c, _IDLE_PREFILL, _AUTO_MAX)
+        # fix: caches grow in 255/256-token steps from wherever they stand; merges,
+        # prefix hits, batch filters and chunks that change size from tick to tick
+        # (the idle budget follows a measured rate) leave them at unaligned sizes.
+        # A growth that trims to the used length leaves < 256 spare slots, one that
+        # doesn't keeps those and adds < 256 more, so n tokens take < n + 512 slots.
+        # A RotatingKVCache holds window - 1 + chunk tokens while prefilling.
+        alloc = max(length, 1) + 512
+        win = max(self.prefill_chunk or 0, _IDLE_PREFILL, _AUTO_MAX)
         return sum(b * (min(alloc, w + win) if w else alloc) for b, w in self.layer_shapes)
 
     def _reset_batch(self):

@@ -61,6 +61,18 @@ def _mlx_worker() -> ThreadPoolExecutor:
         return _WORKER
 
 
+def _forget_worker():
+    # fix: a forked child inherits _WORKER but not its thread; Engine() there hung
+    # forever on the first submit.
+    global _WORKER
+    _WORKER = None
+    _WORKER_TIDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_worker)
+
+
 @atexit.register
 def _await_worker_exit():
     # fix: MLX's thread-local destructors take the GIL as a thread exits; a worker still
@@ -413,7 +425,10 @@ class Engine:
         for row in self.rows:  # nothing is ever left without a finish reason
             if not row.done:
                 self._end(row, "cancelled")
-        await self.loop.run_in_executor(self._pool, self._exec.close)
+        try:
+            await self.loop.run_in_executor(self._pool, self._exec.close)
+        except RuntimeError:  # interpreter shutdown already stopped the worker
+            pass
 
     def close(self) -> None:
         """Synchronous close for scripts/atexit: cancel everything, free the caches."""

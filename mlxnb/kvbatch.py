@@ -34,7 +34,7 @@ class PrefillGroup:
                 for c in cache:
                     c.prepare(lengths=self.lengths, right_padding=pad)
             self.padded = max(pad) > 0
-            if all(type(c) is BatchKVCache for c in cache):
+            if all(isinstance(c, BatchKVCache) for c in cache):
                 # Right padding sits after every real token, so causal masking alone
                 # keeps real tokens from seeing it.
                 self.views = [AlignedView(c) for c in cache]

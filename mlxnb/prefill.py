@@ -20,9 +20,9 @@ from collections import deque
 from typing import Deque, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from .kvbatch import PrefillGroup, round_up
+from .kvbatch import LeanBatchKVCache, PrefillGroup, round_up
 
 _IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
 _IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
@@ -96,10 +96,14 @@ class Prefill:
         while done < budget:
             if self.current is None:
                 fixed = self.ids and self.prefill_chunk
-                self.current = self._next_group(budget - done if fixed else group_budget)
+                self.current = self._next_group(budget - done if fixed else group_budget,
+                                                budget)
                 if self.current is None:
                     break
             g = self.current
+            if len(g.cancelled) == len(g.admits):  # every row cancelled: drop it
+                self.current = None
+                continue
             if done and g.pos == 0 and len(g.admits) * g.width > budget - done:
                 break
             try:
@@ -125,7 +129,10 @@ class Prefill:
                 self._prefill_rate = max(self._rate_last, 0.9 * self._prefill_rate)
         return done
 
-    def _next_group(self, budget: int) -> Optional[PrefillGroup]:
+    def _next_group(self, budget: int, step_budget: int) -> Optional[PrefillGroup]:
+        """The next group: rows from the head of `waiting` whose padded widths fit
+        `budget` tokens; beside a running batch also at most one bucket per row
+        within `step_budget` (a chunk is at least one bucket wide per row)."""
         if not self.waiting:
             return None
         head = self.waiting.popleft()
@@ -138,10 +145,11 @@ class Prefill:
         # Joiners of a running batch get padded to it anyway: round their widths up
         # so prefill shapes repeat (backends that prepare kernels per shape, e.g.
         # cuDNN attention on CUDA, then reuse them).
-        step = min(_PREFILL_BUCKET, budget) if self.ids else 1
+        step = min(_PREFILL_BUCKET, step_budget) if self.ids else 1
+        most = max(1, step_budget // step) if self.ids else len(self.waiting) + 1
         group = [head]
         width = round_up(len(head.ids) - 1, step)
-        while self.waiting:
+        while self.waiting and len(group) < most:
             a = self.waiting[0]
             w = max(width, round_up(len(a.ids) - 1, step))
             if (len(group) + 1) * w > max(budget, width):
@@ -152,6 +160,9 @@ class Prefill:
             width = w
         proto = make_prompt_cache(self.model)
         cache = [type(c).merge([c] * len(group)) for c in proto]
+        for c in cache:  # the decode batch takes these buffers over: see its step
+            if type(c) is BatchKVCache:
+                c.__class__ = LeanBatchKVCache
         g = PrefillGroup(group, cache, 0, batched=True, width=width)
         g.cached, g.step = 0, step
         return g

@@ -93,3 +93,79 @@ def test_decode_buffers_never_a_multiple_of_256_long():
 def test_bad_prefill_chunk_is_one_line_error(tiny, bad):
     with pytest.raises(ValueError, match="prefill_chunk must be a positive integer or None"):
         Engine(tiny, prefill_chunk=bad)
+
+
+def test_auto_prefill_beside_decode_stays_within_the_step_budget(tiny, arun, monkeypatch):
+    """Many short joiners: a chunk is at least one 64-token bucket per row, so groups
+    beside a running batch hold at most budget / 64 rows."""
+    monkeypatch.setattr(BatchExecutor, "_step_budget", lambda self: 512)
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, prefix_cache=None, max_batch=64)
+        a = eng.submit("abc", chat=False, max_tokens=300)
+        while a.state != "decode":
+            await asyncio.sleep(0.001)
+        joiners = [eng.submit("j" * 50 + str(i), chat=False, max_tokens=2) for i in range(40)]
+        for r in joiners:
+            await r
+        eng.cancel_all()
+        await eng.aclose()
+        return eng.steps
+
+    steps = arun(main)
+    beside = [s.prefill_tokens for s in steps if s.batch_size and s.prefill_tokens]
+    assert beside and max(beside) <= 512, beside
+
+
+def test_kv_bound_holds_when_idle_chunks_change_size(tiny):
+    """The idle budget follows a measured rate, so chunk sizes change between ticks;
+    the buffers must still fit kv_bytes_for (the admission bound)."""
+    from mlxnb.batch import Admit
+    from mlxnb.rows import SamplingParams
+
+    model, tok = tiny
+    for chunk in (512, None):
+        ex = BatchExecutor(model, tok, prefill_chunk=chunk)
+        n = 1538
+        admits = [Admit(i, [65 + i] * n, SamplingParams(max_tokens=1)) for i in range(8)]
+        per_token = sum(b for b, _ in ex.layer_shapes)
+        for i, budget in enumerate([512, 8192, 512, 1024, 8192, 8192]):
+            ex._rate_last = budget / 0.25  # the idle tick's budget
+            ex.tick(admits if i == 0 else [], [])
+            groups = ([ex.current] if ex.current else []) + ex.ready
+            for g in groups:
+                slots = g.cache[0].keys.shape[2] if g.cache[0].keys is not None else 0
+                assert slots * per_token <= ex.kv_bytes_for(n + 1), (chunk, i, slots)
+        ex.close()
+
+
+def test_a_forked_child_can_make_an_engine(tmp_path):
+    """The MLX worker thread is shared per process; a fork must not inherit a dead one."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import asyncio, os, signal, mlxnb\n"
+        "from mlxnb.tiny import tiny_model\n"
+        "tiny = tiny_model()\n"
+        "mlxnb.Engine(tiny, kv_budget=None)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    signal.alarm(20)\n"
+        "    async def main():\n"
+        "        eng = mlxnb.Engine(tiny, kv_budget=None)\n"
+        "        r = await eng.submit('hi', chat=False, max_tokens=3)\n"
+        "        return r.finish_reason  # (mx.clear_cache hangs in a forked child)\n"
+        "    ok = asyncio.run(main()) in ('stop', 'length')\n"
+        "    os._exit(0 if ok else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "raise SystemExit(os.waitstatus_to_exitcode(status))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(script)], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
