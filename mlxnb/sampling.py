@@ -10,6 +10,7 @@ rows that share them.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -33,14 +34,23 @@ def _fmix32(h: mx.array) -> mx.array:
     return h ^ (h >> 16)
 
 
-def gumbel_noise(seeds: mx.array, counters: mx.array, vocab: int) -> mx.array:
-    """Gumbel(0, 1) noise [B, V] from per-row seeds [B] and token counters [B] (uint32)."""
+def gumbel_noise(seeds: mx.array, counters: mx.array, vocab_ids: mx.array) -> mx.array:
+    """Gumbel(0, 1) noise [B, V] from per-row seeds [B], token counters [B] and
+    `vocab_ids` = arange(V) * _M2 (all uint32)."""
     row_key = _fmix32(seeds ^ _fmix32(counters * _u32(_GOLDEN) + _u32(0x7F4A7C15)))
-    ids = mx.arange(vocab, dtype=mx.uint32) * _u32(_M2)
-    bits = _fmix32(row_key[:, None] ^ ids[None, :])
+    bits = _fmix32(row_key[:, None] ^ vocab_ids[None, :])
     # 24 random bits -> uniform in (0, 1), open at both ends so the logs are finite.
     u = ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
     return -mx.log(-mx.log(u))
+
+
+# One fused kernel instead of ~15 elementwise passes over [B, V] (measured on the
+# CPU: 13-15% faster at B >= 32, same tokens); shapeless, so batch size changes
+# don't recompile.
+@partial(mx.compile, shapeless=True)
+def _gumbel_argmax(logits, temp, seeds, counters, vocab_ids):
+    t = mx.where(temp > 0, temp, 1.0)[:, None]
+    return mx.argmax(logits / t + gumbel_noise(seeds, counters, vocab_ids), axis=-1)
 
 
 def _apply_filters(logprobs: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:
@@ -68,6 +78,7 @@ class BatchSampler:
         self.counters = None  # [B] uint32: tokens sampled so far per row
         self._groups: Optional[Dict[tuple, mx.array]] = None
         self._any_sampled = False
+        self._vocab_ids = None  # arange(V) * _M2, the noise's per-token keys
 
     def __len__(self):
         return len(self.temps)
@@ -128,9 +139,11 @@ class BatchSampler:
             for (k, p, m), idx in groups.items():
                 logprobs[idx] = _apply_filters(logprobs[idx], k, p, m)
             logits = logprobs
-        temp = mx.where(self._temp > 0, self._temp, 1.0)[:, None]
-        noise = gumbel_noise(self._seeds, self.counters, logits.shape[-1])
-        sampled = mx.argmax(logits / temp + noise, axis=-1)
+        V = logits.shape[-1]
+        if self._vocab_ids is None or self._vocab_ids.shape[0] != V:
+            self._vocab_ids = mx.arange(V, dtype=mx.uint32) * _u32(_M2)
+        sampled = _gumbel_argmax(logits, self._temp, self._seeds, self.counters,
+                                 self._vocab_ids)
         self.counters = self.counters + _u32(1)
         return mx.where(self._temp > 0, sampled, greedy)
 
