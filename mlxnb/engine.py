@@ -456,8 +456,12 @@ class Engine:
         kv = self.steps[-1].kv_bytes if self.steps else 0
         budget = fmt_bytes(self.kv_budget) if self.kv_budget else "no limit"
         done = sum(r.done for r in self.rows)
+        # plain numbers written by the worker; a read mid-tick is at most one tick old
+        chunk = self._exec._step_budget()
+        mode = "auto" if self.prefill_chunk is None else "fixed"
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
-                f"done {done} | KV {fmt_bytes(kv)} / {budget}")
+                f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
+                f"tokens/step ({mode})")
 
     def __repr__(self):
         return f"<mlxnb.Engine {self.status()}>"

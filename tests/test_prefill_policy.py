@@ -169,3 +169,17 @@ def test_a_forked_child_can_make_an_engine(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], env=env, timeout=120,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_status_shows_the_prefill_budget(tiny, arun):
+    async def main():
+        auto = Engine(tiny, kv_budget=None)
+        fixed = Engine(tiny, kv_budget=None, prefill_chunk=96)
+        out = auto.status(), fixed.status()
+        await auto.aclose()
+        await fixed.aclose()
+        return out
+
+    auto, fixed = arun(main)
+    assert f"prefill {_AUTO_MIN} tokens/step (auto)" in auto
+    assert "prefill 96 tokens/step (fixed)" in fixed
