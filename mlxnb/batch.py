@@ -289,11 +289,12 @@ class BatchExecutor(Prefill):
         aligned = (all(type(c) is LeanBatchKVCache for c in self.caches)
                    and max(self.caches[0].left_padding.tolist()) == 0)
         self.views = [AlignedView(c) for c in self.caches] if aligned else self.caches
+        # the decode shape changes only here: its first step pays one-off setup
+        self._cold_launch = not self._warm(("decode", len(rows), aligned))
 
     # -- compute -----------------------------------------------------------------
     def _launch(self, u):
         rows, want, procs = self._batch_rows, self._want_lp, self._any_procs
-        self._cold_launch = not self._warm(("decode", len(rows), self.views is self.caches))
         logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
         if want or procs or self.sampler.needs_float32:
             logits = logits.astype(mx.float32)

@@ -48,6 +48,7 @@ class Prefill:
         self._prefill_rate = self._rate_last = 0.0  # prompt tokens/s (see _prefill)
         self._step_s = 0.0  # decode step time without prefill (moving average)
         self._seen: set = set()  # forward shapes run before (see _warm)
+        # a new decode batch shape (set by _align) / a new chunk shape, this tick
         self._cold_launch = self._cold_chunk = False
 
     @property
@@ -84,7 +85,8 @@ class Prefill:
             # follows a measured rate), so the same arrivals give the same prefill
             # shapes run after run; a group that does not fit what is left of this
             # tick waits whole for the next one rather than start as an odd chunk.
-            group_budget = budget if self.prefill_chunk else _AUTO_MAX
+            # (Fixed chunks: groups fit what is left of the tick, group_budget None.)
+            group_budget = None if self.prefill_chunk else _AUTO_MAX
         else:
             # the latest rate, not the best: this bounds how late a cancel lands
             budget = int(min(_IDLE_PREFILL, max(self.prefill_chunk or _AUTO_MIN,
@@ -95,9 +97,7 @@ class Prefill:
         t0 = time.perf_counter()
         while done < budget:
             if self.current is None:
-                fixed = self.ids and self.prefill_chunk
-                self.current = self._next_group(budget - done if fixed else group_budget,
-                                                budget)
+                self.current = self._next_group(group_budget or budget - done, budget)
                 if self.current is None:
                     break
             g = self.current
@@ -127,6 +127,7 @@ class Prefill:
             self._rate_last = done / max(took, 1e-6)
             if not (self._cold_chunk or (self.ids and self._cold_launch)):
                 self._prefill_rate = max(self._rate_last, 0.9 * self._prefill_rate)
+        self._cold_launch = False  # only this tick's launch can be a batch's first
         return done
 
     def _next_group(self, budget: int, step_budget: int) -> Optional[PrefillGroup]:
