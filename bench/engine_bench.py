@@ -326,7 +326,7 @@ async def run_engine(model, tok, prompts_nat, prompts_steady, n, B, warm_prompts
 
 # -- profile ---------------------------------------------------------------------------
 class _MxShim:
-    """Stands in for `mx` inside mlxnb.batch only: times eval / async_eval."""
+    """Stands in for `mx` inside mlxnb.batch and mlxnb.prefill: times eval / async_eval."""
 
     def __init__(self, prof):
         self._prof = prof
@@ -334,19 +334,18 @@ class _MxShim:
     def __getattr__(self, name):
         return getattr(mx, name)
 
-    def async_eval(self, *a, **k):
+    def _timed(self, name, *a, **k):
         t = pc()
         try:
-            return mx.async_eval(*a, **k)
+            return getattr(mx, name)(*a, **k)
         finally:
-            self._prof.add(self._prof.phase + ".async_eval", pc() - t)
+            self._prof.add(f"{self._prof.phase}.{name}", pc() - t)
+
+    def async_eval(self, *a, **k):
+        return self._timed("async_eval", *a, **k)
 
     def eval(self, *a, **k):
-        t = pc()
-        try:
-            return mx.eval(*a, **k)
-        finally:
-            self._prof.add(self._prof.phase + ".eval", pc() - t)
+        return self._timed("eval", *a, **k)
 
 
 class _ModelProxy:
@@ -429,10 +428,11 @@ class EngineProfiler:
 
     def attach(self, eng):
         import mlxnb.batch as mb
+        import mlxnb.prefill as mp
         import mlxnb.sampling as ms
 
         ex = eng._exec
-        self._saved = (ex.model, mb.mx, ms.BatchSampler.sample)
+        self._saved = (ex.model, mb.mx, mp.mx, ms.BatchSampler.sample)
         for nm in self.METHODS:
             assert nm not in ex.__dict__, nm
             assert callable(getattr(ex, nm)), nm  # fails loudly if batch.py renames it
@@ -495,8 +495,8 @@ class EngineProfiler:
         md.RowDecoder.accept = self._wrap("read.accept", md.RowDecoder.accept)
         ex._kv_report = self._wrap("kv_report", ex._kv_report)
         ex.model = _ModelProxy(ex.model, self)
-        mb.mx = _MxShim(self)
-        orig_sample = self._saved[2]
+        mb.mx = mp.mx = _MxShim(self)
+        orig_sample = self._saved[3]
         prof = self
 
         def sample(sampler, logits):
@@ -521,13 +521,14 @@ class EngineProfiler:
 
     def detach(self, eng):
         import mlxnb.batch as mb
+        import mlxnb.prefill as mp
         import mlxnb.sampling as ms
 
         import mlxnb.engine as me
 
         me._STREAK_S = self._streak
         ex = eng._exec
-        ex.model, mb.mx, ms.BatchSampler.sample = self._saved
+        ex.model, mb.mx, mp.mx, ms.BatchSampler.sample = self._saved
         for nm in self.METHODS:
             ex.__dict__.pop(nm, None)
         import mlxnb.decoding as md
