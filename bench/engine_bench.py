@@ -84,6 +84,10 @@ pc = time.perf_counter
 SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    # SmolLM2-135M's depth at tiny width: on a CPU its steps are host-bound, as the
+    # real shapes' are on a GPU (a local proxy for per-step host overhead)
+    "thin": dict(hidden_size=64, num_hidden_layers=30, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
     # SmolLM2-135M
     "smollm2": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
@@ -93,6 +97,9 @@ SHAPES = {
                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                     head_dim=64, rope_theta=500000.0),
 }
+
+
+ENGINE_KW = {}  # --no-warmup
 
 
 def log(*a):
@@ -295,7 +302,7 @@ def decode_window(steps, B):
 
 async def run_engine(model, tok, prompts_nat, prompts_steady, n, B, warm_prompts, warm_n,
                      prof_hook=None, long=True):
-    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None)
+    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, **ENGINE_KW)
     try:
         await engine_run(eng, warm_prompts, warm_n)
         if prof_hook is not None:
@@ -770,7 +777,9 @@ def _ttft_stats(ttfts, joiners):
 async def run_mixed_engine(model, tok, waves, n, gap, max_batch, prof=None):
     """One pass of the mixed workload on a fresh Engine (no warm-up of its own: the
     caller alternates passes, so kernels are compiled by an earlier pass)."""
-    eng = mlxnb.Engine((model, tok), max_batch=max_batch, kv_budget=None)
+    t = pc()
+    eng = mlxnb.Engine((model, tok), max_batch=max_batch, kv_budget=None, **ENGINE_KW)
+    construct_s = pc() - t
     try:
         if prof is not None:
             prof.attach(eng)
@@ -793,6 +802,7 @@ async def run_mixed_engine(model, tok, waves, n, gap, max_batch, prof=None):
         join = [r.ttft_s for ws in rows[1:] for r in ws]
         steps = eng.steps[s0:]
         return dict(tps=tot / wall, wall_s=wall, tokens=tot, ok=ok, steps=len(steps),
+                    construct_s=construct_s, warmup_s=eng.warmup_s,
                     prefill_steps=sum(1 for s in steps if s.prefill_tokens),
                     max_batch_seen=max(s.batch_size for s in steps),
                     ttft=_ttft_stats(ttft, join))
@@ -855,6 +865,8 @@ async def do_mixed(model, tok, rng, args, vocab, shape, dtype, over):
                  gap_s=args.mixed_gap, new=n, max_batch=mb,
                  prompt_range=[args.mixed_min, args.mixed_max], passes={})
     kinds = ["engine"] + (["bg"] if args.mixed_bg else [])
+    if args.mixed_bg_first:
+        kinds.reverse()
     npass = max(1, args.mixed_passes)
     for p in range(npass):
         for k in kinds:
@@ -906,7 +918,9 @@ def _brief(r):
         return f"ERROR {r['error']}"
     t = r["ttft"]["all"]
     return (f"tok/s={r['tps']:.1f} wall={r['wall_s']:.3f}s steps={r.get('steps')} "
-            f"ttft mean={t['mean_s']:.3f}s p90={t['p90_s']:.3f}s ok={r['ok']}")
+            f"ttft mean={t['mean_s']:.3f}s p90={t['p90_s']:.3f}s ok={r['ok']}"
+            + (f" engine construct={r['construct_s']:.3f}s (warm-up {r['warmup_s']:.3f}s)"
+               if "construct_s" in r else ""))
 
 
 # -- driver -----------------------------------------------------------------------------
@@ -953,6 +967,13 @@ def main():
     ap.add_argument("--no-mixed-bg", dest="mixed_bg", action="store_false")
     ap.add_argument("--mixed-passes", type=int, default=2,
                     help="alternate engine, BG this many times; report the last of each")
+    ap.add_argument("--mixed-first", action="store_true",
+                    help="run the mixed workload before the decode runs (a cold process)")
+    ap.add_argument("--mixed-bg-first", action="store_true",
+                    help="alternate BG, engine, ... instead (who pays the process's "
+                    "one-off kernel builds)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="Engine(warmup=False): no warm-up workload at construction")
     ap.add_argument("--profile-mixed", action="store_true",
                     help="one more engine pass of the mixed run with per-tick timers")
     ap.add_argument("--profile-mixed-first", action="store_true",
@@ -981,6 +1002,8 @@ def main():
 
 async def amain(args):
     methods = args.methods.split(",")
+    if args.no_warmup:
+        ENGINE_KW["warmup"] = False
     if args.streak_s is not None:
         from mlxnb import engine as engine_mod
 
@@ -1018,6 +1041,10 @@ async def amain(args):
         t = pc()
         model, tok, vocab = build_model(shape, dtype)
         log(f"## {shape} {dtype}: built in {pc() - t:.1f}s")
+        if args.mixed and args.mixed_first and pi == 0:
+            results["mixed"] = await do_mixed(model, tok, rng, args, vocab, shape, dtype,
+                                              over)
+            save()
         for B in batches:
             row = dict(shape=shape, dtype=dtype, B=B, prompt=args.prompt, new=args.new)
             prof_here = args.profile == B and pi == 0
@@ -1074,7 +1101,7 @@ async def amain(args):
         if args.profile and pi == 0 and args.profile not in batches and not over():
             await do_profile(model, tok, rng, args, args.profile, vocab, results)
             save()
-        if args.mixed and pi == 0 and not over():
+        if args.mixed and not args.mixed_first and pi == 0 and not over():
             results["mixed"] = await do_mixed(model, tok, rng, args, vocab, shape, dtype,
                                               over)
             save()
@@ -1224,25 +1251,29 @@ def render(results):
                  f"{m['prompt_range'][1]} tokens, {m['new']} new each, {m['waves']} waves "
                  f"{m['gap_s']} s apart, max_batch {m['max_batch']} ({m['shape']} {m['dtype']})")
         L.append("")
-        L.append("Passes alternate engine, BG, engine, BG, ...; the last of each (bold) is the "
-                 "measurement, earlier ones warm the kernels (MLX CUDA compiles per shape).")
+        first = "BG" if a.get("mixed_bg_first") else "engine"
+        L.append(f"Passes alternate (first: {first}); the last of each (bold) is the "
+                 "measurement, earlier ones warm the kernels (MLX CUDA compiles per shape). "
+                 "construct s = Engine() incl. its warm-up (not in wall or TTFT)"
+                 + (" -- warm-up off (--no-warmup)." if a.get("no_warmup") else "."))
         L.append("")
         L.append("| engine | pass | tok/s | wall s | steps | TTFT mean s | TTFT p90 s |"
-                 " joiners TTFT mean s | joiners TTFT p90 s | ok |")
-        L.append("|---|---|---|---|---|---|---|---|---|---|")
+                 " joiners TTFT mean s | joiners TTFT p90 s | ok | construct s |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
         passes = m.get("passes") or {k: [m[k]] for k in ("engine", "bg") if m.get(k)}
         for k in ("engine", "bg"):
             name = "mlxnb" if k == "engine" else "BatchGenerator"
             for x in passes.get(k, []):
                 if "error" in x:
-                    L.append(f"| {name} | {x.get('pass')} | ERROR {x['error']} ||||||||")
+                    L.append(f"| {name} | {x.get('pass')} | ERROR {x['error']} |||||||||")
                     continue
                 ta, tj = x["ttft"]["all"], x["ttft"]["joiners"] or {}
                 b = "**" if x is m.get(k) else ""
                 L.append(f"| {name} | {x.get('pass')} | {b}{fmt(x['tps'])}{b} | "
                          f"{x['wall_s']:.2f} | {x.get('steps', '-')} | {ta['mean_s']:.3f} | "
                          f"{ta['p90_s']:.3f} | {tj.get('mean_s', 0):.3f} | "
-                         f"{tj.get('p90_s', 0):.3f} | {x['ok']} |")
+                         f"{tj.get('p90_s', 0):.3f} | {x['ok']} | "
+                         + (f"{x['construct_s']:.2f} |" if "construct_s" in x else "- |"))
         mf = m.get("profile_first")
         if mf:
             L.append("")

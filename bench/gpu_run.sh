@@ -3,6 +3,7 @@
 # call 1 and .gpu2/ carried (part_ab + the mlx and mlx-lm wheels). If .gpu2/src/mlxnb
 # exists (a snapshot of the package), it is used instead of the checkout's mlxnb/.
 #   bash bench/gpu_run.sh [engine_bench.py args...]     results -> $OUT
+#   bash bench/gpu_run.sh bench/other.py [args...]       its output -> $OUT/log.txt
 set -o pipefail
 W=/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
 if [ ! -d /tmp/site/mlx ]; then
@@ -18,4 +19,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
   --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import mlx.core as mx; print(mx.default_device(), mx.__version__)" || exit 1
-python3 bench/engine_bench.py "$@" --out "$OUT" 2>&1 | tee "$OUT/log.txt"
+if [[ "$1" == *.py ]]; then
+  python3 "$@" 2>&1 | tee "$OUT/log.txt"
+else
+  python3 bench/engine_bench.py "$@" --out "$OUT" 2>&1 | tee "$OUT/log.txt"
+fi

@@ -390,11 +390,12 @@ class BatchExecutor(Prefill):
                 other[rid] = b // max(len(live), 1)
         return total, share, other
 
-    def close(self):
+    def close(self, clear_cache: bool = True):
         self.waiting.clear()
         self.current = None
         self.ready = []
         self._reset_batch()
         if self.prefix is not None:
             self.prefix.clear()
-        mx.clear_cache()
+        if clear_cache:
+            mx.clear_cache()

@@ -28,6 +28,7 @@ from .batch import Admit, BatchExecutor
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
 from .scheduler import Scheduler, fmt_bytes, parse_bytes
+from .warmup import warm_up
 
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -108,13 +109,16 @@ class Engine:
     None (no limit). `prefill_chunk`: prompt tokens prefilled per step beside running
     rows (their stall is bounded by one chunk); None adapts it to the device, about
     50 ms of prefill per step (512..8192 tokens). Construction blocks while the model
-    loads.
+    loads and, with `warmup`, runs a few tokens through every batch path once
+    (warmup.py: the first use of each kernel costs seconds on some backends, which
+    the first rows would otherwise wait for; `warmup_s` says how long it took).
     """
 
     def __init__(self, model="default", *, max_batch: int = 32,
                  kv_budget: Union[str, int, None] = "2GB",
                  prefill_chunk: Optional[int] = None,
-                 prefix_cache: Union[str, int, None] = "256MB", loop=None):
+                 prefix_cache: Union[str, int, None] = "256MB", warmup: bool = True,
+                 loop=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int)
@@ -131,8 +135,8 @@ class Engine:
         prefix_bytes = parse_bytes(prefix_cache) or 0 if prefix_cache else 0
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
-        self.model, self.tokenizer, self._exec = self._pool.submit(
-            self._load, model, prefix_bytes).result()
+        self.model, self.tokenizer, self._exec, self.warmup_s = self._pool.submit(
+            self._load, model, prefix_bytes, warmup).result()
         self.context_length = getattr(getattr(self.model, "args", None),
                                       "max_position_embeddings", None)
         self.scheduler = Scheduler(max_batch, self.kv_budget, self._exec.kv_bytes_for)
@@ -147,14 +151,15 @@ class Engine:
         self._task = None
         self._idle: Optional[asyncio.Future] = None
 
-    def _load(self, model, prefix_bytes):
+    def _load(self, model, prefix_bytes, warmup):
         if isinstance(model, (tuple, list)):
             m, tok = model
         else:
             from .models import load_model
 
             m, tok = load_model(model)
-        return m, tok, BatchExecutor(m, tok, self.prefill_chunk, prefix_bytes)
+        ex = BatchExecutor(m, tok, self.prefill_chunk, prefix_bytes)
+        return m, tok, ex, warm_up(ex) if warmup else 0.0
 
     def clock(self) -> float:
         return time.perf_counter() - self._t0

@@ -1,0 +1,55 @@
+"""A miniature mixed workload run once when an Engine starts.
+
+The first use of each kernel in a process pays one-off setup: MLX JIT-compiles and
+loads kernels, and on CUDA also creates library handles and cuDNN graphs. Measured
+on an H200 in a fresh process, the first prefill took 6.9 s and the first decode
+step of a padded batch 3.6 s (bench/results/h200-run7-streaks-cold.md) -- inside the
+first cell a user runs, as time to first token. llama.cpp warms up at load for the
+same reason (its `--no-warmup` flag turns it off). Here two rows prefill as a group
+and decode unpadded, a third joins (a left-padded batch: the masked attention path)
+with logprobs and a repetition penalty while the second samples with top-k/top-p,
+and rows leave the batch one by one, so every path of `BatchExecutor.tick` runs.
+Then the executor forgets it all except which shapes it has seen.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .batch import Admit, BatchExecutor
+from .rows import SamplingParams
+
+
+def _ids(n: int, salt: int):
+    return [2 + (7 * i + salt) % 50 for i in range(n)]  # any vocab of 64+ tokens
+
+
+def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
+    """Run the workload above on `ex` (on its MLX thread); returns the seconds taken.
+    Failures are swallowed: a model that cannot run a path fails real rows with a
+    message of their own."""
+    t0 = time.perf_counter()
+    # equal lengths: an unpadded batch; the joiner's own prompt: no prefix reuse
+    first = [Admit(-1, _ids(9, 1), SamplingParams(max_tokens=3)),
+             Admit(-2, _ids(9, 2), SamplingParams(max_tokens=4, temperature=0.8, top_k=20,
+                                                  top_p=0.9, seed=1))]
+    joiner = Admit(-3, _ids(40, 3), SamplingParams(max_tokens=2, logprobs=2,
+                                                   repetition_penalty=1.1))
+    try:
+        ex.tick(first, [])
+        for _ in range(max_ticks):
+            admits = [joiner] if joiner is not None and ex.ids else []
+            if admits:
+                joiner = None
+            report = ex.tick(admits, [])
+            if not report.busy and joiner is None:
+                break
+    except Exception:
+        pass
+    # the buffers are small and get reused; mx.clear_cache would also hang in a
+    # forked child (tests/test_prefill_policy.py)
+    ex.close(clear_cache=False)
+    # what the warm-up measured was cold: it must not size the first real prefills
+    ex._prefill_rate = ex._rate_last = ex._step_s = 0.0
+    ex.nsteps = 0
+    return time.perf_counter() - t0
