@@ -6,10 +6,15 @@ on an H200 in a fresh process, the first prefill took 6.9 s and the first decode
 step of a padded batch 3.6 s (bench/results/h200-run7-streaks-cold.md) -- inside the
 first cell a user runs, as time to first token. llama.cpp warms up at load for the
 same reason (its `--no-warmup` flag turns it off). Here two rows prefill as a group
-and decode unpadded, a third joins (a left-padded batch: the masked attention path)
-with logprobs and a repetition penalty while the second samples with top-k/top-p,
-and rows leave the batch one by one, so every path of `BatchExecutor.tick` runs.
-Then the executor forgets it all except which shapes it has seen.
+and decode unpadded (one greedy, one sampled), a third joins (a left-padded batch:
+the masked attention path) and rows leave the batch one by one: the paths of
+`BatchExecutor.tick` that every workload takes. Then the executor forgets it all
+except which shapes it has seen.
+
+Truncation filters (top-k/top-p/min-p), logprobs and repetition penalties are left
+to their first use: off by default, and on a fresh CUDA machine (MLX's on-disk PTX
+cache empty) a warm-up that included them took 86 s, most of it compiling sort
+kernels (bench/results/h200-run10-cold-start.md).
 """
 
 from __future__ import annotations
@@ -31,10 +36,8 @@ def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
     t0 = time.perf_counter()
     # equal lengths: an unpadded batch; the joiner's own prompt: no prefix reuse
     first = [Admit(-1, _ids(9, 1), SamplingParams(max_tokens=3)),
-             Admit(-2, _ids(9, 2), SamplingParams(max_tokens=4, temperature=0.8, top_k=20,
-                                                  top_p=0.9, seed=1))]
-    joiner = Admit(-3, _ids(40, 3), SamplingParams(max_tokens=2, logprobs=2,
-                                                   repetition_penalty=1.1))
+             Admit(-2, _ids(9, 2), SamplingParams(max_tokens=4, temperature=0.8, seed=1))]
+    joiner = Admit(-3, _ids(40, 3), SamplingParams(max_tokens=2))
     try:
         ex.tick(first, [])
         for _ in range(max_ticks):
