@@ -15,7 +15,8 @@ One process, one model, the same random prompts for all three:
   bg      mlx_lm.generate.BatchGenerator, greedy, all B prompts inserted at once
           (completion_batch_size = prefill_batch_size = B). tok/s = its own
           stats().generation_tps (wall minus prompt time); decode_tps kept in JSON.
-  engine  mlxnb.Engine(max_batch=B, kv_budget=None). Two runs per B:
+  engine  mlxnb.Engine(max_batch=B, kv_budget=None), on a twin of the model (same
+          weights) that it fuses (mlxnb/fuse.py; --no-fuse: as loaded). Two runs per B:
           natural  every row max_tokens = N, submitted at once (the same work as
                    raw and bg). engine = sum(tokens) / sum(dt_s) over the steps with
                    all B rows decoding and no prefill (eng.steps with
@@ -99,7 +100,14 @@ SHAPES = {
 }
 
 
-ENGINE_KW = {}  # --no-warmup
+ENGINE_KW = {}  # --no-warmup, --no-fuse
+# The engine fuses its model's projections in place (mlxnb/fuse.py), so it gets a
+# twin (same seed, same weights) and raw / BG keep mlx-lm's model as loaded.
+TWINS = {}
+
+
+def for_engine(model):
+    return TWINS.get(id(model), model)
 
 
 def log(*a):
@@ -302,7 +310,7 @@ def decode_window(steps, B):
 
 async def run_engine(model, tok, prompts_nat, prompts_steady, n, B, warm_prompts, warm_n,
                      prof_hook=None, long=True):
-    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, **ENGINE_KW)
+    eng = mlxnb.Engine((for_engine(model), tok), max_batch=B, kv_budget=None, **ENGINE_KW)
     try:
         await engine_run(eng, warm_prompts, warm_n)
         if prof_hook is not None:
@@ -778,7 +786,8 @@ async def run_mixed_engine(model, tok, waves, n, gap, max_batch, prof=None):
     """One pass of the mixed workload on a fresh Engine (no warm-up of its own: the
     caller alternates passes, so kernels are compiled by an earlier pass)."""
     t = pc()
-    eng = mlxnb.Engine((model, tok), max_batch=max_batch, kv_budget=None, **ENGINE_KW)
+    eng = mlxnb.Engine((for_engine(model), tok), max_batch=max_batch, kv_budget=None,
+                       **ENGINE_KW)
     construct_s = pc() - t
     try:
         if prof is not None:
@@ -972,6 +981,8 @@ def main():
     ap.add_argument("--mixed-bg-first", action="store_true",
                     help="alternate BG, engine, ... instead (who pays the process's "
                     "one-off kernel builds)")
+    ap.add_argument("--no-fuse", action="store_true",
+                    help="Engine(fuse=False): mlx-lm's projections as loaded")
     ap.add_argument("--no-warmup", action="store_true",
                     help="Engine(warmup=False): no warm-up workload at construction")
     ap.add_argument("--profile-mixed", action="store_true",
@@ -1004,6 +1015,8 @@ async def amain(args):
     methods = args.methods.split(",")
     if args.no_warmup:
         ENGINE_KW["warmup"] = False
+    if args.no_fuse:
+        ENGINE_KW["fuse"] = False
     if args.streak_s is not None:
         from mlxnb import engine as engine_mod
 
@@ -1041,6 +1054,10 @@ async def amain(args):
         t = pc()
         model, tok, vocab = build_model(shape, dtype)
         log(f"## {shape} {dtype}: built in {pc() - t:.1f}s")
+        TWINS.clear()
+        if not args.no_fuse and (args.mixed or args.profile
+                                 or any(m.startswith("engine") for m in methods)):
+            TWINS[id(model)] = build_model(shape, dtype)[0]
         if args.mixed and args.mixed_first and pi == 0:
             results["mixed"] = await do_mixed(model, tok, rng, args, vocab, shape, dtype,
                                               over)
@@ -1106,6 +1123,7 @@ async def amain(args):
                                               over)
             save()
         del model
+        TWINS.clear()
         gc.collect()
         mx.clear_cache()
     text = render(results)

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_pro
 from mlx_lm.sample_utils import make_logits_processors
 
 from .decoding import HISTORY, RowDecoder
+from .fuse import fuse_projections
 from .kvbatch import AlignedView, LeanBatchKVCache
 from .prefill import _AUTO_MAX, _IDLE_PREFILL, Prefill
 from .prefix import PrefixStore
@@ -72,7 +73,7 @@ class StepStat:
 
 class BatchExecutor(Prefill):
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None,
-                 prefix_bytes: int = 0):
+                 prefix_bytes: int = 0, fuse: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.prefill_chunk = prefill_chunk  # None: auto (see _step_budget)
         self.eos = set(tokenizer.eos_token_ids or ())
@@ -82,6 +83,9 @@ class BatchExecutor(Prefill):
             raise ValueError(
                 f"mlxnb batches models whose caches are KVCache or RotatingKVCache; this "
                 f"model uses {', '.join(sorted(bad))}. Use mlx_lm.generate for it.")
+        # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
+        self.fused = fuse_projections(model, lambda: model(
+            mx.array([[0]]), cache=make_prompt_cache(model))) if fuse else 0
         self.layer_shapes = self._probe_kv(probe)
         self.prefix = PrefixStore(prefix_bytes) if PrefixStore.supports(probe) else None
         self._init_prefill()

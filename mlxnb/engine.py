@@ -112,13 +112,17 @@ class Engine:
     loads and, with `warmup`, runs a few tokens through every batch path once
     (warmup.py: the first use of each kernel costs seconds on some backends, which
     the first rows would otherwise wait for; `warmup_s` says how long it took).
+    `fuse`: concatenate each layer's q/k/v and gate/up projection weights so each
+    group is one matmul (fuse.py; same outputs; bf16 decode steps 2-25% faster on
+    an H200, 4-bit unchanged). It changes the model in place: a model you pass in then shows
+    `q_k_v_fused` / `gate_up_fused` in its parameters; fuse=False leaves it as is.
     """
 
     def __init__(self, model="default", *, max_batch: int = 32,
                  kv_budget: Union[str, int, None] = "2GB",
                  prefill_chunk: Optional[int] = None,
                  prefix_cache: Union[str, int, None] = "256MB", warmup: bool = True,
-                 loop=None):
+                 fuse: bool = True, loop=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int)
@@ -136,7 +140,7 @@ class Engine:
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
         self.model, self.tokenizer, self._exec, self.warmup_s = self._pool.submit(
-            self._load, model, prefix_bytes, warmup).result()
+            self._load, model, prefix_bytes, warmup, fuse).result()
         self.context_length = getattr(getattr(self.model, "args", None),
                                       "max_position_embeddings", None)
         self.scheduler = Scheduler(max_batch, self.kv_budget, self._exec.kv_bytes_for)
@@ -151,14 +155,14 @@ class Engine:
         self._task = None
         self._idle: Optional[asyncio.Future] = None
 
-    def _load(self, model, prefix_bytes, warmup):
+    def _load(self, model, prefix_bytes, warmup, fuse):
         if isinstance(model, (tuple, list)):
             m, tok = model
         else:
             from .models import load_model
 
             m, tok = load_model(model)
-        ex = BatchExecutor(m, tok, self.prefill_chunk, prefix_bytes)
+        ex = BatchExecutor(m, tok, self.prefill_chunk, prefix_bytes, fuse)
         return m, tok, ex, warm_up(ex) if warmup else 0.0
 
     def clock(self) -> float:
