@@ -86,7 +86,16 @@ class AlignedView:
         return self.c._idx
 
     def update_and_fetch(self, keys, values):
-        return self.c.update_and_fetch(keys, values)
+        c, prev = self.c, self.c._idx
+        n = keys.shape[2]
+        if c.keys is None or prev + n > c.keys.shape[2]:
+            return c.update_and_fetch(keys, values)  # growth: mlx-lm's path
+        # mlx-lm's write without its `offset += n`: on this cache that builds two
+        # array ops per layer per step (offset is derived) that nothing evaluates
+        c._idx = prev + n
+        c.keys[..., prev:c._idx, :] = keys
+        c.values[..., prev:c._idx, :] = values
+        return c.keys[..., :c._idx, :], c.values[..., :c._idx, :]
 
     def make_mask(self, N, **kwargs):
         return None if N == 1 else "causal"
