@@ -109,13 +109,14 @@ class Engine:
     None (no limit). `prefill_chunk`: prompt tokens prefilled per step beside running
     rows (their stall is bounded by one chunk); None adapts it to the device, about
     50 ms of prefill per step (512..8192 tokens). Construction blocks while the model
-    loads and, with `warmup`, runs a few tokens through every batch path once
+    loads and, with `warmup`, runs a few tokens through the common batch paths once
     (warmup.py: the first use of each kernel costs seconds on some backends, which
     the first rows would otherwise wait for; `warmup_s` says how long it took).
     `fuse`: concatenate each layer's q/k/v and gate/up projection weights so each
     group is one matmul (fuse.py; same outputs; bf16 decode steps 2-25% faster on
-    an H200, 4-bit unchanged). It changes the model in place: a model you pass in then shows
-    `q_k_v_fused` / `gate_up_fused` in its parameters; fuse=False leaves it as is.
+    an H200, 4-bit unchanged). It changes the model in place: a model you pass in
+    then shows `q_k_v_fused` / `gate_up_fused` in its parameters; fuse=False leaves
+    it as is.
     """
 
     def __init__(self, model="default", *, max_batch: int = 32,

@@ -13,8 +13,9 @@ except which shapes it has seen.
 
 Truncation filters (top-k/top-p/min-p), logprobs and repetition penalties are left
 to their first use: off by default, and on a fresh CUDA machine (MLX's on-disk PTX
-cache empty) a warm-up that included them took 86 s, most of it compiling sort
-kernels (bench/results/h200-run10-cold-start.md).
+cache empty) a warm-up that included them took 86 s against 57 s without; their
+kernels take 3-13 s each to compile (bench/first_use.py,
+bench/results/h200-run10-cold-start.md).
 """
 
 from __future__ import annotations
