@@ -77,7 +77,7 @@ def fuse_projections(model: nn.Module, probe) -> int:
     fused: List[_Fused] = []
     for mod in [m for _, m in model.named_modules()]:
         for names in GROUPS:
-            linears = [mod.get(n) if isinstance(mod, dict) else None for n in names]
+            linears = [mod.get(n) for n in names]
             if any(m is None for m in linears) or not _fusable(linears):
                 continue
             key = "_".join(n.split("_")[0] for n in names) + "_fused"
