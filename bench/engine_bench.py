@@ -794,11 +794,13 @@ async def run_mixed_engine(model, tok, waves, n, gap, max_batch, prof=None):
             prof.attach(eng)
         s0 = len(eng.steps)
         t0 = pc()
-        rows = []
+        rows, late = [], {}
         for w, prompts in enumerate(waves):
             if w:
                 await asyncio.sleep(max(0.0, t0 + w * gap - pc()))
             rows.append([eng.submit(_text(p), chat=False, max_tokens=n) for p in prompts])
+            for r in rows[-1]:  # TTFT counts from the wave's due time (as for BG)
+                late[r.id] = pc() - (t0 + w * gap)
         allrows = [r for ws in rows for r in ws]
         res = [await r for r in allrows]
         wall = pc() - t0
@@ -807,8 +809,8 @@ async def run_mixed_engine(model, tok, waves, n, gap, max_batch, prof=None):
             prof.mixed = prof.summarize_all(t0, wall)
         ok = all(r.finish_reason == "length" and len(r.tokens) == n for r in res)
         tot = sum(len(r.tokens) for r in res)
-        ttft = [r.ttft_s for r in allrows]
-        join = [r.ttft_s for ws in rows[1:] for r in ws]
+        ttft = [r.ttft_s + late[r.id] for r in allrows]
+        join = [r.ttft_s + late[r.id] for ws in rows[1:] for r in ws]
         steps = eng.steps[s0:]
         return dict(tps=tot / wall, wall_s=wall, tokens=tot, ok=ok, steps=len(steps),
                     construct_s=construct_s, warmup_s=eng.warmup_s,
@@ -820,7 +822,9 @@ async def run_mixed_engine(model, tok, waves, n, gap, max_batch, prof=None):
 
 
 def run_mixed_bg(model, waves, n, gap, max_batch):
-    """One pass of the mixed workload on a fresh BatchGenerator (no warm-up of its own)."""
+    """One pass of the mixed workload on a fresh BatchGenerator (no warm-up of its own).
+    Its loop is synchronous: a wave due during a `next()` call is inserted after it,
+    and TTFT counts that wait too (from the wave's due time, as for the engine)."""
     gen = BatchGenerator(model, max_tokens=n, stop_tokens=None,
                          completion_batch_size=max_batch)
     t_ins, t_first, counts, wave_of = {}, {}, {}, {}
@@ -834,7 +838,7 @@ def run_mixed_bg(model, waves, n, gap, max_batch):
             while w < len(waves) and now >= t0 + w * gap:
                 uids = gen.insert(waves[w], [n] * len(waves[w]))
                 for u in uids:
-                    t_ins[u], wave_of[u] = pc(), w
+                    t_ins[u], wave_of[u] = t0 + w * gap, w
                 pending.update(uids)
                 w += 1
             if not pending:
@@ -1272,6 +1276,8 @@ def render(results):
         first = "BG" if a.get("mixed_bg_first") else "engine"
         L.append(f"Passes alternate (first: {first}); the last of each (bold) is the "
                  "measurement, earlier ones warm the kernels (MLX CUDA compiles per shape). "
+                 "TTFT counts from each wave's due time (BG's synchronous loop inserts "
+                 "a wave after the step running when it is due: that wait counts). "
                  "construct s = Engine() incl. its warm-up (not in wall or TTFT)"
                  + (" -- warm-up off (--no-warmup)." if a.get("no_warmup") else "."))
         L.append("")

@@ -119,14 +119,17 @@ class Prefill:
         if done:
             # The wait above includes the decode step launched before the prefill,
             # which the running rows would wait for anyway: not part of the rate.
-            # Keep the best recent rate, from ticks whose shapes all ran before: a
-            # new shape's one-off setup under-reports it.
+            # Keep the best recent rate. A tick with a new shape pays one-off setup, so
+            # it under-reports: it may raise the estimate, never lower it. (Ignoring
+            # such ticks left a fresh engine at _AUTO_MIN for most of its first run on
+            # CUDA, where most shapes are new: joiners then took many ticks.)
             took = time.perf_counter() - t0
             if self.ids:
                 took = max(took - self._step_s, 0.25 * took)
             self._rate_last = done / max(took, 1e-6)
-            if not (self._cold_chunk or (self.ids and self._cold_launch)):
-                self._prefill_rate = max(self._rate_last, 0.9 * self._prefill_rate)
+            cold = self._cold_chunk or (self.ids and self._cold_launch)
+            self._prefill_rate = max(self._rate_last,
+                                     (1.0 if cold else 0.9) * self._prefill_rate)
         self._cold_launch = False  # only this tick's launch can be a batch's first
         return done
 

@@ -30,6 +30,23 @@ def test_auto_budget_follows_the_measured_rate(tiny):
     assert fixed._step_budget() == 300  # an explicit chunk is a hard bound
 
 
+def test_a_cold_tick_raises_the_rate_but_never_lowers_it(tiny):
+    """A tick with a new shape under-reports the prefill rate (one-off setup), so it
+    counts as a lower bound: a fresh engine, whose shapes are mostly new, must not sit
+    at _AUTO_MIN (on CUDA its joiners then waited many ticks each)."""
+    from mlxnb.batch import Admit
+    from mlxnb.rows import SamplingParams
+
+    model, tok = tiny
+    ex = BatchExecutor(model, tok, prefill_chunk=None)
+    ex.tick([Admit(0, [65] * 300, SamplingParams(max_tokens=1))], [])  # all shapes new
+    assert ex._cold_chunk and ex._prefill_rate == ex._rate_last > 0
+    ex._prefill_rate = high = 1e12
+    ex.tick([Admit(1, [66] * 301, SamplingParams(max_tokens=1))], [])  # a new length
+    assert ex._cold_chunk and ex._prefill_rate == high
+    ex.close()
+
+
 def test_joiner_chunks_are_bucketed_beside_a_running_row(tiny, arun):
     """While a row decodes, joiners prefill in widths that are multiples of 64 (a
     group's whole width in one forward, or power-of-two chunks of it), whatever their prompt lengths: backends that set up kernels per
