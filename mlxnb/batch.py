@@ -3,8 +3,9 @@
 One `tick` = apply cancellations, drop finished rows from the batch, join rows whose
 prefill is complete, launch decode step N+1, prefill up to one chunk, then read step
 N's tokens (so the device computes N+1 while the host reads N), detokenize and check
-stops. With nothing to prefill or finish, a tick may run a short streak of such
-decode steps before it returns. The loop thread gets back plain Python values
+stops. With nothing to prefill or finish, a tick may run a streak of such decode
+steps before it returns, until the loop side has news (new rows, cancels) or a
+joined row's first token is read. The loop thread gets back plain Python values
 (`TickReport`).
 
 Admitted rows prefill in groups (prefill.py, the `Prefill` half of the executor);
@@ -16,6 +17,7 @@ mask array, scalar RoPE offsets.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -131,11 +133,13 @@ class BatchExecutor(Prefill):
         return bool(self.waiting or self.current or self.ready or self.ids or self.inflight)
 
     # -- the tick ----------------------------------------------------------------
-    def tick(self, admits: List[Admit], cancels: List[int], streak_s: float = 0.0
-             ) -> TickReport:
+    def tick(self, admits: List[Admit], cancels: List[int], streak_s: float = 0.0,
+             interrupt: Optional[threading.Event] = None) -> TickReport:
         """One scheduler iteration. With `streak_s` > 0 and nothing to prefill or
         finish, keep decoding further steps for up to that long before returning:
-        each return trip through the event loop costs host time the device waits for."""
+        each return trip through the event loop costs host time the device waits for.
+        A streak also ends once `interrupt` is set (new rows or cancels on the loop
+        side) and right after a joined row's first token is read (its TTFT)."""
         up: Dict[int, RowUpdate] = {}
 
         def u(rid) -> RowUpdate:
@@ -147,9 +151,11 @@ class BatchExecutor(Prefill):
         emitted: List[tuple] = []
         steps: List[StepStat] = []
         t0 = t = time.perf_counter()
+        first_in_flight = False  # a joined row's first token: end the streak once read
         while True:
             self._filter()
             n_read = len(emitted)
+            joining = bool(self.ready)
             try:
                 self._join(u)
                 launched = self._launch(u) if self.ids else None
@@ -176,8 +182,11 @@ class BatchExecutor(Prefill):
                                   kv, self._ids_tuple, share, other))
             t = now
             if (now - t0 >= streak_s or launched is None or self.waiting or self.current
-                    or self.ready or self.drop or any(x.finish for x in up.values())):
+                    or self.ready or self.drop or first_in_flight
+                    or (interrupt is not None and interrupt.is_set())
+                    or any(x.finish for x in up.values())):
                 break
+            first_in_flight = joining
         return TickReport(up, emitted, steps, self.busy)
 
     def _cancel(self, rid, u):

@@ -39,7 +39,11 @@ class _WontFit(ValueError):
     naming those words -- submit(context=1) -- became a row instead of raising.)"""
 
 
-_STREAK_S = 0.010  # longest run of decode steps the worker takes without the loop
+# Longest run of decode steps the worker takes without the loop. Each round trip
+# costs ~0.4 ms of host time the device waits for (bench/results/h200-run12*.md);
+# new rows and cancels end a streak at once (`_interrupt`), so it bounds only how
+# often tokens reach the widget.
+_STREAK_S = 0.050
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
 _WORKER_TIDS: set = set()
 _WORKER: Optional[ThreadPoolExecutor] = None
@@ -152,6 +156,7 @@ class Engine:
         self._cancels: List[int] = []
         self._listeners: List[Callable] = []
         self._wake = asyncio.Event()
+        self._interrupt = threading.Event()  # set on the loop: ends the worker's streak
         self._closed = False
         self._task = None
         self._idle: Optional[asyncio.Future] = None
@@ -297,6 +302,7 @@ class Engine:
         self._notify("submit", row)
         self._ensure_task()
         self._wake.set()
+        self._interrupt.set()
 
     def _call_on_loop(self, fn, *args):
         if self._on_loop_thread():
@@ -326,6 +332,7 @@ class Engine:
             else:
                 self._cancels.append(row.id)
         self._wake.set()
+        self._interrupt.set()
 
     # -- the serving loop ----------------------------------------------------------
     def _ensure_task(self):
@@ -350,13 +357,14 @@ class Engine:
             for row in admits:
                 row.state, row.t_admit = PREFILL, now
             t0 = time.perf_counter()
-            # Nothing waiting on the loop side: let the worker run a few decode steps
-            # back to back (bounded, so stop buttons and new cells are seen quickly).
-            streak = _STREAK_S if not (self.scheduler.queue or self._cancels) else 0.0
+            # Let the worker run decode steps back to back. Rows queued for room need
+            # no shorter streak: room comes from a row finishing, which ends it.
+            self._interrupt.clear()
             try:
                 report = await self.loop.run_in_executor(
                     self._pool, self._exec.tick,
-                    [Admit(r.id, r.prompt_ids, r.params) for r in admits], cancels, streak)
+                    [Admit(r.id, r.prompt_ids, r.params) for r in admits], cancels,
+                    _STREAK_S, self._interrupt)
             except Exception as e:  # the executor itself broke: fail what it held
                 for rid in list(self.scheduler.active):
                     self._end(self._by_id[rid], "error", f"engine step failed: {e}")
@@ -432,6 +440,7 @@ class Engine:
                 pass
         self._closed = True
         self._wake.set()
+        self._interrupt.set()
         for row in self.rows:  # nothing is ever left without a finish reason
             if not row.done:
                 self._end(row, "cancelled")
@@ -446,6 +455,7 @@ class Engine:
             return
         self._closed = True
         self._wake.set()
+        self._interrupt.set()
         for row in self.rows:
             if not row.done:
                 self._end(row, "cancelled")
