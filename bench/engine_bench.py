@@ -12,6 +12,8 @@ One process, one model, the same random prompts for all three:
   rawt, rawvt  (diagnostic) raw / rawv run on a worker thread, as the engine's steps are
   rawtc   (diagnostic, run it last) rawt after re-making the weights on that thread
   engine0 (diagnostic) the engine with decode streaks off (one step per tick)
+  bgd     (diagnostic) BatchGenerator with its own default batch sizes (completion 32,
+          prefill 8): what `BatchGenerator(model)` gives; at B > 32 rows wait their turn
   bg      mlx_lm.generate.BatchGenerator, greedy, all B prompts inserted at once
           (completion_batch_size = prefill_batch_size = B). tok/s = its own
           stats().generation_tps (wall minus prompt time); decode_tps kept in JSON.
@@ -253,10 +255,12 @@ RAW_VARIANTS = {"raw": {}, "rawb": dict(batch_cache=True), "rawv": dict(views=Tr
 
 
 # -- (b) BatchGenerator ----------------------------------------------------------------
-def run_bg(model, prompts, n):
+def run_bg(model, prompts, n, defaults=False):
+    """defaults: BatchGenerator's own batch sizes (completion 32, prefill 8), what
+    `BatchGenerator(model)` gives a user; else both = B."""
     B = len(prompts)
-    gen = BatchGenerator(model, max_tokens=n, stop_tokens=None,
-                         completion_batch_size=B, prefill_batch_size=B)
+    sizes = {} if defaults else dict(completion_batch_size=B, prefill_batch_size=B)
+    gen = BatchGenerator(model, max_tokens=n, stop_tokens=None, **sizes)
     counts = {}
     reasons = {}
     try:
@@ -1108,7 +1112,7 @@ async def amain(args):
                 log(f"  B={B:<4} {meth:<6} " + ", ".join(
                     f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                     for k, v in row[meth].items()))
-            for other in ("raw", "bg"):
+            for other in ("raw", "bg", "bgd"):
                 if "engine" in per and other in per:
                     rs = [e["decode_tps"] / o["decode_tps"]
                           for e, o in zip(per["engine"], per[other]) if o["decode_tps"]]
@@ -1157,10 +1161,10 @@ async def measure(meth, rep, model, tok, args, B, warm, p1, p2):
             return run_raw(model, p1, args.new, **kw)
         with ThreadPoolExecutor(1) as pool:
             return pool.submit(both).result()
-    if meth == "bg":
+    if meth in ("bg", "bgd"):
         if rep == 0:
-            run_bg(model, warm, args.warm_new)
-        return run_bg(model, p1, args.new)
+            run_bg(model, warm, args.warm_new, defaults=meth == "bgd")
+        return run_bg(model, p1, args.new, defaults=meth == "bgd")
     if meth in ("engine", "engine0"):
         from mlxnb import engine as engine_mod
 
@@ -1251,11 +1255,14 @@ def render(results):
                  f"{fmt(r.get('engine_over_bg_median'), 2)} | "
                  f"{fmt(r.get('engine_over_raw_median'), 2)} |")
     for r in results["rows"]:
-        diag = [m for m in ("rawt", "rawv", "rawvt", "rawtc", "engine0") if (r.get(m) or {}).get("decode_tps")]
+        diag = [m for m in ("bgd", "rawt", "rawv", "rawvt", "rawtc", "engine0")
+                if (r.get(m) or {}).get("decode_tps")]
         if diag:
             base = ["raw"] + (["engine"] if (r.get("engine") or {}).get("decode_tps") else [])
             L.append(f"\nDiagnostic variants, {r['shape']} {r['dtype']} B={r['B']}: " +
-                     ", ".join(f"{m} {fmt(r[m]['decode_tps'])}" for m in base + diag))
+                     ", ".join(f"{m} {fmt(r[m]['decode_tps'])}" for m in base + diag) +
+                     ("" if r.get("engine_over_bgd_median") is None else
+                      f"; engine/bgd median {r['engine_over_bgd_median']:.2f}"))
     errs = [(r["shape"], r["dtype"], r["B"], m, r[m]["error"]) for r in results["rows"]
             for m in ("raw", "rawb", "bg", "engine")
             if isinstance(r.get(m), dict) and "error" in r[m]]
