@@ -19,7 +19,19 @@ from engine_bench import build_model  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p,  # noqa: E402
                                  make_logits_processors)
-from mlxnb.sampling import BatchSampler, top_logprobs  # noqa: E402
+from mlxnb.sampling import (_M2, BatchSampler, _gumbel_argmax, _u32,  # noqa: E402
+                            gumbel_noise, top_logprobs)
+
+
+def gumbel_eager(logits, temp, seeds, counters, vocab_ids):
+    """The sampler's Gumbel-max step without mx.compile (~15 separate kernels)."""
+    t = mx.where(temp > 0, temp, 1.0)[:, None]
+    return mx.argmax(logits / t + gumbel_noise(seeds, counters, vocab_ids), axis=-1)
+
+
+def gumbel_args(B, V):
+    return (mx.random.normal((B, V)), mx.full((B,), 0.8), mx.arange(B).astype(mx.uint32),
+            mx.zeros((B,), mx.uint32), mx.arange(V, dtype=mx.uint32) * _u32(_M2))
 
 
 def main():
@@ -46,8 +58,11 @@ def main():
         s.extend([0.8] * B, [(0, 1.0, 0.0)] * B, list(range(B)), [0] * B)
         return s
 
+    g8 = gumbel_args(B, V)
+    mx.eval(g8)
     pieces = [
         ("prefill forward (B=8, 32 tokens)", lambda: model(prompts, cache=cache)),
+        ("Gumbel step, eager (no mx.compile)", lambda: gumbel_eager(*g8)),
         ("decode forward (B=8)", lambda: model(prompts[:, :1], cache=cache)),
         ("greedy sample (argmax)", lambda: greedy_sampler().sample(logits)),
         ("temperature sample (Gumbel)", lambda: temp_sampler().sample(logits)),
@@ -65,6 +80,19 @@ def main():
             mx.eval(fn())
             times.append(time.perf_counter() - t)
         print(f"{name:36s} first {times[0]:8.3f} s   second {times[1]:8.4f} s", flush=True)
+    # steady state: what the compiled kernel saves per sampled step
+    for b in (8, 128):
+        args = gumbel_args(b, V)
+        mx.eval(args)
+        for name, fn in (("compiled", _gumbel_argmax), ("eager", gumbel_eager)):
+            for _ in range(3):
+                mx.eval(fn(*args))
+            t = time.perf_counter()
+            for _ in range(50):
+                mx.eval(fn(*args))
+            ms = (time.perf_counter() - t) / 50 * 1e3
+            print(f"Gumbel step B={b:<4d} {name:9s} {ms:7.3f} ms per call (eval each)",
+                  flush=True)
 
 
 if __name__ == "__main__":
