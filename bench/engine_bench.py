@@ -12,6 +12,7 @@ One process, one model, the same random prompts for all three:
   rawt, rawvt  (diagnostic) raw / rawv run on a worker thread, as the engine's steps are
   rawtc   (diagnostic, run it last) rawt after re-making the weights on that thread
   engine0 (diagnostic) the engine with decode streaks off (one step per tick)
+  enginenf (diagnostic) the engine on the model as loaded, unfused (Engine(fuse=False))
   bgd     (diagnostic) BatchGenerator with its own default batch sizes (completion 32,
           prefill 8): what `BatchGenerator(model)` gives; at B > 32 rows wait their turn
   bg      mlx_lm.generate.BatchGenerator, greedy, all B prompts inserted at once
@@ -313,8 +314,10 @@ def decode_window(steps, B):
 
 
 async def run_engine(model, tok, prompts_nat, prompts_steady, n, B, warm_prompts, warm_n,
-                     prof_hook=None, long=True):
-    eng = mlxnb.Engine((for_engine(model), tok), max_batch=B, kv_budget=None, **ENGINE_KW)
+                     prof_hook=None, long=True, fuse=True):
+    kw = ENGINE_KW if fuse else dict(ENGINE_KW, fuse=False)
+    eng = mlxnb.Engine((for_engine(model) if fuse else model, tok), max_batch=B,
+                       kv_budget=None, **kw)
     try:
         await engine_run(eng, warm_prompts, warm_n)
         if prof_hook is not None:
@@ -1112,12 +1115,14 @@ async def amain(args):
                 log(f"  B={B:<4} {meth:<6} " + ", ".join(
                     f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                     for k, v in row[meth].items()))
-            for other in ("raw", "bg", "bgd"):
-                if "engine" in per and other in per:
+            pairs = [("engine", o) for o in ("raw", "bg", "bgd")] + [
+                (d, "raw") for d in ("rawt", "rawv", "rawvt", "engine0", "enginenf")]
+            for mine, other in pairs:
+                if mine in per and other in per:
                     rs = [e["decode_tps"] / o["decode_tps"]
-                          for e, o in zip(per["engine"], per[other]) if o["decode_tps"]]
+                          for e, o in zip(per[mine], per[other]) if o["decode_tps"]]
                     if rs:
-                        row[f"engine_over_{other}_median"] = statistics.median(rs)
+                        row[f"{mine}_over_{other}_median"] = statistics.median(rs)
             results["rows"].append(row)
             save()
             if prof_here and not over():
@@ -1165,7 +1170,7 @@ async def measure(meth, rep, model, tok, args, B, warm, p1, p2):
         if rep == 0:
             run_bg(model, warm, args.warm_new, defaults=meth == "bgd")
         return run_bg(model, p1, args.new, defaults=meth == "bgd")
-    if meth in ("engine", "engine0"):
+    if meth in ("engine", "engine0", "enginenf"):
         from mlxnb import engine as engine_mod
 
         keep = engine_mod._STREAK_S
@@ -1173,7 +1178,8 @@ async def measure(meth, rep, model, tok, args, B, warm, p1, p2):
             engine_mod._STREAK_S = 0.0
         try:
             return await run_engine(model, tok, p1, p2, args.new, B, warm, args.warm_new,
-                                    long=not args.no_long)
+                                    long=not args.no_long and meth == "engine",
+                                    fuse=meth != "enginenf")
         finally:
             engine_mod._STREAK_S = keep
     raise ValueError(meth)
@@ -1255,14 +1261,16 @@ def render(results):
                  f"{fmt(r.get('engine_over_bg_median'), 2)} | "
                  f"{fmt(r.get('engine_over_raw_median'), 2)} |")
     for r in results["rows"]:
-        diag = [m for m in ("bgd", "rawt", "rawv", "rawvt", "rawtc", "engine0")
+        diag = [m for m in ("bgd", "rawt", "rawv", "rawvt", "rawtc", "engine0", "enginenf")
                 if (r.get(m) or {}).get("decode_tps")]
         if diag:
             base = ["raw"] + (["engine"] if (r.get("engine") or {}).get("decode_tps") else [])
+            meds = [(k[:-len("_median")].replace("_over_", "/"), v) for k, v in r.items()
+                    if k.endswith("_median") and not k.startswith("engine_over_")
+                    or k == "engine_over_bgd_median"]
             L.append(f"\nDiagnostic variants, {r['shape']} {r['dtype']} B={r['B']}: " +
                      ", ".join(f"{m} {fmt(r[m]['decode_tps'])}" for m in base + diag) +
-                     ("" if r.get("engine_over_bgd_median") is None else
-                      f"; engine/bgd median {r['engine_over_bgd_median']:.2f}"))
+                     "".join(f"; {k} median {v:.2f}" for k, v in meds))
     errs = [(r["shape"], r["dtype"], r["B"], m, r[m]["error"]) for r in results["rows"]
             for m in ("raw", "rawb", "bg", "engine")
             if isinstance(r.get(m), dict) and "error" in r[m]]

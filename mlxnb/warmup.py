@@ -9,7 +9,8 @@ same reason (its `--no-warmup` flag turns it off). Here two rows prefill as a gr
 and decode unpadded (one greedy, one sampled), a third joins (a left-padded batch:
 the masked attention path) and rows leave the batch one by one: the paths of
 `BatchExecutor.tick` that every workload takes. Then the executor forgets it all
-except which shapes it has seen.
+except which shapes it has seen, and a warm 256-token prefill seeds the prefill
+rate that sizes the first joiners' chunks.
 
 Truncation filters (top-k/top-p/min-p), logprobs and repetition penalties are left
 to their first use: off by default, and on a fresh CUDA machine (MLX's on-disk PTX
@@ -21,6 +22,9 @@ bench/results/h200-run10-cold-start.md).
 from __future__ import annotations
 
 import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import Admit, BatchExecutor
 from .rows import SamplingParams
@@ -53,7 +57,32 @@ def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
     # the buffers are small and get reused; mx.clear_cache would also hang in a
     # forked child (tests/test_prefill_policy.py)
     ex.close(clear_cache=False)
-    # what the warm-up measured was cold: it must not size the first real prefills
-    ex._prefill_rate = ex._rate_last = ex._step_s = 0.0
+    # What the workload measured was cold and tiny: prefills beside running rows are
+    # first sized by a rate measured for the purpose instead. (An idle tick still
+    # starts small and sizes the next from what it took: that bounds how late a
+    # cancel lands whatever this estimate is.)
+    ex._step_s = ex._rate_last = 0.0
+    ex._prefill_rate = prefill_rate(ex)
     ex.nsteps = 0
     return time.perf_counter() - t0
+
+
+def prefill_rate(ex: BatchExecutor, n: int = 256) -> float:
+    """Prompt tokens/s of a warm n-token prefill (0.0 if it fails): the first estimate
+    for the auto prefill budget. Without it a fresh engine prefilled its first
+    joiners in _AUTO_MIN chunks until ticks measured more; on an H200 each of those
+    chunk shapes was new (CUDA sets up attention per shape), and the mixed bench's
+    joiners waited 1.3 s in such a pass against 0.13 s once the rate was known
+    (bench/results/h200-run13*.md)."""
+    ids = mx.array([_ids(n, 4)])
+    took = 0.0
+    try:
+        for _ in range(2):  # the first run pays one-off setup
+            cache = make_prompt_cache(ex.model)
+            t = time.perf_counter()
+            ex.model(ids, cache=cache)
+            mx.eval([c.state for c in cache])  # as a prefill chunk: no logits
+            took = time.perf_counter() - t
+    except Exception:
+        return 0.0
+    return n / max(took, 1e-6)

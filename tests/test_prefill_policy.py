@@ -192,11 +192,13 @@ def test_status_shows_the_prefill_budget(tiny, arun):
     async def main():
         auto = Engine(tiny, kv_budget=None)
         fixed = Engine(tiny, kv_budget=None, prefill_chunk=96)
-        out = auto.status(), fixed.status()
+        out = auto.status(), fixed.status(), auto._exec._step_budget()
         await auto.aclose()
         await fixed.aclose()
         return out
 
-    auto, fixed = arun(main)
-    assert f"prefill {_AUTO_MIN} tokens/step (auto)" in auto
+    auto, fixed, budget = arun(main)
+    # sized from the prefill rate the warm-up measured
+    assert _AUTO_MIN <= budget <= _AUTO_MAX and budget == pow2_floor(budget)
+    assert f"prefill {budget} tokens/step (auto)" in auto
     assert "prefill 96 tokens/step (fixed)" in fixed
