@@ -46,6 +46,7 @@ class Prefill:
         self.current: Optional[PrefillGroup] = None  # the group being prefilled
         self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
         self._prefill_rate = self._rate_last = 0.0  # prompt tokens/s (see _prefill)
+        self._budget = _AUTO_MIN  # auto prefill tokens per step (see _step_budget)
         self._step_s = 0.0  # decode step time without prefill (moving average)
         self._seen: set = set()  # forward shapes run before (see _warm)
         # a new decode batch shape (set by _align) / a new chunk shape, this tick
@@ -72,7 +73,14 @@ class Prefill:
         """Prompt tokens to prefill per step beside the running batch."""
         if self.prefill_chunk:
             return self.prefill_chunk
-        return min(_AUTO_MAX, max(_AUTO_MIN, pow2_floor(self._prefill_rate * _STALL_S)))
+        # Rise at once; fall only when the stall would pass twice _STALL_S. The
+        # measured rate wobbles by tens of percent (host noise, chunk sizes), and a
+        # budget flipping between powers of two makes new chunk shapes, each with
+        # its one-off setup on CUDA.
+        want = self._prefill_rate * _STALL_S
+        if want >= self._budget or 2 * want < self._budget:
+            self._budget = min(_AUTO_MAX, max(_AUTO_MIN, pow2_floor(want)))
+        return self._budget
 
     def _prefill(self, u) -> int:
         """Prefill up to one step budget of tokens beside a running batch (its stall is

@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import Admit, BatchExecutor
+from .prefill import _AUTO_MIN
 from .rows import SamplingParams
 
 
@@ -62,7 +63,7 @@ def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
     # starts small and sizes the next from what it took: that bounds how late a
     # cancel lands whatever this estimate is.)
     ex._step_s = ex._rate_last = 0.0
-    ex._prefill_rate = prefill_rate(ex)
+    ex._prefill_rate, ex._budget = prefill_rate(ex), _AUTO_MIN
     ex.nsteps = 0
     return time.perf_counter() - t0
 

@@ -25,6 +25,11 @@ def test_auto_budget_follows_the_measured_rate(tiny):
     assert auto._step_budget() == _AUTO_MAX
     auto._prefill_rate = 3000 / _STALL_S
     assert auto._step_budget() == 2048  # a power of two, so chunk shapes repeat
+    # hysteresis: a rate that wobbles down keeps the budget (and the chunk shapes)
+    # until the stall would pass twice the target
+    for rate, budget in ((1500, 2048), (1100, 2048), (900, 512), (1100, 1024)):
+        auto._prefill_rate = rate / _STALL_S
+        assert auto._step_budget() == budget, rate
     fixed = BatchExecutor(model, tok, prefill_chunk=300)
     fixed._prefill_rate = 1e9
     assert fixed._step_budget() == 300  # an explicit chunk is a hard bound
