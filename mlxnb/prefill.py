@@ -96,9 +96,13 @@ class Prefill:
             # (Fixed chunks: groups fit what is left of the tick, group_budget None.)
             group_budget = None if self.prefill_chunk else _AUTO_MAX
         else:
-            # the latest rate, not the best: this bounds how late a cancel lands
+            # The latest rate, not the best: this bounds how late a cancel lands.
+            # Before any tick, the warm-up's measured one: from _AUTO_MIN, a batch
+            # of 128 short prompts started in 4-token chunks per row, a new shape
+            # every tick (0.25 s to first token on an H200, h200-run14*.md).
+            rate = self._rate_last or self._prefill_rate
             budget = int(min(_IDLE_PREFILL, max(self.prefill_chunk or _AUTO_MIN,
-                                                self._rate_last * _IDLE_TICK_S)))
+                                                rate * _IDLE_TICK_S)))
             group_budget = max(budget, _IDLE_PREFILL)
         done = 0
         self._cold_chunk = False

@@ -329,9 +329,11 @@ def test_cancel_takes_effect_quickly_during_a_big_idle_prefill(tiny, arun):
         return orig(self, inputs, *a, **k)
 
     async def main():
-        eng = make(tiny, prefill_chunk=64, max_batch=16, prefix_cache=None)
+        # slow from the start: the engine's warm-up measures the rate it sizes
+        # its first idle tick by
         type(model).__call__ = slow
         try:
+            eng = make(tiny, prefill_chunk=64, max_batch=16, prefix_cache=None)
             rows = [eng.submit(f"{i:02d}" + "p" * 298, chat=False, max_tokens=4)
                     for i in range(16)]
             await asyncio.sleep(0.05)  # the first tick is under way
