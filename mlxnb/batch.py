@@ -124,6 +124,7 @@ class BatchExecutor(Prefill):
         self.y: Optional[mx.array] = None  # [B] next input tokens
         self.sampler = BatchSampler()
         self.inflight = None  # (row ids, tokens [B], logprob arrays) of the last launch
+        self._inflight_firsts = False  # it carries a joined row's first token
         self.drop: set = set()
         self._batch_rows, self._want_lp, self._any_procs, self._headroom = [], [], False, 0
         self._ids_tuple: tuple = ()  # self.ids, shared by step records until it changes
@@ -151,7 +152,6 @@ class BatchExecutor(Prefill):
         emitted: List[tuple] = []
         steps: List[StepStat] = []
         t0 = t = time.perf_counter()
-        first_in_flight = False  # a joined row's first token: end the streak once read
         while True:
             self._filter()
             n_read = len(emitted)
@@ -164,13 +164,14 @@ class BatchExecutor(Prefill):
                 launched = None
             decoded = len(self.ids) if launched else 0
             prefill_tokens = self._prefill(u) if not steps else 0
+            reads_firsts = self._inflight_firsts and self.inflight is not None
             if self.inflight is not None:
                 try:
                     self._read(self.inflight, u, emitted)
                 except Exception as e:
                     self._fail_batch(u, e)
                     launched = None
-            self.inflight = launched
+            self.inflight, self._inflight_firsts = launched, joining
             self.nsteps += 1
             if self.nsteps % 1024 == 0:
                 mx.clear_cache()
@@ -182,11 +183,10 @@ class BatchExecutor(Prefill):
                                   kv, self._ids_tuple, share, other))
             t = now
             if (now - t0 >= streak_s or launched is None or self.waiting or self.current
-                    or self.ready or self.drop or first_in_flight
+                    or self.ready or self.drop or reads_firsts
                     or (interrupt is not None and interrupt.is_set())
                     or any(x.finish for x in up.values())):
                 break
-            first_in_flight = joining
         return TickReport(up, emitted, steps, self.busy)
 
     def _cancel(self, rid, u):

@@ -58,10 +58,9 @@ def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
     # the buffers are small and get reused; mx.clear_cache would also hang in a
     # forked child (tests/test_prefill_policy.py)
     ex.close(clear_cache=False)
-    # What the workload measured was cold and tiny: prefills beside running rows are
-    # first sized by a rate measured for the purpose instead. (An idle tick still
-    # starts small and sizes the next from what it took: that bounds how late a
-    # cancel lands whatever this estimate is.)
+    # What the workload measured was cold and tiny: the first prefills (beside
+    # running rows, and idle ones until a tick has measured its own) are sized by a
+    # rate measured for the purpose instead.
     ex._step_s = ex._rate_last = 0.0
     ex._prefill_rate, ex._budget = prefill_rate(ex), _AUTO_MIN
     ex.nsteps = 0
