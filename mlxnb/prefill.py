@@ -45,12 +45,18 @@ class Prefill:
         self.waiting: Deque = deque()  # Admits, prefill not started
         self.current: Optional[PrefillGroup] = None  # the group being prefilled
         self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
-        self._prefill_rate = self._rate_last = 0.0  # prompt tokens/s (see _prefill)
-        self._budget = _AUTO_MIN  # auto prefill tokens per step (see _step_budget)
-        self._step_s = 0.0  # decode step time without prefill (moving average)
         self._seen: set = set()  # forward shapes run before (see _warm)
         # a new decode batch shape (set by _align) / a new chunk shape, this tick
         self._cold_launch = self._cold_chunk = False
+        self.reset_rates()
+
+    def reset_rates(self, prefill_rate: float = 0.0):
+        """Forget what ticks measured; `prefill_rate` (tokens/s) is the first estimate
+        that sizes prefills, until ticks measure their own."""
+        self._prefill_rate = prefill_rate  # best recent prompt tokens/s (see _prefill)
+        self._rate_last = 0.0  # the latest tick's
+        self._budget = _AUTO_MIN  # auto prefill tokens per step (see _step_budget)
+        self._step_s = 0.0  # decode step time without prefill (moving average)
 
     @property
     def prefilling(self) -> List[int]:

@@ -27,7 +27,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import Admit, BatchExecutor
-from .prefill import _AUTO_MIN
 from .rows import SamplingParams
 
 
@@ -61,8 +60,7 @@ def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
     # What the workload measured was cold and tiny: the first prefills (beside
     # running rows, and idle ones until a tick has measured its own) are sized by a
     # rate measured for the purpose instead.
-    ex._step_s = ex._rate_last = 0.0
-    ex._prefill_rate, ex._budget = prefill_rate(ex), _AUTO_MIN
+    ex.reset_rates(prefill_rate(ex))
     ex.nsteps = 0
     return time.perf_counter() - t0
 
