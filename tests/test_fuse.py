@@ -28,21 +28,29 @@ def _forward(model, x):
 
 
 def test_fused_model_gives_the_same_logits():
-    for quantize in (False, True):
-        plain, _ = tiny_model(seed=3)
-        fused, _ = tiny_model(seed=3)
-        if quantize:
-            for m in (plain, fused):
-                nn.quantize(m, group_size=32, bits=4)
-        before = _nbytes(fused)
-        assert fuse_projections(fused, _probe(fused)) == 2 * len(fused.layers)
-        attn = fused.layers[0].self_attn
-        assert "q_k_v_fused" in attn and "q_proj" not in attn
-        assert "gate_up_fused" in fused.layers[0].mlp
-        assert _nbytes(fused) == before
-        x = mx.array([[5, 9, 20, 7, 7, 100], [1, 2, 3, 4, 5, 6]])
-        for a, b in zip(_forward(plain, x), _forward(fused, x)):
-            assert mx.allclose(a, b, atol=1e-4).item(), quantize
+    plain, _ = tiny_model(seed=3)
+    fused, _ = tiny_model(seed=3)
+    before = _nbytes(fused)
+    assert fuse_projections(fused, _probe(fused)) == 2 * len(fused.layers)
+    attn = fused.layers[0].self_attn
+    assert "q_k_v_fused" in attn and "q_proj" not in attn
+    assert "gate_up_fused" in fused.layers[0].mlp
+    assert _nbytes(fused) == before
+    x = mx.array([[5, 9, 20, 7, 7, 100], [1, 2, 3, 4, 5, 6]])
+    for a, b in zip(_forward(plain, x), _forward(fused, x)):
+        assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_quantized_projections_are_left_alone():
+    model, _ = tiny_model(seed=3)
+    nn.quantize(model, group_size=32, bits=4)
+    x = mx.array([[5, 9, 20, 7]])
+    want = _forward(model, x)
+    assert fuse_projections(model, _probe(model)) == 0
+    assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert "q_k_v_fused" not in model.layers[0].self_attn
+    for a, b in zip(want, _forward(model, x)):
+        assert mx.array_equal(a, b).item()
 
 
 class _TwoInputs(nn.Module):
