@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
-from .kvbatch import AlignedView, LeanBatchKVCache
+from .kvbatch import AlignedView, LeanBatchKVCache, merge_lean
 from .prefill import _AUTO_MAX, _IDLE_PREFILL, Prefill
 from .prefix import PrefixStore
 from .rows import SamplingParams
@@ -256,11 +256,9 @@ class BatchExecutor(Prefill):
             keep = [i for i, a in enumerate(g.admits) if a.row_id not in g.cancelled]
             if not keep:
                 continue
-            cache = g.cache if g.batched else [type(c).merge([c]) for c in g.cache]
-            for c in cache:
-                if type(c) is BatchKVCache:
-                    c.__class__ = LeanBatchKVCache
-                if len(keep) < len(g.admits):
+            cache = g.cache if g.batched else merge_lean([[c] for c in g.cache])
+            if len(keep) < len(g.admits):
+                for c in cache:
                     c.filter(mx.array(keep))
             if self.caches is None:
                 self.caches = cache

@@ -69,6 +69,17 @@ class LeanBatchKVCache(BatchKVCache):
         pass
 
 
+def merge_lean(layers: list) -> list:
+    """mlx-lm's merge of single-row caches, per layer ([[row caches] per layer]), into
+    batch caches; each BatchKVCache becomes a LeanBatchKVCache, as the decode batch
+    that takes these buffers over needs."""
+    out = [type(rows[0]).merge(rows) for rows in layers]
+    for c in out:
+        if type(c) is BatchKVCache:
+            c.__class__ = LeanBatchKVCache
+    return out
+
+
 class AlignedView:
     """Stand-in for a batch cache none of whose rows is left-padded (a decode batch
     that joined together, or a fresh prefill group, right-padded): a plain KVCache

@@ -20,9 +20,9 @@ from collections import deque
 from typing import Deque, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from .kvbatch import LeanBatchKVCache, PrefillGroup, round_up
+from .kvbatch import PrefillGroup, merge_lean, round_up
 
 _IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
 _IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
@@ -181,10 +181,7 @@ class Prefill:
             group.append(self.waiting.popleft())
             width = w
         proto = make_prompt_cache(self.model)
-        cache = [type(c).merge([c] * len(group)) for c in proto]
-        for c in cache:  # the decode batch takes these buffers over: see its step
-            if type(c) is BatchKVCache:
-                c.__class__ = LeanBatchKVCache
+        cache = merge_lean([[c] * len(group) for c in proto])
         g = PrefillGroup(group, cache, 0, batched=True, width=width)
         g.cached, g.step = 0, step
         return g
