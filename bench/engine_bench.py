@@ -191,7 +191,7 @@ def run_raw(model, prompts, n, prof=None, batch_cache=False, views=False):
     if batch_cache:  # mlx-lm's BatchKVCache (no padding here): array mask, offsets [B]
         cache = [BatchKVCache([0] * B) for _ in model.layers]
     elif views:  # what the engine decodes on when no row is padded
-        from mlxnb.kvbatch import AlignedView, LeanBatchKVCache
+        from mlxnb.caches import AlignedView, LeanBatchKVCache
 
         cache = [AlignedView(LeanBatchKVCache([0] * B)) for _ in model.layers]
     else:

@@ -9,10 +9,10 @@ joined row's first token is read. The loop thread gets back plain Python values
 (`TickReport`).
 
 Admitted rows prefill in groups (prefill.py, the `Prefill` half of the executor);
-a done group's cache joins the running left-padded batch cache (mlx-lm's
-`BatchKVCache` / `BatchRotatingKVCache`) and each row's last prompt token is its
-first decode input. When no row is padded the model sees plain-KVCache views: no
-mask array, scalar RoPE offsets.
+a done group's cache joins the running left-padded batch cache (caches.py: every
+cache kind mlx-lm's models make, in any per-layer mix) and each row's last prompt
+token is its first decode input. When no row is padded the model sees plain-KVCache
+views of its KV layers: no mask array, scalar RoPE offsets.
 """
 
 from __future__ import annotations
@@ -23,18 +23,16 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
-from .kvbatch import AlignedView, LeanBatchKVCache, merge_lean
+from . import caches
+from .caches import aligned_views, left_padded, merge_lean
 from .prefill import _AUTO_MAX, _IDLE_PREFILL, Prefill
 from .prefix import PrefixStore
 from .rows import SamplingParams
 from .sampling import BatchSampler, top_logprobs
-
-SUPPORTED_CACHES = (KVCache, RotatingKVCache)
 
 @dataclass
 class Admit:
@@ -75,46 +73,65 @@ class StepStat:
 
 class BatchExecutor(Prefill):
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None,
-                 prefix_bytes: int = 0, fuse: bool = False):
+                 prefix_bytes: int = 0, fuse: bool = False,
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64):
         self.model, self.tokenizer = model, tokenizer
         self.prefill_chunk = prefill_chunk  # None: auto (see _step_budget)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.eos = set(tokenizer.eos_token_ids or ())
-        probe = make_prompt_cache(model)
-        bad = {type(c).__name__ for c in probe if type(c) not in SUPPORTED_CACHES}
+        probe = self.make_cache()
+        bad = caches.unsupported(probe)
         if bad:
             raise ValueError(
-                f"mlxnb batches models whose caches are KVCache or RotatingKVCache; this "
-                f"model uses {', '.join(sorted(bad))}. Use mlx_lm.generate for it.")
+                f"mlxnb cannot batch this model: its {', '.join(bad)} cache has no "
+                f"batched form (mlxnb batches KVCache, RotatingKVCache, ArraysCache, "
+                f"CacheList and quantized KV). Use mlx_lm.generate for it.")
+        self.layer_costs = self._probe_costs(probe)
         # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
         self.fused = fuse_projections(model, lambda: model(
-            mx.array([[0]]), cache=make_prompt_cache(model))) if fuse else 0
-        self.layer_shapes = self._probe_kv(probe)
-        self.prefix = PrefixStore(prefix_bytes) if PrefixStore.supports(probe) else None
+            mx.array([[0]]), cache=self.make_cache())) if fuse else 0
+        self.cache_kinds = caches.describe(probe, kv_bits)
+        # prefix entries are plain KV slices: recurrent states and quantized or
+        # windowed KV would need a snapshot at the prefix boundary instead
+        self.prefix_bytes = prefix_bytes
+        self.prefix = PrefixStore(prefix_bytes) if (
+            prefix_bytes and PrefixStore.supports(probe)) else None
         self._init_prefill()
         self._reset_batch()
         self.nsteps = 0
 
-    def _probe_kv(self, cache) -> List[tuple]:
-        """[(bytes per token, window or None)] per layer, read off a real 1-token forward."""
-        self.model(mx.array([[0]]), cache=cache)
-        mx.eval([c.state for c in cache])
-        out = []
-        for c in cache:
-            per_tok = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
-            out.append((per_tok, c.max_size if isinstance(c, RotatingKVCache) else None))
-        return out
+    def make_cache(self) -> list:
+        """A fresh single-row cache of this engine's kinds (KV quantized if asked)."""
+        return caches.make_row_cache(self.model, self.kv_bits, self.kv_group_size)
+
+    def _probe_costs(self, cache) -> List[tuple]:
+        """caches.layer_costs of a real 1-token forward."""
+        try:
+            self.model(mx.array([[0]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        except Exception as e:
+            if self.kv_bits is None:
+                raise
+            raise ValueError(
+                f"this model cannot quantize its KV with kv_bits={self.kv_bits}, "
+                f"kv_group_size={self.kv_group_size}: {' '.join(str(e).split())[:160]} "
+                f"Use a kv_group_size that divides its head dim (32 is the smallest) "
+                f"or no kv_bits.") from None
+        return caches.layer_costs(cache)
 
     def kv_bytes_for(self, length: int) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""
-        # fix: caches grow in 255/256-token steps from wherever they stand; merges,
+        # Caches grow in 255/256-token steps from wherever they stand; merges,
         # prefix hits, batch filters and chunks that change size from tick to tick
         # (the idle budget follows a measured rate) leave them at unaligned sizes.
         # A growth that trims to the used length leaves < 256 spare slots, one that
         # doesn't keeps those and adds < 256 more, so n tokens take < n + 512 slots.
-        # A RotatingKVCache holds window - 1 + chunk tokens while prefilling.
+        # A sliding window holds window - 1 + chunk tokens while prefilling; a
+        # recurrent state is the same size at any length.
         alloc = max(length, 1) + 512
         win = max(self.prefill_chunk or 0, _IDLE_PREFILL, _AUTO_MAX)
-        return sum(b * (min(alloc, w + win) if w else alloc) for b, w in self.layer_shapes)
+        return sum(fixed + per_tok * (min(alloc, w + win) if w else alloc)
+                   for per_tok, w, fixed in self.layer_costs)
 
     def _reset_batch(self):
         self.ids: List[int] = []  # row ids in batch order
@@ -297,9 +314,8 @@ class BatchExecutor(Prefill):
         if not self.caches:
             self.views = None
             return
-        aligned = (all(type(c) is LeanBatchKVCache for c in self.caches)
-                   and max(self.caches[0].left_padding.tolist()) == 0)
-        self.views = [AlignedView(c) for c in self.caches] if aligned else self.caches
+        aligned = not left_padded(self.caches)
+        self.views = aligned_views(self.caches) if aligned else self.caches
         # the decode shape changes only here: its first step pays one-off setup
         self._cold_launch = not self._warm(("decode", len(rows), aligned))
 

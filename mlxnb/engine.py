@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, List, Optional, Sequence, Union
 
 from .batch import Admit, BatchExecutor
+from .caches import KV_BITS, KV_GROUP_SIZES
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
 from .scheduler import Scheduler, fmt_bytes, parse_bytes
@@ -127,7 +128,8 @@ class Engine:
                  kv_budget: Union[str, int, None] = "2GB",
                  prefill_chunk: Optional[int] = None,
                  prefix_cache: Union[str, int, None] = "256MB", warmup: bool = True,
-                 fuse: bool = True, loop=None):
+                 fuse: bool = True, kv_bits: Optional[int] = None,
+                 kv_group_size: int = 64, loop=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int)
@@ -135,6 +137,13 @@ class Engine:
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a positive integer or None (auto), "
                              f"got {prefill_chunk!r}")
+        if kv_bits is not None and kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} or "
+                             f"None (full-precision KV), got {kv_bits!r}")
+        if kv_group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of "
+                             f"{', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.kv_budget = parse_bytes(kv_budget)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
@@ -168,7 +177,8 @@ class Engine:
             from .models import load_model
 
             m, tok = load_model(model)
-        ex = BatchExecutor(m, tok, self.prefill_chunk, prefix_bytes, fuse)
+        ex = BatchExecutor(m, tok, self.prefill_chunk, prefix_bytes, fuse,
+                           self.kv_bits, self.kv_group_size)
         return m, tok, ex, warm_up(ex) if warmup else 0.0
 
     def clock(self) -> float:
@@ -479,9 +489,12 @@ class Engine:
         # plain numbers written by the worker; a read mid-tick is at most one tick old
         chunk = self._exec._step_budget()
         mode = "auto" if self.prefill_chunk is None else "fixed"
+        prefix = "on" if self._exec.prefix is not None else (
+            "off for these cache kinds" if self._exec.prefix_bytes else "off")
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
-                f"tokens/step ({mode})")
+                f"tokens/step ({mode}) | {self._exec.cache_kinds} | prefix reuse "
+                f"{prefix}")
 
     def __repr__(self):
         return f"<mlxnb.Engine {self.status()}>"

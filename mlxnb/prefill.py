@@ -20,9 +20,8 @@ from collections import deque
 from typing import Deque, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
-from .kvbatch import PrefillGroup, merge_lean, round_up
+from .caches import aligned_views, empty_batch, round_up
 
 _IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
 _IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
@@ -38,6 +37,39 @@ _AUTO_MIN, _AUTO_MAX = 512, 8192
 
 def pow2_floor(n: float) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+class PrefillGroup:
+    """Rows prefilling together on one cache: a fresh batch (prompts right-padded,
+    the caches' prepare/finalize turn that into left padding, and recurrent states
+    mask the padded steps out), or one row continuing from a reused prefix on its
+    own single-row cache."""
+
+    def __init__(self, admits: list, cache: list, start: int, batched: bool,
+                 width: Optional[int] = None):
+        self.admits, self.cache, self.pos, self.batched = admits, cache, start, batched
+        self.lengths = [len(a.ids) - 1 for a in admits]  # all but the last token
+        self.width = width or max(self.lengths)
+        self.step = 1  # chunk widths are multiples of this
+        self.cancelled: set = set()
+        self.views = cache
+        self.padded = False
+        if batched:
+            pad = [self.width - n for n in self.lengths]
+            self.tokens = mx.array([a.ids[:-1] + [0] * p for a, p in zip(admits, pad)]
+                                   if self.width else [[0]] * len(admits))
+            self.padded = max(pad) > 0
+            if self.padded:
+                for c in cache:
+                    c.prepare(lengths=self.lengths, right_padding=pad)
+            # Right padding sits after every real token, so causal masking alone
+            # keeps real tokens of KV layers from seeing it.
+            self.views = aligned_views(cache)
+        else:
+            self.tokens = mx.array([admits[0].ids[:-1]])
+
+    def row_ids(self):
+        return [a.row_id for a in self.admits]
 
 
 class Prefill:
@@ -180,8 +212,7 @@ class Prefill:
                 break  # it prefills faster on its own, from the reused prefix
             group.append(self.waiting.popleft())
             width = w
-        proto = make_prompt_cache(self.model)
-        cache = merge_lean([[c] * len(group) for c in proto])
+        cache = empty_batch(self.make_cache(), len(group))
         g = PrefillGroup(group, cache, 0, batched=True, width=width)
         g.cached, g.step = 0, step
         return g

@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import Admit, BatchExecutor
 from .rows import SamplingParams
@@ -76,7 +75,7 @@ def prefill_rate(ex: BatchExecutor, n: int = 256) -> float:
     took = 0.0
     try:
         for _ in range(2):  # the first run pays one-off setup
-            cache = make_prompt_cache(ex.model)
+            cache = ex.make_cache()
             t = time.perf_counter()
             ex.model(ids, cache=cache)
             mx.eval([c.state for c in cache])  # as a prefill chunk: no logits

@@ -9,7 +9,7 @@ import pytest
 from mlxnb import Engine
 from mlxnb.batch import BatchExecutor
 from mlxnb.prefill import _AUTO_MAX, _AUTO_MIN, _STALL_S, pow2_floor
-from mlxnb.kvbatch import LeanBatchKVCache
+from mlxnb.caches import LeanBatchKVCache
 
 
 def test_pow2_floor():
@@ -150,7 +150,7 @@ def test_kv_bound_holds_when_idle_chunks_change_size(tiny):
         ex = BatchExecutor(model, tok, prefill_chunk=chunk)
         n = 1538
         admits = [Admit(i, [65 + i] * n, SamplingParams(max_tokens=1)) for i in range(8)]
-        per_token = sum(b for b, _ in ex.layer_shapes)
+        per_token = sum(b for b, _, _ in ex.layer_costs)
         for i, budget in enumerate([512, 8192, 512, 1024, 8192, 8192]):
             ex._rate_last = budget / 0.25  # the idle tick's budget
             ex.tick(admits if i == 0 else [], [])

@@ -1,0 +1,206 @@
+"""Every cache kind in one batch: recurrent-state (SSM, short conv, linear attention),
+sliding-window and quantized KV layers batch with greedy parity (batched == alone
+== mlx-lm's own single-row generation), cancel cleanly and are counted by the KV
+budget at their real size."""
+
+import asyncio
+import importlib
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache
+
+from mlxnb import Engine
+from mlxnb.caches import make_row_cache
+from mlxnb.tiny import byte_tokenizer
+
+PROMPTS = ["hello there", "a much longer prompt about the sea, the sky and the rain",
+           "x", "a medium length one"]
+
+BASE = dict(vocab_size=259, hidden_size=128, intermediate_size=256,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            rms_norm_eps=1e-5, tie_word_embeddings=False)
+CONFIGS = {
+    # gated delta-net (linear attention) + full attention, every 2nd layer
+    "qwen3_5": dict(BASE, model_type="qwen3_5", num_hidden_layers=4,
+                    linear_num_value_heads=4, linear_num_key_heads=2,
+                    linear_key_head_dim=32, linear_value_head_dim=32,
+                    full_attention_interval=2),
+    # short convolutions + attention
+    "lfm2": dict(BASE, model_type="lfm2", num_hidden_layers=4,
+                 max_position_embeddings=1024, norm_eps=1e-5, conv_bias=False,
+                 conv_L_cache=3, block_dim=128, block_multiple_of=32,
+                 block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+                 block_ff_dim=256,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    # a pure state-space model
+    "mamba2": dict(model_type="mamba2", num_heads=8, head_dim=16, vocab_size=259,
+                   hidden_size=64, intermediate_size=128, state_size=16,
+                   num_hidden_layers=2, layer_norm_epsilon=1e-5, conv_kernel=4,
+                   n_groups=1, use_bias=False, use_conv_bias=True,
+                   tie_word_embeddings=False, time_step_limit=(0.0, float("inf")),
+                   time_step_rank="auto"),
+    # sliding-window layers (window 8) beside a global one
+    "gemma3_text": dict(BASE, model_type="gemma3_text", num_hidden_layers=3,
+                        query_pre_attn_scalar=32, sliding_window=8,
+                        sliding_window_pattern=3),
+    "llama": dict(BASE, model_type="llama", num_hidden_layers=2),
+}
+
+
+def build(family: str, seed: int = 0):
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    model = module.Model(module.ModelArgs.from_dict(CONFIGS[family]))
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    new = []
+    for (name, p), k in zip(params, keys):
+        if p.ndim < 2:  # norms, biases, gates, decay constants: as initialised
+            new.append((name, p))
+        else:
+            std = 1.0 if "embed" in name else p.shape[-1] ** -0.5
+            new.append((name, std * mx.random.normal(p.shape, key=k)))
+    model.update(tree_unflatten(new))
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+_MODELS = {}
+
+
+def model_for(family):
+    if family not in _MODELS:
+        _MODELS[family] = build(family)
+    return _MODELS[family]
+
+
+def engine(family, **kw):
+    kw.setdefault("kv_budget", None)
+    return Engine((model_for(family), byte_tokenizer()), warmup=False, **kw)
+
+
+def mlx_lm_tokens(family, ids, n, **kv):
+    """mlx-lm's own single-row greedy generation from the same prompt cache kinds."""
+    model = model_for(family)
+    cache = make_row_cache(model, kv.get("kv_bits"), kv.get("kv_group_size", 64))
+    out = []
+    for tok, _ in generate_step(mx.array(ids), model, max_tokens=n, prompt_cache=cache):
+        out.append(int(tok))
+    return out
+
+
+CASES = [("qwen3_5", {}), ("lfm2", {}), ("mamba2", {}), ("gemma3_text", {}),
+         ("llama", dict(kv_bits=4, kv_group_size=32)),
+         ("llama", dict(kv_bits=8, kv_group_size=32)),
+         ("qwen3_5", dict(kv_bits=4, kv_group_size=32))]
+
+
+@pytest.mark.parametrize("family,kv", CASES, ids=[
+    f"{f}-kv{kv.get('kv_bits', 'full')}" for f, kv in CASES])
+def test_greedy_parity_batched_alone_and_mlx_lm(family, kv, arun):
+    n = 16
+
+    async def main():
+        eng = engine(family, fuse=False, **kv)
+        alone = [(await eng.submit(p, max_tokens=n, chat=False)).tokens for p in PROMPTS]
+        # three rows prefill as one padded group; the fourth joins the running batch
+        rows = [eng.submit(p, max_tokens=n, chat=False) for p in PROMPTS[:3]]
+        while not any(r.tokens for r in rows):
+            await asyncio.sleep(0.001)
+        rows.append(eng.submit(PROMPTS[3], max_tokens=n, chat=False))
+        batched = [(await r).tokens for r in rows]
+        ids = rows[1].prompt_ids
+        await eng.aclose()
+        return alone, batched, ids
+
+    alone, batched, ids = arun(main)
+    assert batched == alone
+    assert len(set(map(tuple, alone))) > 1  # the prompts lead somewhere different
+    assert alone[1] == mlx_lm_tokens(family, ids, n, **kv)
+
+
+def test_cancel_mid_prefill_in_a_hybrid_batch_leaves_the_others(arun):
+    long = "a long prompt " * 20
+
+    async def main():
+        eng = engine("qwen3_5", prefill_chunk=8)
+        ref = [(await eng.submit(p, max_tokens=10, chat=False)).tokens for p in PROMPTS]
+        rows = [eng.submit(p, max_tokens=10, chat=False) for p in PROMPTS[:2]]
+        victim = eng.submit(long, max_tokens=10, chat=False)
+        rows += [eng.submit(p, max_tokens=10, chat=False) for p in PROMPTS[2:]]
+        while victim.state != "prefill" or victim.prefill_done == 0:
+            await asyncio.sleep(0.0005)
+        victim.cancel()
+        out = [(await r).tokens for r in rows]
+        await victim
+        await eng.aclose()
+        return ref, out, victim
+
+    ref, out, victim = arun(main)
+    assert victim.finish_reason == "cancelled"
+    assert 0 < victim.prefill_done < victim.prompt_tokens
+    assert out == ref
+
+
+@pytest.mark.parametrize("family,kv", [("qwen3_5", {}), ("llama", dict(kv_bits=4, kv_group_size=32))])
+def test_budget_counts_recurrent_state_and_quantized_bytes(family, kv, arun):
+    eng0 = engine(family, **kv)
+    ex = eng0._exec
+    cache = ex.make_cache()
+    model_for(family)(mx.array([list(range(3, 40))]), cache=cache)
+    mx.eval([c.state for c in cache])
+    real = sum(c.nbytes for c in cache)
+    fixed = sum(f for _, _, f in ex.layer_costs)
+    if family == "qwen3_5":
+        assert fixed > 0 and fixed == sum(c.nbytes for c in cache if type(c) is ArraysCache)
+    assert real <= ex.kv_bytes_for(37)
+    eng0.close()
+    one_row = ex.kv_bytes_for(max(map(len, PROMPTS)) + 2 + 24)
+    budget = int(2.5 * one_row)
+
+    async def main():
+        eng = engine(family, kv_budget=budget, **kv)
+        run = eng.generate(PROMPTS * 3, max_tokens=24, chat=False)
+        most = 0
+        while not run.done:
+            most = max(most, eng.running)
+            await asyncio.sleep(0.001)
+        res = await run
+        await eng.aclose()
+        return eng.steps, res, most
+
+    steps, res, most = arun(main)
+    assert all(r.finish_reason in ("length", "stop") for r in res)
+    assert 1 <= most <= 2  # the budget, not max_batch, limits the batch
+    assert max(s.kv_bytes for s in steps) <= budget
+
+
+def test_quantized_kv_holds_fewer_bytes_than_full():
+    full = engine("llama", kv_budget=None)
+    q4 = engine("llama", kv_budget=None, kv_bits=4, kv_group_size=32)
+    ratio = full._exec.kv_bytes_for(2048) / q4._exec.kv_bytes_for(2048)
+    full.close(), q4.close()
+    assert ratio > 3.5  # float32 KV here; 4-bit with group 32: 32 / 4.5 bits
+
+
+def test_status_names_the_cache_kinds():
+    eng = engine("qwen3_5", kv_bits=8, kv_group_size=32)
+    s = eng.status()
+    eng.close()
+    assert "2 recurrent-state + 2 attention layers, KV 8-bit" in s
+    assert "prefix reuse off for these cache kinds" in s
+
+
+def test_bad_kv_options_are_one_line_errors():
+    for kw, word in [(dict(kv_bits=7), "kv_bits"), (dict(kv_group_size=48), "kv_group_size")]:
+        with pytest.raises(ValueError, match=word) as e:
+            engine("llama", **kw)
+        assert "\n" not in str(e.value)
+    from mlxnb.tiny import tiny_model
+
+    with pytest.raises(ValueError, match="kv_group_size=128") as e:  # head dim 16
+        Engine(tiny_model(), warmup=False, kv_bits=4, kv_group_size=128)
+    assert "\n" not in str(e.value)
