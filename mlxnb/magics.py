@@ -51,6 +51,11 @@ class MLXNB(Configurable):
     prefill_chunk = Int(None, min=1, allow_none=True,
                         help="Prompt tokens prefilled per step beside running rows; "
                         "None = auto (about 50 ms of prefill per step).").tag(config=True)
+    kv_bits = Int(None, allow_none=True,
+                  help="Quantize the KV cache to this many bits (4 or 8; None = full "
+                  "precision).").tag(config=True)
+    kv_group_size = Int(64, help="Head dims per quantization group of the KV cache "
+                        "(32, 64 or 128).").tag(config=True)
     max_tokens = Int(64, min=1, help="Default --max-tokens.").tag(config=True)
     temperature = Float(0.0, min=0.0, help="Default --temp (0 = greedy).").tag(config=True)
     top_p = Float(1.0, help="Default --top-p.").tag(config=True)
@@ -264,9 +269,12 @@ _LOAD.add_argument("model", nargs="?", default=None)
 _LOAD.add_argument("--kv-budget", default=None)
 _LOAD.add_argument("--max-batch", default=None)
 _LOAD.add_argument("--prefill-chunk", default=None)
+_LOAD.add_argument("--kv-bits", default=None)
+_LOAD.add_argument("--kv-group-size", default=None)
 
 _HELP = """%mlxnb subcommands:
   %mlxnb load [MODEL] [--kv-budget 2GB|none] [--max-batch N] [--prefill-chunk N|auto]
+               [--kv-bits 4|8|none] [--kv-group-size 64]
   %mlxnb status            model, rows running / queued / done, KV memory
   %mlxnb stop [all|NAME]   cancel every unfinished row (or one Run/Row variable)
   %mlxnb dashboard         a live widget of every row of every cell
@@ -282,11 +290,15 @@ class MLXNBMagics(Magics):
         self.cfg = config
 
     # -- the engine ------------------------------------------------------------------
-    def _load(self, spec, kv_budget=None, max_batch=None, prefill_chunk=None, quiet=False):
+    def _load(self, spec, kv_budget=None, max_batch=None, prefill_chunk=None, quiet=False,
+              kv_bits=None, kv_group_size=None):
         from .engine import Engine
 
         c = self.cfg
-        kw = dict(max_batch=c.max_batch if max_batch is None else max_batch,
+        kw = dict(kv_bits=c.kv_bits if kv_bits is None else (
+                      None if kv_bits == "none" else kv_bits),
+                  kv_group_size=c.kv_group_size if kv_group_size is None else kv_group_size,
+                  max_batch=c.max_batch if max_batch is None else max_batch,
                   kv_budget=c.kv_budget if kv_budget is None else kv_budget,
                   prefill_chunk=(c.prefill_chunk if prefill_chunk is None else
                                  None if prefill_chunk == "auto" else prefill_chunk),
@@ -349,20 +361,29 @@ class MLXNBMagics(Magics):
                                                      sweep=False)[0]
         except UsageError as e:
             raise UsageError(f"{e} (or --prefill-chunk auto)") from None
+        kv_none = (a.kv_bits or "").strip().lower() == "none"
+        try:
+            kb = "none" if kv_none else cp.parse_values("kv_bits", a.kv_bits, int,
+                                                        sweep=False)[0]
+        except UsageError as e:
+            raise UsageError(f"{e} (or --kv-bits none)") from None
+        kg = cp.parse_values("kv_group_size", a.kv_group_size, int, sweep=False)[0]
         for flag, v in (("--max-batch", mb), ("--prefill-chunk", None if auto else pc)):
             if v is not None and v < 1:
                 raise UsageError(f"%mlxnb load: {flag} must be a positive integer; got {v}")
         spec = a.model or self.cfg.model
         eng = get_engine()
         if eng is not None:
-            if _same_model(eng, spec) and a.kv_budget is a.max_batch is a.prefill_chunk is None:
+            if _same_model(eng, spec) and (a.kv_budget is a.max_batch is a.prefill_chunk
+                                           is a.kv_bits is a.kv_group_size is None):
                 print(f"mlxnb: {spec!r} is already loaded")
                 return None
             busy = eng.running + eng.queued
             if busy:
                 raise UsageError(f"{busy} rows are still running or queued; `%mlxnb stop` "
                                  f"them (or `await mlxnb.wait()`) before loading {spec!r}")
-        self._load(spec, a.kv_budget, mb, pc)  # a failed load keeps the old engine
+        self._load(spec, a.kv_budget, mb, pc, kv_bits=kb, kv_group_size=kg)
+        # (a failed load keeps the old engine)
         if eng is not None:
             _close(eng)
         return None

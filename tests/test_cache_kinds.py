@@ -204,3 +204,48 @@ def test_bad_kv_options_are_one_line_errors():
     with pytest.raises(ValueError, match="kv_group_size=128") as e:  # head dim 16
         Engine(tiny_model(), warmup=False, kv_bits=4, kv_group_size=128)
     assert "\n" not in str(e.value)
+
+
+def test_mlxnb_load_kv_bits_and_config(monkeypatch, arun, capsys):
+    import sys
+    import types
+
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from mlxnb import magics
+    from mlxnb.tiny import tiny_model
+
+    pair = tiny_model(hidden=128)  # head dim 32
+    monkeypatch.setitem(sys.modules, "mlxnb.models",
+                        types.SimpleNamespace(load_model=lambda name: pair))
+    ip = InteractiveShell.instance()
+    magics.load_ipython_extension(ip)
+
+    async def main():
+        try:
+            ip.run_line_magic("mlxnb", "load tiny --kv-bits 4 --kv-group-size 32")
+            assert magics.get_engine().kv_bits == 4
+            ip.run_line_magic("mlxnb", "status")
+            for bad, word in [("--kv-bits 7", "kv_bits"), ("--kv-bits four", "--kv-bits"),
+                              ("--kv-bits 4 --kv-group-size 100", "kv_group_size")]:
+                with pytest.raises(UsageError, match=word) as e:
+                    ip.run_line_magic("mlxnb", f"load tiny {bad}")
+                assert "\n" not in str(e.value)
+            assert magics.get_engine().kv_bits == 4  # a failed load keeps the engine
+            ip.run_line_magic("config", "MLXNB.kv_bits = 8")
+            ip.run_line_magic("config", "MLXNB.kv_group_size = 32")
+            ip.run_line_magic("mlxnb", "load tiny --max-batch 4")
+            assert magics.get_engine().kv_bits == 8
+            ip.run_line_magic("mlxnb", "load tiny --kv-bits none")
+            assert magics.get_engine().kv_bits is None
+        finally:
+            await magics.shutdown()
+
+    try:
+        arun(main)
+    finally:
+        magics.unload_ipython_extension(ip)
+        magics._S.config = None
+        ip.config.pop("MLXNB", None)
+    assert "attention layers, KV 4-bit" in capsys.readouterr().out
