@@ -6,6 +6,7 @@ A model's `make_prompt_cache` gives one cache per layer; the kinds batch as foll
     KVCache           -> LeanBatchKVCache        keys/values grow with length
     QuantizedKVCache  -> BatchQuantizedKVCache   the same, stored as mx.quantize triplets
     RotatingKVCache   -> BatchRotatingKVCache    (mlx-lm) capped at its window
+    QuantizedRotatingKVCache -> BatchQuantizedRotatingKVCache  the same, quantized
     ArraysCache       -> ArraysCache             (mlx-lm) fixed-size recurrent state per row
     CacheList         -> CacheList of the above
 
@@ -37,10 +38,10 @@ def round_up(n: int, step: int) -> int:
 # -- one row's cache ------------------------------------------------------------------
 
 def make_row_cache(model, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> list:
-    """The model's own prompt cache, with every full-attention KVCache quantized
-    when `kv_bits` is set (from the first token: quantization is per token and per
-    group of `kv_group_size` head dims, so a row's KV bytes do not depend on how its
-    prompt was chunked or batched)."""
+    """The model's own prompt cache, with every KV layer (full attention and sliding
+    window) quantized when `kv_bits` is set, from the first token: quantization is
+    per token and per group of `kv_group_size` head dims, so a row's KV bytes do not
+    depend on how its prompt was chunked or batched."""
     cache = make_prompt_cache(model)
     if kv_bits is None:
         return cache
@@ -48,6 +49,8 @@ def make_row_cache(model, kv_bits: Optional[int] = None, kv_group_size: int = 64
     def q(c):
         if type(c) is KVCache:
             return QuantizedKVCache(group_size=kv_group_size, bits=kv_bits)
+        if type(c) is RotatingKVCache and c.keep == 0:
+            return QuantizedRotatingKVCache(c.max_size, kv_group_size, kv_bits)
         if type(c) is CacheList:
             return CacheList(*(q(x) for x in c.caches))
         return c
@@ -62,7 +65,7 @@ def _leaves(cache: list) -> list:
     return out
 
 
-_BATCHABLE = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
+_BATCHABLE = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)  # (+ below)
 
 
 def unsupported(cache: list) -> List[str]:
@@ -80,7 +83,7 @@ def layer_costs(cache: list) -> List[tuple]:
             out.append((0, None, c.nbytes))
             continue
         keys = c.keys[0] if isinstance(c.keys, (tuple, list)) else c.keys
-        window = c.max_size if type(c) is RotatingKVCache else None
+        window = c.max_size if isinstance(c, RotatingKVCache) else None
         out.append((c.nbytes // keys.shape[2], window, 0))
     return out
 
@@ -92,7 +95,7 @@ def describe(cache: list, kv_bits: Optional[int] = None) -> str:
     for c in cache:
         kinds = sorted({_KIND[type(x)] for x in _leaves([c]) if type(x) in _KIND})
         name = " & ".join(kinds) or type(c).__name__
-        if type(c) is RotatingKVCache:
+        if isinstance(c, RotatingKVCache):
             name = f"sliding-window ({c.max_size})"
         counts[name] = counts.get(name, 0) + 1
     parts = [f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])]
@@ -100,7 +103,7 @@ def describe(cache: list, kv_bits: Optional[int] = None) -> str:
     if kv_bits is not None:
         text += f", KV {kv_bits}-bit"
         if any(type(x) is RotatingKVCache for x in _leaves(cache)):
-            text += " (sliding windows full precision)"
+            text += " (windows that keep their first tokens stay full precision)"
     return text
 
 
@@ -120,6 +123,8 @@ def empty_batch(row_cache: list, n: int) -> list:
             return BatchQuantizedKVCache([0] * n, c.group_size, c.bits)
         if t is RotatingKVCache:
             return BatchRotatingKVCache(c.max_size, [0] * n)
+        if t is QuantizedRotatingKVCache:
+            return BatchQuantizedRotatingKVCache(c.max_size, [0] * n, c.group_size, c.bits)
         if t is ArraysCache:
             return ArraysCache(len(c.cache))  # no left padding: no mask in decode
         if t is CacheList:
@@ -328,6 +333,52 @@ class BatchQuantizedKVCache:
         return sum(x.nbytes for x in self.keys + self.values)
 
 
+class _Packed:
+    """Quantized KV as ONE uint32 array per tensor, [..., S, words]: the packed
+    values, then the scales and biases viewed as uint32. A sliding window's cache
+    rolls, trims, pads and concatenates its buffers along S (mlx-lm's rotating
+    caches, unchanged); on one array those are the same operations."""
+
+    group_size: int
+    bits: int
+
+    def _pack(self, x):
+        q, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
+        sb = mx.view(mx.concatenate([scales, biases], axis=-1), mx.uint32)
+        return mx.concatenate([q, sb], axis=-1)
+
+    def _unpack(self, p, like):
+        """The (packed, scales, biases) triplet of `p`, which packs tensors of
+        `like`'s head dim and dtype."""
+        n = like.shape[-1] * self.bits // 32
+        sb = mx.view(p[..., n:], like.dtype)
+        half = sb.shape[-1] // 2
+        return p[..., :n], sb[..., :half], sb[..., half:]
+
+    def update_and_fetch(self, keys, values):
+        k, v = super().update_and_fetch(self._pack(keys), self._pack(values))
+        return self._unpack(k, keys), self._unpack(v, values)
+
+
+class QuantizedRotatingKVCache(_Packed, RotatingKVCache):
+    """mlx-lm's RotatingKVCache (a sliding window) holding quantized keys/values,
+    which mlx-lm does not offer; one row, as `make_row_cache` builds it."""
+
+    def __init__(self, max_size, group_size: int = 64, bits: int = 8):
+        super().__init__(max_size)
+        self.group_size, self.bits = group_size, bits
+
+
+class BatchQuantizedRotatingKVCache(_Packed, BatchRotatingKVCache):
+    """mlx-lm's BatchRotatingKVCache holding quantized keys/values."""
+
+    def __init__(self, max_size, left_padding: list, group_size: int = 64, bits: int = 8):
+        super().__init__(max_size, left_padding)
+        self.group_size, self.bits = group_size, bits
+
+
+_BATCHABLE += (QuantizedRotatingKVCache,)
+_KIND[QuantizedRotatingKVCache] = "sliding-window"
 _ALIGNABLE = (LeanBatchKVCache, BatchQuantizedKVCache)
 
 

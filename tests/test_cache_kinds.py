@@ -95,7 +95,8 @@ def mlx_lm_tokens(family, ids, n, **kv):
 CASES = [("qwen3_5", {}), ("lfm2", {}), ("mamba2", {}), ("gemma3_text", {}),
          ("llama", dict(kv_bits=4, kv_group_size=32)),
          ("llama", dict(kv_bits=8, kv_group_size=32)),
-         ("qwen3_5", dict(kv_bits=4, kv_group_size=32))]
+         ("qwen3_5", dict(kv_bits=4, kv_group_size=32)),
+         ("gemma3_text", dict(kv_bits=8, kv_group_size=32))]
 
 
 @pytest.mark.parametrize("family,kv", CASES, ids=[
