@@ -411,7 +411,7 @@ class EngineProfiler:
     prefill tokens, groups started, rows in them). `_read` is split into the wait
     for the device (an explicit mx.eval of the in-flight tokens, which
     `tokens.tolist()` would do anyway) and the Python after it (tolist of a ready
-    array, `_accept` per row). `_prefill` is split into `_next_group` (group
+    array, `_accept` per row). `Prefill.run` is split into `next_group` (group
     building, cache allocation), forward graph build and `mx.eval` (blocked on the
     device: the prefill chunk and the decode step launched just before it).
     `_align` runs inside `_filter` and `_join` (nested, not additive).
@@ -422,8 +422,8 @@ class EngineProfiler:
             "prefill.fwd_build", "prefill.eval", "read.wait", "read.py", "read.accept",
             "kv_report", "tick.rest", "apply", "gap", "gap.rest", "period"]
     COUNTS = ["n.decoded", "n.prefill_tokens", "n.groups", "n.group_rows", "n.emitted"]
-    METHODS = ["tick", "_filter", "_join", "_align", "_launch", "_prefill", "_next_group",
-               "_read", "_kv_report"]
+    METHODS = ["tick", "_filter", "_join", "_align", "_launch", "_read", "_kv_report"]
+    PREFILL_METHODS = ["run", "next_group"]  # of the executor's Prefill
 
     def __init__(self):
         self.ticks = []
@@ -455,9 +455,10 @@ class EngineProfiler:
 
         ex = eng._exec
         self._saved = (ex.model, mb.mx, mp.mx, ms.BatchSampler.sample)
-        for nm in self.METHODS:
-            assert nm not in ex.__dict__, nm
-            assert callable(getattr(ex, nm)), nm  # fails loudly if batch.py renames it
+        for obj, names in ((ex, self.METHODS), (ex.prefill, self.PREFILL_METHODS)):
+            for nm in names:
+                assert nm not in obj.__dict__, nm
+                assert callable(getattr(obj, nm)), nm  # fails loudly on a rename
         orig_tick = ex.tick
         # Per-tick timers need one decode step per tick: no streaks while profiling.
         import mlxnb.engine as me
@@ -492,7 +493,7 @@ class EngineProfiler:
                 self.add("read.wait", t1 - t)
                 self.add("read.py", pc() - t1)
 
-        orig_next = ex._next_group
+        orig_next = ex.prefill.next_group
 
         def next_group(*a, **k):
             t = pc()
@@ -505,12 +506,12 @@ class EngineProfiler:
 
         ex.tick = tick
         ex._read = read
-        ex._next_group = next_group
+        ex.prefill.next_group = next_group
         ex._filter = self._wrap("filter", ex._filter)
         ex._join = self._wrap("join", ex._join)
         ex._align = self._wrap("align", ex._align)
         ex._launch = self._wrap("launch", ex._launch, "launch")
-        ex._prefill = self._wrap("prefill", ex._prefill, "prefill")
+        ex.prefill.run = self._wrap("prefill", ex.prefill.run, "prefill")
         import mlxnb.decoding as md
 
         self._accept = md.RowDecoder.accept
@@ -551,8 +552,9 @@ class EngineProfiler:
         me._STREAK_S = self._streak
         ex = eng._exec
         ex.model, mb.mx, mp.mx, ms.BatchSampler.sample = self._saved
-        for nm in self.METHODS:
-            ex.__dict__.pop(nm, None)
+        for obj, names in ((ex, self.METHODS), (ex.prefill, self.PREFILL_METHODS)):
+            for nm in names:
+                obj.__dict__.pop(nm, None)
         import mlxnb.decoding as md
 
         md.RowDecoder.accept = self._accept
@@ -635,7 +637,7 @@ _PART_LABELS = [
     ("launch.sample", "    sampler.sample (graph build)"),
     ("launch.async_eval", "    mx.async_eval"),
     ("prefill", "  _prefill"),
-    ("prefill.group", "    _next_group (group, cache alloc)"),
+    ("prefill.group", "    next_group (group, cache alloc)"),
     ("prefill.fwd_build", "    model forward (graph build)"),
     ("prefill.eval", "    mx.eval (blocked: decode N+1 + prefill on device)"),
     ("read.wait", "  _read: blocked waiting for device"),

@@ -8,7 +8,7 @@ steps before it returns, until the loop side has news (new rows, cancels) or a
 joined row's first token is read. The loop thread gets back plain Python values
 (`TickReport`).
 
-Admitted rows prefill in groups (prefill.py, the `Prefill` half of the executor);
+Admitted rows prefill in groups (prefill.py: a `Prefill` the executor owns);
 a done group's cache joins the running left-padded batch cache (caches.py: every
 cache kind mlx-lm's models make, in any per-layer mix) and each row's last prompt
 token is its first decode input. When no row is padded the model sees plain-KVCache
@@ -29,7 +29,7 @@ from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
 from . import caches
 from .caches import aligned_views, left_padded, merge_lean
-from .prefill import _AUTO_MAX, _IDLE_PREFILL, Prefill
+from .prefill import AUTO_MAX, IDLE_PREFILL, Prefill, PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
 from .rows import SamplingParams
 from .sampling import BatchSampler, top_logprobs
@@ -71,12 +71,12 @@ class StepStat:
     prefill_bytes: Dict[int, int]
 
 
-class BatchExecutor(Prefill):
+class BatchExecutor:
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None,
                  prefix_bytes: int = 0, fuse: bool = False,
                  kv_bits: Optional[int] = None, kv_group_size: int = 64):
         self.model, self.tokenizer = model, tokenizer
-        self.prefill_chunk = prefill_chunk  # None: auto (see _step_budget)
+        self.prefill_chunk = prefill_chunk  # None: auto (PrefillPolicy)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.eos = set(tokenizer.eos_token_ids or ())
         probe = self.make_cache()
@@ -96,7 +96,10 @@ class BatchExecutor(Prefill):
         self.prefix_bytes = prefix_bytes
         self.prefix = PrefixStore(prefix_bytes) if (
             prefix_bytes and PrefixStore.supports(probe)) else None
-        self._init_prefill()
+        self.shapes = ShapeMemory()
+        self.policy = PrefillPolicy(prefill_chunk)
+        self.prefill = Prefill(model, self.make_cache, self.policy, self.shapes, self.prefix)
+        self._cold_launch = False  # a new decode batch shape (set by _align), this tick
         self._reset_batch()
         self.nsteps = 0
 
@@ -129,7 +132,7 @@ class BatchExecutor(Prefill):
         # A sliding window holds window - 1 + chunk tokens while prefilling; a
         # recurrent state is the same size at any length.
         alloc = max(length, 1) + 512
-        win = max(self.prefill_chunk or 0, _IDLE_PREFILL, _AUTO_MAX)
+        win = max(self.prefill_chunk or 0, IDLE_PREFILL, AUTO_MAX)
         return sum(fixed + per_tok * (min(alloc, w + win) if w else alloc)
                    for per_tok, w, fixed in self.layer_costs)
 
@@ -148,7 +151,7 @@ class BatchExecutor(Prefill):
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.current or self.ready or self.ids or self.inflight)
+        return bool(self.prefill.busy or self.ids or self.inflight)
 
     # -- the tick ----------------------------------------------------------------
     def tick(self, admits: List[Admit], cancels: List[int], streak_s: float = 0.0,
@@ -165,14 +168,14 @@ class BatchExecutor(Prefill):
 
         for rid in cancels:
             self._cancel(rid, u)
-        self.waiting.extend(admits)
+        self.prefill.waiting.extend(admits)
         emitted: List[tuple] = []
         steps: List[StepStat] = []
         t0 = t = time.perf_counter()
         while True:
             self._filter()
             n_read = len(emitted)
-            joining = bool(self.ready)
+            joining = bool(self.prefill.ready)
             try:
                 self._join(u)
                 launched = self._launch(u) if self.ids else None
@@ -180,7 +183,9 @@ class BatchExecutor(Prefill):
                 self._fail_batch(u, e)
                 launched = None
             decoded = len(self.ids) if launched else 0
-            prefill_tokens = self._prefill(u) if not steps else 0
+            prefill_tokens = (self.prefill.run(u, bool(self.ids), self._cold_launch)
+                              if not steps else 0)
+            self._cold_launch = False  # only this tick's launch can be a batch's first
             reads_firsts = self._inflight_firsts and self.inflight is not None
             if self.inflight is not None:
                 try:
@@ -194,44 +199,35 @@ class BatchExecutor(Prefill):
                 mx.clear_cache()
             now = time.perf_counter()
             if decoded and not prefill_tokens:
-                self._step_s += 0.2 * (now - t - self._step_s)
+                self.policy.observe_decode(now - t)
             kv, share, other = self._kv_report()
             steps.append(StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t,
                                   kv, self._ids_tuple, share, other))
             t = now
-            if (now - t0 >= streak_s or launched is None or self.waiting or self.current
-                    or self.ready or self.drop or reads_firsts
+            if (now - t0 >= streak_s or launched is None or self.prefill.busy
+                    or self.drop or reads_firsts
                     or (interrupt is not None and interrupt.is_set())
                     or any(x.finish for x in up.values())):
                 break
         return TickReport(up, emitted, steps, self.busy)
 
     def _cancel(self, rid, u):
-        for a in self.waiting:
-            if a.row_id == rid:
-                self.waiting.remove(a)
-                break
-        else:
-            groups = [self.current] + self.ready if self.current else self.ready
-            if any(rid in g.row_ids() for g in groups):
-                for g in groups:
-                    if rid in g.row_ids():
-                        g.cancelled.add(rid)
-            elif rid in self.rows:
-                self.drop.add(rid)
-            else:
+        if not self.prefill.cancel(rid):
+            if rid not in self.rows:
                 return
+            self.drop.add(rid)
         u(rid).finish = "cancelled"
 
     def _fail_batch(self, u, e: Exception):
         msg = f"{type(e).__name__}: {e}"
         rids = list(self.ids) + list(self.inflight[0] if self.inflight else [])
-        rids += [rid for g in self.ready for rid in g.row_ids() if rid not in g.cancelled]
+        rids += [rid for g in self.prefill.ready for rid in g.row_ids()
+                 if rid not in g.cancelled]
         for rid in rids:
             up = u(rid)
             if up.finish is None and rid not in self.drop:
                 up.finish, up.error = "error", msg
-        self.ready = []
+        self.prefill.ready = []
         self._reset_batch()
 
     # -- batch membership --------------------------------------------------------
@@ -264,12 +260,11 @@ class BatchExecutor(Prefill):
         self._align()
 
     def _join(self, u):
-        if not self.ready:
+        if not self.prefill.ready:
             return
         # fix: groups stay in self.ready until joined, so that if merging raises,
         # tick's _fail_batch ends their rows instead of losing them in 'prefill'.
-        groups = self.ready
-        for g in groups:
+        for g in self.prefill.ready:
             keep = [i for i, a in enumerate(g.admits) if a.row_id not in g.cancelled]
             if not keep:
                 continue
@@ -299,7 +294,7 @@ class BatchExecutor(Prefill):
             self.sampler.extend([a.params.temperature for a in admits],
                                 [a.params.filters for a in admits],
                                 [a.params.seed or 0 for a in admits], [0] * len(admits))
-        self.ready = []
+        self.prefill.ready = []
         self._align()
 
     def _align(self):
@@ -317,7 +312,7 @@ class BatchExecutor(Prefill):
         aligned = not left_padded(self.caches)
         self.views = aligned_views(self.caches) if aligned else self.caches
         # the decode shape changes only here: its first step pays one-off setup
-        self._cold_launch = not self._warm(("decode", len(rows), aligned))
+        self._cold_launch = self.shapes.first(("decode", len(rows), aligned))
 
     # -- compute -----------------------------------------------------------------
     def _launch(self, u):
@@ -409,7 +404,7 @@ class BatchExecutor(Prefill):
             batch = sum(c.nbytes for c in self.caches)
             total += batch
             share = batch // len(self.ids)
-        for g in ([self.current] if self.current else []) + self.ready:
+        for g in self.prefill.groups():
             b = sum(c.nbytes for c in g.cache)
             total += b
             live = [rid for rid in g.row_ids() if rid not in g.cancelled]
@@ -418,9 +413,7 @@ class BatchExecutor(Prefill):
         return total, share, other
 
     def close(self, clear_cache: bool = True):
-        self.waiting.clear()
-        self.current = None
-        self.ready = []
+        self.prefill.clear()
         self._reset_batch()
         if self.prefix is not None:
             self.prefix.clear()

@@ -486,8 +486,8 @@ class Engine:
         kv = self.steps[-1].kv_bytes if self.steps else 0
         budget = fmt_bytes(self.kv_budget) if self.kv_budget else "no limit"
         done = sum(r.done for r in self.rows)
-        # plain numbers written by the worker; a read mid-tick is at most one tick old
-        chunk = self._exec._step_budget()
+        # a plain number the worker writes; a read mid-tick is at most one tick old
+        chunk = self._exec.policy.current
         mode = "auto" if self.prefill_chunk is None else "fixed"
         prefix = "on" if self._exec.prefix is not None else (
             "off for these cache kinds" if self._exec.prefix_bytes else "off")

@@ -2,41 +2,128 @@
 
 Admitted rows (`waiting`) prefill in groups (`current`): all prompt tokens but the
 last, as one right-padded batch, or alone, continuing from a reused prefix. A done
-group waits in `ready` until the next tick joins it to the decode batch. How much
-to prefill per tick, and in what shapes, is the policy here: beside running rows a
-step budget (`prefill_chunk`, or about _STALL_S of prefill at the measured rate);
-with nothing decoding, bigger ticks that still let cancels land. Shapes repeat from
-run to run (widths in multiples of _PREFILL_BUCKET, power-of-two chunks, groups
-formed from what waits), because MLX's CUDA backend sets up kernels per new shape.
+group waits in `ready` until the executor's next tick joins it to the decode batch.
+How much to prefill per tick is `PrefillPolicy`'s call: beside running rows a step
+budget (`prefill_chunk`, or about STALL_S of prefill at the measured rate); with
+nothing decoding, bigger ticks that still let cancels land. Shapes repeat from run
+to run (widths in multiples of PREFILL_BUCKET, power-of-two chunks, groups formed
+from what waits), because MLX's CUDA backend sets up kernels per new shape.
 
-`Prefill` is a mixin of `BatchExecutor` (batch.py): it reads the executor's model,
-prefill_chunk, prefix store, decode batch (`ids`) and decode step time (`_step_s`).
+The executor (batch.py) owns a `Prefill` and tells it each tick whether rows are
+decoding and whether this tick's decode launch was a new shape; it reads back the
+tokens prefilled. Nothing else crosses.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Deque, List, Optional
+from typing import Callable, Deque, List, Optional, Tuple
 
 import mlx.core as mx
 
 from .caches import aligned_views, empty_batch, round_up
 
-_IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
-_IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
-_PREFILL_BUCKET = 64  # joiners' prefill widths are multiples of this
+IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
+IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
+PREFILL_BUCKET = 64  # joiners' prefill widths are multiples of this
 # prefill_chunk=None ("auto"): prompt tokens per step beside a running batch = about
-# _STALL_S of prefill at the measured rate, a power of two in [_AUTO_MIN, _AUTO_MAX].
+# STALL_S of prefill at the measured rate, a power of two in [AUTO_MIN, AUTO_MAX].
 # A fixed 512 starved fast devices: on an H200 a 512-token chunk is ~1 ms of compute,
 # so joiners waited dozens of steps (and every new chunk shape costs MLX's CUDA
-# backend a one-off cuDNN graph build of 50-800 ms, bench/results/h200-run5*.md).
-_STALL_S = 0.05
-_AUTO_MIN, _AUTO_MAX = 512, 8192
+# backend a one-off cuDNN graph build of 50-800 ms).
+STALL_S = 0.05
+AUTO_MIN, AUTO_MAX = 512, 8192
 
 
 def pow2_floor(n: float) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+class ShapeMemory:
+    """Forward shapes run before. The first forward of each shape pays one-off setup
+    (tens to hundreds of ms on CUDA) that is not the prefill rate."""
+
+    def __init__(self):
+        self.seen: set = set()
+
+    def first(self, key) -> bool:
+        """Is this the first forward of shape `key`? (and remember it)"""
+        if key in self.seen:
+            return False
+        if len(self.seen) > 100_000:
+            self.seen.clear()
+        self.seen.add(key)
+        return True
+
+
+class PrefillPolicy:
+    """How many prompt tokens to prefill per tick: a fixed `chunk`, or sized by the
+    prompt tokens/s that ticks measure. Pure Python: inputs are the observations,
+    outputs the budgets."""
+
+    def __init__(self, chunk: Optional[int] = None, prefill_rate: float = 0.0):
+        self.chunk = chunk  # None: auto
+        self.reset(prefill_rate)
+
+    def reset(self, prefill_rate: float = 0.0):
+        """Forget what ticks measured; `prefill_rate` (tokens/s) is the first estimate
+        that sizes prefills, until ticks measure their own."""
+        self.rate = prefill_rate  # best recent prompt tokens/s (see observe_prefill)
+        self.rate_last = 0.0  # the latest tick's
+        self.budget = AUTO_MIN  # auto tokens per step beside decode (step_budget)
+        self.step_s = 0.0  # decode step time without prefill (moving average)
+
+    def step_budget(self) -> int:
+        """Prompt tokens to prefill per step beside the running batch."""
+        if self.chunk:
+            return self.chunk
+        # Rise at once; fall only when the stall would pass twice STALL_S. The
+        # measured rate wobbles by tens of percent (host noise, chunk sizes), and a
+        # budget flipping between powers of two makes new chunk shapes, each with
+        # its one-off setup on CUDA.
+        want = self.rate * STALL_S
+        if want >= self.budget or 2 * want < self.budget:
+            self.budget = min(AUTO_MAX, max(AUTO_MIN, pow2_floor(want)))
+        return self.budget
+
+    @property
+    def current(self) -> int:
+        """The step budget as it stands (a read: changes nothing)."""
+        return self.chunk or self.budget
+
+    def plan(self, decoding: bool) -> Tuple[int, Optional[int]]:
+        """(tokens to prefill this tick, most tokens a new group may hold; None: fit
+        what is left of the tick)."""
+        if decoding:
+            # Auto: groups form from what is waiting, not from this tick's budget (it
+            # follows a measured rate), so the same arrivals give the same prefill
+            # shapes run after run; a group that does not fit what is left of this
+            # tick waits whole for the next one rather than start as an odd chunk.
+            return self.step_budget(), None if self.chunk else AUTO_MAX
+        # Idle: the latest rate, not the best: this bounds how late a cancel lands.
+        # Before any tick, the warm-up's measured one: from AUTO_MIN, a batch of 128
+        # short prompts started in 4-token chunks per row, a new shape every tick
+        # (0.25 s to first token on an H200).
+        rate = self.rate_last or self.rate
+        budget = int(min(IDLE_PREFILL, max(self.chunk or AUTO_MIN, rate * IDLE_TICK_S)))
+        return budget, max(budget, IDLE_PREFILL)
+
+    def observe_decode(self, seconds: float):
+        """A decode step without prefill took `seconds`."""
+        self.step_s += 0.2 * (seconds - self.step_s)
+
+    def observe_prefill(self, tokens: int, seconds: float, decoding: bool, cold: bool):
+        """A tick prefilled `tokens` in `seconds`; beside decoding rows that includes
+        the decode step launched before it, which the running rows would wait for
+        anyway: not part of the rate. Keep the best recent rate. A tick with a new
+        shape (`cold`) pays one-off setup, so it under-reports: it may raise the
+        estimate, never lower it. (Ignoring such ticks left a fresh engine at
+        AUTO_MIN for most of its first run on CUDA, where most shapes are new.)"""
+        if decoding:
+            seconds = max(seconds - self.step_s, 0.25 * seconds)
+        self.rate_last = tokens / max(seconds, 1e-6)
+        self.rate = max(self.rate_last, (1.0 if cold else 0.9) * self.rate)
 
 
 class PrefillGroup:
@@ -73,22 +160,20 @@ class PrefillGroup:
 
 
 class Prefill:
-    def _init_prefill(self):
+    """Admitted rows from `waiting` through prefill groups to `ready`."""
+
+    def __init__(self, model, make_cache: Callable[[], list], policy: PrefillPolicy,
+                 shapes: ShapeMemory, prefix=None):
+        self.model, self.make_cache, self.policy = model, make_cache, policy
+        self.shapes, self.prefix = shapes, prefix
         self.waiting: Deque = deque()  # Admits, prefill not started
         self.current: Optional[PrefillGroup] = None  # the group being prefilled
         self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
-        self._seen: set = set()  # forward shapes run before (see _warm)
-        # a new decode batch shape (set by _align) / a new chunk shape, this tick
-        self._cold_launch = self._cold_chunk = False
-        self.reset_rates()
+        self.cold_chunk = False  # this tick ran a chunk shape for the first time
 
-    def reset_rates(self, prefill_rate: float = 0.0):
-        """Forget what ticks measured; `prefill_rate` (tokens/s) is the first estimate
-        that sizes prefills, until ticks measure their own."""
-        self._prefill_rate = prefill_rate  # best recent prompt tokens/s (see _prefill)
-        self._rate_last = 0.0  # the latest tick's
-        self._budget = _AUTO_MIN  # auto prefill tokens per step (see _step_budget)
-        self._step_s = 0.0  # decode step time without prefill (moving average)
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.current or self.ready)
 
     @property
     def prefilling(self) -> List[int]:
@@ -97,57 +182,42 @@ class Prefill:
             [r for r in self.current.row_ids() if r not in self.current.cancelled]
             if self.current else [])
 
-    def _warm(self, key) -> bool:
-        """Has a forward of this shape run before? The first one of each shape pays
-        one-off setup (tens to hundreds of ms on CUDA) that is not the prefill rate."""
-        if key in self._seen:
-            return True
-        if len(self._seen) > 100_000:
-            self._seen.clear()
-        self._seen.add(key)
-        return False
+    def groups(self) -> List[PrefillGroup]:
+        """Groups holding caches: the one prefilling, then the ready ones."""
+        return ([self.current] if self.current else []) + self.ready
 
-    def _step_budget(self) -> int:
-        """Prompt tokens to prefill per step beside the running batch."""
-        if self.prefill_chunk:
-            return self.prefill_chunk
-        # Rise at once; fall only when the stall would pass twice _STALL_S. The
-        # measured rate wobbles by tens of percent (host noise, chunk sizes), and a
-        # budget flipping between powers of two makes new chunk shapes, each with
-        # its one-off setup on CUDA.
-        want = self._prefill_rate * _STALL_S
-        if want >= self._budget or 2 * want < self._budget:
-            self._budget = min(_AUTO_MAX, max(_AUTO_MIN, pow2_floor(want)))
-        return self._budget
+    def cancel(self, rid: int) -> bool:
+        """Drop a row that has not joined the decode batch; False if it is not here."""
+        for a in self.waiting:
+            if a.row_id == rid:
+                self.waiting.remove(a)
+                return True
+        hit = False
+        for g in self.groups():
+            if rid in g.row_ids():
+                g.cancelled.add(rid)
+                hit = True
+        return hit
 
-    def _prefill(self, u) -> int:
+    def clear(self):
+        self.waiting.clear()
+        self.current = None
+        self.ready = []
+
+    def run(self, u, decoding: bool, cold_launch: bool) -> int:
         """Prefill up to one step budget of tokens beside a running batch (its stall is
         bounded by that). With nothing decoding, group everything admitted (up to
-        _IDLE_PREFILL tokens) so the rows start decoding together, unpadded, but still
-        compute only about _IDLE_TICK_S of it per tick, so cancels land promptly."""
-        if self.ids:
-            budget = self._step_budget()
-            # Auto: groups form from what is waiting, not from this tick's budget (it
-            # follows a measured rate), so the same arrivals give the same prefill
-            # shapes run after run; a group that does not fit what is left of this
-            # tick waits whole for the next one rather than start as an odd chunk.
-            # (Fixed chunks: groups fit what is left of the tick, group_budget None.)
-            group_budget = None if self.prefill_chunk else _AUTO_MAX
-        else:
-            # The latest rate, not the best: this bounds how late a cancel lands.
-            # Before any tick, the warm-up's measured one: from _AUTO_MIN, a batch
-            # of 128 short prompts started in 4-token chunks per row, a new shape
-            # every tick (0.25 s to first token on an H200, h200-run14*.md).
-            rate = self._rate_last or self._prefill_rate
-            budget = int(min(_IDLE_PREFILL, max(self.prefill_chunk or _AUTO_MIN,
-                                                rate * _IDLE_TICK_S)))
-            group_budget = max(budget, _IDLE_PREFILL)
+        IDLE_PREFILL tokens) so the rows start decoding together, unpadded, but still
+        compute only about IDLE_TICK_S of it per tick, so cancels land promptly.
+        Returns the prompt tokens prefilled."""
+        budget, group_budget = self.policy.plan(decoding)
         done = 0
-        self._cold_chunk = False
+        self.cold_chunk = False
         t0 = time.perf_counter()
         while done < budget:
             if self.current is None:
-                self.current = self._next_group(group_budget or budget - done, budget)
+                self.current = self.next_group(group_budget or budget - done, budget,
+                                               decoding)
                 if self.current is None:
                     break
             g = self.current
@@ -157,7 +227,7 @@ class Prefill:
             if done and g.pos == 0 and len(g.admits) * g.width > budget - done:
                 break
             try:
-                done += self._chunk(g, budget - done, u)
+                done += self.chunk(g, budget - done, u)
             except Exception as e:
                 for rid in g.row_ids():
                     if rid not in g.cancelled:
@@ -167,23 +237,12 @@ class Prefill:
             if self.current is g:  # one chunk per group per tick (a power of two of
                 break  # the budget, not a string of ever smaller shapes)
         if done:
-            # The wait above includes the decode step launched before the prefill,
-            # which the running rows would wait for anyway: not part of the rate.
-            # Keep the best recent rate. A tick with a new shape pays one-off setup, so
-            # it under-reports: it may raise the estimate, never lower it. (Ignoring
-            # such ticks left a fresh engine at _AUTO_MIN for most of its first run on
-            # CUDA, where most shapes are new: joiners then took many ticks.)
-            took = time.perf_counter() - t0
-            if self.ids:
-                took = max(took - self._step_s, 0.25 * took)
-            self._rate_last = done / max(took, 1e-6)
-            cold = self._cold_chunk or (self.ids and self._cold_launch)
-            self._prefill_rate = max(self._rate_last,
-                                     (1.0 if cold else 0.9) * self._prefill_rate)
-        self._cold_launch = False  # only this tick's launch can be a batch's first
+            self.policy.observe_prefill(done, time.perf_counter() - t0, decoding,
+                                        self.cold_chunk or (decoding and cold_launch))
         return done
 
-    def _next_group(self, budget: int, step_budget: int) -> Optional[PrefillGroup]:
+    def next_group(self, budget: int, step_budget: int,
+                   decoding: bool) -> Optional[PrefillGroup]:
         """The next group: rows from the head of `waiting` whose padded widths fit
         `budget` tokens; beside a running batch also at most one bucket per row
         within `step_budget` (a chunk is at least one bucket wide per row)."""
@@ -199,8 +258,8 @@ class Prefill:
         # Joiners of a running batch get padded to it anyway: round their widths up
         # so prefill shapes repeat (backends that prepare kernels per shape, e.g.
         # cuDNN attention on CUDA, then reuse them).
-        step = min(_PREFILL_BUCKET, step_budget) if self.ids else 1
-        most = max(1, step_budget // step) if self.ids else len(self.waiting) + 1
+        step = min(PREFILL_BUCKET, step_budget) if decoding else 1
+        most = max(1, step_budget // step) if decoding else len(self.waiting) + 1
         group = [head]
         width = round_up(len(head.ids) - 1, step)
         while self.waiting and len(group) < most:
@@ -217,14 +276,14 @@ class Prefill:
         g.cached, g.step = 0, step
         return g
 
-    def _chunk(self, g: PrefillGroup, budget: int, u) -> int:
+    def chunk(self, g: PrefillGroup, budget: int, u) -> int:
         k = len(g.admits)
         # Powers of two (multiples of the group's step): chunk shapes repeat from run
         # to run, and cache growth stays within kv_bytes_for's slack.
         n = min(g.width - g.pos, max(g.step, pow2_floor(budget // k)))
         if n > 0:
-            if not self._warm(("prefill", k, g.pos, n, g.batched)):
-                self._cold_chunk = True
+            if self.shapes.first(("prefill", k, g.pos, n, g.batched)):
+                self.cold_chunk = True
             cols = g.tokens[:, g.pos:g.pos + n]
             self.model(cols, cache=g.views)
             mx.eval([c.state for c in g.cache])
@@ -234,7 +293,7 @@ class Prefill:
                 for c in g.cache:
                     c.finalize()
                 mx.eval([c.state for c in g.cache])
-            self._remember(g)
+            self.remember(g)
             self.current = None
             self.ready.append(g)
         for a, length in zip(g.admits, g.lengths):
@@ -245,7 +304,7 @@ class Prefill:
                     upd.cached_tokens = g.cached
         return max(n, 0) * k
 
-    def _remember(self, g: PrefillGroup):
+    def remember(self, g: PrefillGroup):
         if self.prefix is None or not g.width:
             return
         layers = [(c.keys, c.values) for c in g.cache]

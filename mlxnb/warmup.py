@@ -59,7 +59,7 @@ def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
     # What the workload measured was cold and tiny: the first prefills (beside
     # running rows, and idle ones until a tick has measured its own) are sized by a
     # rate measured for the purpose instead.
-    ex.reset_rates(prefill_rate(ex))
+    ex.policy.reset(prefill_rate(ex))
     ex.nsteps = 0
     return time.perf_counter() - t0
 

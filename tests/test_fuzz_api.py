@@ -91,7 +91,7 @@ class Bench:
         self.run(canaries(), 30)
         self.keep_canaries(0)
         ex, sch = self.eng._exec, self.eng.scheduler
-        assert not sch.active and not sch.queue and not ex.rows and not ex.prefilling
+        assert not sch.active and not sch.queue and not ex.rows and not ex.prefill.prefilling
         self.run(self.eng.aclose())
         self.loop.close()
 

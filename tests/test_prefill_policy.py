@@ -8,7 +8,7 @@ import pytest
 
 from mlxnb import Engine
 from mlxnb.batch import BatchExecutor
-from mlxnb.prefill import _AUTO_MAX, _AUTO_MIN, _STALL_S, pow2_floor
+from mlxnb.prefill import AUTO_MAX, AUTO_MIN, STALL_S, PrefillPolicy, pow2_floor
 from mlxnb.caches import LeanBatchKVCache
 
 
@@ -17,38 +17,60 @@ def test_pow2_floor():
         1, 1, 2, 2, 32, 64, 64, 512]
 
 
-def test_auto_budget_follows_the_measured_rate(tiny):
-    model, tok = tiny
-    auto = BatchExecutor(model, tok, prefill_chunk=None)
-    assert auto._step_budget() == _AUTO_MIN  # nothing measured yet
-    auto._prefill_rate = 100_000 / _STALL_S  # 100k tokens in one stall: clamped
-    assert auto._step_budget() == _AUTO_MAX
-    auto._prefill_rate = 3000 / _STALL_S
-    assert auto._step_budget() == 2048  # a power of two, so chunk shapes repeat
+def test_auto_budget_follows_the_measured_rate():
+    auto = PrefillPolicy(None)
+    assert auto.step_budget() == AUTO_MIN  # nothing measured yet
+    auto.rate = 100_000 / STALL_S  # 100k tokens in one stall: clamped
+    assert auto.step_budget() == AUTO_MAX
+    auto.rate = 3000 / STALL_S
+    assert auto.step_budget() == 2048  # a power of two, so chunk shapes repeat
     # hysteresis: a rate that wobbles down keeps the budget (and the chunk shapes)
     # until the stall would pass twice the target
     for rate, budget in ((1500, 2048), (1100, 2048), (900, 512), (1100, 1024)):
-        auto._prefill_rate = rate / _STALL_S
-        assert auto._step_budget() == budget, rate
-    fixed = BatchExecutor(model, tok, prefill_chunk=300)
-    fixed._prefill_rate = 1e9
-    assert fixed._step_budget() == 300  # an explicit chunk is a hard bound
+        auto.rate = rate / STALL_S
+        assert auto.step_budget() == budget, rate
+        assert auto.current == budget  # the read changes nothing
+    fixed = PrefillPolicy(300)
+    fixed.rate = 1e9
+    assert fixed.step_budget() == 300  # an explicit chunk is a hard bound
+
+
+def test_policy_plans_and_observations():
+    p = PrefillPolicy(None, prefill_rate=4000.0)
+    # idle: about IDLE_TICK_S of the rate, groups may take everything waiting
+    assert p.plan(decoding=False) == (1000, 8192)
+    # beside decode: the step budget; groups sized from what waits, not this tick
+    assert p.plan(decoding=True) == (AUTO_MIN, AUTO_MAX)
+    assert PrefillPolicy(300).plan(decoding=True) == (300, None)
+    p.observe_decode(0.010)
+    assert p.step_s == 0.002  # a moving average
+    # beside decode, the decode step launched before the prefill is not its cost
+    p.observe_prefill(1000, 0.102, decoding=True, cold=False)
+    assert p.rate_last == 10_000 and p.rate == 10_000
+    # a slower warm tick lowers the estimate slowly, a cold one never
+    p.observe_prefill(1000, 1.0, decoding=False, cold=True)
+    assert p.rate == 10_000
+    p.observe_prefill(1000, 1.0, decoding=False, cold=False)
+    assert p.rate == 9_000 and p.rate_last == 1000
+    assert p.plan(decoding=False)[0] == 512  # idle sizes by the latest rate
+    p.reset(50.0)
+    assert (p.rate, p.rate_last, p.step_s, p.current) == (50.0, 0.0, 0.0, AUTO_MIN)
 
 
 def test_a_cold_tick_raises_the_rate_but_never_lowers_it(tiny):
     """A tick with a new shape under-reports the prefill rate (one-off setup), so it
     counts as a lower bound: a fresh engine, whose shapes are mostly new, must not sit
-    at _AUTO_MIN (on CUDA its joiners then waited many ticks each)."""
+    at AUTO_MIN (on CUDA its joiners then waited many ticks each)."""
     from mlxnb.batch import Admit
     from mlxnb.rows import SamplingParams
 
     model, tok = tiny
     ex = BatchExecutor(model, tok, prefill_chunk=None)
     ex.tick([Admit(0, [65] * 300, SamplingParams(max_tokens=1))], [])  # all shapes new
-    assert ex._cold_chunk and ex._prefill_rate == ex._rate_last > 0
-    ex._prefill_rate = high = 1e12
+    assert ex.prefill.cold_chunk and ex.policy.rate == ex.policy.rate_last > 0
+    ex.policy.rate = high = 1e12
     ex.tick([Admit(1, [66] * 301, SamplingParams(max_tokens=1))], [])  # a new length
-    assert ex._cold_chunk and ex._prefill_rate == high
+    assert ex.prefill.cold_chunk and ex.policy.rate == high
     ex.close()
 
 
@@ -76,7 +98,7 @@ def test_joiner_chunks_are_bucketed_beside_a_running_row(tiny, arun):
         a = eng.submit("abc", chat=False, max_tokens=200)
         while a.state != "decode":
             await asyncio.sleep(0.001)
-        ex.model = Spy()
+        ex.model = ex.prefill.model = Spy()
         joiners = [eng.submit("j" * n, chat=False, max_tokens=3) for n in (5, 70, 130, 300)]
         for r in joiners:
             await r
@@ -120,7 +142,7 @@ def test_bad_prefill_chunk_is_one_line_error(tiny, bad):
 def test_auto_prefill_beside_decode_stays_within_the_step_budget(tiny, arun, monkeypatch):
     """Many short joiners: a chunk is at least one 64-token bucket per row, so groups
     beside a running batch hold at most budget / 64 rows."""
-    monkeypatch.setattr(BatchExecutor, "_step_budget", lambda self: 512)
+    monkeypatch.setattr(PrefillPolicy, "step_budget", lambda self: 512)
 
     async def main():
         eng = Engine(tiny, kv_budget=None, prefix_cache=None, max_batch=64)
@@ -152,10 +174,9 @@ def test_kv_bound_holds_when_idle_chunks_change_size(tiny):
         admits = [Admit(i, [65 + i] * n, SamplingParams(max_tokens=1)) for i in range(8)]
         per_token = sum(b for b, _, _ in ex.layer_costs)
         for i, budget in enumerate([512, 8192, 512, 1024, 8192, 8192]):
-            ex._rate_last = budget / 0.25  # the idle tick's budget
+            ex.policy.rate_last = budget / 0.25  # the idle tick's budget
             ex.tick(admits if i == 0 else [], [])
-            groups = ([ex.current] if ex.current else []) + ex.ready
-            for g in groups:
+            for g in ex.prefill.groups():
                 slots = g.cache[0].keys.shape[2] if g.cache[0].keys is not None else 0
                 assert slots * per_token <= ex.kv_bytes_for(n + 1), (chunk, i, slots)
         ex.close()
@@ -197,13 +218,13 @@ def test_status_shows_the_prefill_budget(tiny, arun):
     async def main():
         auto = Engine(tiny, kv_budget=None)
         fixed = Engine(tiny, kv_budget=None, prefill_chunk=96)
-        out = auto.status(), fixed.status(), auto._exec._step_budget()
+        out = auto.status(), fixed.status(), auto._exec.policy.current
         await auto.aclose()
         await fixed.aclose()
         return out
 
     auto, fixed, budget = arun(main)
     # sized from the prefill rate the warm-up measured
-    assert _AUTO_MIN <= budget <= _AUTO_MAX and budget == pow2_floor(budget)
+    assert AUTO_MIN <= budget <= AUTO_MAX and budget == pow2_floor(budget)
     assert f"prefill {budget} tokens/step (auto)" in auto
     assert "prefill 96 tokens/step (fixed)" in fixed

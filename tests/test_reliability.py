@@ -45,7 +45,7 @@ async def assert_idle(eng):
             break
         await asyncio.sleep(0.001)
     assert ex.caches is None and not ex.ids and not ex.rows, (ex.ids, list(ex.rows))
-    assert not ex.prefilling and not ex.ready and ex.inflight is None and not ex.drop
+    assert not ex.prefill.prefilling and not ex.prefill.ready and ex.inflight is None and not ex.drop
     assert not eng.scheduler.active and not eng.scheduler.queue
     assert all(r.done and r.finish_reason in REASONS for r in eng.rows)
     for r in eng.rows:
@@ -151,7 +151,7 @@ def test_load_1000_rows_in_bursts_under_a_tight_kv_budget(tiny, arun):
     assert len(admitted) >= len(rows) - reasons["cancelled"]
     stamps = [r.t_admit for r in admitted]
     assert stamps == sorted(stamps), "admission was not FIFO"
-    assert eng._exec.caches is None and not eng._exec.prefilling
+    assert eng._exec.caches is None and not eng._exec.prefill.prefilling
     assert mem1 <= mem0 + (1 << 20), f"active memory {mem0} -> {mem1}"
 
 
@@ -399,7 +399,7 @@ def test_aclose_with_rows_in_flight_is_quick_and_final(tiny, arun):
     assert dt < 2.0, f"aclose took {dt:.2f}s"
     assert [r.finish_reason for r in rows] == ["cancelled"] * 6
     assert all(len(r.tokens) < 2000 for r in rows)
-    assert eng.closed and eng._exec.caches is None and not eng._exec.prefilling
+    assert eng.closed and eng._exec.caches is None and not eng._exec.prefill.prefilling
     for msg in errors:
         assert "closed" in msg and "\n" not in msg
 

@@ -11,20 +11,20 @@ def test_warm_up_runs_every_path_and_leaves_no_trace(tiny):
     ex = BatchExecutor(model, tok, prefix_bytes=1 << 20)
     took = warm_up(ex)
     assert took > 0
-    kinds = {k[0] for k in ex._seen}
+    kinds = {k[0] for k in ex.shapes.seen}
     assert kinds == {"prefill", "decode"}
-    decode = {k for k in ex._seen if k[0] == "decode"}
+    decode = {k for k in ex.shapes.seen if k[0] == "decode"}
     # an unpadded batch (plain-cache views), a left-padded one after the join, and
     # rows leaving it (batch sizes 2 and 3)
     assert ("decode", 2, True) in decode and ("decode", 3, False) in decode
-    assert any(k[0] == "prefill" and k[1] == 1 and k[4] for k in ex._seen), \
+    assert any(k[0] == "prefill" and k[1] == 1 and k[4] for k in ex.shapes.seen), \
         "the joiner should prefill as a batched group (not from a reused prefix)"
     assert not ex.busy and not ex.ids and not ex.rows and ex.caches is None
     assert ex._kv_report() == (0, 0, {})
     assert ex.prefix.nbytes == 0 and ex.prefix.lookup(_ids(9, 1))[0] == 0
-    assert ex._step_s == ex._rate_last == 0.0 and ex.nsteps == 0
+    assert ex.policy.step_s == ex.policy.rate_last == 0.0 and ex.nsteps == 0
     # the first budget beside running rows comes from a warm prefill measured for it
-    assert ex._prefill_rate > 0
+    assert ex.policy.rate > 0
 
 
 def test_engine_output_is_the_same_with_and_without_warm_up(tiny, arun):
