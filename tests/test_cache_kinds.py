@@ -105,7 +105,7 @@ def test_greedy_parity_batched_alone_and_mlx_lm(family, kv, arun):
     n = 16
 
     async def main():
-        eng = engine(family, fuse=False, **kv)
+        eng = engine(family, **kv)
         alone = [(await eng.submit(p, max_tokens=n, chat=False)).tokens for p in PROMPTS]
         # three rows prefill as one padded group; the fourth joins the running batch
         rows = [eng.submit(p, max_tokens=n, chat=False) for p in PROMPTS[:3]]
