@@ -116,10 +116,10 @@ class BatchExecutor:
             if self.kv_bits is None:
                 raise
             raise ValueError(
-                f"this model cannot quantize its KV with kv_bits={self.kv_bits}, "
-                f"kv_group_size={self.kv_group_size}: {' '.join(str(e).split())[:160]} "
-                f"Use a kv_group_size that divides its head dim (32 is the smallest) "
-                f"or no kv_bits.") from None
+                f"this model cannot run with a quantized KV cache (kv_bits="
+                f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "
+                f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides its "
+                f"head dim, or no kv_bits.") from None
         return caches.layer_costs(cache)
 
     def kv_bytes_for(self, length: int) -> int:

@@ -141,8 +141,8 @@ def test_cancel_mid_prefill_in_a_hybrid_batch_leaves_the_others(arun):
         return ref, out, victim
 
     ref, out, victim = arun(main)
-    assert victim.finish_reason == "cancelled"
-    assert 0 < victim.prefill_done < victim.prompt_tokens
+    assert victim.finish_reason == "cancelled", victim.finish_reason
+    assert 0 < victim.prefill_done < victim.prompt_tokens, victim.prefill_done
     assert out == ref
 
 
