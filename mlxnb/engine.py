@@ -41,8 +41,8 @@ class _WontFit(ValueError):
 
 
 # Longest run of decode steps the worker takes without the loop. Each round trip
-# costs ~0.4 ms of host time the device waits for (bench/results/h200-run12*.md);
-# new rows and cancels end a streak at once (`_interrupt`), so it bounds only how
+# costs ~0.4 ms of host time the device waits for
+# (bench/results/2026-11-29-h200-before-fusion.md); new rows and cancels end a streak at once (`_interrupt`), so it bounds only how
 # often tokens reach the widget.
 _STREAK_S = 0.050
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
@@ -58,7 +58,7 @@ def _mlx_worker() -> ThreadPoolExecutor:
     graphs, CUDA graphs, library handles) in thread-locals (`thread_local` across
     mlx/backend/cuda). With a thread per Engine every new Engine -- a re-run cell,
     `%mlxnb load` -- started cold: each prefill shape paid its 50-300 ms setup again
-    (bench/results/h200-run5-diagnostics.md)."""
+    (bench/results/2026-11-29-h200-diagnostics.md)."""
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None:
