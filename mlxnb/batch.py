@@ -262,8 +262,8 @@ class BatchExecutor:
     def _join(self, u):
         if not self.prefill.ready:
             return
-        # fix: groups stay in self.ready until joined, so that if merging raises,
-        # tick's _fail_batch ends their rows instead of losing them in 'prefill'.
+        # Groups stay in self.prefill.ready until joined: if merging raises, tick's
+        # _fail_batch must still find their rows to end them (else they sit in 'prefill').
         for g in self.prefill.ready:
             keep = [i for i, a in enumerate(g.admits) if a.row_id not in g.cancelled]
             if not keep:
@@ -350,8 +350,8 @@ class BatchExecutor:
                 try:
                     for p in r.processors:
                         li = p(r.history, li)
-                    # fix: anything but [1, vocab] logits would break the concatenate
-                    # below and fail every row in the batch, not just this one.
+                    # Only [1, vocab] logits may reach the concatenate below: anything
+                    # else would fail every row in the batch, not just this one.
                     if not isinstance(li, mx.array) or li.shape != logits[i:i + 1].shape:
                         raise TypeError(f"returned {type(li).__name__} of shape "
                                         f"{getattr(li, 'shape', None)}, expected logits "

@@ -35,9 +35,9 @@ _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 class _WontFit(ValueError):
-    """fix: a valid row that exceeds the context or KV budget; submit() returns it as
-    an errored row. (It matched messages on "context"/"KV cache", so other bad input
-    naming those words -- submit(context=1) -- became a row instead of raising.)"""
+    """A valid row that exceeds the context or KV budget; submit() returns it as an
+    errored row. A type of its own, not a message match: other bad input naming
+    "context" or "KV cache" (submit(context=1)) must still raise."""
 
 
 # Longest run of decode steps the worker takes without the loop. Each round trip
@@ -68,8 +68,8 @@ def _mlx_worker() -> ThreadPoolExecutor:
 
 
 def _forget_worker():
-    # fix: a forked child inherits _WORKER but not its thread; Engine() there hung
-    # forever on the first submit.
+    # A forked child inherits _WORKER but not its thread: without this, Engine()
+    # there would hang on the first submit.
     global _WORKER
     _WORKER = None
     _WORKER_TIDS.clear()
@@ -81,7 +81,7 @@ if hasattr(os, "register_at_fork"):
 
 @atexit.register
 def _await_worker_exit():
-    # fix: MLX's thread-local destructors take the GIL as a thread exits; a worker still
+    # MLX's thread-local destructors take the GIL as a thread exits; a worker still
     # exiting while the interpreter finalizes aborts the process ("terminate called
     # without an active exception", rc 134, ~10% of script runs). atexit runs after
     # the pool threads are joined, so wait (bounded) until their OS threads are gone.
@@ -216,7 +216,7 @@ class Engine:
             raise ValueError("the prompt is empty; write some text to generate from")
         try:
             prompt.encode("utf-8")
-            # fix: the system prompt too (tokenizers raise a TypeError on surrogates)
+            # the system prompt too (tokenizers raise a TypeError on surrogates)
             if isinstance(system, str):
                 system.encode("utf-8")
         except UnicodeEncodeError:
@@ -241,7 +241,7 @@ class Engine:
             params["stop"] = ()
         elif isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
-        try:  # fix: stop=5 / logits_processors=5 raised a bare TypeError
+        try:  # a non-iterable (stop=5) must give the message below, not a bare TypeError
             if not isinstance(params["stop"], tuple):
                 params["stop"] = tuple(params["stop"])
             params["logits_processors"] = tuple(params.get("logits_processors") or ())
@@ -253,7 +253,7 @@ class Engine:
         except TypeError as e:
             raise ValueError(str(e)) from None
         ids = self.encode(prompt, chat, system)
-        if not ids:  # fix: a row with no tokens would sit in 'prefill' forever
+        if not ids:  # a row with no tokens would sit in 'prefill' forever
             raise ValueError("the prompt encodes to no tokens (the tokenizer drops all of "
                              "its characters); write some text to generate from")
         ctx = self.context_length

@@ -167,10 +167,9 @@ def _split(line: str) -> list:
 
 
 class _Uses(argparse.Namespace):
-    """fix: argparse keeps only the last of a repeated option (`--n 2 --n 3`,
-    `--raw --chat`, `-o a -o b`), and the extend actions silently made
-    `--temp 0.2 --temp 0.7` a sweep. Count each option's uses so `_parse` can refuse
-    a repeat. Defaults are preset, so every later set is a use on the command line."""
+    """Counts each option's uses so `_parse` can refuse a repeat: argparse keeps only
+    the last of a repeated option (`--n 2 --n 3`, `--raw --chat`, `-o a -o b`), and
+    the extend actions would make `--temp 0.2 --temp 0.7` a sweep. Defaults are preset, so every later set is a use on the command line."""
 
     def __init__(self, parser):
         super().__init__()
@@ -208,10 +207,10 @@ def _parse(parser, line: str, what: str, hint: str):
 
 
 def _sendable(magic):
-    """fix: a UsageError echoing user text (an option, a {field}, a model name) may
-    hold lone surrogates (chr(0xd800)); ipykernel then fails to serialize the error
-    and the cell gets no execute_reply at all (it looks hung). Escape them (as \\ud800)
-    and keep the message on one line."""
+    """A UsageError echoing user text (an option, a {field}, a model name) may hold
+    lone surrogates (chr(0xd800)); ipykernel then fails to serialize the error and the
+    cell gets no execute_reply at all (it looks hung). So they are escaped (as \\ud800)
+    and the message kept on one line."""
 
     @functools.wraps(magic)
     def wrapper(*args, **kwargs):
@@ -338,14 +337,14 @@ class MLXNBMagics(Magics):
     def mlxnb(self, line=""):
         """Manage the mlxnb engine. Subcommands: load, status, stop, dashboard, wait,
         unload (``%mlxnb`` alone lists them)."""
-        # fix: split at any whitespace (a tab after the subcommand made it unknown)
+        # split at any whitespace: a tab may follow the subcommand
         sub, rest = ((line or "").split(None, 1) + ["", ""])[:2]
         rest = rest.strip()
         fn = getattr(self, f"_cmd_{sub}", None) if sub else self._cmd_help
         if fn is None:
             raise UsageError(f"%mlxnb: unknown subcommand {sub!r}; use one of load, "
                              "status, stop, dashboard, wait, unload")
-        if rest and sub in _NO_ARGS:  # fix: `%mlxnb unload now` used to ignore "now"
+        if rest and sub in _NO_ARGS:  # `%mlxnb unload now` must not ignore "now"
             raise UsageError(f"%mlxnb {sub} takes no arguments; got {rest!r}")
         return fn(rest)
 

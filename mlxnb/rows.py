@@ -58,9 +58,9 @@ class SamplingParams:
         def bad(msg):
             raise ValueError(msg)
 
-        # fix: check types first. Non-numbers used to fail the comparisons below with
-        # "'>=' not supported between ..." (naming no parameter); bools passed as ints
-        # (logprobs=True then failed every row of the batch); inf/nan passed too.
+        # Types first, so that a non-number gets a message naming its parameter (not
+        # "'>=' not supported between ..."), a bool is not taken for an int
+        # (logprobs=True would fail every row of the batch), and inf/nan are refused.
         for name in ("max_tokens", "top_k", "seed", "logprobs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, int) or v is None and name == "seed"):

@@ -1,4 +1,4 @@
-"""Engine behaviour on the tiny random-weight model (issue 3's list, one test each)."""
+"""Engine behaviour on the tiny random-weight model, one behaviour per test."""
 
 import asyncio
 import threading

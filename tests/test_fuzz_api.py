@@ -1,4 +1,4 @@
-"""Bad input at the Python API (issue 7): table-driven cases, then hypothesis fuzzing.
+"""Bad input at the Python API: table-driven cases, then hypothesis fuzzing.
 
 The contract: `Engine.submit` either raises one clear, one-line ValueError, or returns a
 row that ends with a finish reason ('error' with a one-line message when it cannot

@@ -1,4 +1,4 @@
-"""Issue 7 (notebook part): interrupts, restart and shutdown of a REAL kernel.
+"""Interrupts, restart and shutdown of a REAL kernel.
 
 One ipykernel (jupyter_client `KernelManager`, this checkout on PYTHONPATH, its stderr
 captured in a file) serves the whole module, on the tiny random-weight model saved to
@@ -272,7 +272,7 @@ def test_interrupt_of_an_awaiting_cell_leaves_the_rows_running(kernel):
 # -- errors must reach the front end -------------------------------------------------------
 def test_usage_error_echoing_a_lone_surrogate_still_gets_a_reply(kernel):
     """ipykernel cannot serialize a lone surrogate: an error message holding one (user
-    text echoed back) used to leave the cell with no execute_reply at all (hung)."""
+    text echoed back) must not leave the cell without an execute_reply (hung)."""
     kernel.run("_bad = 'bad' + chr(0xd800) + 'id'")
     for cell, says in [("%%generate --quiet --model $_bad\nhi", "load bad\\ud800id"),
                        ("%%generate --quiet $_bad\nhi", "arguments: bad\\ud800id"),

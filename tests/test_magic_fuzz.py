@@ -1,4 +1,4 @@
-"""Issue 7 (notebook part): bad input at the magic level, table-driven and fuzzed.
+"""Bad input at the magic level, table-driven and fuzzed.
 
 An in-process IPython shell with the extension loaded and one engine on the tiny
 random-weight model, on an event loop of our own that runs only when a test steps it

@@ -166,12 +166,12 @@ def test_config_defaults_and_options_override(ip, tiny, arun_shut):
         assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.stop, p.logprobs) == \
                (4, 0.5, 3, 11, ("zz",), 2)
         assert run.widget is None and run.meta["chat"] is False
-        run2 = gen(ip, "--max-tokens 2 --temp 0 --stop '\\n' --chat --logprobs 0", "a")
-        p = run2.rows[0].params
+        run_b = gen(ip, "--max-tokens 2 --temp 0 --stop '\\n' --chat --logprobs 0", "a")
+        p = run_b.rows[0].params
         assert (p.max_tokens, p.temperature, p.stop, p.logprobs) == (2, 0.0, ("\n",), 0)
-        assert run2.meta["chat"] is True
+        assert run_b.meta["chat"] is True
         await magics.wait()
-        assert run.done and run2.done
+        assert run.done and run_b.done
 
     arun_shut(main)
 
@@ -243,10 +243,10 @@ def test_mlxnb_load_status_stop_unload(ip, models, arun_shut, capsys):
         assert "stopping 2 rows" in capsys.readouterr().out
         await run
         assert {r.finish_reason for r in run.rows} <= {"cancelled", "stop"}
-        run2 = gen(ip, "--quiet --max-tokens 200", "c")
+        run_b = gen(ip, "--quiet --max-tokens 200", "c")
         ip.run_line_magic("mlxnb", "stop")
-        await run2
-        assert run2.rows[0].finish_reason in ("cancelled", "stop")
+        await run_b
+        assert run_b.rows[0].finish_reason in ("cancelled", "stop")
         ip.run_line_magic("mlxnb", "load tiny --max-batch 8")  # idle: replaced
         assert magics.get_engine() is not eng and magics.get_engine().max_batch == 8
         assert magics.get_engine().prefill_chunk is None  # auto by default

@@ -1,4 +1,4 @@
-"""Issue 4's acceptance test: the notebook surface in a real kernel, run headless.
+"""The notebook surface in a real kernel, run headless.
 
 A notebook is built here with nbformat and executed by nbclient (a real ipykernel,
 `store_widget_state=True`) on a tiny random-weight model saved to a directory, so it

@@ -1,4 +1,4 @@
-"""Reliability (issue 7, engine part): load under a tight KV budget, injected faults,
+"""Reliability of the engine: load under a tight KV budget, injected faults,
 cancellation at every stage, closing with rows in flight, process exit, and model
 loading that never runs code from the model directory.
 
