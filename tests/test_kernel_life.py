@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
 jupyter_client = pytest.importorskip("jupyter_client")
 
 from _jupyter import kernel_env  # noqa: E402  (tests/ is on sys.path under pytest)

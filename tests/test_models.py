@@ -37,6 +37,7 @@ def _run_py(code, env=None, timeout=120):
 # ---------------------------------------------------------------- conversion
 
 
+@pytest.mark.integration
 def test_default_dir_is_a_complete_mlx_lm_dir(default_dir):
     for f in ("config.json", "model.safetensors", "tokenizer.json",
               "tokenizer_config.json", "generation_config.json", _gguf.MARKER):
@@ -54,6 +55,7 @@ def test_default_dir_is_a_complete_mlx_lm_dir(default_dir):
     assert _gguf.default_dtype() in default_dir.name
 
 
+@pytest.mark.integration
 def test_default_tokenizer(default_pair):
     _, tok = default_pair
     assert tok.encode("Hello world") == [19556, 905]
@@ -64,6 +66,7 @@ def test_default_tokenizer(default_pair):
     assert ids[0] == 1 and tok.decode(ids).endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.integration
 def test_default_greedy_matches_mlx_lm(default_dir, default_pair):
     import mlx_lm
 
@@ -77,6 +80,7 @@ def test_default_greedy_matches_mlx_lm(default_dir, default_pair):
     assert "Paris" in tok.decode(ours)
 
 
+@pytest.mark.integration
 def test_qk_permutation_undone(default_pair):
     """Un-permuted rows + default RoPE must equal llama.cpp's layout + traditional
     RoPE (what the GGUF encodes); a mismatched pairing must not."""
@@ -112,6 +116,7 @@ def test_qk_permutation_undone(default_pair):
     assert agree < 0.95
 
 
+@pytest.mark.integration
 def test_concurrent_conversion_into_empty_cache(tmp_path):
     cache = tmp_path / "cache"
     # crash leftovers that must not confuse anybody: a half-written temp dir, and a
@@ -213,17 +218,20 @@ def test_dir_without_config(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.integration
 def test_dir_without_weights(tmp_path, default_dir):
     (tmp_path / "config.json").write_text((default_dir / "config.json").read_text())
     with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
         load_model(str(tmp_path))
 
 
+@pytest.mark.integration
 def test_file_is_not_a_model(default_dir):
     with pytest.raises(ModelLoadError, match="is a file"):
         load_model(default_dir / "config.json")
 
 
+@pytest.mark.integration
 def test_trust_remote_code_refused(default_dir):
     with pytest.raises(ModelLoadError, match="trust_remote_code"):
         load_model(default_dir, trust_remote_code=True)
@@ -300,6 +308,7 @@ def test_tiny_model_save_roundtrip(tmp_path):
         save_tiny_model(tmp_path / "bad", sliding_window=8)
 
 
+@pytest.mark.integration
 def test_tiny_model_smollm2_vocab(default_dir):
     from mlxnb.tiny import tiny_model
 
@@ -323,6 +332,7 @@ _MATMUL = """
 """
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(_blas.openblas_path() is None, reason="no system OpenBLAS")
 def test_openblas_preload_speeds_up_matmul():
     pre = "from mlxnb import _blas; path = _blas.preload_openblas()"
@@ -336,6 +346,7 @@ def test_openblas_preload_speeds_up_matmul():
     assert float(gf_fast) > 3 * float(gf_slow), (gf_fast, gf_slow)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(_blas.openblas_path() is None, reason="no system OpenBLAS")
 def test_openblas_too_late_and_env():
     r = _run_py("""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 

@@ -182,6 +182,7 @@ def test_kv_bound_holds_when_idle_chunks_change_size(tiny):
         ex.close()
 
 
+@pytest.mark.integration
 def test_a_forked_child_can_make_an_engine(tmp_path):
     """The MLX worker thread is shared per process; a fork must not inherit a dead one."""
     import os

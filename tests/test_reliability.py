@@ -83,6 +83,7 @@ def beside_a_bystander(tiny, arun, max_tokens, check_idle=True, **bad):
 # -- load ---------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_load_1000_rows_in_bursts_under_a_tight_kv_budget(tiny, arun):
     """1,000 rows, mixed lengths, bursts from 5 coroutines, a budget of ~4 rows:
     all finish, reported KV never exceeds the budget, admission is FIFO, nothing

@@ -339,6 +339,7 @@ def test_rewritten_text_is_replaced_not_appended():
     assert replay([], customs(msgs))[row.id]["text"] == row.text
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
 def test_lib_js_rebuilds_the_same_state_as_the_kernel(tmp_path):
     """Cross-check with the real front-end code: traits + deltas through lib.js."""
