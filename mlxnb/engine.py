@@ -350,7 +350,8 @@ class Engine:
             import contextvars
 
             # A fresh context: output from this long-lived task must not be tied to
-            # the cell that happened to start it (kernel-facts.md, output routing).
+            # the cell that happened to start it (ipykernel 7 sends a task's output
+            # with the parent header of the cell that created it, even after it ends).
             self._task = self.loop.create_task(self._serve(), context=contextvars.Context())
 
     async def _serve(self):

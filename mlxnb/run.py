@@ -43,7 +43,8 @@ class Run:
             await asyncio.shield(asyncio.gather(*(r._future for r in self.rows)))
         if self.widget is not None:
             # Saved notebooks keep only trait state: make it complete before the
-            # awaiting cell ends (kernel-facts.md, nbclient store_widget_state).
+            # awaiting cell ends (nbclient's store_widget_state saved rows at 0 tokens
+            # otherwise).
             self.widget.sync_now()
         return self.results
 

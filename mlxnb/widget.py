@@ -219,7 +219,7 @@ class GenerationWidget(anywidget.AnyWidget):
             loop.call_soon_threadsafe(self._wake)  # a subshell thread: hop onto the loop
             return
         # A fresh context, so the flusher's messages are not tied to the cell that
-        # happened to start it (kernel-facts.md, output routing).
+        # happened to start it (ipykernel 7 routes a task's output to its creating cell).
         self._flusher = contextvars.Context().run(loop.create_task, self._flush_loop())
 
     async def _flush_loop(self):

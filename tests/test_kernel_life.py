@@ -181,8 +181,8 @@ def kernel(tiny_dir, tmp_path_factory):
         log.close()
 
 
-# Kernel stderr that is not ours: the TCP warning at every start, and (kernel-facts.md)
-# zmq's "gc socket requested during shutdown" traceback under heavy iopub traffic.
+# Kernel stderr that is not ours: the TCP warning at every start, and zmq's
+# "gc socket requested during shutdown" traceback under heavy iopub traffic.
 KNOWN_NOISE = [
     r"\[IPKernelApp\] WARNING \| Kernel is running over TCP without encryption\..*\n",
     r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*.*gc socket requested during "
