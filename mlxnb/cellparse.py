@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from _string import formatter_field_name_split
 from IPython.core.error import UsageError
 
+from ._text import RANGES, one_line
+
 __all__ = [
     "split_body", "interpolate", "parse_values", "unescape", "derive_seed",
     "GridRow", "build_grid", "SWEEPABLE", "short",
@@ -46,12 +48,6 @@ RESERVED = frozenset({
     "cached_tokens", "tokens", "ttft_s", "tok_s", "error", "temp", "seed", "sample",
     "prompt_index", "max_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
 })
-
-
-def short(text: str, n: int = 30) -> str:
-    """A prompt shortened for an error message: one line, at most n characters."""
-    s = " ".join(str(text).split())
-    return repr(s if len(s) <= n else s[: n - 1] + "…")
 
 
 # -- body ------------------------------------------------------------------------
@@ -195,16 +191,11 @@ SWEEPABLE = {
     "seed": ("seed", int, "seed"),
 }
 
-_RANGES = {  # option -> (check, what it must be)
-    "max_tokens": (lambda v: v >= 1, "a positive integer, e.g. --max-tokens 64"),
-    "temp": (lambda v: v >= 0, "a number >= 0 (0 = greedy), e.g. --temp 0.7"),
-    "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1], e.g. --top-p 0.9"),
-    "top_k": (lambda v: v >= 0, "an integer >= 0 (0 = off), e.g. --top-k 40"),
-    "min_p": (lambda v: 0 <= v < 1, "a number in [0, 1), e.g. --min-p 0.05"),
-    "repetition_penalty": (lambda v: v > 0, "a number > 0, e.g. --repetition-penalty 1.1"),
-    "seed": (lambda v: v >= 0, "a non-negative integer, e.g. --seed 1 or --seed 1,2,3"),
-    "n": (lambda v: v >= 1, "a positive integer, e.g. --n 4"),
-    "logprobs": (lambda v: 0 <= v <= 20, "an integer in [0, 20], e.g. --logprobs 5"),
+_EXAMPLES = {  # option -> an example for its range message (ranges: _text.RANGES)
+    "max_tokens": "--max-tokens 64", "temp": "--temp 0.7", "top_p": "--top-p 0.9",
+    "top_k": "--top-k 40", "min_p": "--min-p 0.05",
+    "repetition_penalty": "--repetition-penalty 1.1", "seed": "--seed 1 or --seed 1,2,3",
+    "n": "--n 4", "logprobs": "--logprobs 5",
 }
 
 
@@ -214,9 +205,9 @@ def _flag(opt: str) -> str:
 
 def check_value(opt: str, v: Any) -> Any:
     """Range-check one option value; UsageError naming the option if out of range."""
-    ok, what = _RANGES[opt]
+    ok, what = RANGES["temperature" if opt == "temp" else opt]
     if not ok(v):
-        raise UsageError(f"{_flag(opt)} must be {what}; got {v!r}")
+        raise UsageError(f"{_flag(opt)} must be {what}, e.g. {_EXAMPLES[opt]}; got {v!r}")
     return v
 
 
@@ -251,7 +242,7 @@ def parse_values(opt: str, raw: Any, kind: type = float, sweep: bool = True) -> 
             v = it
         if isinstance(v, float) and not math.isfinite(v):
             raise UsageError(f"{_flag(opt)} must be a finite number; got {it!r}")
-        out.append(check_value(opt, v) if opt in _RANGES else v)
+        out.append(check_value(opt, v) if opt in _EXAMPLES else v)
     return out
 
 
@@ -293,7 +284,7 @@ def build_grid(templates: Sequence[str], ns: dict, sweeps: Dict[str, list], n: i
     per_prompt = len(combos) * n
     plans, total = [], 0
     for i, t in enumerate(templates):
-        where = f"prompt {i + 1} {short(t)}"
+        where = f"prompt {i + 1} {one_line(t, 30)!r}"
         plan = _plan(t, ns, where)
         plans.append((i, where, plan))
         total += math.prod(len(v) for v in plan[2].values()) * per_prompt

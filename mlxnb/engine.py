@@ -28,7 +28,9 @@ from .batch import Admit, BatchExecutor
 from .caches import KV_BITS, KV_GROUP_SIZES
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
-from .scheduler import Scheduler, fmt_bytes, parse_bytes
+from ._log import log, swallowed
+from ._text import fmt_bytes, parse_bytes
+from .scheduler import Scheduler
 from .warmup import warm_up
 
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -206,7 +208,7 @@ class Engine:
             try:
                 fn(kind, obj)
             except Exception:  # a listener's bug must not stop generation
-                pass
+                swallowed("engine listener", fn)
 
     # -- submitting ----------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True, system: Optional[str] = None) -> List[int]:
@@ -448,7 +450,7 @@ class Engine:
             try:
                 await asyncio.wait_for(asyncio.shield(self._idle), timeout=10)
             except asyncio.TimeoutError:
-                pass
+                log.warning("aclose: the scheduler did not go idle within 10 s; closing anyway")
         self._closed = True
         self._wake.set()
         self._interrupt.set()

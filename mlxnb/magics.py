@@ -33,6 +33,8 @@ from traitlets import Bool, Float, Int, List, Unicode, Union
 from traitlets.config import Configurable
 
 from . import cellparse as cp
+from ._log import swallowed
+from ._text import one_line
 from .run import Run
 
 __all__ = ["MLXNB", "MLXNBMagics", "load_ipython_extension", "unload_ipython_extension",
@@ -145,7 +147,7 @@ async def wait():
             try:
                 w.sync_now()
             except Exception:
-                pass
+                swallowed("widget sync", w.sync_now)
 
     try:
         here = asyncio.get_running_loop()
@@ -224,11 +226,6 @@ def _sendable(magic):
             raise UsageError(safe) from None
 
     return wrapper
-
-
-def _one_line(e: BaseException, n: int = 300) -> str:
-    s = " ".join(str(e).split()) or type(e).__name__
-    return s if len(s) <= n else s[: n - 1] + "…"
 
 
 def _kernel_loop(ip):
@@ -310,10 +307,10 @@ class MLXNBMagics(Magics):
         try:
             eng = Engine(spec, **kw)
         except ValueError as e:
-            raise UsageError(f"%mlxnb load: {_one_line(e)}") from None
+            raise UsageError(f"%mlxnb load: {one_line(e, 300)}") from None
         except Exception as e:  # hub / file / format errors: all the user's to fix
             raise UsageError(
-                f"could not load model {spec!r} ({type(e).__name__}: {_one_line(e, 200)}); "
+                f"could not load model {spec!r} ({type(e).__name__}: {one_line(e, 200)}); "
                 "give an mlx-lm hub id, a local mlx-lm directory, or 'default'") from None
         _S.engine, _S.model_spec = eng, spec
         if not quiet:
@@ -518,8 +515,8 @@ class MLXNBMagics(Magics):
                 prepared.append(eng.prepare(g.prompt, chat=chat, system=system,
                                             **g.params, **common))
             except ValueError as e:
-                where = f"row {i + 1} {cp.short(g.prompt)}" if len(grid) > 1 else "%%generate"
-                raise UsageError(f"{where}: {_one_line(e)}") from None
+                where = f"row {i + 1} {one_line(g.prompt, 30)!r}" if len(grid) > 1 else "%%generate"
+                raise UsageError(f"{where}: {one_line(e, 300)}") from None
         submit = getattr(eng, "submit_prepared", None) or eng._submit_prepared
         rows = [submit(g.prompt, ids, sp, g.tag) for g, (ids, sp) in zip(grid, prepared)]
         run = Run(rows, name=a.out, meta={"model": eng.model_name, "options": line.strip(),
@@ -531,7 +528,7 @@ class MLXNBMagics(Magics):
                 run.widget = GenerationWidget(eng, rows, title=a.out or "")
                 _S.widgets.add(run.widget)
             except Exception as e:  # no widget: the run's text repr is the output
-                print(f"mlxnb: no live widget ({_one_line(e, 120)})", file=sys.stderr)
+                print(f"mlxnb: no live widget ({one_line(e, 120)})", file=sys.stderr)
         if a.out:
             self.shell.user_ns[a.out] = run
         return run

@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ._log import log
+
 DEFAULT_NAMES = ("default", "smollm2", "SmolLM2-135M-Instruct")
 _HUB_PROBE_TIMEOUT_S = 3.0
 _DIR_HINT = "pass a local mlx-lm model directory or 'default'"
@@ -117,8 +119,8 @@ def _hub_snapshot(repo: str) -> Path:
     except HFValidationError as e:
         raise ModelLoadError(f"could not load {repo!r}: not a local directory and not "
                              f"a valid hub id ({e}). {_DIR_HINT}") from e
-    except Exception:
-        pass  # not cached (LocalEntryNotFoundError and friends): try the network
+    except Exception:  # not cached (LocalEntryNotFoundError and friends): try the network
+        log.debug("%s is not in the local Hugging Face cache", repo, exc_info=True)
 
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise ModelLoadError(f"could not load {repo!r}: not a local directory, not in "

@@ -13,6 +13,9 @@ import numbers
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, List, Optional
 
+from ._log import swallowed
+from ._text import RANGES, one_line
+
 def on_loop(loop, make_awaitable):
     """An awaitable for `make_awaitable()` run on `loop`, awaitable from whatever loop
     is running: ipykernel 7 subshells run cells on another thread with another loop."""
@@ -31,12 +34,6 @@ def on_loop(loop, make_awaitable):
 
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-
-def _short(v) -> str:
-    """A one-line, bounded repr for error messages."""
-    s = " ".join(repr(v).split())
-    return s if len(s) <= 60 else s[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -64,34 +61,21 @@ class SamplingParams:
         for name in ("max_tokens", "top_k", "seed", "logprobs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, int) or v is None and name == "seed"):
-                bad(f"{name} must be an integer, got {_short(v)}")
+                bad(f"{name} must be an integer, got {one_line(repr(v), 60)}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             v = getattr(self, name)
             if v is None and name == "repetition_penalty":
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                bad(f"{name} must be a finite number, got {_short(v)}")
+                bad(f"{name} must be a finite number, got {one_line(repr(v), 60)}")
         if any(not callable(p) for p in self.logits_processors):
             bad("logits_processors entries must be callables (tokens, logits) -> logits")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (self.temperature >= 0):
-            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (0 <= self.min_p < 1):
-            bad(f"min_p must be in [0, 1), got {self.min_p!r}")
-        rp = self.repetition_penalty
-        if rp is not None and not (rp > 0):
-            bad(f"repetition_penalty must be > 0, got {rp!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name, (ok, what) in RANGES.items():
+            v = getattr(self, name, None)
+            if v is not None and not ok(v):
+                bad(f"{name} must be {what}, got {v!r}")
         if any(not (callable(s) or (isinstance(s, str) and s)) for s in self.stop):
             bad("stop entries must be non-empty strings (or callables text -> bool)")
-        if not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         return self
 
     @property
@@ -251,7 +235,7 @@ class Row:
             try:
                 fn(self)
             except Exception:  # a listener's bug must not break the engine
-                pass
+                swallowed("row callback", fn)
         self._callbacks.clear()
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Deque, Dict, Optional
 
+from ._text import fmt_bytes
+
 
 def _length(row) -> int:
     return row.prompt_tokens + len(row.tokens)
@@ -86,37 +88,3 @@ class Scheduler:
         except ValueError:
             return False
 
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def parse_bytes(v) -> Optional[int]:
-    """'2GB', '512MB', 1e9, None -> bytes (None = no limit)."""
-    if v is None:
-        return None
-    if isinstance(v, (int, float)):
-        if v <= 0:
-            raise ValueError(f"kv_budget must be positive, got {v!r}")
-        return int(v)
-    s = str(v).strip().upper().replace(" ", "")
-    if s in ("NONE", "INF", "UNLIMITED"):
-        return None
-    units = {"TB": 1 << 40, "GB": 1 << 30, "MB": 1 << 20, "KB": 1 << 10, "B": 1,
-             "T": 1 << 40, "G": 1 << 30, "M": 1 << 20, "K": 1 << 10}
-    for u in sorted(units, key=len, reverse=True):
-        if s.endswith(u):
-            num = s[: -len(u)]
-            break
-    else:
-        u, num = "B", s
-    try:
-        n = float(num)
-    except ValueError:
-        raise ValueError(f"cannot read {v!r} as a size; write e.g. '2GB' or '512MB'") from None
-    if n <= 0:
-        raise ValueError(f"kv_budget must be positive, got {v!r}")
-    return int(n * units[u])

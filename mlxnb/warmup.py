@@ -26,6 +26,7 @@ import time
 
 import mlx.core as mx
 
+from ._log import swallowed
 from .batch import Admit, BatchExecutor
 from .rows import SamplingParams
 
@@ -36,8 +37,8 @@ def _ids(n: int, salt: int):
 
 def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
     """Run the workload above on `ex` (on its MLX thread); returns the seconds taken.
-    Failures are swallowed: a model that cannot run a path fails real rows with a
-    message of their own."""
+    Failures are logged (mlxnb logger) and passed over: a model that cannot run a
+    path fails real rows with a message of their own."""
     t0 = time.perf_counter()
     # equal lengths: an unpadded batch; the joiner's own prompt: no prefix reuse
     first = [Admit(-1, _ids(9, 1), SamplingParams(max_tokens=3)),
@@ -53,7 +54,7 @@ def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
             if not report.busy and joiner is None:
                 break
     except Exception:
-        pass
+        swallowed("warm-up")
     # the buffers are small and get reused; mx.clear_cache would also hang in a
     # forked child (tests/test_prefill_policy.py)
     ex.close(clear_cache=False)
@@ -82,5 +83,6 @@ def prefill_rate(ex: BatchExecutor, n: int = 256) -> float:
             mx.eval([c.state for c in cache])  # as a prefill chunk: no logits
             took = time.perf_counter() - t
     except Exception:
+        swallowed("warm-up prefill-rate probe")
         return 0.0
     return n / max(took, 1e-6)

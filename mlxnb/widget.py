@@ -34,6 +34,8 @@ from pathlib import Path
 import anywidget
 import traitlets as t
 
+from ._text import fmt_bytes, one_line
+
 FLUSH_HZ = 15
 MAX_STEP_POINTS = 2000  # per history array, in traits and in a view
 MAX_SNAP_NUMBERS = 20000  # bound on per-row KV numbers kept in traits (lib.js: same)
@@ -80,19 +82,6 @@ def _halve(h: dict) -> None:
         h[k] = m + a[n:]
 
 
-def _fmt_bytes(n) -> str:
-    n = float(n or 0)
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":  # binary units, like the engine's "2GB" budget
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def _clip(s: str, n: int) -> str:
-    s = " ".join(s.split())  # one line: newlines and runs of spaces become one space
-    return s if len(s) <= n else s[: n - 1] + "\u2026"
-
-
 def _row_line(r, width: int) -> str:
     """`[done:stop]   12 tok  34.1 tok/s  ttft 0.12s  "prompt..." -> "text..."`"""
     if r.done:
@@ -110,9 +99,9 @@ def _row_line(r, width: int) -> str:
     p, txt = " ".join(r.prompt.split()), " ".join(out.split())
     room = max(24, width - len(line) - 10)  # quotes, arrow
     pn = min(len(p), max(12, room - min(len(txt), int(room * 0.6))))  # short text: long prompt
-    line += f'  "{_clip(p, pn)}"'
+    line += f'  "{one_line(p, pn)}"'
     if txt:
-        line += f' -> "{_clip(txt, max(8, room - pn))}"'
+        line += f' -> "{one_line(txt, max(8, room - pn))}"'
     return line
 
 
@@ -419,7 +408,7 @@ class GenerationWidget(anywidget.AnyWidget):
         if h["tok_s"]:
             parts.append(f"{h['tok_s']:.0f} tok/s")
         if h["kv_budget"]:
-            parts.append(f"KV {_fmt_bytes(h['kv'])} / {_fmt_bytes(h['kv_budget'])}")
+            parts.append(f"KV {fmt_bytes(h['kv'])} / {fmt_bytes(h['kv_budget'])}")
         lines = [" | ".join(parts)]
         shown = rows[-max_rows:]
         if len(rows) > len(shown):
