@@ -272,14 +272,14 @@ def is_complete(d: Path) -> bool:
 
 
 def ensure_converted(gguf: Path | None = None, dtype: str | None = None,
-                     root: Path | None = None, verify: bool = True) -> Path:
+                     root: Path | None = None) -> Path:
     """Return the converted model directory, converting first if needed.
 
     Atomic: the conversion is written to a temp dir next to the target and renamed
     into place only after the completion marker is written, so a crash never leaves a
     dir that passes `is_complete`. Concurrent-safe: an flock serialises converters,
     and the rename is still race-tolerant where flock is unavailable.
-    `gguf`/`verify` exist for tests: the output is always named after SmolLM2.
+    `gguf` exists for tests: the output is always named after SmolLM2.
     """
     dtype = dtype or default_dtype()
     root = Path(root) if root else cache_root()
@@ -287,8 +287,7 @@ def ensure_converted(gguf: Path | None = None, dtype: str | None = None,
     if is_complete(final):
         return final
     gguf = Path(gguf) if gguf else find_gguf()
-    if verify:
-        verify_gguf(gguf)
+    verify_gguf(gguf)
     root.mkdir(parents=True, exist_ok=True)
     with _lock(root / f".{final.name}.lock") as locked:
         if is_complete(final):  # someone else finished while we waited

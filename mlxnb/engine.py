@@ -44,8 +44,8 @@ class _WontFit(ValueError):
 
 # Longest run of decode steps the worker takes without the loop. Each round trip
 # costs ~0.4 ms of host time the device waits for
-# (bench/results/2026-11-29-h200-before-fusion.md); new rows and cancels end a streak at once (`_interrupt`), so it bounds only how
-# often tokens reach the widget.
+# (bench/results/2026-11-29-h200-before-fusion.md); new rows and cancels end a streak
+# at once (`_interrupt`), so it bounds only how often tokens reach the widget.
 _STREAK_S = 0.050
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
 _WORKER_TIDS: set = set()

@@ -171,7 +171,8 @@ def _split(line: str) -> list:
 class _Uses(argparse.Namespace):
     """Counts each option's uses so `_parse` can refuse a repeat: argparse keeps only
     the last of a repeated option (`--n 2 --n 3`, `--raw --chat`, `-o a -o b`), and
-    the extend actions would make `--temp 0.2 --temp 0.7` a sweep. Defaults are preset, so every later set is a use on the command line."""
+    the extend actions would make `--temp 0.2 --temp 0.7` a sweep. Defaults are
+    preset, so every later set is a use on the command line."""
 
     def __init__(self, parser):
         super().__init__()
@@ -517,8 +518,8 @@ class MLXNBMagics(Magics):
             except ValueError as e:
                 where = f"row {i + 1} {one_line(g.prompt, 30)!r}" if len(grid) > 1 else "%%generate"
                 raise UsageError(f"{where}: {one_line(e, 300)}") from None
-        submit = getattr(eng, "submit_prepared", None) or eng._submit_prepared
-        rows = [submit(g.prompt, ids, sp, g.tag) for g, (ids, sp) in zip(grid, prepared)]
+        rows = [eng.submit_prepared(g.prompt, ids, sp, g.tag)
+                for g, (ids, sp) in zip(grid, prepared)]
         run = Run(rows, name=a.out, meta={"model": eng.model_name, "options": line.strip(),
                                           "chat": chat, "system": system})
         if not quiet:
