@@ -89,15 +89,21 @@ function drawKV(canvas, st, c) {
   setAttr(canvas, "data-points", snaps.length);
   const g = prep(canvas);
   if (!g) return;
+  // A server engine publishes its KV use as a fraction of its cache, or not at all.
+  const unit = st.header.kv_unit === undefined ? "bytes" : st.header.kv_unit;
+  if (unit === null) return empty(g, c, "KV memory: not reported by this server");
   if (!snaps.length) return empty(g, c, "KV memory: no steps yet");
+  const frac = unit === "fraction";
   const { ctx } = g;
   const box = { l: 44, r: g.w - 6, t: 6, b: g.h - 14 };
   const { ids, tops, totals } = stackSnaps(snaps);
-  const peak = Math.max(...totals, 1);
-  const budget = st.header.kv_budget;
+  const peak = Math.max(...totals, frac ? 0.01 : 1);
+  const budget = frac ? 1 : st.header.kv_budget;
   const showBudget = budget && budget <= 3 * peak; // else the rows would be a flat line
-  const yt = bytesTicks((showBudget ? Math.max(peak, budget) : peak) * 1.05);
-  const y = yAxis(g, c, box, yt, formatBytes);
+  const yTop = (showBudget ? Math.max(peak, budget) : peak) * 1.05;
+  const yt = frac ? niceTicks(0, yTop, 3) : bytesTicks(yTop);
+  const fmt = frac ? (v) => `${Math.round(100 * v)}%` : formatBytes;
+  const y = yAxis(g, c, box, yt, fmt);
   const s0 = snaps[0][0], s1 = Math.max(snaps[snaps.length - 1][0], s0 + 1);
   const x = xLabels(g, c, box, s0, s1, (v) => String(Math.round(v)));
   const xs = snaps.map((s) => x(s[0]));
@@ -128,7 +134,7 @@ function drawKV(canvas, st, c) {
       ctx.setLineDash([]);
       ctx.fillStyle = c.err; ctx.fillText("budget", box.r - 2, py + 2);
     } else {
-      ctx.fillText(`budget ${formatBytes(budget)} ↑`, box.r - 2, box.t);
+      ctx.fillText(`budget ${fmt(budget)} ↑`, box.r - 2, box.t);
     }
   }
 }
@@ -144,15 +150,20 @@ function drawSteps(canvas, st, c) {
   const s0 = s[0], s1 = Math.max(s[s.length - 1], s0 + 1);
   const x = xLabels(g, c, box, s0, s1, (v) => String(Math.round(v)));
   // Batch size first, as a faint step area on the right axis, so the line stays on top.
-  const bt = niceTicks(0, Math.max(1, ...b), 2);
-  const yb = scaleLinear(0, bt.max, box.b, box.t);
-  ctx.beginPath(); ctx.moveTo(x(s[0]), box.b);
-  for (let i = 0; i < s.length; i++) {
-    ctx.lineTo(x(i ? s[i - 1] : s[0]), yb(b[i])); ctx.lineTo(x(s[i]), yb(b[i]));
+  if (st.header.batch_reported !== false) {
+    const bt = niceTicks(0, Math.max(1, ...b), 2);
+    const yb = scaleLinear(0, bt.max, box.b, box.t);
+    ctx.beginPath(); ctx.moveTo(x(s[0]), box.b);
+    for (let i = 0; i < s.length; i++) {
+      ctx.lineTo(x(i ? s[i - 1] : s[0]), yb(b[i])); ctx.lineTo(x(s[i]), yb(b[i]));
+    }
+    ctx.lineTo(x(s[s.length - 1]), box.b); ctx.closePath();
+    ctx.fillStyle = c.other; ctx.fill();
+    yAxis(g, c, box, bt, (v) => String(v), true);
+  } else {
+    ctx.font = c.font; ctx.fillStyle = c.muted; ctx.textAlign = "right"; ctx.textBaseline = "top";
+    ctx.fillText("batch: not reported by this server", box.r, box.t);
   }
-  ctx.lineTo(x(s[s.length - 1]), box.b); ctx.closePath();
-  ctx.fillStyle = c.other; ctx.fill();
-  yAxis(g, c, box, bt, (v) => String(v), true);
   const yt = niceTicks(0, Math.max(0.1, ...dt), 3);
   const y = yAxis(g, c, box, yt, (v) => (v >= 10 ? v.toFixed(0) : +v.toFixed(2)) + "");
   ctx.strokeStyle = c.accent; ctx.lineWidth = 1.25; ctx.beginPath();
@@ -311,7 +322,9 @@ function render({ model, el }) {
     if (hd.live) parts.push(`${formatRate(hd.tok_s ?? 0)} tok/s`);
     else if (rows.length) parts.push(`avg ${formatRate(runStats(rows).tok_s)} tok/s`);
     const kvNow = hd.live ? hd.kv : Math.max(0, ...st.hist.kv);
-    parts.push(`KV ${hd.live ? "" : "peak "}${formatBytes(kvNow || 0)}` +
+    if (hd.kv_unit === null) parts.push("KV: not reported by this server");
+    else if (hd.kv_unit === "fraction") parts.push(`server KV ${hd.live ? "" : "peak "}${Math.round(100 * (kvNow || 0))}%`);
+    else parts.push(`KV ${hd.live ? "" : "peak "}${formatBytes(kvNow || 0)}` +
       (hd.kv_budget ? ` / ${formatBytes(hd.kv_budget)}` : ""));
     setText(hStats, parts.join(" · "));
     setAttr(root, "data-live", hd.live ? "1" : "0");

@@ -28,7 +28,7 @@ def unload_ipython_extension(ip):
 
 
 __all__ = ["Engine", "Row", "RowResult", "Run", "SamplingParams", "StepRecord",
-           "GenerationWidget", "load_model", "wait", "load_ipython_extension",
+           "GenerationWidget", "load_model", "wait", "connect", "load_ipython_extension",
            "unload_ipython_extension"]
 __version__ = "0.1.0"
 
@@ -38,6 +38,7 @@ _LAZY = {
     "Engine": ".engine", "Row": ".rows", "RowResult": ".rows", "Run": ".run",
     "SamplingParams": ".rows", "StepRecord": ".rows", "GenerationWidget": ".widget",
     "load_model": ".models", "ModelLoadError": ".models", "wait": ".magics",
+    "connect": ".remote", "RemoteEngine": ".remote", "EngineLike": ".protocol",
 }
 
 

@@ -269,9 +269,17 @@ _LOAD.add_argument("--prefill-chunk", default=None)
 _LOAD.add_argument("--kv-bits", default=None)
 _LOAD.add_argument("--kv-group-size", default=None)
 
+_CONNECT = MagicArgumentParser(prog="%mlxnb connect", add_help=False)
+_CONNECT.add_argument("url")
+_CONNECT.add_argument("--model", default=None)
+_CONNECT.add_argument("--api-key-env", default=None)
+_CONNECT.add_argument("--max-concurrency", default=None)
+
 _HELP = """%mlxnb subcommands:
   %mlxnb load [MODEL] [--kv-budget 2GB|none] [--max-batch N] [--prefill-chunk N|auto]
                [--kv-bits 4|8|none] [--kv-group-size 64]
+  %mlxnb connect URL [--model NAME] [--api-key-env VAR] [--max-concurrency N]
+                           an OpenAI-compatible server (vLLM, mlx_lm.server ...)
   %mlxnb status            model, rows running / queued / done, KV memory
   %mlxnb stop [all|NAME]   cancel every unfinished row (or one Run/Row variable)
   %mlxnb dashboard         a live widget of every row of every cell
@@ -341,7 +349,7 @@ class MLXNBMagics(Magics):
         fn = getattr(self, f"_cmd_{sub}", None) if sub else self._cmd_help
         if fn is None:
             raise UsageError(f"%mlxnb: unknown subcommand {sub!r}; use one of load, "
-                             "status, stop, dashboard, wait, unload")
+                             "connect, status, stop, dashboard, wait, unload")
         if rest and sub in _NO_ARGS:  # `%mlxnb unload now` must not ignore "now"
             raise UsageError(f"%mlxnb {sub} takes no arguments; got {rest!r}")
         return fn(rest)
@@ -383,6 +391,39 @@ class MLXNBMagics(Magics):
         # (a failed load keeps the old engine)
         if eng is not None:
             _close(eng)
+        return None
+
+    def _cmd_connect(self, rest):
+        usage = "write %mlxnb connect URL [--model NAME] [--api-key-env VAR] [--max-concurrency N]"
+        a = _parse(_CONNECT, rest, "%mlxnb connect", usage)
+        mc = cp.parse_values("max_concurrency", a.max_concurrency, int, sweep=False)[0]
+        if mc is not None and mc < 1:
+            raise UsageError(f"%mlxnb connect: --max-concurrency must be a positive integer; got {mc}")
+        key = None
+        if a.api_key_env is not None:  # the key itself never appears in a cell
+            key = os.environ.get(a.api_key_env)
+            if not key:
+                raise UsageError(f"%mlxnb connect: the environment variable {a.api_key_env!r} "
+                                 "is not set or empty; set it to the API key before starting "
+                                 "Jupyter (or with os.environ in a cell not saved)")
+        eng = get_engine()
+        if eng is not None and eng.running + eng.queued:
+            raise UsageError(f"{eng.running + eng.queued} rows are still running or queued; "
+                             "`%mlxnb stop` them (or `await mlxnb.wait()`) before connecting")
+        from .remote import connect
+
+        try:
+            new = connect(a.url, model=a.model, api_key=key, max_concurrency=mc or 64,
+                          loop=_kernel_loop(self.shell))
+        except ValueError as e:
+            raise UsageError(f"%mlxnb connect: {_one_line(e)}") from None
+        _S.engine, _S.model_spec = new, new.model_name
+        if eng is not None:
+            _close(eng)
+        charts = (f"{new.metrics_source} /metrics" if new.load.reported
+                  else "server load not reported by this server")
+        print(f"mlxnb: connected to {new.url}, model {new.model_name!r} ({charts}); "
+              "`%mlxnb load` switches back to a local model")
         return None
 
     def _cmd_status(self, rest=""):

@@ -72,7 +72,7 @@ class Run:
                 "row": r.id, "prompt": r.prompt, "text": r.text,
                 "finish_reason": r.finish_reason, "state": r.state,
                 "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                "tokens": len(r.tokens), "ttft_s": r.ttft_s, "tok_s": r.tok_s,
+                "tokens": r.ntok, "ttft_s": r.ttft_s, "tok_s": r.tok_s,
                 "error": r.error,
             }
             if isinstance(r.tag, dict):

@@ -337,6 +337,9 @@ class GenerationWidget(anywidget.AnyWidget):
             "now": round(now, 3), "live": bool(self._live),
             "mode": "dashboard" if self.dashboard else "run", "title": self.title,
             "max_rows": self.max_rows,
+            # a server engine: KV as a fraction of its cache, or None = not reported
+            "kv_unit": getattr(e, "kv_unit", "bytes"),
+            "batch_reported": getattr(e, "batch_reported", True),
         }
 
     # -- full state ----------------------------------------------------------------------
@@ -409,6 +412,8 @@ class GenerationWidget(anywidget.AnyWidget):
             parts.append(f"{h['tok_s']:.0f} tok/s")
         if h["kv_budget"]:
             parts.append(f"KV {fmt_bytes(h['kv'])} / {fmt_bytes(h['kv_budget'])}")
+        elif h["kv_unit"] == "fraction":
+            parts.append(f"server KV {100 * h['kv']:.0f}%")
         lines = [" | ".join(parts)]
         shown = rows[-max_rows:]
         if len(rows) > len(shown):
