@@ -84,7 +84,7 @@ class Client:
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, max_connections: int = 64,
                  timeout: float = 300.0, connect_timeout: float = 10.0, retries: int = 4,
-                 backoff_s: float = 0.5, backoff_max_s: float = 8.0):
+                 backoff_s: float = 0.5, backoff_max_s: float = 8.0, transport=None):
         self.base = normalize_url(url)
         self.root = server_root(self.base)
         self._key = api_key or None
@@ -100,6 +100,7 @@ class Client:
         self.retries = retries
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self._http: Optional[httpx.AsyncClient] = None
+        self._transport = transport  # tests: an httpx.MockTransport
 
     def __repr__(self):
         return f"<mlxnb.remote.Client {self.base}{' (with API key)' if self._key else ''}>"
@@ -110,7 +111,7 @@ class Client:
     def _client(self) -> httpx.AsyncClient:
         if self._http is None or self._http.is_closed:
             self._http = httpx.AsyncClient(headers=self._headers, timeout=self._timeout,
-                                           limits=self._limits)
+                                           limits=self._limits, transport=self._transport)
         return self._http
 
     async def aclose(self) -> None:
@@ -215,7 +216,7 @@ class Client:
         """(model ids or None when the server lists none, /metrics text or None).
         Raises ValueError (one line) when the server cannot be reached or refuses
         the key."""
-        with httpx.Client(headers=self._headers, timeout=timeout) as c:
+        with httpx.Client(headers=self._headers, timeout=timeout, transport=self._transport) as c:
             try:
                 r = c.get(self.base + "/models")
             except (httpx.ConnectError, httpx.TimeoutException) as e:

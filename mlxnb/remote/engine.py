@@ -100,15 +100,15 @@ class RemoteEngine:
 
     def __init__(self, url: str, model: Optional[str] = None, api_key: Optional[str] = None,
                  max_concurrency: int = 64, *, timeout: float = 300.0, retries: int = 4,
-                 sample_s: float = 0.25, loop=None, _probe=None):
+                 sample_s: float = 0.25, loop=None, _transport=None):
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) \
                 or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be a positive integer, got "
                              f"{max_concurrency!r}")
         self.client = Client(url, api_key, max_connections=max_concurrency, timeout=timeout,
-                             retries=retries)
+                             retries=retries, transport=_transport)
         self.url = self.client.base
-        models, metrics_text = _probe if _probe is not None else self.client.probe()
+        models, metrics_text = self.client.probe()
         if model is None and models and len(models) > 1:
             raise ValueError(f"the server serves {len(models)} models "
                              f"({model_list_text(models)}); pick one with --model NAME")

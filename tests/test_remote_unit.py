@@ -1,0 +1,395 @@
+"""The server engine without a server: Prometheus parsing on the names vLLM, llama.cpp
+and SGLang document, and the HTTP behaviour (streaming, retries, errors, the API key)
+against httpx's MockTransport, which runs the real httpx client end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from mlxnb.protocol import EngineLike
+from mlxnb.remote import RemoteEngine
+from mlxnb.remote.client import ServerError, error_text, normalize_url
+from mlxnb.remote.metrics import parse_prometheus, server_load
+
+KEY = "sk-test-0123456789abcdef"
+
+# As vLLM's /metrics prints them (V1 engine, two data-parallel engines), abridged.
+VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 12.0
+vllm:num_requests_running{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 9.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.25
+vllm:iteration_tokens_total_bucket{le="1.0",model_name="m"} 3.0
+vllm:iteration_tokens_total_bucket{le="+Inf",model_name="m"} 7.0
+"""
+VLLM_V0 = """\
+vllm:num_requests_running{model_name="m"} 4.0
+vllm:num_requests_waiting{model_name="m"} 1.0
+vllm:num_requests_swapped{model_name="m"} 0.0
+vllm:gpu_cache_usage_perc{model_name="m"} 0.125
+vllm:cpu_cache_usage_perc{model_name="m"} 0.0
+"""
+# llama.cpp's server with --metrics (no labels).
+LLAMACPP = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 33065
+# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.
+# TYPE llamacpp:kv_cache_usage_ratio gauge
+llamacpp:kv_cache_usage_ratio 0.0625
+# HELP llamacpp:kv_cache_tokens KV-cache tokens.
+# TYPE llamacpp:kv_cache_tokens gauge
+llamacpp:kv_cache_tokens 512
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 5
+"""
+SGLANG = """\
+sglang:num_running_reqs{model_name="Qwen/Qwen2.5-7B-Instruct"} 7.0
+sglang:num_queue_reqs{model_name="Qwen/Qwen2.5-7B-Instruct"} 2.0
+sglang:token_usage{model_name="Qwen/Qwen2.5-7B-Instruct"} 0.28
+"""
+
+
+def test_prometheus_parser_reads_labels_comments_and_odd_values():
+    s = parse_prometheus('a{x="1",y="}"} 2\n# HELP a b\nb 3 1700000000\nc NaN\nbad line here\n'
+                         'd{q="a \\" b"} 1e3\n')
+    assert s == {"a": [2.0], "b": [3.0], "d": [1000.0]}
+
+
+@pytest.mark.parametrize("text,want", [
+    (VLLM, (21, 3, 0.375, "vllm")),  # counts summed over engines, KV averaged
+    (VLLM_V0, (4, 1, 0.125, "vllm")),
+    (LLAMACPP, (2, 5, 0.0625, "llamacpp")),
+    (SGLANG, (7, 2, 0.28, "sglang")),
+])
+def test_server_load_from_documented_metric_names(text, want):
+    ld = server_load(text)
+    assert (ld.running, ld.waiting, ld.kv_fraction, ld.source) == want
+    assert ld.reported
+
+
+def test_a_page_without_known_gauges_reports_nothing():
+    ld = server_load("python_gc_objects_collected_total 5\nprocess_cpu_seconds_total 1.5\n")
+    assert not ld.reported and ld.running is None and ld.kv_fraction is None
+
+
+def test_urls_and_error_bodies():
+    assert normalize_url("http://h:8000") == "http://h:8000/v1"
+    assert normalize_url("http://h:8000/v1/") == "http://h:8000/v1"
+    assert normalize_url("https://gw.example/openai/v1") == "https://gw.example/openai/v1"
+    for bad in ("h:8000", "ftp://h/v1", ""):
+        with pytest.raises(ValueError, match="http"):
+            normalize_url(bad)
+    assert error_text(b'{"error": "top_k must be at least 0"}') == "top_k must be at least 0"
+    assert error_text(b'{"error": {"message": "The model `x` does not exist.", "code": 404}}') \
+        == "The model `x` does not exist."
+    assert error_text(b'{"detail": "Not Found"}') == "Not Found"
+    assert error_text(b"<html>\n502 Bad Gateway</html>") == "<html> 502 Bad Gateway</html>"
+
+
+# -- a scripted server -------------------------------------------------------------------
+def sse(*events, done=True, comments=()) -> bytes:
+    out = [f": {c}\n\n" for c in comments]
+    out += [f"data: {json.dumps(e)}\n\n" for e in events]
+    if done:
+        out.append("data: [DONE]\n\n")
+    return "".join(out).encode()
+
+
+def chat_chunks(pieces, finish="length", usage=None):
+    ev = [{"choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]}
+          for p in pieces]
+    ev.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    if usage:
+        ev.append({"choices": [], "usage": usage})
+    return ev
+
+
+class Server:
+    """A MockTransport handler: answers /v1/models and /metrics, and hands each
+    completion request to `script(request, n)` (n = how many came before)."""
+
+    def __init__(self, script, models=("m1",), metrics=None, key=None):
+        self.script, self.models, self.metrics, self.key = script, models, metrics, key
+        self.bodies = []
+
+    def __call__(self, req: httpx.Request) -> httpx.Response:
+        if self.key and req.headers.get("authorization") != f"Bearer {self.key}":
+            return httpx.Response(401, json={"error": {"message": "Invalid API key"}})
+        path = req.url.path
+        if path == "/v1/models":
+            if self.models is None:
+                return httpx.Response(404, text="Not Found")
+            return httpx.Response(200, json={"data": [{"id": m} for m in self.models]})
+        if path == "/metrics":
+            return httpx.Response(200, text=self.metrics) if self.metrics else \
+                httpx.Response(404, text="Not Found")
+        body = json.loads(req.content)
+        self.bodies.append((path, body))
+        return self.script(req, len(self.bodies) - 1)
+
+
+def engine(server, **kw):
+    kw.setdefault("sample_s", 0.02)
+    eng = RemoteEngine("http://test:8000", _transport=httpx.MockTransport(server), **kw)
+    eng.client.backoff_s = 0.001
+    return eng
+
+
+def test_rows_stream_text_counts_and_usage(arun):
+    ok = lambda req, n: httpx.Response(200, content=sse(  # noqa: E731
+        *chat_chunks(["Hel", "lo", " there"], usage={"prompt_tokens": 11, "completion_tokens": 4}),
+        comments=["keepalive 5/11"]))
+    srv = Server(ok, metrics=VLLM)
+
+    async def main():
+        eng = engine(srv, max_concurrency=2)
+        assert isinstance(eng, EngineLike)
+        assert eng.model == "m1" and eng.kv_unit == "fraction" and eng.batch_reported
+        run = eng.generate(["a", "b", "c"], max_tokens=8, temperature=0.5, top_k=5,
+                           stop=["\n"], system="be brief")
+        res = await run
+        await eng.aclose()
+        return eng, run, res
+
+    eng, run, res = arun(main)
+    assert [r.finish_reason for r in res] == ["length"] * 3
+    assert res[0].text == "Hello there" and res[0].prompt_tokens == 11
+    assert run.rows[0].ntok == 4  # the server's usage count wins over the 3 pieces
+    path, body = srv.bodies[0]
+    assert path == "/v1/chat/completions"
+    assert body["messages"] == [{"role": "system", "content": "be brief"},
+                                {"role": "user", "content": "a"}]
+    assert body["model"] == "m1" and body["top_k"] == 5 and body["stop"] == ["\n"]
+    assert "top_p" not in body and "seed" not in body and "min_p" not in body
+    assert run.records()[0]["tokens"] == 4
+
+
+def test_raw_rows_use_completions_and_logprobs(arun):
+    ev = [{"choices": [{"index": 0, "text": "ab", "finish_reason": None,
+                        "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
+                                     "top_logprobs": [{"a": -0.1, "c": -3.0}, {"b": -0.2}]}}]},
+          {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}]
+    srv = Server(lambda req, n: httpx.Response(200, content=sse(*ev)), models=None)
+
+    async def main():
+        eng = engine(srv)
+        r = await eng.submit("p", chat=False, logprobs=2, seed=3, temperature=1.0)
+        await eng.aclose()
+        return eng, r
+
+    eng, r = arun(main)
+    path, body = srv.bodies[0]
+    assert path == "/v1/completions" and body["prompt"] == "p" and body["logprobs"] == 2
+    assert "model" not in body and body["seed"] == 3  # no listing: the server's default
+    assert eng.kv_unit is None and not eng.batch_reported
+    assert r.finish_reason == "stop" and r.text == "ab" and r.seed == 3
+    assert r.logprobs == [{"token": "a", "logprob": -0.1, "top": [("a", -0.1), ("c", -3.0)]},
+                          {"token": "b", "logprob": -0.2, "top": [("b", -0.2)]}]
+    assert "not reported by this server" in eng.status()
+
+
+def test_429_and_503_are_retried_then_served(arun):
+    def script(req, n):
+        if n == 0:
+            return httpx.Response(429, headers={"retry-after": "0"}, json={"error": "slow down"})
+        if n == 1:
+            return httpx.Response(503, text="starting")
+        return httpx.Response(200, content=sse(*chat_chunks(["x"])))
+
+    srv = Server(script)
+
+    async def main():
+        eng = engine(srv)
+        r = await eng.submit("p")
+        await eng.aclose()
+        return r
+
+    r = arun(main)
+    assert r.finish_reason == "length" and r.text == "x" and len(srv.bodies) == 3
+
+
+def test_connection_failures_are_retried_then_end_the_row_with_a_reason(arun):
+    calls = []
+
+    def script(req, n):
+        calls.append(n)
+        raise httpx.ConnectError("connection refused")
+
+    async def main():
+        eng = engine(Server(script), retries=2)
+        r = await eng.submit("p")
+        await eng.aclose()
+        return r
+
+    r = arun(main)
+    assert r.finish_reason == "error" and len(calls) == 3
+    assert "after 3 attempts" in r.error and "check that it is running" in r.error
+
+
+def test_a_stream_broken_after_tokens_is_not_retried(arun):
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield sse(*chat_chunks(["one", "two"])[:2], done=False)
+            raise httpx.ReadError("connection reset by peer")
+
+    srv = Server(lambda req, n: httpx.Response(200, stream=Broken()))
+
+    async def main():
+        eng = engine(srv)
+        r = await eng.submit("p")
+        await eng.aclose()
+        return r
+
+    r = arun(main)
+    assert r.finish_reason == "error" and r.text == "onetwo" and len(srv.bodies) == 1
+    assert "broke mid-stream" in r.error
+
+
+@pytest.mark.parametrize("status,body,want", [
+    (400, {"error": "top_logprobs must be at most 11"},
+     "the server rejected the request: top_logprobs must be at most 11"),
+    (404, {"error": {"message": "The model `m1` does not exist."}}, "does not know model 'm1'"),
+    (500, {"error": "boom"}, "the server answered 500: boom"),
+])
+def test_refusals_end_that_row_with_one_line(arun, status, body, want):
+    srv = Server(lambda req, n: httpx.Response(status, json=body) if n == 0 else
+                 httpx.Response(200, content=sse(*chat_chunks(["fine"]))))
+
+    async def main():
+        eng = engine(srv)
+        bad = await eng.submit("p")
+        good = await eng.submit("q")  # the engine goes on serving
+        await eng.aclose()
+        return bad, good
+
+    bad, good = arun(main)
+    assert bad.finish_reason == "error" and want in bad.error and "\n" not in bad.error
+    assert good.finish_reason == "length" and good.text == "fine"
+
+
+def test_an_error_event_mid_stream_ends_the_row(arun):
+    ev = chat_chunks(["a"])[:1] + [{"error": {"message": "engine dead", "code": 500}}]
+    srv = Server(lambda req, n: httpx.Response(200, content=sse(*ev)))
+
+    async def main():
+        eng = engine(srv)
+        r = await eng.submit("p")
+        await eng.aclose()
+        return r
+
+    r = arun(main)
+    assert r.finish_reason == "error" and "engine dead" in r.error and r.text == "a"
+
+
+def test_the_api_key_is_sent_but_never_shown_or_saved(arun, tmp_path):
+    srv = Server(lambda req, n: httpx.Response(200, content=sse(*chat_chunks(["k"]))), key=KEY)
+
+    async def main():
+        eng = engine(srv, api_key=KEY)
+        run = eng.generate(["a"])
+        await run
+        from mlxnb.widget import GenerationWidget
+
+        w = GenerationWidget(eng, run.rows)
+        state = json.dumps([w.rows, w.header, w.steps]) + w.summary_text()
+        await eng.aclose()
+        return eng, run, state
+
+    eng, run, state = arun(main)
+    assert run.rows[0].finish_reason == "length"
+    saved = run.save(tmp_path / "run.jsonl").read_text()
+    for text in (repr(eng), eng.status(), repr(eng.client), state, saved, repr(run.meta),
+                 json.dumps(run.records())):
+        assert KEY not in text
+
+
+def test_a_wrong_key_is_refused_at_connect_without_echoing_it():
+    srv = Server(lambda req, n: httpx.Response(200), key=KEY)
+    with pytest.raises(ValueError, match="refused the API key") as e:
+        engine(srv, api_key="sk-wrong-key-42")
+    assert "sk-wrong-key-42" not in str(e.value)
+
+
+def test_model_choice_at_connect():
+    srv = Server(lambda req, n: httpx.Response(200), models=("a", "b"))
+    with pytest.raises(ValueError, match="serves 2 models .*pick one with --model"):
+        engine(srv)
+    with pytest.raises(ValueError, match="does not serve model 'c'; it lists 'a', 'b'"):
+        engine(srv, model="c")
+    assert engine(srv, model="b").model_name == "b"
+
+
+def test_an_unreachable_server_is_refused_at_connect():
+    def refuse(req):
+        raise httpx.ConnectError("connection refused")
+
+    with pytest.raises(ValueError, match="could not connect to http://test:8000/v1 .*"
+                                         "check the address"):
+        engine(refuse)
+
+
+def test_bad_input_is_refused_before_anything_is_sent(arun):
+    srv = Server(lambda req, n: httpx.Response(200, content=sse(*chat_chunks(["x"]))))
+
+    async def main():
+        eng = engine(srv)
+        for kw, msg in [({"stop": [lambda t: True]}, "stop strings only"),
+                        ({"logits_processors": [lambda t, l: l]}, "cannot take them"),
+                        ({"temperature": -1}, "temperature must be >= 0"),
+                        ({"bogus": 1}, "unknown parameter")]:
+            with pytest.raises(ValueError, match=msg):
+                eng.submit("p", **kw)
+        with pytest.raises(ValueError, match="prompt is empty"):
+            eng.submit("  ")
+        await eng.aclose()
+
+    arun(main)
+    assert srv.bodies == []
+
+
+def test_cancel_queued_and_streaming_rows(arun):
+    class Slow(httpx.AsyncByteStream):
+        closed = []
+
+        async def __aiter__(self):
+            for i in range(1000):
+                yield sse(*chat_chunks([f"{i} "])[:1], done=False)
+                await asyncio.sleep(0.005)
+
+        async def aclose(self):
+            Slow.closed.append(True)
+
+    srv = Server(lambda req, n: httpx.Response(200, stream=Slow()), metrics=VLLM)
+
+    async def main():
+        eng = engine(srv, max_concurrency=1)
+        run = eng.generate(["a", "b"], max_tokens=1000)
+        while run.rows[0].ntok < 3:
+            await asyncio.sleep(0.01)
+        assert run.rows[1].state == "queued" and eng.queued == 1
+        run.cancel()
+        res = await run
+        await eng.aclose()
+        return eng, res
+
+    eng, res = arun(main)
+    assert [r.finish_reason for r in res] == ["cancelled", "cancelled"]
+    assert len(srv.bodies) == 1 and Slow.closed  # the queued row was never sent
+    assert eng.running == 0 and eng.steps and eng.steps[-1].kv_bytes == 0.375
