@@ -127,7 +127,10 @@ class Client:
                 f"the server refused the API key ({status}: {msg}); give the right key "
                 "with --api-key-env VAR (an environment variable holding it) or api_key=")
         if status == 404:
-            if model and ("model" in msg.lower() or "snapshot" in msg.lower()):
+            # A bare "Not Found" is a missing endpoint; any other 404 from a completion
+            # endpoint is about the model (mlx_lm.server answers 404 when it cannot
+            # load the model asked for; vLLM: "The model `x` does not exist.").
+            if model and msg.strip().lower().strip(".") not in ("not found", "404 page not found"):
                 return ServerError(f"the server does not know model {model!r} ({msg}); "
                                    "connect again with --model set to a model it serves")
             return ServerError(f"{self.base} has no such endpoint (404: {msg}); check "
