@@ -84,7 +84,8 @@ class Client:
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, max_connections: int = 64,
                  timeout: float = 300.0, connect_timeout: float = 10.0, retries: int = 4,
-                 backoff_s: float = 0.5, backoff_max_s: float = 8.0, transport=None):
+                 backoff_s: float = 0.5, connect_backoff_s: float = 0.1,
+                 backoff_max_s: float = 8.0, transport=None):
         self.base = normalize_url(url)
         self.root = server_root(self.base)
         self._key = api_key or None
@@ -98,7 +99,13 @@ class Client:
         self._limits = httpx.Limits(max_connections=max_connections,
                                     max_keepalive_connections=max_connections)
         self.retries = retries
+        # A busy server's 429/503 asks for a real pause; a refused or reset connection
+        # is most often a burst of new connections overflowing a small listen backlog
+        # (mlx_lm.server's is 5, and it closes every connection after one response),
+        # which a quick retry gets through.
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
+        self.connect_backoff_s = connect_backoff_s
+        self.retried = 0  # retries so far (status: how often the server pushed back)
         self._http: Optional[httpx.AsyncClient] = None
         self._transport = transport  # tests: an httpx.MockTransport
 
@@ -139,13 +146,14 @@ class Client:
             return ServerError(f"the server rejected the request: {msg}")
         return ServerError(f"the server answered {status}: {msg}")
 
-    def _delay(self, attempt: int, retry_after: Optional[str]) -> float:
+    def _delay(self, attempt: int, retry_after: Optional[str], base: float) -> float:
+        self.retried += 1
         if retry_after:
             try:
                 return min(float(retry_after), 30.0)
             except ValueError:
                 pass
-        d = min(self.backoff_max_s, self.backoff_s * 2 ** attempt)
+        d = min(self.backoff_max_s, base * 2 ** attempt)
         return d * (0.5 + random.random() / 2)  # jitter: retries do not arrive in lockstep
 
     # -- streaming -------------------------------------------------------------------
@@ -163,8 +171,8 @@ class Client:
                     if resp.status_code != 200:
                         data = await resp.aread()
                         if resp.status_code in RETRY_STATUS and attempt < self.retries:
-                            await asyncio.sleep(self._delay(attempt,
-                                                            resp.headers.get("retry-after")))
+                            await asyncio.sleep(self._delay(
+                                attempt, resp.headers.get("retry-after"), self.backoff_s))
                             attempt += 1
                             continue
                         raise self.http_error(resp.status_code, data, body.get("model"))
@@ -196,7 +204,7 @@ class Client:
                     raise ServerError(f"could not reach the server at {self.base} after "
                                       f"{attempt + 1} attempts ({_why(e)}); check that it "
                                       "is running, then submit again") from None
-                await asyncio.sleep(self._delay(attempt, None))
+                await asyncio.sleep(self._delay(attempt, None, self.connect_backoff_s))
                 attempt += 1
             except httpx.TimeoutException as e:
                 raise ServerError(f"the server sent nothing for {self._timeout.read:.0f} s "

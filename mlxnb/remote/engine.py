@@ -99,7 +99,7 @@ class RemoteEngine:
     kv_budget = None
 
     def __init__(self, url: str, model: Optional[str] = None, api_key: Optional[str] = None,
-                 max_concurrency: int = 64, *, timeout: float = 300.0, retries: int = 4,
+                 max_concurrency: int = 64, *, timeout: float = 300.0, retries: int = 5,
                  sample_s: float = 0.25, loop=None, _transport=None):
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) \
                 or max_concurrency < 1:
@@ -488,8 +488,9 @@ class RemoteEngine:
             server = f"server ({ld.source} metrics): {', '.join(parts)}"
         else:
             server = "server load: not reported by this server"
+        retried = f", {self.client.retried} retried" if self.client.retried else ""
         return (f"model {self.model_name} at {self.url} | streaming {self.running}, queued "
-                f"{self.queued}, done {done} (max {self.max_batch} at once) | {server}")
+                f"{self.queued}, done {done} (max {self.max_batch} at once{retried}) | {server}")
 
     def __repr__(self):
         return f"<mlxnb.RemoteEngine {self.status()}>"
