@@ -170,11 +170,11 @@ def main():
                 cpu = time.process_time() - c0
                 res[name].append((n, wall, cpu))
                 print(f"{name:6s} {n:7d} tokens {wall:7.2f} s {n / wall:9.1f} tok/s, client CPU "
-                      f"{1000 * cpu / n:.2f} ms per 1000 tokens", flush=True)
+                      f"{1000 * cpu / n:.3f} ms per token", flush=True)
     ratios = [(m[0] / m[1]) / (p[0] / p[1]) for p, m in zip(res["plain"], res["mlxnb"])]
     print(f"\nrows {a.rows}, max_tokens {a.max_tokens}, concurrency {a.concurrency}, "
           f"model {a.model if not a.url else a.url}")
-    print("| pass | plain tok/s | mlxnb tok/s | mlxnb / plain | client CPU s per 1k tokens: "
+    print("| pass | plain tok/s | mlxnb tok/s | mlxnb / plain | client CPU ms per token: "
           "plain | mlxnb |\n|---|---|---|---|---|---|")
     for i, (p, m, r) in enumerate(zip(res["plain"], res["mlxnb"], ratios)):
         print(f"| {i + 1} | {p[0] / p[1]:.1f} | {m[0] / m[1]:.1f} | {r:.3f} | "

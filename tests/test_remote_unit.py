@@ -393,3 +393,67 @@ def test_cancel_queued_and_streaming_rows(arun):
     assert [r.finish_reason for r in res] == ["cancelled", "cancelled"]
     assert len(srv.bodies) == 1 and Slow.closed  # the queued row was never sent
     assert eng.running == 0 and eng.steps and eng.steps[-1].kv_bytes == 0.375
+
+
+# -- the magics ------------------------------------------------------------------------
+@pytest.fixture
+def ip(monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import mlxnb.remote
+    from mlxnb import magics
+
+    srv = Server(lambda req, n: httpx.Response(200, content=sse(
+        *chat_chunks(["hi"], usage={"prompt_tokens": 3, "completion_tokens": 1}))),
+        metrics=LLAMACPP)
+
+    def connect(url, **kw):  # the real engine, on the scripted server
+        return RemoteEngine(url, _transport=httpx.MockTransport(srv), **kw)
+
+    monkeypatch.setattr(mlxnb.remote, "connect", connect)
+    shell = InteractiveShell.instance()
+    magics.load_ipython_extension(shell)
+    yield shell
+    magics.unload_ipython_extension(shell)
+    magics._S.config = None
+    assert magics._S.engine is None, "a test left its engine open"
+
+
+@pytest.mark.parametrize("line,msg", [
+    ("connect", "the following arguments are required: url"),
+    ("connect http://h:1 --max-concurrency 0", "--max-concurrency must be a positive"),
+    ("connect http://h:1 --max-concurrency x", "is not an integer"),
+    ("connect http://h:1 --api-key-env MLXNB_NO_SUCH_VAR", "'MLXNB_NO_SUCH_VAR' is not set"),
+    ("connect h:1", "is not an http(s) address"),
+])
+def test_connect_mistakes_are_one_line_usage_errors(ip, line, msg):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("mlxnb", line)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_connect_then_generate_status_and_stop(ip, arun, capsys, monkeypatch):
+    from mlxnb import magics
+
+    monkeypatch.setenv("MLXNB_TEST_KEY", KEY)
+
+    async def main():
+        try:
+            ip.run_line_magic("mlxnb", "connect http://test:8000 --api-key-env MLXNB_TEST_KEY "
+                                       "--max-concurrency 2")
+            run = ip.run_cell_magic("generate", "--max-tokens 5 --quiet", "one\ntwo\nthree")
+            res = await run
+            ip.run_line_magic("mlxnb", "status")
+            ip.run_line_magic("mlxnb", "stop")
+            return run, res
+        finally:
+            await magics.shutdown()
+
+    run, res = arun(main)
+    out = capsys.readouterr().out
+    assert [r.text for r in res] == ["hi"] * 3 and run.meta["model"] == "m1"
+    assert "connected to http://test:8000/v1, model 'm1' (llamacpp /metrics)" in out
+    assert "done 3 (max 2 at once) | server (llamacpp metrics): running 2, waiting 5, KV 6%" in out
+    assert KEY not in out
