@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 import mlxnb  # noqa: E402
+from mlxnb._blas import blas_env  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -46,6 +47,7 @@ def server(model_dir: str, concurrency: int):
         port = s.getsockname()[1]
     log = tempfile.NamedTemporaryFile(prefix="mlx_lm_server_", suffix=".log", delete=False)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.update(blas_env(env))  # OpenBLAS under the server's MLX too (Linux CPU)
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", model_dir,
                              "--port", str(port), "--decode-concurrency", str(concurrency),
                              "--prompt-concurrency", str(concurrency), "--log-level", "WARNING"],

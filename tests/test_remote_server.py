@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from _jupyter import free_port, kernel_env  # tests/ is on sys.path under pytest
+from mlxnb._blas import blas_env
 from mlxnb.remote import connect
 
 pytestmark = pytest.mark.server
@@ -34,6 +35,7 @@ def mlx_lm_server(model_dir, log_path: Path, port: int | None = None, hf_hub: bo
     if hf_hub:
         (hf / "hub").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HOME=str(hf), HF_HUB_OFFLINE="1")
+    env.update(blas_env(env))  # OpenBLAS under the server's MLX too, as under ours (Linux CPU)
     log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
                              "--host", "127.0.0.1", "--port", str(port)],

@@ -457,3 +457,17 @@ def test_connect_then_generate_status_and_stop(ip, arun, capsys, monkeypatch):
     assert "connected to http://test:8000/v1, model 'm1' (llamacpp /metrics)" in out
     assert "done 3 (max 2 at once) | server (llamacpp metrics): running 2, waiting 5, KV 6%" in out
     assert KEY not in out
+
+
+def test_both_engines_satisfy_the_protocol(tiny, arun):
+    from mlxnb.engine import Engine
+
+    async def main():
+        eng = Engine(tiny, warmup=False)
+        try:
+            assert isinstance(eng, EngineLike)
+        finally:
+            await eng.aclose()
+
+    arun(main)
+    assert isinstance(engine(Server(lambda req, n: None)), EngineLike)
