@@ -380,8 +380,9 @@ class MLXNBMagics(Magics):
         eng = get_engine()
         if eng is not None:
             local = getattr(eng, "url", None) is None  # load always means this process
-            if local and _same_model(eng, spec) and (a.kv_budget is a.max_batch is a.prefill_chunk
-                                                     is a.kv_bits is a.kv_group_size is None):
+            if local and _same_model(eng, spec) and (
+                    a.kv_budget is a.max_batch is a.prefill_chunk is a.kv_bits
+                    is a.kv_group_size is None):
                 print(f"mlxnb: {spec!r} is already loaded")
                 return None
             busy = eng.running + eng.queued
