@@ -100,6 +100,10 @@ def test_urls_and_error_bodies():
     assert error_text(b'{"error": {"message": "The model `x` does not exist.", "code": 404}}') \
         == "The model `x` does not exist."
     assert error_text(b'{"detail": "Not Found"}') == "Not Found"
+    from mlxnb.remote.client import Client
+
+    c = Client("http://me:hunter2@h:8000/v1")
+    assert c.shown == "http://h:8000/v1" and "hunter2" not in repr(c)
     assert error_text(b"<html>\n502 Bad Gateway</html>") == "<html> 502 Bad Gateway</html>"
 
 
@@ -381,7 +385,7 @@ def test_cancel_queued_and_streaming_rows(arun):
     async def main():
         eng = engine(srv, max_concurrency=1)
         run = eng.generate(["a", "b"], max_tokens=1000)
-        while run.rows[0].ntok < 3:
+        while run.rows[0].ntok < 3 or not eng.steps:  # streaming, and charted
             await asyncio.sleep(0.01)
         assert run.rows[1].state == "queued" and eng.queued == 1
         run.cancel()

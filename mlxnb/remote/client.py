@@ -88,6 +88,9 @@ class Client:
                  backoff_max_s: float = 8.0, transport=None):
         self.base = normalize_url(url)
         self.root = server_root(self.base)
+        # what messages show: user:password@ in an address is a credential too
+        u = urlsplit(self.base)
+        self.shown = urlunsplit((u.scheme, u.netloc.rpartition("@")[2], u.path, "", ""))
         self._key = api_key or None
         self._headers = {"Accept": "text/event-stream"}
         if self._key:
@@ -110,7 +113,7 @@ class Client:
         self._transport = transport  # tests: an httpx.MockTransport
 
     def __repr__(self):
-        return f"<mlxnb.remote.Client {self.base}{' (with API key)' if self._key else ''}>"
+        return f"<mlxnb.remote.Client {self.shown}{' (with API key)' if self._key else ''}>"
 
     def scrub(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
@@ -140,7 +143,7 @@ class Client:
             if model and msg.strip().lower().strip(".") not in ("not found", "404 page not found"):
                 return ServerError(f"the server does not know model {model!r} ({msg}); "
                                    "connect again with --model set to a model it serves")
-            return ServerError(f"{self.base} has no such endpoint (404: {msg}); check "
+            return ServerError(f"{self.shown} has no such endpoint (404: {msg}); check "
                                "the address (OpenAI-compatible servers answer under /v1)")
         if status in (400, 422):
             return ServerError(f"the server rejected the request: {msg}")
@@ -201,7 +204,7 @@ class Client:
                     raise ServerError(f"the connection to the server broke mid-stream "
                                       f"({_why(e)}); the text so far is kept") from None
                 if attempt >= self.retries:
-                    raise ServerError(f"could not reach the server at {self.base} after "
+                    raise ServerError(f"could not reach the server at {self.shown} after "
                                       f"{attempt + 1} attempts ({_why(e)}); check that it "
                                       "is running, then submit again") from None
                 await asyncio.sleep(self._delay(attempt, None, self.connect_backoff_s))
@@ -231,7 +234,7 @@ class Client:
             try:
                 r = c.get(self.base + "/models")
             except (httpx.ConnectError, httpx.TimeoutException) as e:
-                raise ValueError(f"could not connect to {self.base} ({_why(e)}); check "
+                raise ValueError(f"could not connect to {self.shown} ({_why(e)}); check "
                                  "the address and that the server is running") from None
             except httpx.HTTPError:  # it answered, but not with a model list
                 r = None

@@ -107,7 +107,7 @@ class RemoteEngine:
                              f"{max_concurrency!r}")
         self.client = Client(url, api_key, max_connections=max_concurrency, timeout=timeout,
                              retries=retries, transport=_transport)
-        self.url = self.client.base
+        self.url = self.client.shown  # no user:password@
         models, metrics_text = self.client.probe()
         if model is None and models and len(models) > 1:
             raise ValueError(f"the server serves {len(models)} models "
