@@ -100,7 +100,12 @@ def test_seeded_rows_give_the_same_text_twice(server, tiny_dir):
         a = await eng.submit("same seed", seed=11, **kw)
         b = await eng.submit("same seed", seed=11, **kw)
         c = await eng.submit("same seed", seed=12, **kw)
+        # mlx_lm.server takes at most 11 top logprobs: that row alone ends, with its reason
+        rejected, fine = eng.submit("too many", logprobs=15), eng.submit("fine", max_tokens=4)
+        assert (await rejected).finish_reason == "error" and (await fine).finish_reason == "length"
         await eng.aclose()
+        assert rejected.error == ("the server rejected the request: top_logprobs must be at "
+                                  "most 11")
         return a, b, c
 
     a, b, c = run_async(main)
