@@ -91,6 +91,7 @@ function drawKV(canvas, st, c) {
   if (!g) return;
   // A server engine publishes its KV use as a fraction of its cache, or not at all.
   const unit = st.header.kv_unit === undefined ? "bytes" : st.header.kv_unit;
+  setAttr(canvas, "data-reported", unit === null ? "0" : "1");
   if (unit === null) return empty(g, c, "KV memory: not reported by this server");
   if (!snaps.length) return empty(g, c, "KV memory: no steps yet");
   const frac = unit === "fraction";
@@ -150,6 +151,7 @@ function drawSteps(canvas, st, c) {
   const s0 = s[0], s1 = Math.max(s[s.length - 1], s0 + 1);
   const x = xLabels(g, c, box, s0, s1, (v) => String(Math.round(v)));
   // Batch size first, as a faint step area on the right axis, so the line stays on top.
+  setAttr(canvas, "data-batch-reported", st.header.batch_reported === false ? "0" : "1");
   if (st.header.batch_reported !== false) {
     const bt = niceTicks(0, Math.max(1, ...b), 2);
     const yb = scaleLinear(0, bt.max, box.b, box.t);
