@@ -475,3 +475,27 @@ def test_both_engines_satisfy_the_protocol(tiny, arun):
 
     arun(main)
     assert isinstance(engine(Server(lambda req, n: None)), EngineLike)
+
+
+def test_wire_events_and_finish_reasons():
+    from mlxnb.remote import wire
+
+    ev = wire.parse_event({"choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": {
+        "content": [{"token": "H", "logprob": -0.5, "top_logprobs": [{"token": "H", "logprob": -0.5}]},
+                    {"token": "i", "logprob": -0.1, "top_logprobs": []}]},
+        "finish_reason": None}, {"index": 1, "delta": {"content": "other choice"}}]}, chat=True)
+    assert (ev.text, ev.ntok, ev.finish) == ("Hi", 2, None)
+    assert ev.logprobs[0] == {"token": "H", "logprob": -0.5, "top": [("H", -0.5)]}
+    role_only = wire.parse_event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}, True)
+    assert role_only.ntok == 0 and role_only.text == ""
+    assert wire.usage_counts({"prompt_tokens": 7, "completion_tokens": 3,
+                              "prompt_tokens_details": {"cached_tokens": 4}}) == (7, 3, 4)
+    assert wire.usage_counts({"prompt_tokens": True}) == (None, None, 0)
+    assert wire.prefill_progress("keepalive 512/2048") == (512, 2048)
+    assert wire.prefill_progress("keepalive soon") is None
+    assert wire.finish("length") == ("length", None)
+    assert wire.finish("tool_calls") == ("stop", None)
+    assert wire.finish("abort")[0] == "error"
+    assert "without a finish reason" in wire.finish(None)[1]
+    with pytest.raises(ServerError, match="the server failed the request: out of memory"):
+        wire.parse_event({"error": {"message": "out of\nmemory", "code": 500}}, chat=False)

@@ -21,18 +21,17 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from ..rows import DECODE, PREFILL, Row, SamplingParams, StepRecord
 from ..run import Run
+from . import wire
 from .client import Client, ServerError, model_list_text
 from .metrics import ServerLoad, server_load
+from .wire import Request
 
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 _KEEP_STEPS = 200_000
-_FINISH = {"stop": "stop", "eos": "stop", "length": "length", "tool_calls": "stop",
-           "function_call": "stop", "content_filter": "stop"}
 
 
 def _get_loop(loop):
@@ -48,14 +47,6 @@ def _get_loop(loop):
         return tornado.ioloop.IOLoop.current().asyncio_loop
     except Exception:
         return asyncio.get_event_loop_policy().get_event_loop()
-
-
-@dataclass(frozen=True)
-class Request:
-    """How a prompt goes out: chat messages (server-side template) or raw text."""
-
-    chat: bool
-    system: Optional[str]
 
 
 class RemoteRow(Row):
@@ -269,55 +260,16 @@ class RemoteEngine:
                                                        context=contextvars.Context())
 
     # -- one request ---------------------------------------------------------------------
-    def body(self, row: RemoteRow) -> dict:
-        """The request body for a row: only what differs from server defaults is sent
-        besides max_tokens and temperature, so servers that lack an option still
-        serve rows that do not use it."""
-        p, req = row.params, row.request
-        b = {"stream": True, "stream_options": {"include_usage": True},
-             "max_tokens": p.max_tokens, "temperature": p.temperature}
-        if self.model is not None:
-            b["model"] = self.model
-        if req.chat:
-            msgs = [{"role": "system", "content": req.system}] if req.system else []
-            b["messages"] = msgs + [{"role": "user", "content": row.prompt}]
-        else:
-            b["prompt"] = f"{req.system}\n\n{row.prompt}" if req.system else row.prompt
-        if p.top_p < 1.0:
-            b["top_p"] = p.top_p
-        if p.top_k:
-            b["top_k"] = p.top_k
-        if p.min_p:
-            b["min_p"] = p.min_p
-        if p.repetition_penalty is not None:
-            b["repetition_penalty"] = p.repetition_penalty
-        if p.seed is not None:
-            b["seed"] = p.seed
-        if p.stop:
-            b["stop"] = list(p.stop)
-        if p.logprobs:
-            if req.chat:
-                b["logprobs"], b["top_logprobs"] = True, p.logprobs
-            else:
-                b["logprobs"] = p.logprobs
-        return b
-
     async def _stream_row(self, row: RemoteRow):
         req = row.request
         path = "/chat/completions" if req.chat else "/completions"
         row.state, row.t_admit = PREFILL, self.clock()
         try:
-            await self.client.stream(path, self.body(row),
+            await self.client.stream(path, wire.request_body(row.prompt, req, row.params,
+                                                             self.model),
                                      lambda obj: self._on_data(row, obj),
                                      lambda text: self._on_comment(row, text))
-            fr = row._server_finish
-            if fr is None:
-                self._end(row, "error", "the server ended the stream without a finish "
-                                        "reason (it may have stopped or restarted)")
-            elif fr == "abort":
-                self._end(row, "error", "the server aborted the request")
-            else:
-                self._end(row, _FINISH.get(fr, "stop"))
+            self._end(row, *wire.finish(row._server_finish))
         except asyncio.CancelledError:
             self._end(row, "cancelled")
         except ServerError as e:
@@ -329,60 +281,35 @@ class RemoteEngine:
             self._pump()
 
     def _on_comment(self, row: RemoteRow, text: str):
-        # mlx_lm.server reports prefill progress as SSE comments: "keepalive 512/2048"
-        if text.startswith("keepalive ") and row.state == PREFILL:
-            done, _, total = text[10:].partition("/")
-            if done.isdigit() and total.isdigit():
-                row._prompt_n, row.prefill_done = int(total), int(done)
+        progress = wire.prefill_progress(text)
+        if progress is not None and row.state == PREFILL:
+            row.prefill_done, row._prompt_n = progress
 
-    def _on_data(self, row: RemoteRow, obj: dict) -> bool:
-        if not isinstance(obj, dict):
-            return False
-        err = obj.get("error")
-        if err:  # vLLM and llama.cpp report a failure mid-stream as an event
-            msg = err.get("message") if isinstance(err, dict) else err
-            raise ServerError(f"the server failed the request: {' '.join(str(msg).split())[:200]}")
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            row._prompt_n = int(usage.get("prompt_tokens") or row._prompt_n)
-            details = usage.get("prompt_tokens_details") or {}
-            row.cached_tokens = int(details.get("cached_tokens") or 0)
-            n = usage.get("completion_tokens")
-            if isinstance(n, int) and n >= row._ntok:
-                self._tick_tokens += n - row._ntok
-                row._ntok = n
-        out = False
-        for ch in obj.get("choices") or ():
-            if not isinstance(ch, dict) or ch.get("index", 0) != 0:
-                continue
-            if row.request.chat:
-                text = (ch.get("delta") or {}).get("content") or ""
-            else:
-                text = ch.get("text") or ""
-            lps = _logprobs(ch.get("logprobs"), row.request.chat)
-            n = len(lps) if lps else (1 if text else 0)
-            if n:
-                self._got(row, text, n, lps)
-                out = True
-            if ch.get("finish_reason"):
-                row._server_finish = ch["finish_reason"]
-        return out
-
-    def _got(self, row: RemoteRow, text: str, n: int, lps):
-        now = self.clock()
-        if row.t_first is None:
-            row.t_first = now
-            row.state = DECODE
-            row.prefill_done = row._prompt_n
-        elif row._t_last is not None:
-            self._gap_sum += now - row._t_last
-            self._gap_n += n
-        row._t_last = now
-        row._ntok += n
-        self._tick_tokens += n
-        row._text += text
-        if lps and row.logprobs is not None:
-            row.logprobs.extend(lps)
+    def _on_data(self, row: RemoteRow, obj) -> bool:
+        """Apply one event to its row; True when it carried output."""
+        ev = wire.parse_event(obj, row.request.chat)
+        if ev.ntok:
+            now = self.clock()
+            if row.t_first is None:
+                row.t_first, row.state, row.prefill_done = now, DECODE, row._prompt_n
+            elif row._t_last is not None:
+                self._gap_sum += now - row._t_last
+                self._gap_n += ev.ntok
+            row._t_last = now
+            row._ntok += ev.ntok
+            self._tick_tokens += ev.ntok
+            row._text += ev.text
+            if ev.logprobs and row.logprobs is not None:
+                row.logprobs.extend(ev.logprobs)
+        if ev.finish:
+            row._server_finish = ev.finish
+        if ev.usage:  # the server's own counts are the truth for the row
+            prompt, completion, row.cached_tokens = wire.usage_counts(ev.usage)
+            row._prompt_n = prompt if prompt is not None else row._prompt_n
+            if completion is not None and completion >= row._ntok:
+                self._tick_tokens += completion - row._ntok
+                row._ntok = completion
+        return ev.ntok > 0
 
     def _end(self, row: Row, reason: str, error: Optional[str] = None):
         if row.done:
@@ -495,24 +422,3 @@ class RemoteEngine:
     def __repr__(self):
         return f"<mlxnb.RemoteEngine {self.status()}>"
 
-
-def _logprobs(lp, chat: bool) -> Optional[list]:
-    """Per-token {"token", "logprob", "top": [(token, logprob), ...]} from either API's
-    logprobs object; None when the event has none."""
-    if not isinstance(lp, dict):
-        return None
-    out = []
-    if chat:
-        for e in lp.get("content") or ():
-            if isinstance(e, dict) and "logprob" in e:
-                top = [(t.get("token"), t.get("logprob")) for t in e.get("top_logprobs") or ()
-                       if isinstance(t, dict)]
-                out.append({"token": e.get("token"), "logprob": e["logprob"], "top": top})
-    else:
-        toks = lp.get("tokens") or []
-        vals = lp.get("token_logprobs") or []
-        tops = lp.get("top_logprobs") or []
-        for i, (t, v) in enumerate(zip(toks, vals)):
-            top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
-            out.append({"token": t, "logprob": v, "top": list(top.items())})
-    return out or None

@@ -1,0 +1,142 @@
+"""The OpenAI wire format: a row's request body, and what one streamed event says.
+
+Pure functions (no I/O, no engine state), so every server dialect they accept is
+unit-tested on its own: chat events carry `delta.content` and `logprobs.content`,
+completion events `text` and `logprobs.tokens / token_logprobs / top_logprobs`;
+usage comes in a last event with no choices (`stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ..rows import SamplingParams
+from .client import ServerError
+
+# the server's finish_reason -> ours (anything else it may say counts as "stop")
+FINISH = {"stop": "stop", "eos": "stop", "length": "length", "tool_calls": "stop",
+          "function_call": "stop", "content_filter": "stop"}
+
+
+@dataclass(frozen=True)
+class Request:
+    """How a prompt goes out: chat messages (server-side template) or raw text."""
+
+    chat: bool
+    system: Optional[str]
+
+
+def request_body(prompt: str, req: Request, p: SamplingParams, model: Optional[str]) -> dict:
+    """Only what differs from server defaults is sent besides max_tokens and
+    temperature, so a server that lacks an option still serves rows not using it."""
+    b = {"stream": True, "stream_options": {"include_usage": True},
+         "max_tokens": p.max_tokens, "temperature": p.temperature}
+    if model is not None:
+        b["model"] = model
+    if req.chat:
+        msgs = [{"role": "system", "content": req.system}] if req.system else []
+        b["messages"] = msgs + [{"role": "user", "content": prompt}]
+    else:  # the local engine's --raw rule: system text, a blank line, the prompt
+        b["prompt"] = f"{req.system}\n\n{prompt}" if req.system else prompt
+    for key, value, default in (("top_p", p.top_p, 1.0), ("top_k", p.top_k, 0),
+                                ("min_p", p.min_p, 0.0),
+                                ("repetition_penalty", p.repetition_penalty, None),
+                                ("seed", p.seed, None)):
+        if value != default:
+            b[key] = value
+    if p.stop:
+        b["stop"] = list(p.stop)
+    if p.logprobs:
+        if req.chat:
+            b["logprobs"], b["top_logprobs"] = True, p.logprobs
+        else:
+            b["logprobs"] = p.logprobs
+    return b
+
+
+@dataclass
+class Event:
+    """What one streamed event says about choice 0."""
+
+    text: str = ""
+    ntok: int = 0  # tokens it carries: its logprob entries, else 1 if it has text
+    logprobs: Optional[list] = None
+    finish: Optional[str] = None  # the server's word, as sent
+    usage: Optional[dict] = None
+
+
+def parse_event(obj, chat: bool) -> Event:
+    """Read one `data:` event. Raises ServerError for an error event (vLLM and
+    llama.cpp report a failure mid-stream that way)."""
+    ev = Event()
+    if not isinstance(obj, dict):
+        return ev
+    err = obj.get("error")
+    if err:
+        msg = err.get("message") if isinstance(err, dict) else err
+        raise ServerError(f"the server failed the request: {' '.join(str(msg).split())[:200]}")
+    if isinstance(obj.get("usage"), dict):
+        ev.usage = obj["usage"]
+    for ch in obj.get("choices") or ():
+        if not isinstance(ch, dict) or ch.get("index", 0) != 0:
+            continue
+        text = ((ch.get("delta") or {}).get("content") if chat else ch.get("text")) or ""
+        lps = _logprobs(ch.get("logprobs"), chat)
+        ev.text += text
+        ev.ntok += len(lps) if lps else (1 if text else 0)
+        if lps:
+            ev.logprobs = (ev.logprobs or []) + lps
+        if ch.get("finish_reason"):
+            ev.finish = ch["finish_reason"]
+    return ev
+
+
+def usage_counts(usage: dict) -> Tuple[Optional[int], Optional[int], int]:
+    """(prompt tokens, completion tokens, cached prompt tokens) from a usage object."""
+    def num(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+    details = usage.get("prompt_tokens_details") or {}
+    cached = num(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return num(usage.get("prompt_tokens")), num(usage.get("completion_tokens")), cached or 0
+
+
+def prefill_progress(comment: str) -> Optional[Tuple[int, int]]:
+    """mlx_lm.server's prefill progress comment "keepalive 512/2048" -> (512, 2048)."""
+    if not comment.startswith("keepalive "):
+        return None
+    done, _, total = comment[10:].partition("/")
+    return (int(done), int(total)) if done.isdigit() and total.isdigit() else None
+
+
+def finish(server_reason: Optional[str]) -> Tuple[str, Optional[str]]:
+    """(our finish reason, error) for the finish_reason a stream ended with."""
+    if server_reason is None:
+        return "error", ("the server ended the stream without a finish reason (it may "
+                         "have stopped or restarted)")
+    if server_reason == "abort":
+        return "error", "the server aborted the request"
+    return FINISH.get(server_reason, "stop"), None
+
+
+def _logprobs(lp, chat: bool) -> Optional[list]:
+    """Per-token {"token", "logprob", "top": [(token, logprob), ...]} from either API's
+    logprobs object; None when the event has none."""
+    if not isinstance(lp, dict):
+        return None
+    out = []
+    if chat:
+        for e in lp.get("content") or ():
+            if isinstance(e, dict) and "logprob" in e:
+                top = [(t.get("token"), t.get("logprob")) for t in e.get("top_logprobs") or ()
+                       if isinstance(t, dict)]
+                out.append({"token": e.get("token"), "logprob": e["logprob"], "top": top})
+    else:
+        toks = lp.get("tokens") or []
+        vals = lp.get("token_logprobs") or []
+        tops = lp.get("top_logprobs") or []
+        for i, (t, v) in enumerate(zip(toks, vals)):
+            top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+            out.append({"token": t, "logprob": v, "top": list(top.items())})
+    return out or None
