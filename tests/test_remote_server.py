@@ -238,7 +238,8 @@ def test_generate_cell_through_a_kernel_against_the_server(server, tiny_dir, tmp
         outs.append(execute(kc, f"%mlxnb load {tiny_dir}"))
         outs.append(execute(kc, "%%generate --max-tokens 4 --quiet -o loc\nlocal row"))
         outs.append(execute(kc, "r = await loc\nimport mlxnb.magics as m\n"
-                                "print('LOCAL', r[0].finish_reason, type(m.get_engine()).__name__)"))
+                                "print('LOCAL', r[0].finish_reason, "
+                                "type(m.get_engine()).__name__)"))
         assert "LOCAL length Engine" in outs[-1]
     finally:
         kc.stop_channels()

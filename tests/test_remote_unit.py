@@ -481,7 +481,8 @@ def test_wire_events_and_finish_reasons():
     from mlxnb.remote import wire
 
     ev = wire.parse_event({"choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": {
-        "content": [{"token": "H", "logprob": -0.5, "top_logprobs": [{"token": "H", "logprob": -0.5}]},
+        "content": [{"token": "H", "logprob": -0.5,
+                     "top_logprobs": [{"token": "H", "logprob": -0.5}]},
                     {"token": "i", "logprob": -0.1, "top_logprobs": []}]},
         "finish_reason": None}, {"index": 1, "delta": {"content": "other choice"}}]}, chat=True)
     assert (ev.text, ev.ntok, ev.finish) == ("Hi", 2, None)

@@ -1,15 +1,16 @@
 """Server load from a Prometheus `/metrics` page: running and waiting requests, KV usage.
 
-Each serving engine names the same three gauges differently; the table below maps
+Each serving engine names the same three gauges differently; the list below maps
 the names each one documents onto ours. A server that publishes none of them (or no
 `/metrics` at all: mlx_lm.server) reports nothing, and the charts say so instead of
 inventing numbers.
 
-    ours      vLLM                                   llama.cpp (--metrics)           SGLang (--enable-metrics)   TGI
-    running   vllm:num_requests_running              llamacpp:requests_processing    sglang:num_running_reqs     tgi_batch_current_size
-    waiting   vllm:num_requests_waiting              llamacpp:requests_deferred      sglang:num_queue_reqs       tgi_queue_size
-    kv        vllm:kv_cache_usage_perc (0-1),        llamacpp:kv_cache_usage_ratio   sglang:token_usage (0-1)
-              vllm:gpu_cache_usage_perc (older)
+    running   vllm:num_requests_running, llamacpp:requests_processing,
+              sglang:num_running_reqs, tgi_batch_current_size
+    waiting   vllm:num_requests_waiting, llamacpp:requests_deferred,
+              sglang:num_queue_reqs, tgi_queue_size
+    kv        vllm:kv_cache_usage_perc (older vLLM: vllm:gpu_cache_usage_perc),
+              llamacpp:kv_cache_usage_ratio, sglang:token_usage -- all 0..1
 """
 
 from __future__ import annotations
