@@ -7,7 +7,8 @@ message; a row that fails ends with finish_reason 'error' and `row.error` set:
 
     ValueError            bad parameter, empty prompt, never fits budget/context
     ModelLoadError        (a ValueError) unknown model name, not an mlx-lm dir
-    RowResult.error       why a row ended with 'error' (callback, forward, prefill)
+    RowResult.error       why a row ended with 'error' (callback, forward, prefill,
+                          or a server's refusal with mlxnb.connect)
 """
 
 from ._blas import preload_openblas as _preload_openblas

@@ -414,6 +414,8 @@ class GenerationWidget(anywidget.AnyWidget):
             parts.append(f"KV {fmt_bytes(h['kv'])} / {fmt_bytes(h['kv_budget'])}")
         elif h["kv_unit"] == "fraction":
             parts.append(f"server KV {100 * h['kv']:.0f}%")
+        elif h["kv_unit"] is None:
+            parts.append("KV not reported by this server")
         lines = [" | ".join(parts)]
         shown = rows[-max_rows:]
         if len(rows) > len(shown):

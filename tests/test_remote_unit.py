@@ -318,6 +318,7 @@ def test_the_api_key_is_sent_but_never_shown_or_saved(arun, tmp_path):
 
     eng, run, state = arun(main)
     assert run.rows[0].finish_reason == "length"
+    assert "KV not reported by this server" in state  # the text fallback says so too
     saved = run.save(tmp_path / "run.jsonl").read_text()
     for text in (repr(eng), eng.status(), repr(eng.client), state, saved, repr(run.meta),
                  json.dumps(run.records())):
