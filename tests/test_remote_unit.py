@@ -452,6 +452,9 @@ def test_connect_then_generate_status_and_stop(ip, arun, capsys, monkeypatch):
             res = await run
             ip.run_line_magic("mlxnb", "status")
             ip.run_line_magic("mlxnb", "stop")
+            dash = ip.run_line_magic("mlxnb", "dashboard")
+            assert len(dash.rows) == 3 and dash.header["kv_unit"] == "fraction"
+            assert dash.header["running"] == 0 and dash.header["max_batch"] == 2
             return run, res
         finally:
             await magics.shutdown()
