@@ -396,11 +396,13 @@ class MLXNBMagics(Magics):
         return None
 
     def _cmd_connect(self, rest):
-        usage = "write %mlxnb connect URL [--model NAME] [--api-key-env VAR] [--max-concurrency N]"
+        usage = ("write %mlxnb connect URL [--model NAME] [--api-key-env VAR] "
+                 "[--max-concurrency N]")
         a = _parse(_CONNECT, rest, "%mlxnb connect", usage)
         mc = cp.parse_values("max_concurrency", a.max_concurrency, int, sweep=False)[0]
         if mc is not None and mc < 1:
-            raise UsageError(f"%mlxnb connect: --max-concurrency must be a positive integer; got {mc}")
+            raise UsageError(f"%mlxnb connect: --max-concurrency must be a positive "
+                             f"integer; got {mc}")
         key = None
         if a.api_key_env is not None:  # the key itself never appears in a cell
             key = os.environ.get(a.api_key_env)
@@ -418,7 +420,7 @@ class MLXNBMagics(Magics):
             new = connect(a.url, model=a.model, api_key=key, max_concurrency=mc or 64,
                           loop=_kernel_loop(self.shell))
         except ValueError as e:
-            raise UsageError(f"%mlxnb connect: {_one_line(e)}") from None
+            raise UsageError(f"%mlxnb connect: {one_line(e, 300)}") from None
         _S.engine, _S.model_spec = new, new.model_name
         if eng is not None:
             _close(eng)

@@ -357,7 +357,7 @@ def test_bad_input_is_refused_before_anything_is_sent(arun):
         eng = engine(srv)
         for kw, msg in [({"stop": [lambda t: True]}, "stop strings only"),
                         ({"logits_processors": [lambda t, l: l]}, "cannot take them"),
-                        ({"temperature": -1}, "temperature must be >= 0"),
+                        ({"temperature": -1}, "temperature must be a number >= 0"),
                         ({"bogus": 1}, "unknown parameter")]:
             with pytest.raises(ValueError, match=msg):
                 eng.submit("p", **kw)

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from .._text import one_line
+
 # Statuses worth trying again: rate limits and a server (or its proxy) that is
 # starting, overloaded or restarting.
 RETRY_STATUS = {429, 502, 503, 504}
@@ -72,8 +74,7 @@ def error_text(body: bytes, limit: int = 200) -> str:
             msg = err
     if msg is None:
         msg = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
-    s = " ".join(str(msg).split())
-    return s if len(s) <= limit else s[: limit - 1] + "…"
+    return one_line(msg, limit)
 
 
 class Client:
@@ -256,7 +257,7 @@ class Client:
 
 
 def _why(e: BaseException) -> str:
-    s = " ".join(str(e).split())
+    s = one_line(str(e), 200)
     return f"{type(e).__name__}: {s}" if s else type(e).__name__
 
 

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from typing import Callable, Iterable, List, Optional, Sequence
 
+from .._log import swallowed
 from ..rows import DECODE, PREFILL, Row, SamplingParams, StepRecord
 from ..run import Run
 from . import wire
@@ -158,7 +159,7 @@ class RemoteEngine:
             try:
                 fn(kind, obj)
             except Exception:  # a listener's bug must not stop generation
-                pass
+                swallowed("engine listener", fn)
 
     def _check_open(self):
         if self._closed:

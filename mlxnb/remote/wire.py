@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from .._text import one_line
 from ..rows import SamplingParams
 from .client import ServerError
 
@@ -75,7 +76,7 @@ def parse_event(obj, chat: bool) -> Event:
     err = obj.get("error")
     if err:
         msg = err.get("message") if isinstance(err, dict) else err
-        raise ServerError(f"the server failed the request: {' '.join(str(msg).split())[:200]}")
+        raise ServerError(f"the server failed the request: {one_line(msg, 200)}")
     if isinstance(obj.get("usage"), dict):
         ev.usage = obj["usage"]
     for ch in obj.get("choices") or ():
