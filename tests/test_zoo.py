@@ -1,0 +1,66 @@
+"""Every model family in mlx_lm.models on the engine (tiny random instances, zoo.py).
+
+Each family either batches with greedy parity -- four prompts of different lengths
+batched, the last joining mid-run, give token for token what each gives alone on a
+fresh engine, and prompt 0 alone gives what mlx-lm's own generate loop gives -- or is
+refused by the Engine with the one-line reason listed in REFUSED. A family whose
+status changes (a refusal that starts batching, a batched family that breaks) fails
+until this table says so. `python -m tests.zoo --table` prints the README's table.
+"""
+
+import pytest
+
+from zoo import build, families, run_parity  # tests/ is on sys.path under pytest
+
+_KINDS = "mlxnb batches models whose caches are KVCache or RotatingKVCache"
+
+# family -> the reason the Engine gives (a substring of its ValueError)
+REFUSED = {
+    **{f: "this model uses ArraysCache" for f in (
+        "bailing_hybrid", "bailing_moe_linear", "bailing_moe_v3", "granitemoehybrid",
+        "jamba", "kimi_k3", "kimi_linear", "lfm2", "lfm2-vl", "lfm2_moe", "mamba",
+        "mamba2", "nemotron_h", "olmo_hybrid", "plamo2", "qwen3_5", "qwen3_5_moe",
+        "qwen3_next", "recurrent_gemma", "rwkv7")},
+    **{f: "this model uses CacheList" for f in (
+        "baichuan_m1", "deepseek_v32", "falcon_h1", "glm_moe_dsa", "longcat_flash",
+        "minimax_m3_vl")},
+    "longcat_flash_ngram": "this model uses ArraysCache, CacheList",
+    "llama4": "this model uses ChunkedKVCache",
+    "deepseek_v41": "this model uses LayerCache",
+}
+
+# family -> what goes wrong on the engine today (strict: passing again fails here)
+BROKEN = {
+    "afm7": "'AlignedView' object has no attribute 'keys_and_values'",
+    # models that ask create_attention_mask(..., return_array=True) get "causal"
+    **{f: "prefill failed" for f in (
+        "deepseek_v3", "gemma2", "glm4_moe_lite", "kimi_k25", "kimi_vl")},
+    # learned absolute positions read cache.offset as one int
+    "gpt_bigcode": "Only length-1 arrays can be converted to Python scalars",
+    "gemma3n": "batched differs from alone",
+}
+
+
+@pytest.mark.parametrize("family", families())
+def test_family_batches_like_alone_or_is_refused(family):
+    m = build(family)  # a family that no longer builds fails here
+    if not m.ok:
+        pytest.skip(m.reason)
+    r = run_parity(m)
+    if family in REFUSED:
+        assert r.status == "refused", (r.status, r.detail)
+        assert REFUSED[family] in r.detail and "\n" not in r.detail
+        return
+    if family in BROKEN:
+        assert r.status != "batched", f"{family} batches now: move it out of BROKEN"
+        assert BROKEN[family] in r.detail, r.detail
+        pytest.xfail(f"{r.status}: {r.detail}")
+    assert r.status == "batched", f"{m.cache_kinds}: {r.status}: {r.detail}"
+    assert all(len(t) > 0 for t in r.alone)
+    assert r.batched == r.alone and r.reference == r.alone[0]
+
+
+def test_tables_name_only_real_families():
+    known = set(families())
+    assert set(REFUSED) <= known and set(BROKEN) <= known
+    assert not set(REFUSED) & set(BROKEN)
