@@ -429,13 +429,17 @@ async def parity(m: Member, prompts=PROMPTS, n=MAX_TOKENS, reference=True) -> Re
     if any(errs):
         r.status, r.detail = "error", next(e for e in errs if e)
         return r
-    for i, (a, b) in enumerate(zip(r.alone, r.batched)):
-        d = _first_diff(a, b)
-        if d is not None:
-            r.status = "mismatch"
-            r.detail = (f"prompt {i} ({len(prompts[i])} tokens): batched differs from "
-                        f"alone at token {d}: {b[d:d + 3]} vs {a[d:d + 3]}")
-            return r
+    diffs = [(i, _first_diff(a, b)) for i, (a, b) in enumerate(zip(r.alone, r.batched))]
+    diffs = [(i, d) for i, d in diffs if d is not None]
+    if diffs:
+        i, d = diffs[0]
+        a, b = r.alone[i], r.batched[i]
+        r.status = "mismatch"
+        r.detail = (f"batched differs from alone at token {d} of prompt {i} "
+                    f"({len(prompts[i])} tokens): {b[d:d + 3]} vs {a[d:d + 3]}; "
+                    f"prompts (first token) that differ: "
+                    f"{', '.join(f'{i} ({d})' for i, d in diffs)}")
+        return r
     if r.reference is not None:
         d = _first_diff(r.alone[0], r.reference)
         if d is not None:
