@@ -15,7 +15,7 @@ engine/raw.
           weights; it fuses projections in place), tok/s over its steps with all B
           rows decoding and no prefill
 
-Part 2 (quantized KV, --kv): a Llama-3.2-1B-shaped model, bf16.
+Part 2 (quantized KV; --no-kv skips it): a Llama-3.2-1B-shaped model, bf16.
   admitted  rows of a 2k-token context (prompt + new) that Engine(kv_budget=1GB)
             admits at once with kv_bits None / 8 / 4 (rows submitted: more than fit)
   decode    tok/s of B rows at that context, kv_bits 4 (and 8) vs bf16 KV, rounds
@@ -201,6 +201,7 @@ async def kv_part(args, rng):
     ctx, new = args.kv_context, args.kv_new
     prompt = ctx - new
     bits_list = [None, 8, 4]
+    full = "float32" if args.quick else "bf16"  # the unquantized KV's dtype
     cap = []
     for bits in bits_list:
         n, per_row = await admitted(model, tok, vocab, rng, bits, args.kv_budget, prompt,
@@ -221,16 +222,16 @@ async def kv_part(args, rng):
             gc.collect()
             mx.clear_cache()
         log(f"  kv decode B={B} round {rep}: " + ", ".join(
-            f"{b or 'bf16'} {eb.fmt(per[b][-1])}" for b in bits_list))
+            f"{b or full} {eb.fmt(per[b][-1])}" for b in bits_list))
     base = cap[0]["rows"]
     out = [f"Quantized KV, {name} shape, context {ctx} tokens ({prompt} prompt + {new} "
            f"new), kv_budget {args.kv_budget}, group size 64",
-           "", "| KV | MiB/row (budget) | rows admitted | x bf16 | decode tok/s (B="
-           f"{B}) | x bf16 (median of rounds) |", "|---|---|---|---|---|---|"]
+           "", f"| KV | MiB/row (budget) | rows admitted | x {full} | decode tok/s "
+           f"(B={B}) | x {full} (median of rounds) |", "|---|---|---|---|---|---|"]
     for c in cap:
         b = c["bits"]
         r = _med([x / y for x, y in zip(per[b], per[None]) if x and y])
-        out.append(f"| {f'{b}-bit' if b else 'bf16'} | {c['per_row'] / 2**20:.1f} | "
+        out.append(f"| {f'{b}-bit' if b else full} | {c['per_row'] / 2**20:.1f} | "
                    f"{c['rows']} | {c['rows'] / base if base else 0:.2f} | "
                    f"{eb.fmt(_med(per[b]))} | {eb.fmt(r, 2)} |")
     return "\n".join(out)
