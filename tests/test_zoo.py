@@ -10,7 +10,7 @@ until this table says so. `python -m tests.zoo --table` prints the README's tabl
 
 import pytest
 
-from zoo import build, families, run_parity  # tests/ is on sys.path under pytest
+from zoo import KV_WIDE, build, families, run_parity  # tests/ is on sys.path (pytest)
 
 # family -> the reason the Engine gives (a substring of its ValueError)
 REFUSED = {
@@ -52,7 +52,36 @@ def test_family_batches_like_alone_or_is_refused(family):
     assert r.batched == r.alone and r.reference == r.alone[0]
 
 
+# Quantized KV (group 32, so twice the zoo's width): one family per kind of layer mix
+KV_FAMILIES = ["llama", "gemma3", "qwen3_5", "lfm2", "falcon_h1", "recurrent_gemma",
+               "gpt_oss"]
+KV_REFUSED = {"gpt_oss": "Quantized SDPA does not support attention sinks"}
+# (family, bits) -> what differs. Batched == alone holds; alone differs from mlx-lm's
+# generate loop (same quantization point: the end of the prompt) at 4 bits.
+KV_BROKEN = {(f, 4): "engine differs from mlx_lm" for f in ("qwen3_5", "falcon_h1")}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("family", KV_FAMILIES)
+def test_quantized_kv_batches_like_alone(family, bits):
+    m = build(family, **KV_WIDE)
+    r = run_parity(m, kv_bits=bits, kv_group_size=32)
+    if family in KV_REFUSED:
+        assert r.status == "refused" and KV_REFUSED[family] in r.detail, r.detail
+        return
+    if (family, bits) in KV_BROKEN:
+        assert r.status != "batched", f"{family} batches now: move it out of KV_BROKEN"
+        assert KV_BROKEN[family, bits] in r.detail, r.detail
+        pytest.xfail(f"{r.status}: {r.detail}")
+    assert r.status == "batched", f"{m.cache_kinds}: {r.status}: {r.detail}"
+    assert r.batched == r.alone
+    # mlx-lm's generate loop quantizes no sliding-window cache: no reference there
+    assert r.reference == r.alone[0] or (
+        r.reference is None and "RotatingKVCache" in m.cache_kinds)
+
+
 def test_tables_name_only_real_families():
     known = set(families())
     assert set(REFUSED) <= known and set(BROKEN) <= known
     assert not set(REFUSED) & set(BROKEN)
+    assert set(KV_REFUSED) | {f for f, _ in KV_BROKEN} <= set(KV_FAMILIES)

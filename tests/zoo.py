@@ -83,8 +83,10 @@ COMMON = dict(
 )
 
 
-def _moe_pattern(n):  # dense first, then MoE
-    return [0] + [1] * (n - 1)
+# Quantized KV groups are >= 32 wide: twice the width, head dims 32 (config_for keys)
+KV_WIDE = dict({k: 2 * _H for k in ("hidden_size", "d_model", "n_embd", "model_dim",
+                                    "hidden_dim", "dim", "block_dim")},
+               head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
 
 
 def _layers(n):  # every spelling of the layer count
@@ -250,9 +252,9 @@ def families() -> List[str]:
                   if m.name not in HELPERS)
 
 
-def config_for(family: str, mod=None) -> dict:
+def config_for(family: str, mod=None, **overrides) -> dict:
     cfg = dict(COMMON, model_type=family)
-    cfg.update(OVERRIDES.get(family, {}))
+    cfg.update(OVERRIDES.get(family, {}), **overrides)
     if mod is not None:
         fields = {f.name for f in dataclasses.fields(mod.ModelArgs)}
         if "text_config" in fields and "text_config" not in OVERRIDES.get(family, {}):
@@ -288,8 +290,9 @@ def _printable_rows(model):
         model.update(tree_unflatten(new))
 
 
-def build(family: str, seed: int = 0, dtype: str = "float32") -> Member:
-    """A tiny random instance of `family`, checked with one [1, 5] forward."""
+def build(family: str, seed: int = 0, dtype: str = "float32", **overrides) -> Member:
+    """A tiny random instance of `family` (config keys in `overrides` win), checked
+    with one [1, 5] forward."""
     import mlx.core as mx
 
     why = skip_reason(family)
@@ -303,7 +306,7 @@ def build(family: str, seed: int = 0, dtype: str = "float32") -> Member:
     except SystemExit:  # some modules print what to install and exit
         return Member(family, reason=f"needs an extra package: {said.getvalue().strip()}")
     mx.random.seed(seed)
-    args = mod.ModelArgs.from_dict(config_for(family, mod))
+    args = mod.ModelArgs.from_dict(config_for(family, mod, **overrides))
     model = mod.Model(args)
     model.set_dtype(getattr(mx, dtype))
     _printable_rows(model)
@@ -365,8 +368,8 @@ def engine(model, **kw):
     return mlxnb.Engine((model, byte_tokenizer()), **kw)
 
 
-async def _alone(model, prompt, n):
-    eng = engine(model)
+async def _alone(model, prompt, n, kw):
+    eng = engine(model, **kw)
     try:
         row = await eng.submit(prompt, chat=False, max_tokens=n)
         return row.tokens, row.finish_reason, row.error
@@ -374,11 +377,11 @@ async def _alone(model, prompt, n):
         await eng.aclose()
 
 
-async def _batched(model, prompts, n):
+async def _batched(model, prompts, n, kw):
     """All but the last prompt at once; the last joins once a row is decoding."""
     import asyncio
 
-    eng = engine(model)
+    eng = engine(model, **kw)
     try:
         rows = [eng.submit(p, chat=False, max_tokens=n) for p in prompts[:-1]]
         for _ in range(20000):
@@ -392,8 +395,9 @@ async def _batched(model, prompts, n):
         await eng.aclose()
 
 
-def reference_tokens(model, prompt, n):
-    """Greedy tokens from mlx-lm's own generation loop."""
+def reference_tokens(model, prompt, n, kv_bits=None, kv_group_size=64):
+    """Greedy tokens from mlx-lm's own generation loop (quantizing the KV cache
+    from the end of the prompt on, as the engine does, with kv_bits)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -401,30 +405,37 @@ def reference_tokens(model, prompt, n):
 
     ids = byte_tokenizer().encode(prompt)
     out = []
-    for tok, _ in generate_step(mx.array(ids), model, max_tokens=n):
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=0)
+    for tok, _ in generate_step(mx.array(ids), model, max_tokens=n, **kv):
         out.append(int(tok))
         if out[-1] == 257:  # <eos>: the engine's row ends here too
             break
     return out
 
 
-async def parity(m: Member, prompts=PROMPTS, n=MAX_TOKENS, reference=True) -> Result:
+async def parity(m: Member, prompts=PROMPTS, n=MAX_TOKENS, reference=True,
+                 **engine_kw) -> Result:
     """Greedy parity of `m` on the engine: each prompt alone (fresh engine) vs all
-    of them batched with the last joining mid-run; and alone vs mlx-lm, prompt 0."""
+    of them batched with the last joining mid-run; and alone vs mlx-lm, prompt 0.
+    `engine_kw` go to every Engine (e.g. kv_bits)."""
     r = Result(m.family, m.cache_kinds)
     if not m.ok:
         r.status, r.detail = "skipped", m.reason
         return r
     if reference:  # before any engine fuses the model's projections (same outputs)
-        r.reference = reference_tokens(m.model, prompts[0], n)
+        kv = {k: engine_kw[k] for k in ("kv_bits", "kv_group_size") if k in engine_kw}
+        try:
+            r.reference = reference_tokens(m.model, prompts[0], n, **kv)
+        except NotImplementedError:  # mlx-lm quantizes no RotatingKVCache
+            r.reference = None
     try:
-        engine(m.model).close()
+        engine(m.model, **engine_kw).close()
     except ValueError as e:
         r.status, r.detail = "refused", str(e)
         return r
-    alone = [await _alone(m.model, p, n) for p in prompts]
+    alone = [await _alone(m.model, p, n, engine_kw) for p in prompts]
     r.alone = [a[0] for a in alone]
-    r.batched, ends = await _batched(m.model, prompts, n)
+    r.batched, ends = await _batched(m.model, prompts, n, engine_kw)
     errs = [e for _, _, e in alone] + [e for _, e in ends]
     if any(errs):
         r.status, r.detail = "error", next(e for e in errs if e)
