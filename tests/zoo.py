@@ -26,7 +26,10 @@ from typing import Dict, List, Optional
 import mlxnb  # noqa: F401  (first: it puts OpenBLAS under MLX on Linux CPU)
 
 VOCAB = 259  # mlxnb.tiny's byte tokenizer: 256 bytes + <bos>/<eos>/<pad>
-PRINTABLE = [10] + list(range(32, 127))
+# Rows kept in [vocab, d] matrices: printable ASCII, newline, and id 0 -- the engine
+# pads prefill groups with token 0, so its embedding must be a real one (a zero
+# vector would hide padding that leaks into a recurrent state)
+KEPT_IDS = [0, 10] + list(range(32, 127))
 
 # mlx_lm.models modules that hold shared layers, not a model family
 HELPERS = {"activations", "base", "bitlinear_layers", "cache", "gated_delta", "mla",
@@ -276,14 +279,14 @@ def cache_kinds(cache) -> str:
 
 def _printable_rows(model):
     """Zero the rows of every [vocab, d] matrix (embedding, output head) outside
-    printable ASCII + newline: those logits are exactly 0 while the max of ~95
-    random ones is > 0, so greedy output is text and never <eos>; prompts never
-    use those ids, so zeroed embedding rows change nothing else."""
+    KEPT_IDS: those logits are exactly 0 while the max of ~96 random ones is > 0,
+    so greedy output is text (or NUL) and never <eos>; prompts never use those ids,
+    so zeroed embedding rows change nothing else."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
     keep = mx.zeros((VOCAB, 1))
-    keep[mx.array(PRINTABLE)] = 1
+    keep[mx.array(KEPT_IDS)] = 1
     new = [(k, v * keep.astype(v.dtype)) for k, v in tree_flatten(model.parameters())
            if v.ndim == 2 and v.shape[0] == VOCAB and mx.issubdtype(v.dtype, mx.floating)]
     if new:
@@ -475,7 +478,7 @@ def table(results: List[Result]) -> str:
     def cell(r):
         if r.status == "batched":
             return "batched (greedy parity)"
-        first = (r.detail or "").split("\n")[0]
+        first = (r.detail or "").split("\n")[0].split(" (mlxnb batches")[0]
         return f"{r.status}: {first}" if r.status != "skipped" else f"not built: {first}"
 
     lines = ["| family | cache kinds (tiny instance) | mlxnb |", "|---|---|---|"]
