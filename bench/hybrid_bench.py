@@ -1,0 +1,279 @@
+"""Hybrid-model decode and quantized-KV capacity: mlxnb Engine vs BatchGenerator vs raw.
+
+Part 1 (decode): random-weight models shaped like Qwen3.5-0.8B (gated delta-net +
+full attention, 3:1) and LFM2-1.2B (short conv + attention, 10:6), bf16. At each
+batch size B the three methods of engine_bench.py run on the same random prompts
+(prompt 64 tokens, 128 new, greedy, no EOS), interleaved per round (raw, BG, engine,
+raw, BG, engine, ...); each is warmed up once in round 0. Reported: decode tok/s
+(medians over rounds) and the medians of the per-round ratios engine/BG and
+engine/raw.
+
+  raw     model forward on mlx-lm's own caches (make_prompt_cache, batch B, no
+          padding) + argmax, pipelined with mx.async_eval
+  BG      mlx_lm.generate.BatchGenerator, completion and prefill batch = B
+  engine  mlxnb.Engine(max_batch=B, kv_budget=None) on a twin of the model (same
+          weights; it fuses projections in place), tok/s over its steps with all B
+          rows decoding and no prefill
+
+Part 2 (quantized KV; --no-kv skips it): a Llama-3.2-1B-shaped model, bf16.
+  admitted  rows of a 2k-token context (prompt + new) that Engine(kv_budget=1GB)
+            admits at once with kv_bits None / 8 / 4 (rows submitted: more than fit)
+  decode    tok/s of B rows at that context, kv_bits 4 (and 8) vs bf16 KV, rounds
+            interleaved, median of per-round ratios
+
+Examples:
+  python bench/hybrid_bench.py --quick          # CPU smoke test: tiny shapes, seconds
+  python bench/hybrid_bench.py                  # both parts, real shapes (GPU)
+  python bench/hybrid_bench.py --no-kv --batch 8,32 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_bench as eb  # noqa: E402  (imports mlxnb first: OpenBLAS under MLX)
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mlxnb  # noqa: E402
+
+pc = time.perf_counter
+log = eb.log
+
+# Real configs' sizes (text model only); random weights.
+SHAPES = {
+    # Qwen3.5-0.8B: 24 layers, every 4th full attention (18 gated delta-net + 6)
+    "qwen3_5-0.8b": ("qwen3_5", dict(
+        hidden_size=1024, num_hidden_layers=24, intermediate_size=3584,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        vocab_size=248320, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        rope_parameters=dict(type="default", rope_theta=10_000_000,
+                             partial_rotary_factor=0.25, mrope_section=[11, 11, 10]))),
+    # LFM2-1.2B: 16 layers, attention at 2, 5, 8, 10, 12, 14 (10 short-conv + 6)
+    "lfm2-1.2b": ("lfm2", dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, block_dim=2048, block_ff_dim=12288,
+        block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=True, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
+        full_attn_idxs=[2, 5, 8, 10, 12, 14], vocab_size=65536,
+        max_position_embeddings=128000, rope_theta=1_000_000.0)),
+}
+# --quick: the same layer patterns at toy width, float32 (CPU)
+QUICK = {
+    "qwen3_5-0.8b": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=16,
+                         full_attention_interval=2, vocab_size=512),
+    "lfm2-1.2b": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, block_dim=64, block_ff_dim=128,
+                      block_multiple_of=16, full_attn_idxs=[1, 3], vocab_size=512),
+}
+
+
+# --quick's llama for the KV part: head dim 64, so KV quantizes at group size 64
+eb.SHAPES.setdefault("tiny-kv", dict(hidden_size=128, num_hidden_layers=2,
+                                     intermediate_size=256, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=64, vocab_size=512))
+
+
+def build_hybrid(name, dtype, quick, seed=0):
+    import importlib
+
+    family, cfg = SHAPES[name]
+    cfg = dict(cfg, model_type=family, **(QUICK[name] if quick else {}))
+    mod = importlib.import_module(f"mlx_lm.models.{family}")
+    mx.random.seed(seed)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    model.set_dtype(getattr(mx, dtype))
+    model.eval()
+    mx.eval(model.parameters())
+    return model, eb.IdTokenizer(cfg["vocab_size"]), cfg["vocab_size"]
+
+
+def _med(xs):
+    xs = [x for x in xs if x]
+    return statistics.median(xs) if xs else None
+
+
+# -- part 1: decode, hybrid models ------------------------------------------------------
+async def decode_part(args, rng):
+    methods = ("raw", "bg", "engine")
+    margs = SimpleNamespace(new=args.new, warm_new=args.warm_new, no_long=True)
+    rows = []
+    for name in args.shapes:
+        t = pc()
+        model, tok, vocab = build_hybrid(name, args.dtype, args.quick)
+        eb.TWINS.clear()
+        eb.TWINS[id(model)] = build_hybrid(name, args.dtype, args.quick)[0]
+        log(f"## {name} {args.dtype}: built twice in {pc() - t:.1f}s")
+        for B in args.batch:
+            warm = eb.make_prompts(rng, B, args.prompt, vocab)
+            per = {m: [] for m in methods}
+            for rep in range(args.rounds):
+                p1 = eb.make_prompts(rng, B, args.prompt, vocab)
+                p2 = eb.make_prompts(rng, B, args.prompt, vocab)
+                for meth in methods:
+                    try:
+                        r = await eb.measure(meth, rep, model, tok, margs, B, warm, p1, p2)
+                    except Exception as e:  # one method failing still reports the rest
+                        r = dict(decode_tps=None, ok=False,
+                                 error=f"{type(e).__name__}: {e}"[:200])
+                    if not r.get("ok"):
+                        log(f"  WARNING {name} B={B} {meth}: "
+                            f"{r.get('error') or 'not every row ran to max_tokens'}")
+                    per[meth].append(r.get("decode_tps"))
+                    gc.collect()
+                    mx.clear_cache()
+                log(f"  {name} B={B} round {rep}: " + ", ".join(
+                    f"{m} {eb.fmt(per[m][-1])}" for m in methods))
+            ratio = {o: _med([e / x for e, x in zip(per["engine"], per[o]) if e and x])
+                     for o in ("bg", "raw")}
+            rows.append(dict(shape=name, B=B, **{m: _med(per[m]) for m in methods},
+                             eng_bg=ratio["bg"], eng_raw=ratio["raw"]))
+        del model
+        eb.TWINS.clear()
+        gc.collect()
+        mx.clear_cache()
+    return rows
+
+
+def decode_table(rows, args):
+    out = [f"Decode tok/s, {args.dtype}, prompt {args.prompt}, {args.new} new tokens, "
+           f"greedy; medians of {args.rounds} interleaved rounds",
+           "", "| shape | B | raw | BG | engine | engine/BG | engine/raw |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r['B']} | {eb.fmt(r['raw'])} | {eb.fmt(r['bg'])} | "
+                   f"{eb.fmt(r['engine'])} | {eb.fmt(r['eng_bg'], 2)} | "
+                   f"{eb.fmt(r['eng_raw'], 2)} |")
+    return "\n".join(out)
+
+
+# -- part 2: quantized KV ---------------------------------------------------------------
+async def admitted(model, tok, vocab, rng, bits, budget, prompt, new, submit):
+    """Rows of `prompt + new` tokens the Engine admits at once under `budget`."""
+    eng = mlxnb.Engine((model, tok), max_batch=submit, kv_budget=budget,
+                       kv_bits=bits, warmup=False)
+    try:
+        per_row = eng.scheduler.row_bytes(prompt, new)
+        rows = [eng.submit(eb._text(p), chat=False, max_tokens=new)
+                for p in eb.make_prompts(rng, submit, prompt, vocab)]
+        while eng.running == 0 and not all(r.done for r in rows):
+            await asyncio.sleep(0.001)
+        n = eng.running  # admission happens at once, before the first tick runs
+        errs = [r.error for r in rows if r.error]
+        if errs:
+            raise RuntimeError(errs[0])
+        return n, per_row
+    finally:
+        await eng.aclose()
+
+
+async def kv_decode(model, tok, bits, prompts, new, warm):
+    """Decode tok/s of len(prompts) rows (all decoding, no prefill) at kv_bits."""
+    B = len(prompts)
+    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, kv_bits=bits)
+    try:
+        await eb.engine_run(eng, warm, 4)
+        _, steps, wall, ok = await eb.engine_run(eng, prompts, new)
+        w = eb.decode_window(steps, B)
+        return (w["tps"] if w else None), ok
+    finally:
+        await eng.aclose()
+
+
+async def kv_part(args, rng):
+    name = "tiny-kv" if args.quick else "llama1b"
+    model, tok, vocab = eb.build_model(name, "float32" if args.quick else "bfloat16")
+    ctx, new = args.kv_context, args.kv_new
+    prompt = ctx - new
+    bits_list = [None, 8, 4]
+    full = "float32" if args.quick else "bf16"  # the unquantized KV's dtype
+    cap = []
+    for bits in bits_list:
+        n, per_row = await admitted(model, tok, vocab, rng, bits, args.kv_budget, prompt,
+                                    new, args.kv_submit)
+        cap.append(dict(bits=bits, rows=n, per_row=per_row))
+        log(f"  kv_bits={bits}: {n} rows admitted under {args.kv_budget} "
+            f"({per_row / 2**20:.1f} MiB per row)")
+    B = args.kv_batch or max(1, cap[0]["rows"])
+    warm = eb.make_prompts(rng, B, prompt, vocab)
+    per = {b: [] for b in bits_list}
+    for rep in range(args.rounds):
+        ps = eb.make_prompts(rng, B, prompt, vocab)
+        for bits in bits_list:
+            tps, ok = await kv_decode(model, tok, bits, ps, new, warm)
+            if not ok:
+                log(f"  WARNING kv_bits={bits}: not every row ran to max_tokens")
+            per[bits].append(tps)
+            gc.collect()
+            mx.clear_cache()
+        log(f"  kv decode B={B} round {rep}: " + ", ".join(
+            f"{b or full} {eb.fmt(per[b][-1])}" for b in bits_list))
+    base = cap[0]["rows"]
+    out = [f"Quantized KV, {name} shape, context {ctx} tokens ({prompt} prompt + {new} "
+           f"new), kv_budget {args.kv_budget}, group size 64",
+           "", f"| KV | MiB/row (budget) | rows admitted | x {full} | decode tok/s "
+           f"(B={B}) | x {full} (median of rounds) |", "|---|---|---|---|---|---|"]
+    for c in cap:
+        b = c["bits"]
+        r = _med([x / y for x, y in zip(per[b], per[None]) if x and y])
+        out.append(f"| {f'{b}-bit' if b else full} | {c['per_row'] / 2**20:.1f} | "
+                   f"{c['rows']} | {c['rows'] / base if base else 0:.2f} | "
+                   f"{eb.fmt(_med(per[b]))} | {eb.fmt(r, 2)} |")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", default="1,8,32,128")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--warm-new", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-decode", action="store_true", help="skip part 1")
+    ap.add_argument("--no-kv", action="store_true", help="skip part 2")
+    ap.add_argument("--kv-budget", default="1GB")
+    ap.add_argument("--kv-context", type=int, default=2048)
+    ap.add_argument("--kv-new", type=int, default=64)
+    ap.add_argument("--kv-submit", type=int, default=256, help="rows submitted at once")
+    ap.add_argument("--kv-batch", type=int, default=0,
+                    help="rows in the kv decode runs (default: bf16's admitted rows)")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny sizes")
+    args = ap.parse_args()
+    if args.quick:
+        args.dtype, args.batch, args.prompt, args.new = "float32", "1,4", 16, 16
+        args.warm_new, args.rounds = 4, 2
+        args.kv_budget, args.kv_context, args.kv_new, args.kv_submit = "4MB", 512, 16, 64
+    args.shapes = args.shapes.split(",")
+    args.batch = [int(b) for b in args.batch.split(",")]
+    log(f"# hybrid_bench  device {mx.default_device()}, mlx {mx.__version__}, "
+        f"argv {sys.argv[1:]}")
+    rng = np.random.default_rng(1234)
+    parts = []
+    if not args.no_decode:
+        parts.append(decode_table(asyncio.run(decode_part(args, rng)), args))
+    if not args.no_kv:
+        parts.append(asyncio.run(kv_part(args, rng)))
+    log("\n" + "\n\n".join(parts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Every model family in mlx_lm.models on the engine (tiny random instances, zoo.py).
+
+Each family either batches with greedy parity -- four prompts of different lengths
+batched, the last joining mid-run, give token for token what each gives alone on a
+fresh engine, and prompt 0 alone gives what mlx-lm's own generate loop gives -- or is
+refused by the Engine with the one-line reason listed in REFUSED. A family whose
+status changes (a refusal that starts batching, a batched family that breaks) fails
+until this table says so. `python -m tests.zoo --table` prints the README's table.
+"""
+
+import pytest
+
+from zoo import KV_WIDE, build, families, run_parity  # tests/ is on sys.path (pytest)
+
+# family -> the reason the Engine gives (a substring of its ValueError)
+REFUSED = {
+    "deepseek_v41": "its LayerCache cache has no batched form",
+    "llama4": "its ChunkedKVCache cache has no batched form",
+}
+
+# family -> what goes wrong on the engine today (strict: passing again fails here)
+_PADDED = "batched differs from alone at token"  # rows padded in a prefill group
+BROKEN = {
+    # models that ask create_attention_mask(..., return_array=True) get "causal"
+    **{f: "prefill failed" for f in (
+        "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "gemma2", "glm4_moe_lite",
+        "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl")},
+    # learned absolute positions read cache.offset as one int
+    "gpt_bigcode": "Only length-1 arrays can be converted to Python scalars",
+    **{f: _PADDED for f in (
+        "afm7", "bailing_moe_linear", "jamba", "longcat_flash_ngram", "mamba",
+        "nemotron_h", "olmo_hybrid")},
+}
+
+
+@pytest.mark.parametrize("family", families())
+def test_family_batches_like_alone_or_is_refused(family):
+    m = build(family)  # a family that no longer builds fails here
+    if not m.ok:
+        pytest.skip(m.reason)
+    r = run_parity(m)
+    if family in REFUSED:
+        assert r.status == "refused", (r.status, r.detail)
+        assert REFUSED[family] in r.detail and "\n" not in r.detail
+        return
+    if family in BROKEN:
+        assert r.status != "batched", f"{family} batches now: move it out of BROKEN"
+        assert BROKEN[family] in r.detail, r.detail
+        pytest.xfail(f"{r.status}: {r.detail}")
+    assert r.status == "batched", f"{m.cache_kinds}: {r.status}: {r.detail}"
+    assert all(len(t) > 0 for t in r.alone)
+    assert r.batched == r.alone and r.reference == r.alone[0]
+
+
+# Quantized KV (group 32, so twice the zoo's width): one family per kind of layer mix
+KV_FAMILIES = ["llama", "gemma3", "qwen3_5", "lfm2", "falcon_h1", "recurrent_gemma",
+               "gpt_oss"]
+KV_REFUSED = {"gpt_oss": "Quantized SDPA does not support attention sinks"}
+# (family, bits) -> what differs. Batched == alone holds; alone differs from mlx-lm's
+# generate loop (same quantization point: the end of the prompt) at 4 bits.
+KV_BROKEN = {(f, 4): "engine differs from mlx_lm" for f in ("qwen3_5", "falcon_h1")}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("family", KV_FAMILIES)
+def test_quantized_kv_batches_like_alone(family, bits):
+    m = build(family, **KV_WIDE)
+    r = run_parity(m, kv_bits=bits, kv_group_size=32)
+    if family in KV_REFUSED:
+        assert r.status == "refused" and KV_REFUSED[family] in r.detail, r.detail
+        return
+    if (family, bits) in KV_BROKEN:
+        assert r.status != "batched", f"{family} batches now: move it out of KV_BROKEN"
+        assert KV_BROKEN[family, bits] in r.detail, r.detail
+        pytest.xfail(f"{r.status}: {r.detail}")
+    assert r.status == "batched", f"{m.cache_kinds}: {r.status}: {r.detail}"
+    assert r.batched == r.alone
+    # mlx-lm's generate loop quantizes no sliding-window cache: no reference there
+    assert r.reference == r.alone[0] or (
+        r.reference is None and "RotatingKVCache" in m.cache_kinds)
+
+
+def test_tables_name_only_real_families():
+    known = set(families())
+    assert set(REFUSED) <= known and set(BROKEN) <= known
+    assert not set(REFUSED) & set(BROKEN)
+    assert set(KV_REFUSED) | {f for f, _ in KV_BROKEN} <= set(KV_FAMILIES)
