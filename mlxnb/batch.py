@@ -29,7 +29,8 @@ from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
 from . import caches
 from .caches import aligned_views, left_padded, merge_lean
-from .prefill import AUTO_MAX, IDLE_PREFILL, Prefill, PrefillPolicy, ShapeMemory
+from .prefill import (AUTO_MAX, IDLE_PREFILL, Prefill, PrefillPolicy, ShapeMemory,
+                      padding_stays_out)
 from .prefix import PrefixStore
 from .rows import SamplingParams
 from .sampling import BatchSampler, top_logprobs
@@ -90,6 +91,8 @@ class BatchExecutor:
         # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
         self.fused = fuse_projections(model, lambda: model(
             mx.array([[0]]), cache=self.make_cache())) if fuse else 0
+        pad_safe = padding_stays_out(model, self.make_cache, tokenizer.encode(
+            "The quick brown fox jumps over the lazy dog, again and again."))
         self.cache_kinds = caches.describe(probe, kv_bits)
         # prefix entries are plain KV slices: recurrent states and quantized or
         # windowed KV would need a snapshot at the prefix boundary instead
@@ -99,6 +102,7 @@ class BatchExecutor:
         self.shapes = ShapeMemory()
         self.policy = PrefillPolicy(prefill_chunk)
         self.prefill = Prefill(model, self.make_cache, self.policy, self.shapes, self.prefix)
+        self.prefill.pad_safe = pad_safe
         self._cold_launch = False  # a new decode batch shape (set by _align), this tick
         self._reset_batch()
         self.nsteps = 0

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache,
                                  CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
-                                 dynamic_roll, make_prompt_cache)
+                                 create_attention_mask, dynamic_roll, make_prompt_cache)
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
 KV_GROUP_SIZES = (32, 64, 128)
@@ -402,8 +402,9 @@ class AlignedView:
     def update_and_fetch(self, keys, values):
         return self.c.update_and_fetch(keys, values)
 
-    def make_mask(self, N, **kwargs):
-        return None if N == 1 else "causal"
+    def make_mask(self, N, return_array: bool = False, window_size=None, **kwargs):
+        # mlx-lm's single-row rule (KVCache.make_mask): arrays only when asked for
+        return create_attention_mask(N, self.c._idx, return_array, window_size)
 
     def __getattr__(self, name):
         return getattr(self.c, name)

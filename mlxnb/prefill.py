@@ -159,13 +159,69 @@ class PrefillGroup:
         return [a.row_id for a in self.admits]
 
 
+def _close(a, b, rel: float) -> bool:
+    return (a - b).abs().max().item() <= rel * max(1.0, b.abs().max().item())
+
+
+def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
+    """How padding behaves in this model, measured: a 3-token row's first decode
+    logits alone, beside an 11-token row in a batch that joined unpadded (so the
+    decode step is left-padded), and in a right-padded prefill group (4-token chunks,
+    so a chunk can be all padding for it). Most models mask padding out of
+    attention and recurrent state alike (their recurrent layers read
+    `ArraysCache.lengths`) and the three agree; some let right padding into a
+    recurrent state (False: their rows must prefill unpadded). A model whose
+    left-padded decode disagrees, or that cannot run a padded batch, is refused
+    (ValueError). The tolerances sit far below the gaps leaks make (3% to 40% of
+    the logit range in tiny random models) and above dtype noise between shapes."""
+    ids = (list(ids) * 14)[:14] if ids else list(range(2, 16))
+    short, longer = ids[:3], ids[3:14]
+
+    def prefill(rows, chunk=4):
+        width = max(map(len, rows))
+        cache = empty_batch(make_cache(), len(rows))
+        pad = [width - len(r) for r in rows]
+        if max(pad):
+            for c in cache:
+                c.prepare(lengths=[len(r) for r in rows], right_padding=pad)
+        tokens = mx.array([r + [0] * p for r, p in zip(rows, pad)])
+        views = aligned_views(cache)
+        for i in range(0, width, chunk):
+            model(tokens[:, i:i + chunk], cache=views)
+        if max(pad):
+            for c in cache:
+                c.finalize()
+        return cache
+
+    try:
+        alone = model(mx.array([ids[:1]]), cache=aligned_views(prefill([short])))[0, -1]
+        joined = prefill([short])
+        for c, o in zip(joined, prefill([longer])):
+            c.extend(o)
+        beside = model(mx.array([ids[:1]] * 2), cache=joined)[0, -1]
+        padded = model(mx.array([ids[:1]] * 2), cache=prefill([short, longer]))[0, -1]
+        mx.eval(alone, beside, padded)
+    except Exception as e:
+        raise ValueError(f"mlxnb cannot batch this model: a padded batch fails in its "
+                         f"forward ({type(e).__name__}: {' '.join(str(e).split())[:160]})."
+                         f" Use mlx_lm.generate for it.") from None
+    if not _close(beside, alone, 0.02):
+        raise ValueError("mlxnb cannot batch this model: a row's output changes when "
+                         "other rows in its batch are longer (left padding reaches its "
+                         "attention). Use mlx_lm.generate for it.")
+    return _close(padded, alone, 0.002)
+
+
 class Prefill:
-    """Admitted rows from `waiting` through prefill groups to `ready`."""
+    """Admitted rows from `waiting` through prefill groups to `ready`. With
+    `pad_safe` False (the model lets padding into its state: padding_stays_out),
+    groups hold prompts of one length only, unbucketed, so none is padded."""
 
     def __init__(self, model, make_cache: Callable[[], list], policy: PrefillPolicy,
                  shapes: ShapeMemory, prefix=None):
         self.model, self.make_cache, self.policy = model, make_cache, policy
         self.shapes, self.prefix = shapes, prefix
+        self.pad_safe = True
         self.waiting: Deque = deque()  # Admits, prefill not started
         self.current: Optional[PrefillGroup] = None  # the group being prefilled
         self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
@@ -258,12 +314,14 @@ class Prefill:
         # Joiners of a running batch get padded to it anyway: round their widths up
         # so prefill shapes repeat (backends that prepare kernels per shape, e.g.
         # cuDNN attention on CUDA, then reuse them).
-        step = min(PREFILL_BUCKET, step_budget) if decoding else 1
+        step = min(PREFILL_BUCKET, step_budget) if decoding and self.pad_safe else 1
         most = max(1, step_budget // step) if decoding else len(self.waiting) + 1
         group = [head]
         width = round_up(len(head.ids) - 1, step)
         while self.waiting and len(group) < most:
             a = self.waiting[0]
+            if not self.pad_safe and len(a.ids) != len(head.ids):
+                break
             w = max(width, round_up(len(a.ids) - 1, step))
             if (len(group) + 1) * w > max(budget, width):
                 break

@@ -43,13 +43,14 @@ def test_engine_output_is_the_same_with_and_without_warm_up(tiny, arun):
 
 
 class _FailsBatched:
-    """A model whose forward raises for more than one row at a time."""
+    """A model whose forward raises for more than two rows at a time (the warm-up
+    joins a third row; the load-time padding probe runs two)."""
 
     def __init__(self, model):
         self.model = model
 
     def __call__(self, x, cache=None):
-        if x.shape[0] > 1:
+        if x.shape[0] > 2:
             raise RuntimeError("no batches here")
         return self.model(x, cache=cache)
 
@@ -64,9 +65,8 @@ def test_a_failing_warm_up_does_not_stop_the_engine(tiny, arun):
         eng = Engine((_FailsBatched(model), tok), kv_budget=None)
         assert eng.rows == [] and not eng._exec.busy
         one = await eng.submit("abc", chat=False, max_tokens=3)
-        a, b = eng.submit("ab", chat=False, max_tokens=3), eng.submit("cd", chat=False,
-                                                                        max_tokens=3)
-        two = [await a, await b]
+        rows = [eng.submit(p, chat=False, max_tokens=3) for p in ("ab", "cd", "ef")]
+        two = [await r for r in rows]
         await eng.aclose()
         return one, two
 
