@@ -91,8 +91,7 @@ class BatchExecutor:
         # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
         self.fused = fuse_projections(model, lambda: model(
             mx.array([[0]]), cache=self.make_cache())) if fuse else 0
-        pad_safe = padding_stays_out(model, self.make_cache, tokenizer.encode(
-            "The quick brown fox jumps over the lazy dog, again and again."))
+        pad_safe = padding_stays_out(model, self.make_cache, self._probe_ids())
         self.cache_kinds = caches.describe(probe, kv_bits)
         # prefix entries are plain KV slices: recurrent states and quantized or
         # windowed KV would need a snapshot at the prefix boundary instead
@@ -106,6 +105,15 @@ class BatchExecutor:
         self._cold_launch = False  # a new decode batch shape (set by _align), this tick
         self._reset_batch()
         self.nsteps = 0
+
+    def _probe_ids(self) -> List[int]:
+        """Token ids of ordinary text, for probe forwards (any ids if the tokenizer
+        cannot encode it)."""
+        try:
+            return [int(t) for t in self.tokenizer.encode(
+                "The quick brown fox jumps over the lazy dog, again and again.")]
+        except Exception:
+            return []
 
     def make_cache(self) -> list:
         """A fresh single-row cache of this engine's kinds (KV quantized if asked)."""
