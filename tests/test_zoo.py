@@ -16,10 +16,10 @@ from zoo import KV_WIDE, build, families, run_parity  # tests/ is on sys.path (p
 REFUSED = {
     "deepseek_v41": "its LayerCache cache has no batched form",
     "llama4": "its ChunkedKVCache cache has no batched form",
-    # AFM7's KV-reuse layers read the last cache's keys without the padding mask;
-    # Gemma 2 reshapes attention scores so a per-row mask lands on the head axis
-    "afm7": "left padding reaches its attention",
-    "gemma2": "left padding reaches its attention",
+    # AFM7's KV-reuse layers take RoPE positions from the buffer length; Gemma 2
+    # reshapes attention scores so a per-row mask lands on the head axis
+    "afm7": "left padding reaches its attention or positions",
+    "gemma2": "left padding reaches its attention or positions",
     # learned absolute positions: np.arange(cache.offset), one int for every row
     "gpt_bigcode": "a padded batch fails in its forward",
 }
