@@ -79,6 +79,7 @@ class BatchExecutor:
         self.model, self.tokenizer = model, tokenizer
         self.prefill_chunk = prefill_chunk  # None: auto (PrefillPolicy)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.quantized_attention = True  # (caches._Quantized; _probe_costs may clear it)
         self.eos = set(tokenizer.eos_token_ids or ())
         probe = self.make_cache()
         bad = caches.unsupported(probe)
@@ -87,12 +88,12 @@ class BatchExecutor:
                 f"mlxnb cannot batch this model: its {', '.join(bad)} cache has no "
                 f"batched form (mlxnb batches KVCache, RotatingKVCache, ArraysCache, "
                 f"CacheList and quantized KV). Use mlx_lm.generate for it.")
-        self.layer_costs = self._probe_costs(probe)
+        self.layer_costs = self._probe_costs()
         # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
         self.fused = fuse_projections(model, lambda: model(
             mx.array([[0]]), cache=self.make_cache())) if fuse else 0
         pad_safe = padding_stays_out(model, self.make_cache, self._probe_ids())
-        self.cache_kinds = caches.describe(probe, kv_bits)
+        self.cache_kinds = caches.describe(probe, kv_bits, self.quantized_attention)
         # prefix entries are plain KV slices: recurrent states and quantized or
         # windowed KV would need a snapshot at the prefix boundary instead
         self.prefix_bytes = prefix_bytes
@@ -117,16 +118,29 @@ class BatchExecutor:
 
     def make_cache(self) -> list:
         """A fresh single-row cache of this engine's kinds (KV quantized if asked)."""
-        return caches.make_row_cache(self.model, self.kv_bits, self.kv_group_size)
+        return caches.make_row_cache(self.model, self.kv_bits, self.kv_group_size,
+                                     self.quantized_attention)
 
-    def _probe_costs(self, cache) -> List[tuple]:
-        """caches.layer_costs of a real 1-token forward."""
-        try:
-            self.model(mx.array([[0]]), cache=cache)
+    def _probe_costs(self) -> List[tuple]:
+        """caches.layer_costs of a real forward (a token, a chunk, a decode step).
+        With kv_bits, attention reads the quantized KV directly if the device can
+        (mx.quantized_matmul at these shapes), else dequantized."""
+        def run():
+            cache = self.make_cache()
+            for n in (1, 5, 1):
+                self.model(mx.zeros((1, n), mx.int32), cache=cache)
             mx.eval([c.state for c in cache])
+            return cache
+
+        try:
+            return caches.layer_costs(run())
         except Exception as e:
             if self.kv_bits is None:
                 raise
+        self.quantized_attention = False
+        try:
+            return caches.layer_costs(run())
+        except Exception as e:
             raise ValueError(
                 f"this model cannot run with a quantized KV cache (kv_bits="
                 f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "

@@ -37,20 +37,23 @@ def round_up(n: int, step: int) -> int:
 
 # -- one row's cache ------------------------------------------------------------------
 
-def make_row_cache(model, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> list:
+def make_row_cache(model, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                   quantized_attention: bool = True) -> list:
     """The model's own prompt cache, with every KV layer (full attention and sliding
     window) quantized when `kv_bits` is set, from the first token: quantization is
     per token and per group of `kv_group_size` head dims, so a row's KV bytes do not
-    depend on how its prompt was chunked or batched."""
+    depend on how its prompt was chunked or batched. `quantized_attention`: see
+    `_Quantized`."""
     cache = make_prompt_cache(model)
     if kv_bits is None:
         return cache
 
     def q(c):
         if type(c) is KVCache:
-            return QuantizedKVCache(group_size=kv_group_size, bits=kv_bits)
+            return BatchQuantizedKVCache([0], kv_group_size, kv_bits, quantized_attention)
         if type(c) is RotatingKVCache and c.keep == 0:
-            return QuantizedRotatingKVCache(c.max_size, kv_group_size, kv_bits)
+            return QuantizedRotatingKVCache(c.max_size, kv_group_size, kv_bits,
+                                            quantized_attention)
         if type(c) is CacheList:
             return CacheList(*(q(x) for x in c.caches))
         return c
@@ -88,7 +91,8 @@ def layer_costs(cache: list) -> List[tuple]:
     return out
 
 
-def describe(cache: list, kv_bits: Optional[int] = None) -> str:
+def describe(cache: list, kv_bits: Optional[int] = None,
+             quantized_attention: bool = True) -> str:
     """What a user reads in the status line: e.g. '24 recurrent-state + 8 attention
     layers, KV 4-bit'."""
     counts = {}
@@ -102,6 +106,8 @@ def describe(cache: list, kv_bits: Optional[int] = None) -> str:
     text = " + ".join(parts) + " layers"
     if kv_bits is not None:
         text += f", KV {kv_bits}-bit"
+        if not quantized_attention:
+            text += " (dequantized for attention on this device)"
         if any(type(x) is RotatingKVCache for x in _leaves(cache)):
             text += " (windows that keep their first tokens stay full precision)"
     return text
@@ -121,10 +127,13 @@ def empty_batch(row_cache: list, n: int) -> list:
             return LeanBatchKVCache([0] * n)
         if t is QuantizedKVCache:
             return BatchQuantizedKVCache([0] * n, c.group_size, c.bits)
+        if t is BatchQuantizedKVCache:
+            return BatchQuantizedKVCache([0] * n, c.q_group, c.q_bits, c.quantized_attention)
         if t is RotatingKVCache:
             return BatchRotatingKVCache(c.max_size, [0] * n)
         if t is QuantizedRotatingKVCache:
-            return BatchQuantizedRotatingKVCache(c.max_size, [0] * n, c.group_size, c.bits)
+            return BatchQuantizedRotatingKVCache(c.max_size, [0] * n, c.q_group, c.q_bits,
+                                                 c.quantized_attention)
         if t is ArraysCache:
             return ArraysCache(len(c.cache))  # no left padding: no mask in decode
         if t is CacheList:
@@ -195,21 +204,46 @@ class LeanBatchKVCache(BatchKVCache):
         return self.keys[..., :self._idx, :], self.values[..., :self._idx, :]
 
 
-class BatchQuantizedKVCache:
+class _Quantized:
+    """Quantization settings of a KV cache and how attention reads it. With
+    `quantized_attention` the cache has `bits` and `group_size`, so mlx-lm's
+    attention multiplies the mx.quantize triplets directly; without, attention gets
+    them dequantized (plain attention; the memory saved is the same). The engine
+    picks at load: MLX's CUDA backend, for one, has no quantized matmul for the
+    shapes single-token attention needs."""
+
+    def _quant(self, group_size: int, bits: int, quantized_attention: bool):
+        self.q_group, self.q_bits = group_size, bits
+        self.quantized_attention = quantized_attention
+
+    def __getattr__(self, name):  # only for names not set on the instance
+        d = self.__dict__
+        if name in ("bits", "group_size") and d.get("quantized_attention"):
+            return d["q_bits"] if name == "bits" else d["q_group"]
+        raise AttributeError(name)
+
+    def _for_attention(self, trip):
+        if self.quantized_attention:
+            return trip
+        return mx.dequantize(*trip, group_size=self.q_group, bits=self.q_bits)
+
+
+class BatchQuantizedKVCache(_Quantized):
     """A left-padded batch of quantized keys and values: `keys` and `values` are
     mx.quantize triplets (packed uint32, scales, biases), each [B, H, S, *]. mlx-lm
-    has a single-row QuantizedKVCache only; this is its batch form, laid out like
-    BatchKVCache (same padding, filter, extend and finalize rules), with `bits` and
-    `group_size` so mlx-lm's attention takes its quantized path."""
+    has a single-row QuantizedKVCache only; this is its batch form (and, with one
+    row, the engine's single-row form), laid out like BatchKVCache (same padding,
+    filter, extend and finalize rules)."""
 
     step = 256
 
-    def __init__(self, left_padding: list, group_size: int = 64, bits: int = 8):
+    def __init__(self, left_padding: list, group_size: int = 64, bits: int = 8,
+                 quantized_attention: bool = True):
         self.keys = self.values = None
         self.left_padding = mx.array(left_padding)
         self._idx = 0
         self._right_padding = None
-        self.group_size, self.bits = group_size, bits
+        self._quant(group_size, bits, quantized_attention)
 
     @property
     def offset(self):
@@ -222,19 +256,19 @@ class BatchQuantizedKVCache:
             new = round_up(n, self.step)
 
             def grow(old, x):
-                per_int = 32 // self.bits
+                per_int = 32 // self.q_bits
                 D = x.shape[-1]
                 fresh = (mx.zeros((B, H, new, D // per_int), mx.uint32),
-                         mx.zeros((B, H, new, D // self.group_size), x.dtype),
-                         mx.zeros((B, H, new, D // self.group_size), x.dtype))
+                         mx.zeros((B, H, new, D // self.q_group), x.dtype),
+                         mx.zeros((B, H, new, D // self.q_group), x.dtype))
                 if old is None:
                     return fresh
                 return tuple(mx.concatenate([o[..., :prev, :], f], axis=2)
                              for o, f in zip(old, fresh))
 
             self.keys, self.values = grow(self.keys, keys), grow(self.values, values)
-        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        qk = mx.quantize(keys, group_size=self.q_group, bits=self.q_bits)
+        qv = mx.quantize(values, group_size=self.q_group, bits=self.q_bits)
         self._idx = prev + n
         for dst, src in ((self.keys, qk), (self.values, qv)):
             for d, s in zip(dst, src):
@@ -243,8 +277,8 @@ class BatchQuantizedKVCache:
 
     def keys_and_values(self):
         i = self._idx
-        return (tuple(x[..., :i, :] for x in self.keys),
-                tuple(x[..., :i, :] for x in self.values))
+        return (self._for_attention(tuple(x[..., :i, :] for x in self.keys)),
+                self._for_attention(tuple(x[..., :i, :] for x in self.values)))
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None:
@@ -333,27 +367,24 @@ class BatchQuantizedKVCache:
         return sum(x.nbytes for x in self.keys + self.values)
 
 
-class _Packed:
+class _Packed(_Quantized):
     """Quantized KV as ONE uint32 array per tensor, [..., S, words]: the packed
     values, then the scales and biases viewed as uint32. A sliding window's cache
     rolls, trims, pads and concatenates its buffers along S (mlx-lm's rotating
     caches, unchanged); on one array those are the same operations."""
 
-    group_size: int
-    bits: int
-
     def _pack(self, x):
-        q, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
+        q, scales, biases = mx.quantize(x, group_size=self.q_group, bits=self.q_bits)
         sb = mx.view(mx.concatenate([scales, biases], axis=-1), mx.uint32)
         return mx.concatenate([q, sb], axis=-1)
 
     def _unpack(self, p, like):
-        """The (packed, scales, biases) triplet of `p`, which packs tensors of
-        `like`'s head dim and dtype."""
-        n = like.shape[-1] * self.bits // 32
+        """What attention reads of `p`, which packs tensors of `like`'s head dim
+        and dtype."""
+        n = like.shape[-1] * self.q_bits // 32
         sb = mx.view(p[..., n:], like.dtype)
         half = sb.shape[-1] // 2
-        return p[..., :n], sb[..., :half], sb[..., half:]
+        return self._for_attention((p[..., :n], sb[..., :half], sb[..., half:]))
 
     def update_and_fetch(self, keys, values):
         k, v = super().update_and_fetch(self._pack(keys), self._pack(values))
@@ -364,21 +395,24 @@ class QuantizedRotatingKVCache(_Packed, RotatingKVCache):
     """mlx-lm's RotatingKVCache (a sliding window) holding quantized keys/values,
     which mlx-lm does not offer; one row, as `make_row_cache` builds it."""
 
-    def __init__(self, max_size, group_size: int = 64, bits: int = 8):
+    def __init__(self, max_size, group_size: int = 64, bits: int = 8,
+                 quantized_attention: bool = True):
         super().__init__(max_size)
-        self.group_size, self.bits = group_size, bits
+        self._quant(group_size, bits, quantized_attention)
 
 
 class BatchQuantizedRotatingKVCache(_Packed, BatchRotatingKVCache):
     """mlx-lm's BatchRotatingKVCache holding quantized keys/values."""
 
-    def __init__(self, max_size, left_padding: list, group_size: int = 64, bits: int = 8):
+    def __init__(self, max_size, left_padding: list, group_size: int = 64, bits: int = 8,
+                 quantized_attention: bool = True):
         super().__init__(max_size, left_padding)
-        self.group_size, self.bits = group_size, bits
+        self._quant(group_size, bits, quantized_attention)
 
 
-_BATCHABLE += (QuantizedRotatingKVCache,)
+_BATCHABLE += (QuantizedRotatingKVCache, BatchQuantizedKVCache)
 _KIND[QuantizedRotatingKVCache] = "sliding-window"
+_KIND[BatchQuantizedKVCache] = "attention"
 _ALIGNABLE = (LeanBatchKVCache, BatchQuantizedKVCache)
 
 

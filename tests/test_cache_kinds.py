@@ -254,3 +254,29 @@ def test_mlxnb_load_kv_bits_and_config(monkeypatch, arun, capsys):
         magics._S.config = None
         ip.config.pop("MLXNB", None)
     assert "attention layers, KV 4-bit" in capsys.readouterr().out
+
+
+def test_kv_dequantized_for_attention_where_quantized_matmul_is_missing(monkeypatch, arun):
+    """A device without quantized matmuls for attention's shapes (MLX's CUDA backend)
+    gets the same quantized storage, read back dequantized: same bytes, parity."""
+    def missing(*a, **k):
+        raise ValueError("[quantized_matmul] No implementation for problem shape")
+
+    monkeypatch.setattr(mx, "quantized_matmul", missing)
+    kv = dict(kv_bits=4, kv_group_size=32)
+
+    async def main():
+        eng = engine("gemma3_text", **kv)
+        alone = [(await eng.submit(p, max_tokens=12, chat=False)).tokens for p in PROMPTS]
+        batched = [r.tokens for r in await eng.generate(PROMPTS, max_tokens=12, chat=False)]
+        status, costs = eng.status(), eng._exec.layer_costs
+        await eng.aclose()
+        return alone, batched, status, costs
+
+    alone, batched, status, costs = arun(main)
+    assert batched == alone
+    assert "KV 4-bit (dequantized for attention on this device)" in status
+    monkeypatch.undo()
+    q = engine("gemma3_text", **kv)
+    assert q._exec.quantized_attention and q._exec.layer_costs == costs
+    q.close()

@@ -410,7 +410,12 @@ def reference_tokens(model, prompt, n, kv_bits=None, kv_group_size=64):
     out = []
     from mlxnb.caches import make_row_cache
 
-    cache = make_row_cache(model, kv_bits, kv_group_size)
+    try:  # attention on the quantized KV where mlx-lm can, else dequantized
+        cache = make_row_cache(model, kv_bits, kv_group_size)
+        model(mx.array([ids[:1]]), cache=cache)
+        cache = make_row_cache(model, kv_bits, kv_group_size)
+    except ValueError:
+        cache = make_row_cache(model, kv_bits, kv_group_size, quantized_attention=False)
     for tok, _ in generate_step(mx.array(ids), model, max_tokens=n, prompt_cache=cache):
         out.append(int(tok))
         if out[-1] == 257:  # <eos>: the engine's row ends here too
