@@ -28,12 +28,14 @@ import contextvars
 import os
 import re
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 
 import anywidget
 import traitlets as t
 
+from . import results
 from ._text import fmt_bytes, one_line
 
 FLUSH_HZ = 15
@@ -42,6 +44,7 @@ MAX_SNAP_NUMBERS = 20000  # bound on per-row KV numbers kept in traits (lib.js: 
 STEPS_PER_FLUSH = 32  # steps beyond this in one flush are averaged into buckets
 SNAPS_PER_FLUSH = 4
 PROMPT_CHARS = 200
+RESULTS_INTERVAL_S = 5.0  # the lasting text rendering, while rows run (results.py)
 STEP_KEYS = ("s", "t", "dt", "b", "pf", "kv")
 
 
@@ -140,6 +143,11 @@ class GenerationWidget(anywidget.AnyWidget):
         self._t_traits = 0.0
         self._flusher = None
         self._listening = False
+        # The results output beside the widget (results.py): shown by _ipython_display_,
+        # kept current by this id.
+        self.display_id = f"mlxnb-{uuid.uuid4().hex}"
+        self._results_shown = False
+        self._t_results = 0.0
         self._pending.extend(self._backfill())
         self._flush(send=False)
         self._write_traits()
@@ -223,6 +231,8 @@ class GenerationWidget(anywidget.AnyWidget):
                     return
                 if self._dirty and time.monotonic() - self._t_traits > self._trait_interval:
                     self._write_traits()
+                elif time.monotonic() - self._t_results > RESULTS_INTERVAL_S:
+                    self._update_results()
         finally:
             self._flusher = None
 
@@ -359,6 +369,7 @@ class GenerationWidget(anywidget.AnyWidget):
             self.seq = self._seq
         self._dirty = False
         self._t_traits = time.monotonic()
+        self._update_results()
 
     def sync_now(self) -> None:
         """Send what is pending, then write the complete state into the traits, at once.
@@ -425,10 +436,43 @@ class GenerationWidget(anywidget.AnyWidget):
             lines.append("(a snapshot: the live widget shows progress; display it again for now)")
         return "\n".join(lines)
 
+    def results_bundle(self) -> dict:
+        """text/plain + text/html of every row as it stands (results.py)."""
+        h = self.engine
+        return results.bundle(self._rows.values(), _short_model_name(
+            str(getattr(h, "model_name", "") or "")), self.title)
+
     def _repr_mimebundle_(self, **kwargs):
+        # The widget view, and for frontends without widgets a pointer to the results
+        # output (its own snapshot would be stale: outputs are not updated by view id).
         data, meta = super()._repr_mimebundle_(**kwargs)
-        data["text/plain"] = self.summary_text()
+        data["text/plain"] = (f"mlxnb live widget ({len(self._rows)} rows"
+                              f"{', dashboard' if self.dashboard else ''}): "
+                              "the rows' results are in the output below it")
         return data, meta
+
+    def _ipython_display_(self):
+        """Two outputs: the widget, then its results (updated by display id). A
+        notebook saved without widget state still shows the results; beside a live
+        widget, widget.css hides them (the widget shows the same rows)."""
+        from IPython.display import display
+
+        data, meta = self._repr_mimebundle_()
+        display(data, metadata=meta, raw=True)
+        display(self.results_bundle(), raw=True, display_id=self.display_id)
+        self._results_shown = True
+        self._t_results = time.monotonic()
+
+    def _update_results(self) -> None:
+        if not self._results_shown:
+            return
+        self._t_results = time.monotonic()
+        try:
+            from IPython.display import update_display
+
+            update_display(self.results_bundle(), raw=True, display_id=self.display_id)
+        except Exception:  # no kernel to publish on (closing): the last rendering stays
+            pass
 
     def __repr__(self):
         return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"
