@@ -301,9 +301,9 @@ export function moreLabel(hidden, expanded, newest = false) {
 
 // ---------------------------------------------------------------- labels
 export const CHART_TITLES = {
-  kv: "KV memory per row, by decode step · budget",
-  step: "step time ms (line) · batch size (right axis), by decode step",
-  timeline: "rows over time: queued ─ · prefill (outlined) · decode (solid)",
+  kv: "KV memory per row, by step · budget",
+  step: "step time ms, by step · batch size (right)",
+  timeline: "rows over time (s): queued ─ · prefill (outlined) · decode",
 };
 export const X_AXIS = { kv: "step", step: "step", timeline: "seconds" };
 

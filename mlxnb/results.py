@@ -115,6 +115,7 @@ _BOX = ("font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:12p
         "line-height:1.4;max-width:100%")
 _META = "color:var(--jp-ui-font-color2,#5c5c5c);margin:6px 0 1px 0"
 _TEXT = ("white-space:pre-wrap;word-break:break-word;margin:0 0 0 1.6em;padding:0;"
+         "max-height:16em;overflow:auto;"
          "font-family:var(--jp-code-font-family,monospace);font-size:12px;"
          "background:none;border:none")
 
