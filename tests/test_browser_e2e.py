@@ -108,7 +108,9 @@ DONE_JS = """() => {
   const lin = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
   const lum = (s) => { const [r, g, b] = rgb(s); return 0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b); };
   const ratio = (a, b) => { const x = lum(a), y = lum(b); return (Math.max(x, y) + 0.05) / (Math.min(x, y) + 0.05); };
-  return [...document.querySelectorAll('.mlxnb-widget')].map((w) => ({
+  const results = [...document.querySelectorAll('.mlxnb-results')];
+  return [...document.querySelectorAll('.mlxnb-widget')].map((w, i) => ({
+    results: results[i] ? results[i].getBoundingClientRect().height : null,
     theme: w.dataset.theme,
     rows: [...w.querySelectorAll('.mlxnb-row')].map((r) => [r.dataset.state,
       r.querySelector('.mlxnb-text-inner').textContent]),
@@ -277,6 +279,8 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
                 done = page.evaluate(DONE_JS)
                 assert [w["theme"] for w in done] == ["dark" if dark else "light"] * 3
                 assert min(w["contrast"] for w in done) >= 4.5, done
+                # each widget's results output is there, hidden beside the live widget
+                assert [w["results"] for w in done] == [0, 0, 0], done
                 texts = [_clean(t)[:60] for w in done[1:] for _, t in w["rows"]]
                 assert len(texts) == 8 and all(texts), texts
                 dash = page.locator(".mlxnb-widget").first
