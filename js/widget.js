@@ -211,7 +211,7 @@ function drawSteps(canvas, st, c) {
   for (let i = 0; i < s.length; i++) if (pf[i] > 0) ctx.fillRect(x(s[i]) - 1.5, y(dt[i]) - 1.5, 3, 3);
 }
 
-function drawTimeline(canvas, st, c, now, hl) {
+function drawTimeline(canvas, st, c, now, hl, live) {
   const rows = [...st.rows.values()].slice(-TIMELINE_LANES).filter((r) => r.t_submit != null);
   setAttr(canvas, "data-points", rows.length);
   const g = prep(canvas);
@@ -251,7 +251,7 @@ function drawTimeline(canvas, st, c, now, hl) {
       ctx.fillRect(x(r.t_done - t0) - 1, py - 1, 2, bar + 2);
     }
   });
-  if (st.header.live) {
+  if (live) {
     ctx.strokeStyle = c.muted; ctx.setLineDash([2, 2]);
     const px = Math.round(x(now - t0)) + 0.5;
     ctx.beginPath(); ctx.moveTo(px, box.t); ctx.lineTo(px, box.b); ctx.stroke();
@@ -288,7 +288,9 @@ function render({ model, el }) {
   st.recvAt = performance.now();
   const rowEls = new Map();
   let dirty = new Set(st.rows.keys()), relayout = true, raf = 0, traitsQueued = false;
-  let askedAt = -1e9, heardAt = performance.now(), stale = false, staleTimer = 0;
+  // Liveness: only a kernel sends custom messages (deltas, the "synced" answer);
+  // trait changes can also come from restoring saved widget state.
+  let askedAt = -1e9, heardAt = -Infinity, stale = false, staleTimer = 0;
   let expanded = false, hl = null, pinned = false;
 
   const schedule = () => { if (!raf) raf = requestAnimationFrame(draw); };
@@ -312,9 +314,11 @@ function render({ model, el }) {
     }
     if (!staleTimer) staleTimer = setTimeout(checkStale, STALE_MS + 10);
   };
+  // Asked and not yet answered: stop buttons wait (a restored view may have no kernel).
+  const pending = () => heardAt < askedAt;
   const heard = () => {
+    if (stale || pending()) { stale = false; dirty = new Set(st.rows.keys()); schedule(); }
     heardAt = performance.now();
-    if (stale) { stale = false; dirty = new Set(st.rows.keys()); }
   };
   const onMsg = (msg) => {
     heard();
@@ -326,7 +330,6 @@ function render({ model, el }) {
     schedule();
   };
   const onTraits = () => { // several traits change in one update: take them once
-    heard();
     if (traitsQueued) return;
     traitsQueued = true;
     queueMicrotask(() => {
@@ -335,7 +338,6 @@ function render({ model, el }) {
       if (!shouldTakeTraits(st, t.seq)) return;
       st = stateFromTraits(t);
       st.recvAt = performance.now();
-      askedAt = Math.min(askedAt, heardAt - 1);
       dirty = new Set(st.rows.keys()); relayout = true;
       schedule();
     });
@@ -391,7 +393,8 @@ function render({ model, el }) {
     nums.append(ntok, rate, ttft);
     stop.title = "stop this row";
     stop.addEventListener("click", (ev) => {
-      ev.stopPropagation(); stop.disabled = true; model.send({ type: "stop", id });
+      ev.stopPropagation(); stop.disabled = true; v.stopped = true;
+      model.send({ type: "stop", id });
     });
     text.addEventListener("click", () => { e.classList.toggle("mlxnb-expanded"); update(id); });
     e.addEventListener("mouseenter", () => highlight(id));
@@ -416,7 +419,7 @@ function render({ model, el }) {
     setText(v.ntok, `${r.ntok ?? 0} tok`);
     setText(v.rate, r.tok_s != null ? `${formatRate(r.tok_s)} tok/s` : "");
     setText(v.ttft, r.ttft != null ? `ttft ${formatDuration(r.ttft)}` : "");
-    v.stop.disabled = r.state === "done" || stale;
+    v.stop.disabled = Boolean(v.stopped) || r.state === "done" || stale || pending();
     setAttr(v.e, "data-stale", stale ? "1" : "");
   }
 
@@ -430,6 +433,7 @@ function render({ model, el }) {
     setAttr(head, "data-running", hd.running ?? 0); setAttr(head, "data-queued", hd.queued ?? 0);
     stopAll.textContent = hd.mode === "dashboard" ? "stop all" : "stop run";
     stopAll.style.display = hd.live && !stale ? "" : "none";
+    stopAll.disabled = pending();
   }
 
   function placeRows() {
@@ -463,7 +467,9 @@ function render({ model, el }) {
     const c = colors(root);
     drawKV(cvKV, st, c, hl);
     drawSteps(cvStep, st, c);
-    drawTimeline(cvTime, st, c, liveNow(st.header, st.recvAt, performance.now()), hl);
+    const live = st.header.live && !stale; // a stale view's clock stands still
+    drawTimeline(cvTime, st, c, liveNow({ ...st.header, live }, st.recvAt, performance.now()),
+      hl, live);
   }
 
   // Canvases and the row layout follow the output area's width.

@@ -17,7 +17,8 @@ Message protocol (kernel -> front end), one per flush::
      "steps": {"s", "t", "dt", "b", "pf", "kv": [...], "snap": [[step, kv, [id, bytes, ...]]]},
      "header": {changed header fields}}
 
-Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}.
+Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}
+(answered with the full state in the traits and {"type": "synced", "seq": n}).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ MAX_SNAP_NUMBERS = 20000  # bound on per-row KV numbers kept in traits (lib.js: 
 STEPS_PER_FLUSH = 32  # steps beyond this in one flush are averaged into buckets
 SNAPS_PER_FLUSH = 4
 PROMPT_CHARS = 200
-RESULTS_INTERVAL_S = 5.0  # the lasting text rendering, while rows run (results.py)
+RESULTS_INTERVAL_S = 5.0  # traits + results output refresh while rows run (results.py)
 STEP_KEYS = ("s", "t", "dt", "b", "pf", "kv")
 
 
@@ -232,7 +233,10 @@ class GenerationWidget(anywidget.AnyWidget):
                 if self._dirty and time.monotonic() - self._t_traits > self._trait_interval:
                     self._write_traits()
                 elif time.monotonic() - self._t_results > RESULTS_INTERVAL_S:
-                    self._update_results()
+                    # Both saved forms (widget state, the results output) stay at most
+                    # this far behind while rows run; a full state is a few hundred kB
+                    # at most, every few seconds.
+                    self._write_traits()
         finally:
             self._flusher = None
 
@@ -396,6 +400,9 @@ class GenerationWidget(anywidget.AnyWidget):
                     r.cancel()
         elif kind == "sync":
             self.sync_now()
+            # Only a live kernel answers: a view restored from saved widget state whose
+            # request goes unanswered shows itself as not live (widget.js).
+            self.send({"type": "synced", "seq": self._seq})
 
     def _detach(self):
         if self._listening:

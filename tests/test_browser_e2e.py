@@ -72,7 +72,7 @@ def notebook(tiny_dir: Path | None):
     from nbformat.v4 import new_code_cell, new_notebook
 
     if tiny_dir is not None:  # bytes at a few hundred tokens/s per row
-        load, a_max, b_max = f"%mlxnb load {tiny_dir} --max-batch 16", "500,1500", "1000"
+        load, a_max, b_max = f"%mlxnb load {tiny_dir} --max-batch 16", "800,2400", "1600"
     else:  # the default model: ~5-20 tokens/s per row on a CPU
         load, a_max, b_max = "%mlxnb load", "32,64", "48"
     cells = [
@@ -370,3 +370,98 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
     print(f"[{app}] screenshots: {sorted(str(p) for p in shots.values())}; "
           f"test took {time.monotonic() - t_start:.1f} s")
     assert time.monotonic() - t_start < BUDGET_S
+
+
+SAVE_WIDGET_STATE = {"@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings":
+                     {"saveState": True}}
+
+STALE_JS = """() => [...document.querySelectorAll('.mlxnb-widget')].map((w) => ({
+  live: w.dataset.live, stats: w.querySelector('.mlxnb-stats').textContent,
+  badges: [...w.querySelectorAll('.mlxnb-badge')].map((b) => b.textContent),
+  stops: [...w.querySelectorAll('.mlxnb-stop')].map((b) => getComputedStyle(b).visibility),
+  stopAll: getComputedStyle(w.querySelector('.mlxnb-stop-all')).display,
+}))"""
+
+
+def test_saved_widget_state_of_an_unfinished_run_reads_not_live(tmp_path):
+    """With "Save Widget State Automatically" on, a notebook saved while rows decode
+    and reopened after its kernel is gone shows the saved widget; once no kernel
+    answers its sync request, it says "not live", its rows "unfinished", and it has
+    no stop buttons."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from mlxnb.tiny import save_tiny_model
+
+    t_start = time.monotonic()
+
+    def left() -> float:
+        return BUDGET_S - (time.monotonic() - t_start)
+
+    root = tmp_path / "root"
+    root.mkdir()
+    tiny = save_tiny_model(tmp_path / "tiny")
+    nb = new_notebook(cells=[new_code_cell(c) for c in [
+        "%load_ext mlxnb", f"%mlxnb load {tiny} --max-batch 4",
+        "%%generate --max-tokens 3500 --raw -o long\nhello\nworld"]])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                                 "language": "python"}
+    nbformat.write(nb, root / "e2e.ipynb")
+    with jupyter_lab(root, tmp_path / "jupyter", settings=SAVE_WIDGET_STATE) as (base, token):
+        with sync_api.sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
+                args=CHROME_FLAGS, viewport={"width": 1280, "height": 900})
+            try:
+                page = ctx.pages[0] if ctx.pages else ctx.new_page()
+                page.set_default_timeout(30_000)
+                _open(page, base, token, "lab", left)
+                page.locator(".lm-MenuBar-item", has_text="Run").first.click()
+                page.locator("li.lm-Menu-item[data-command='runmenu:run-all'], "
+                             "li.lm-Menu-item[data-command='notebook:run-all-cells']").first.click()
+                while True:  # rows decoding: save now
+                    assert left() > 40, "rows never started decoding"
+                    w = page.evaluate(STALE_JS)
+                    if w and w[0]["badges"] == ["decoding", "decoding"]:
+                        break
+                    page.wait_for_timeout(250)
+                assert w[0]["live"] == "1" and w[0]["stopAll"] != "none", w
+                page.locator(".jp-Notebook").first.click()
+                page.keyboard.press("Control+s")
+                for _ in range(40):
+                    page.wait_for_timeout(250)
+                    meta = json.loads((root / "e2e.ipynb").read_text())["metadata"]
+                    if meta.get("widgets"):
+                        break
+                assert meta.get("widgets"), "widget state was not saved"
+                for sess in _sessions(base, token):
+                    req = urllib.request.Request(
+                        f"{base}/api/sessions/{sess['id']}?token={token}", method="DELETE")
+                    urllib.request.urlopen(req, timeout=10).close()
+                _open(page, base, token, "lab", left)
+                seen = []
+                while True:
+                    assert left() > 5, f"the restored widget never read not live: {seen[-1:]}"
+                    w = page.evaluate(STALE_JS)
+                    seen.append(w)
+                    if w and w[0]["live"] == "stale":
+                        break
+                    page.wait_for_timeout(500)
+                print(f"\nrestored widget, first: {seen[0]}\nthen: {w}")
+                assert seen[0] and seen[0][0]["live"] == "1"  # the saved state said live
+                [v] = w
+                assert v["badges"] == ["unfinished", "unfinished"], v
+                assert "not live" in v["stats"] and "running" not in v["stats"], v
+                assert v["stops"] == ["hidden", "hidden"] and v["stopAll"] == "none", v
+                shot = tmp_path / "not-live.png"
+                page.locator(".mlxnb-widget").first.screenshot(path=str(shot))
+            finally:
+                ctx.close()
+    dest = DOCS / "not-live.png"
+    if not dest.exists() or os.environ.get("MLXNB_UPDATE_DOCS") == "1":
+        shutil.copy(shot, dest)
+    print(f"took {time.monotonic() - t_start:.1f} s")
