@@ -15,9 +15,10 @@ and run with Run -> Run All Cells. Then, in the DOM:
     outputs show every finished row's text;
 (e) the live phase logged no console errors.
 
-Screenshots of each state land in the test's tmp dir; JupyterLab's are also written
-to docs/ when missing or with MLXNB_UPDATE_DOCS=1 (ordinary runs do not rewrite
-committed images). Bounded in time; the server is always killed. Uses Debian's
+Screenshots of each state land in the test's tmp dir; JupyterLab's, and Notebook 7's
+dark widget, are also written to docs/ when missing or with MLXNB_UPDATE_DOCS=1
+(ordinary runs do not rewrite committed images; MLXNB_E2E_MODEL=default makes them
+with the bundled model's real text). Bounded in time; the server is always killed. Uses Debian's
 Chromium at /usr/bin/chromium (never `playwright install`).
 """
 
@@ -132,7 +133,7 @@ LAYOUT_JS = """() => {
 # After reopening: what the widget outputs say, and the results outputs' visible text.
 REOPENED_JS = """() => ({
   widgets: document.querySelectorAll('.mlxnb-widget').length,
-  first: [...document.querySelectorAll('.jp-CodeCell')].slice(2).map((c) =>
+  first: [...document.querySelectorAll('.jp-CodeCell')].slice(1).map((c) =>
     (c.querySelector('.jp-OutputArea-output') || {}).textContent),
   errors: [...document.querySelectorAll('.jp-OutputArea-output')]
     .map((o) => o.textContent).filter((t) => t.includes('Error displaying widget')).length,
@@ -241,7 +242,9 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
                     assert left() > 60, f"rows did not stream while idle; last: {snaps[-1:]}"
                     s = snap()
                     if all_ran(s) and s["kernel"] == "idle":
-                        if not all(st == "done" for st, _ in s["rows"]):
+                        # rows still running that have started to stream
+                        if not all(st == "done" for st, _ in s["rows"]) and \
+                                sum(n for _, n in s["rows"]):
                             streaming.append(s)
                             if len(streaming) == 2:
                                 shots["streaming"] = tmp_path / "streaming.png"
@@ -360,13 +363,15 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
     assert not errors, "\n".join(errors)
     for name, png in shots.items():
         assert png.stat().st_size > 3000, png
-    if app == "lab":
-        for name, png in shots.items():
-            dest = DOCS / {"streaming": "streaming.png", "widget": "widget.png",
-                           "narrow": "widget-600px.png", "reopened": "reopened.png"}[name]
-            if not dest.exists() or os.environ.get("MLXNB_UPDATE_DOCS") == "1":
-                DOCS.mkdir(exist_ok=True)
-                shutil.copy(png, dest)
+    # JupyterLab's every state; Notebook 7's widget in its dark theme
+    names = ({"streaming": "streaming.png", "widget": "widget.png",
+              "narrow": "widget-600px.png", "reopened": "reopened.png"} if app == "lab"
+             else {"widget": "widget-dark-notebook7.png"})
+    for name, png in shots.items():
+        dest = DOCS / names[name] if name in names else None
+        if dest and (not dest.exists() or os.environ.get("MLXNB_UPDATE_DOCS") == "1"):
+            DOCS.mkdir(exist_ok=True)
+            shutil.copy(png, dest)
     print(f"[{app}] screenshots: {sorted(str(p) for p in shots.values())}; "
           f"test took {time.monotonic() - t_start:.1f} s")
     assert time.monotonic() - t_start < BUDGET_S

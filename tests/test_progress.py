@@ -14,9 +14,9 @@ def test_slow_load_shows_its_stages_and_quick_load_is_silent(capsys, monkeypatch
 
     def worker():  # stages are reported from the engine's worker thread
         progress.stage("converting")
-        time.sleep(0.8)
+        time.sleep(1.2)
         progress.stage("warming up")
-        time.sleep(0.7)
+        time.sleep(1.2)
 
     with progress.loading("slow"):
         t = threading.Thread(target=worker)
@@ -38,3 +38,25 @@ def test_progress_can_be_turned_off(capsys, monkeypatch):
         progress.stage("warming up")
         time.sleep(0.6)
     assert capsys.readouterr().err == ""
+
+
+def test_in_a_notebook_the_line_is_one_output_updated_in_place(monkeypatch):
+    """A kernel gets a text output updated by display id, ending as "loaded ..." (a
+    tqdm widget bar would read "model not found" in a saved notebook)."""
+    import IPython.display as ipd
+
+    shown = []
+    monkeypatch.setattr(progress, "DELAY_S", 0.2)
+    monkeypatch.setattr(progress, "_in_kernel", lambda: True)
+    monkeypatch.setattr(ipd, "display", lambda data, raw, display_id:
+                        shown.append(("display", display_id, data["text/plain"])))
+    monkeypatch.setattr(ipd, "update_display", lambda data, raw, display_id:
+                        shown.append(("update", display_id, data["text/plain"])))
+    with progress.loading("m"):
+        progress.stage("warming up")
+        time.sleep(1.3)
+    assert shown[0][0] == "display" and all(k == "update" for k, _, _ in shown[1:])
+    assert len({i for _, i, _ in shown}) == 1
+    assert any("mlxnb: loading m [00:01], warming up" in t for _, _, t in shown), shown
+    assert shown[-1][2].startswith("mlxnb: loaded m in 1.") and \
+        shown[-1][2].endswith("(reading weights, warming up)"), shown[-1]
