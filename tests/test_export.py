@@ -14,6 +14,8 @@ import pytest
 
 from test_notebooks_nbclient import client_for, kernel_env, make_nb, tiny_dir  # noqa: F401
 
+pytestmark = pytest.mark.integration
+
 nbformat = pytest.importorskip("nbformat")
 nbconvert = pytest.importorskip("nbconvert")
 bs4 = pytest.importorskip("bs4")
