@@ -462,8 +462,13 @@ class GenerationWidget(anywidget.AnyWidget):
         """Two outputs: the widget, then its results (updated by display id). A
         notebook saved without widget state still shows the results; beside a live
         widget, widget.css hides them (the widget shows the same rows)."""
+        from IPython import get_ipython
         from IPython.display import display
 
+        if getattr(get_ipython(), "kernel", None) is None:
+            # terminal IPython prints every display and every update: one snapshot
+            display({"text/plain": self.summary_text()}, raw=True)
+            return
         data, meta = self._repr_mimebundle_()
         display(data, metadata=meta, raw=True)
         display(self.results_bundle(), raw=True, display_id=self.display_id)

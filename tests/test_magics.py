@@ -118,11 +118,18 @@ def test_generate_returns_run_binds_o_and_shows_the_widget(ip, tiny, arun_shut):
         assert isinstance(run, Run) and res.result is run and ip.user_ns["_"] is run
         assert run.name == "run" and [r.prompt for r in run.rows] == ["hello", "world"]
         assert run.widget is not None and run.widget in magics._S.widgets
-        with capture_output() as shown:  # the widget, then its results output
-            assert ip.display_formatter.format(run) == ({}, {})
+        ip.kernel = types.SimpleNamespace()  # as in a notebook: a widget and its results
+        try:
+            with capture_output() as shown:
+                assert ip.display_formatter.format(run) == ({}, {})
+        finally:
+            del ip.kernel
         assert [WIDGET_MIME in o.data for o in shown.outputs] == [True, False]
         assert "mlxnb" in shown.outputs[0].data["text/plain"]
         assert "hello" in shown.outputs[1].data["text/html"]
+        with capture_output() as shown:  # terminal IPython: one text snapshot
+            ip.display_formatter.format(run)
+        assert [list(o.data) for o in shown.outputs] == [["text/plain"]]
         results = await run
         assert [r.finish_reason for r in results] != [] and run.done
         assert all(1 <= len(r.tokens) <= 5 for r in results)

@@ -9,6 +9,7 @@ import html
 import json
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -421,6 +422,9 @@ def test_results_output_follows_the_widget_and_is_kept_current(monkeypatch):
     from IPython.core.interactiveshell import InteractiveShell
 
     monkeypatch.setattr(InteractiveShell, "initialized", classmethod(lambda cls: True))
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=object()))
     monkeypatch.setattr(df, "publish_display_data", lambda data, metadata=None, **k:
                         published.append((data, k.get("transient") or {}, k.get("update"))))
 
@@ -468,3 +472,28 @@ def test_results_html_is_bounded_and_escaped():
     assert len(b["text/html"]) < 300_000 and "<script>" not in b["text/html"]
     assert "more characters: see run.texts" in b["text/plain"]
     assert "100/100 rows done" in b["text/html"] and "tok/s over the run" in b["text/plain"]
+
+
+def test_terminal_ipython_gets_one_text_snapshot(monkeypatch):
+    """Without a kernel every display and update is printed: the widget shows as one
+    text snapshot and never publishes updates."""
+    import IPython
+    import IPython.core.display_functions as df
+    from IPython.core.interactiveshell import InteractiveShell
+
+    published = []
+    monkeypatch.setattr(InteractiveShell, "initialized", classmethod(lambda cls: True))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace())
+    monkeypatch.setattr(df, "publish_display_data", lambda data, metadata=None, **k:
+                        published.append(data))
+
+    async def main():
+        eng = FakeEngine(step_s=0.002)
+        w = GenerationWidget(eng, [eng.submit("hi", max_tokens=5)])
+        w._ipython_display_()
+        await settle(w, eng)
+        return w
+
+    w = asyncio.run(main())
+    assert len(published) == 1 and list(published[0]) == ["text/plain"]
+    assert published[0]["text/plain"].startswith("mlxnb fake-model")
