@@ -163,8 +163,9 @@ export function niceTicks(lo, hi, count = 4) {
 /** Linear map from [d0, d1] to [r0, r1]; a zero-width domain maps to its middle. */
 export function scaleLinear(d0, d1, r0, r1) {
   const w = d1 - d0;
-  if (!w) return () => (r0 + r1) / 2;
-  return (v) => r0 + ((v - d0) / w) * (r1 - r0);
+  const f = !w ? () => (r0 + r1) / 2 : (v) => r0 + ((v - d0) / w) * (r1 - r0);
+  f.invert = (p) => (r1 === r0 ? d0 : d0 + ((p - r0) / (r1 - r0)) * w);
+  return f;
 }
 
 /** Bytes ticks that land on 1/2/5 × 1024^k boundaries read well in binary units. */
@@ -213,8 +214,11 @@ export function runStats(rows) {
   return { tokens, span: span > 0 ? span : 0, tok_s: span > 0 ? tokens / span : 0 };
 }
 
-export function badgeText(r) {
+/** A row's badge; `stale`: no kernel runs the rows any more (a saved or orphaned
+ *  view), so a row that is not done is "unfinished", never "decoding". */
+export function badgeText(r, stale = false) {
   if (r.state === "done") return `done: ${r.finish || "?"}`;
+  if (stale) return "unfinished";
   if (r.state === "prefill") return `prefill ${Math.max(0, Math.min(100, r.pf ?? 0))}%`;
   if (r.state === "decode") return "decoding";
   return "queued";
@@ -261,9 +265,167 @@ export function oneLine(text, n = 240) {
   return t.length > n ? t.slice(0, n - 1) + "…" : t;
 }
 
-// Ten hues readable on light and dark backgrounds; a row keeps its colour by id.
-export const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
-  "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#8cd17d"];
+// Row colours: golden-angle hues with three lightness levels, so neighbouring ids are
+// far apart and colours do not repeat every ten rows (ten fixed hues did). Rows that
+// still look alike can be picked out by highlighting (hover a row, click a chart).
 export function rowColor(id) {
-  return PALETTE[((id % PALETTE.length) + PALETTE.length) % PALETTE.length];
+  const i = Math.abs(Math.trunc(id || 0));
+  const hue = Math.round((i * 137.508 + 210) % 360);
+  const light = [50, 64, 38][i % 3];
+  return `hsl(${hue}, 62%, ${light}%)`;
+}
+
+// ---------------------------------------------------------------- layout
+// The generated text is what a reader needs; badge, prompt and numbers give way to it.
+// wide: one line per row; medium: the numbers move under the text; narrow: the text
+// gets a line of its own under badge and prompt (widget.css, [data-layout]).
+export const LAYOUT_WIDE = 900, LAYOUT_MEDIUM = 520;
+export function layoutFor(width) {
+  if (!(width > 0)) return "wide"; // not measured yet (hidden): the default
+  return width >= LAYOUT_WIDE ? "wide" : width >= LAYOUT_MEDIUM ? "medium" : "narrow";
+}
+
+/** Rows shown when a widget holds more than `limit`: a run shows its first rows, a
+ *  dashboard its newest; the rest sit behind a visible "N more rows" control. */
+export function visibleRows(n, limit, expanded, newest = false) {
+  if (expanded || n <= limit) return { start: 0, end: n, hidden: 0 };
+  return newest ? { start: n - limit, end: n, hidden: n - limit }
+    : { start: 0, end: limit, hidden: n - limit };
+}
+
+export function moreLabel(hidden, expanded, newest = false) {
+  if (expanded) return "show fewer rows";
+  const what = newest ? "earlier row" : "more row";
+  return `${hidden} ${what}${hidden === 1 ? "" : "s"}`;
+}
+
+// ---------------------------------------------------------------- labels
+export const CHART_TITLES = {
+  kv: "KV memory per row, by step · budget",
+  step: "step time ms, by step · batch size (right)",
+  timeline: "rows over time (s): queued ─ · prefill (outlined) · decode",
+};
+export const X_AXIS = { kv: "step", step: "step", timeline: "seconds" };
+
+/**
+ * The header's numbers, each saying what it counts: "this run" (the widget's own
+ * rows) apart from "engine" (every cell's rows, the engine's aggregate rate).
+ */
+export function headerParts(hd, rows, hist, stale = false) {
+  const n = countStates(rows), parts = [];
+  const live = hd.live && !stale;
+  const dash = hd.mode === "dashboard";
+  if (!dash) {
+    let p = `this run: ${n.done}/${rows.length} done`;
+    if (live) p += ` · ${n.prefill + n.decode} running · ${n.queued} queued`;
+    else if (n.done < rows.length) p += ` · ${rows.length - n.done} unfinished`;
+    parts.push(p);
+  } else if (rows.length) {
+    parts.push(`${n.done}/${rows.length} rows shown done`);
+  }
+  if (live) {
+    parts.push(`engine: ${hd.running ?? 0} running · ${hd.queued ?? 0} queued · ` +
+      `${formatRate(hd.tok_s ?? 0)} tok/s`);
+  } else if (rows.length) {
+    const rs = runStats(rows);
+    if (rs.span > 0) {
+      parts.push(`${rs.tokens} tok in ${formatDuration(rs.span)} = ` +
+        `${formatRate(rs.tok_s)} tok/s, all rows`);
+    }
+  }
+  const kv = live ? hd.kv : Math.max(0, ...(hist ? hist.kv : []));
+  // A server engine reports KV as a fraction of its cache (kv_unit), or not at all.
+  if (hd.kv_unit === null) parts.push("KV: not reported by this server");
+  else if (hd.kv_unit === "fraction") {
+    parts.push(`server KV ${live ? "now" : "peak"} ${Math.round(100 * (kv || 0))}%`);
+  } else {
+    parts.push(`KV ${live ? "now" : "peak"} ${formatBytes(kv || 0)}` +
+      (hd.kv_budget ? ` / ${formatBytes(hd.kv_budget)}` : ""));
+  }
+  if (stale) parts.push("not live: no kernel answered (rows not done are unfinished)");
+  return parts;
+}
+
+/** A view that asked the kernel for its state and heard nothing for `wait` ms is not
+ *  live, whatever its saved header says (a reopened notebook, an HTML export). */
+export function isStale(live, askedAt, heardAt, now, wait = 5000) {
+  return Boolean(live) && askedAt != null && heardAt < askedAt && now - askedAt > wait;
+}
+
+// ---------------------------------------------------------------- hit tests
+/** The row whose lane contains y (timeline), or null. */
+export function laneAt(y, top, bottom, ids) {
+  if (!ids.length || y < top || y >= bottom) return null;
+  return ids[Math.min(ids.length - 1, Math.floor(((y - top) / (bottom - top)) * ids.length))];
+}
+
+/** The row whose stacked KV band at snapshot i contains value v (bytes), or null. */
+export function bandAt(stack, i, v) {
+  let lo = 0;
+  for (const id of stack.ids) {
+    const hi = stack.tops.get(id)[i];
+    if (v >= lo && v < hi) return id;
+    lo = hi;
+  }
+  return null;
+}
+
+// ---------------------------------------------------------------- colours
+/** [r, g, b] (0-255) from #rgb, #rrggbb or rgb()/rgba(); null if unparsable. */
+export function parseColor(s) {
+  if (!s) return null;
+  s = String(s).trim();
+  let m = /^#([0-9a-f]{3})$/i.exec(s);
+  if (m) return [...m[1]].map((c) => parseInt(c + c, 16));
+  m = /^#([0-9a-f]{6})/i.exec(s);
+  if (m) return [0, 2, 4].map((i) => parseInt(m[1].slice(i, i + 2), 16));
+  m = /^rgba?\(\s*([\d.]+)[\s,]+([\d.]+)[\s,]+([\d.]+)(?:[\s,/]+([\d.]+%?))?/i.exec(s);
+  if (m) {
+    if (m[4] !== undefined && parseFloat(m[4]) === 0) return null; // transparent
+    return [1, 2, 3].map((i) => Math.round(parseFloat(m[i])));
+  }
+  return null;
+}
+
+function lin(c) {
+  c /= 255;
+  return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
+}
+export function luminance(rgb) {
+  return 0.2126 * lin(rgb[0]) + 0.7152 * lin(rgb[1]) + 0.0722 * lin(rgb[2]);
+}
+/** WCAG 2 contrast ratio of two colours (1..21). */
+export function contrast(a, b) {
+  const la = luminance(parseColor(a)), lb = luminance(parseColor(b));
+  return (Math.max(la, lb) + 0.05) / (Math.min(la, lb) + 0.05);
+}
+export function isDark(background) {
+  const rgb = parseColor(background);
+  return rgb ? luminance(rgb) < 0.2 : false;
+}
+
+// Badge colours per theme: each pair is at least 4.5:1 (WCAG AA for small text);
+// test/lib.test.js checks every pair. widget.js sets them as CSS variables.
+export const BADGES = {
+  light: {
+    queued: ["#3d3d3d", "#ebebeb"], prefill: ["#6b3f00", "#fbecd3"],
+    decode: ["#154a85", "#e0ebf8"], done: ["#17602a", "#dff1e3"],
+    cancelled: ["#3d3d3d", "#ebebeb"], error: ["#9b1c1c", "#fbe2e2"],
+    unfinished: ["#7a2a00", "#fde8d8"],
+  },
+  dark: {
+    queued: ["#dddddd", "#3a3a3a"], prefill: ["#ffd596", "#4a3312"],
+    decode: ["#b3d4ff", "#1c3454"], done: ["#a6e3b0", "#1b3f24"],
+    cancelled: ["#dddddd", "#3a3a3a"], error: ["#ffbcbc", "#5c2020"],
+    unfinished: ["#ffc9a3", "#55290d"],
+  },
+};
+
+/** Which badge colour pair a row takes. */
+export function badgeKind(r, stale = false) {
+  if (r.state === "done") {
+    return r.finish === "error" ? "error" : r.finish === "cancelled" ? "cancelled" : "done";
+  }
+  if (stale) return "unfinished";
+  return r.state === "prefill" ? "prefill" : r.state === "decode" ? "decode" : "queued";
 }

@@ -1,9 +1,11 @@
 // mlxnb generation widget (anywidget ESM). State comes from the synced traits (a new
 // view, a reopened notebook) and then from ~15 Hz "delta" custom messages; everything
 // is redrawn at most once per animation frame. Charts are plain <canvas>.
-import { applyMessage, badgeText, bytesTicks, countStates, formatBytes, formatDuration, formatRate, liveNow, niceTicks, oneLine, rowColor, runStats, scaleLinear, shouldTakeTraits, stackSnaps, stateFromTraits, tailText, timelineSpans } from "./lib.js";
+import { BADGES, CHART_TITLES, X_AXIS, applyMessage, badgeKind, badgeText, bandAt, bytesTicks, formatBytes, formatDuration, formatRate, headerParts, isDark, isStale, laneAt, layoutFor, liveNow, moreLabel, niceTicks, oneLine, rowColor, scaleLinear, shouldTakeTraits, stackSnaps, stateFromTraits, tailText, timelineSpans, visibleRows } from "./lib.js";
 
 const TIMELINE_LANES = 48; // the newest rows get a lane; older ones scroll off
+const ROW_LIMIT = 12; // rows listed before the "N more rows" control
+const STALE_MS = 5000; // a sync request unanswered this long: no kernel runs the rows
 
 function h(tag, cls, text) {
   const e = document.createElement(tag);
@@ -22,6 +24,27 @@ function setText(e, s) {
 }
 
 // ---------------------------------------------------------------- canvas helpers
+/** The background the widget sits on: the first opaque one up the tree. */
+function backdrop(el) {
+  for (let e = el; e && e.nodeType === 1; e = e.parentElement) {
+    const bg = getComputedStyle(e).backgroundColor;
+    if (bg && bg !== "transparent" && !/rgba\(.*,\s*0\)$/.test(bg)) return bg;
+  }
+  return "#ffffff";
+}
+
+/** Light or dark badges, decided from the real backdrop (JupyterLab, Notebook 7 and
+ *  VS Code themes all end up as a background colour). */
+function applyTheme(root) {
+  const theme = isDark(backdrop(root)) ? "dark" : "light";
+  if (root.dataset.theme === theme) return;
+  root.dataset.theme = theme;
+  for (const [kind, [fg, bg]] of Object.entries(BADGES[theme])) {
+    root.style.setProperty(`--mlxnb-badge-${kind}-fg`, fg);
+    root.style.setProperty(`--mlxnb-badge-${kind}-bg`, bg);
+  }
+}
+
 function colors(root) {
   const cs = getComputedStyle(root);
   const v = (k, d) => (cs.getPropertyValue(k) || "").trim() || d;
@@ -78,13 +101,20 @@ function xLabels(g, c, box, lo, hi, fmt) {
   return x;
 }
 
+/** The x axis's name in the bottom-left corner, under the y labels. */
+function xName(g, c, box, name) {
+  const { ctx } = g;
+  ctx.font = c.font; ctx.fillStyle = c.muted; ctx.textAlign = "left"; ctx.textBaseline = "top";
+  ctx.fillText(name, 1, box.b + 3);
+}
+
 function empty(g, c, msg) {
   g.ctx.font = c.font; g.ctx.fillStyle = c.muted; g.ctx.textAlign = "center";
   g.ctx.textBaseline = "middle"; g.ctx.fillText(msg, g.w / 2, g.h / 2);
 }
 
 // ---------------------------------------------------------------- charts
-function drawKV(canvas, st, c) {
+function drawKV(canvas, st, c, hl) {
   const snaps = st.hist.snap;
   setAttr(canvas, "data-points", snaps.length);
   const g = prep(canvas);
@@ -107,6 +137,7 @@ function drawKV(canvas, st, c) {
   const y = yAxis(g, c, box, yt, fmt);
   const s0 = snaps[0][0], s1 = Math.max(snaps[snaps.length - 1][0], s0 + 1);
   const x = xLabels(g, c, box, s0, s1, (v) => String(Math.round(v)));
+  xName(g, c, box, X_AXIS.kv);
   const xs = snaps.map((s) => x(s[0]));
   const band = (lo, hi, fill) => {
     ctx.beginPath();
@@ -123,9 +154,12 @@ function drawKV(canvas, st, c) {
   let prev = null;
   for (const id of ids) {
     const top = tops.get(id);
-    ctx.globalAlpha = 0.85; band(prev, top, rowColor(id)); ctx.globalAlpha = 1;
+    ctx.globalAlpha = hl == null ? 0.85 : id === hl ? 1 : 0.2;
+    band(prev, top, rowColor(id)); ctx.globalAlpha = 1;
     prev = top;
   }
+  // what a click needs to find the band under the pointer
+  canvas._hit = { stack: { ids, tops }, xs: snaps.map((s) => x(s[0])), y, box };
   ctx.textAlign = "right"; ctx.textBaseline = "top"; ctx.font = c.font; ctx.fillStyle = c.fg;
   if (budget) {
     if (showBudget) {
@@ -150,6 +184,7 @@ function drawSteps(canvas, st, c) {
   const box = { l: 36, r: g.w - 24, t: 6, b: g.h - 14 };
   const s0 = s[0], s1 = Math.max(s[s.length - 1], s0 + 1);
   const x = xLabels(g, c, box, s0, s1, (v) => String(Math.round(v)));
+  xName(g, c, box, X_AXIS.step);
   // Batch size first, as a faint step area on the right axis, so the line stays on top.
   setAttr(canvas, "data-batch-reported", st.header.batch_reported === false ? "0" : "1");
   if (st.header.batch_reported !== false) {
@@ -176,7 +211,7 @@ function drawSteps(canvas, st, c) {
   for (let i = 0; i < s.length; i++) if (pf[i] > 0) ctx.fillRect(x(s[i]) - 1.5, y(dt[i]) - 1.5, 3, 3);
 }
 
-function drawTimeline(canvas, st, c, now) {
+function drawTimeline(canvas, st, c, now, hl, live) {
   const rows = [...st.rows.values()].slice(-TIMELINE_LANES).filter((r) => r.t_submit != null);
   setAttr(canvas, "data-points", rows.length);
   const g = prep(canvas);
@@ -188,17 +223,27 @@ function drawTimeline(canvas, st, c, now) {
   let t1 = now;
   for (const r of rows) t1 = Math.max(t1, r.t_done ?? 0);
   t1 = Math.max(t1, t0 + 0.01);
-  const x = xLabels(g, c, box, 0, t1 - t0, (v) => (v ? formatDuration(v) : "0"));
+  const x = xLabels(g, c, box, 0, t1 - t0, (v) => (v ? formatDuration(v) : "0 s"));
   const lane = (box.b - box.t) / rows.length, bar = Math.max(1, Math.min(10, lane - 1));
+  canvas._hit = { top: box.t, bottom: box.b, ids: rows.map((r) => r.id) };
   rows.forEach((r, i) => {
     const py = box.t + i * lane + (lane - bar) / 2;
+    const dim = hl != null && r.id !== hl;
     for (const sp of timelineSpans(r, now)) {
-      // queued: a thin grey line; prefill: the row's colour, pale; decode: solid
+      // queued: a thin grey line; prefill: outlined in the row's colour (an outline
+      // reads on dark backgrounds, where a pale fill did not); decode: solid
       const q = sp.kind === "queued", hq = q ? Math.max(1, bar * 0.35) : bar;
-      ctx.fillStyle = q ? c.other : rowColor(r.id);
-      ctx.globalAlpha = sp.kind === "prefill" ? 0.35 : 1;
-      const xa = x(sp.t0 - t0), xb = x(sp.t1 - t0);
-      ctx.fillRect(xa, py + (bar - hq) / 2, Math.max(1, xb - xa), hq);
+      const xa = x(sp.t0 - t0), xb = x(sp.t1 - t0), w = Math.max(1, xb - xa);
+      ctx.globalAlpha = dim ? 0.2 : 1;
+      if (sp.kind === "prefill") {
+        ctx.fillStyle = rowColor(r.id); ctx.globalAlpha *= 0.3;
+        ctx.fillRect(xa, py, w, bar); ctx.globalAlpha = dim ? 0.2 : 1;
+        ctx.strokeStyle = rowColor(r.id); ctx.lineWidth = 1;
+        ctx.strokeRect(xa + 0.5, py + 0.5, Math.max(0, w - 1), Math.max(0, bar - 1));
+      } else {
+        ctx.fillStyle = q ? c.other : rowColor(r.id);
+        ctx.fillRect(xa, py + (bar - hq) / 2, w, hq);
+      }
       ctx.globalAlpha = 1;
     }
     if (r.t_done != null && r.finish && r.finish !== "stop" && r.finish !== "length") {
@@ -206,7 +251,7 @@ function drawTimeline(canvas, st, c, now) {
       ctx.fillRect(x(r.t_done - t0) - 1, py - 1, 2, bar + 2);
     }
   });
-  if (st.header.live) {
+  if (live) {
     ctx.strokeStyle = c.muted; ctx.setLineDash([2, 2]);
     const px = Math.round(x(now - t0)) + 0.5;
     ctx.beginPath(); ctx.moveTo(px, box.t); ctx.lineTo(px, box.b); ctx.stroke();
@@ -229,11 +274,12 @@ function render({ model, el }) {
     charts.append(box);
     return cv;
   };
-  const cvKV = chart("mlxnb-chart-kv", "KV memory by row · budget");
-  const cvStep = chart("mlxnb-chart-step", "step time ms · batch size (right)");
-  const cvTime = chart("mlxnb-chart-timeline", "rows over time: queued ─ · prefill (pale) · decode");
+  const cvKV = chart("mlxnb-chart-kv", CHART_TITLES.kv);
+  const cvStep = chart("mlxnb-chart-step", CHART_TITLES.step);
+  const cvTime = chart("mlxnb-chart-timeline", CHART_TITLES.timeline);
   const rowsEl = h("div", "mlxnb-rows");
-  root.append(head, charts, rowsEl);
+  const more = h("button", "mlxnb-more");
+  root.append(head, charts, rowsEl, more);
   el.append(root);
 
   const readTraits = () => ({ rows: model.get("rows"), steps: model.get("steps"),
@@ -242,16 +288,42 @@ function render({ model, el }) {
   st.recvAt = performance.now();
   const rowEls = new Map();
   let dirty = new Set(st.rows.keys()), relayout = true, raf = 0, traitsQueued = false;
-  let askedAt = -1e9;
+  // Liveness: only a kernel sends custom messages (deltas, the "synced" answer);
+  // trait changes can also come from restoring saved widget state.
+  let askedAt = -1e9, heardAt = -Infinity, stale = false, staleTimer = 0;
+  let expanded = false, hl = null, pinned = false;
 
   const schedule = () => { if (!raf) raf = requestAnimationFrame(draw); };
-  const askSync = () => { // a gap: deltas were sent before this view existed
+  const checkStale = () => {
+    staleTimer = 0;
     const now = performance.now();
-    if (now - askedAt > 2000) { askedAt = now; model.send({ type: "sync" }); }
+    const was = stale;
+    stale = isStale(st.header.live, askedAt, heardAt, now, STALE_MS);
+    if (stale !== was) { dirty = new Set(st.rows.keys()); schedule(); }
+    if (!stale && st.header.live && heardAt < askedAt) {
+      staleTimer = setTimeout(checkStale, Math.max(50, askedAt + STALE_MS + 10 - now));
+    }
+  };
+  const ask = () => { // a gap (deltas sent before this view existed), or a first look
+    const now = performance.now();
+    if (now - askedAt <= 2000) return;
+    askedAt = now;
+    try {
+      model.send({ type: "sync" });
+    } catch (e) { // no kernel connection at all (a static export)
+    }
+    if (!staleTimer) staleTimer = setTimeout(checkStale, STALE_MS + 10);
+  };
+  // Asked and not yet answered: stop buttons wait (a restored view may have no kernel).
+  const pending = () => heardAt < askedAt;
+  const heard = () => {
+    if (stale || pending()) { stale = false; dirty = new Set(st.rows.keys()); schedule(); }
+    heardAt = performance.now();
   };
   const onMsg = (msg) => {
+    heard();
     const res = applyMessage(st, msg, performance.now());
-    if (res.gap) return askSync();
+    if (res.gap) return ask();
     if (!res.applied) return;
     for (const id of res.changed) { if (!rowEls.has(id)) relayout = true; dirty.add(id); }
     if (res.pruned) relayout = true;
@@ -266,7 +338,6 @@ function render({ model, el }) {
       if (!shouldTakeTraits(st, t.seq)) return;
       st = stateFromTraits(t);
       st.recvAt = performance.now();
-      askedAt = -1e9;
       dirty = new Set(st.rows.keys()); relayout = true;
       schedule();
     });
@@ -275,7 +346,39 @@ function render({ model, el }) {
   model.on("msg:custom", onMsg);
   for (const ev of events) model.on(ev, onTraits);
   stopAll.addEventListener("click", () => model.send({ type: "stop_all" }));
-  if (st.header.live) model.send({ type: "sync" }); // catch up on what was sent before us
+  more.addEventListener("click", () => { expanded = !expanded; relayout = true; schedule(); });
+  // Catch up on what was sent before us; with no answer the view is a saved snapshot.
+  if (st.header.live) ask();
+
+  const highlight = (id, pin = false) => {
+    if (pinned && !pin) return;
+    pinned = pin && id != null && !(pinned && hl === id);
+    const next = pin && !pinned ? null : id;
+    if (next === hl) return;
+    if (hl != null && rowEls.has(hl)) rowEls.get(hl).e.classList.remove("mlxnb-hl");
+    hl = next;
+    if (hl != null && rowEls.has(hl)) rowEls.get(hl).e.classList.add("mlxnb-hl");
+    setAttr(root, "data-hl", hl ?? "");
+    schedule();
+  };
+  const pick = (canvas, ev, find) => {
+    const r = canvas.getBoundingClientRect(), hit = canvas._hit;
+    const id = hit ? find(hit, ev.clientX - r.left, ev.clientY - r.top) : null;
+    highlight(id, true);
+    const v = id != null && rowEls.get(id);
+    if (v) {
+      if (v.e.hidden) { expanded = true; relayout = true; draw(); }
+      v.e.scrollIntoView({ block: "nearest" });
+    }
+  };
+  cvTime.addEventListener("click", (ev) => pick(cvTime, ev, (hit, _x, y) =>
+    laneAt(y, hit.top, hit.bottom, hit.ids)));
+  cvKV.addEventListener("click", (ev) => pick(cvKV, ev, (hit, x, y) => {
+    let i = 0; // the snapshot nearest the pointer
+    for (let j = 1; j < hit.xs.length; j++) if (Math.abs(hit.xs[j] - x) < Math.abs(hit.xs[i] - x)) i = j;
+    const inv = (py) => hit.box.b === hit.box.t ? 0 : hit.y.invert(py);
+    return bandAt(hit.stack, i, inv(y));
+  }));
 
   function rowView(id) {
     const e = h("div", "mlxnb-row");
@@ -284,14 +387,19 @@ function render({ model, el }) {
     const badge = h("span", "mlxnb-badge"), prompt = h("span", "mlxnb-prompt");
     const text = h("span", "mlxnb-text"), inner = h("span", "mlxnb-text-inner");
     text.append(inner);
+    const nums = h("span", "mlxnb-nums");
     const ntok = h("span", "mlxnb-num mlxnb-ntok"), rate = h("span", "mlxnb-num mlxnb-rate");
     const ttft = h("span", "mlxnb-num mlxnb-ttft"), stop = h("button", "mlxnb-stop", "■");
+    nums.append(ntok, rate, ttft);
     stop.title = "stop this row";
     stop.addEventListener("click", (ev) => {
-      ev.stopPropagation(); stop.disabled = true; model.send({ type: "stop", id });
+      ev.stopPropagation(); stop.disabled = true; v.stopped = true;
+      model.send({ type: "stop", id });
     });
     text.addEventListener("click", () => { e.classList.toggle("mlxnb-expanded"); update(id); });
-    e.append(sw, badge, prompt, text, ntok, rate, ttft, stop);
+    e.addEventListener("mouseenter", () => highlight(id));
+    e.addEventListener("mouseleave", () => highlight(null));
+    e.append(sw, badge, prompt, text, nums, stop);
     const v = { e, badge, prompt, inner, ntok, rate, ttft, stop };
     rowEls.set(id, v);
     return v;
@@ -302,71 +410,78 @@ function render({ model, el }) {
     if (!r || !v) return;
     setAttr(v.e, "data-state", r.state); setAttr(v.e, "data-ntok", r.ntok ?? 0);
     setAttr(v.e, "data-finish", r.state === "done" ? r.finish || "" : "");
-    setText(v.badge, badgeText(r)); setAttr(v.badge, "data-finish", r.finish || "");
+    setText(v.badge, badgeText(r, stale)); setAttr(v.badge, "data-kind", badgeKind(r, stale));
     setText(v.prompt, oneLine(r.prompt || "", 80)); setAttr(v.prompt, "title", r.prompt || "");
     const text = r.error ? `error: ${r.error}` : r.text || "";
-    const expanded = v.e.classList.contains("mlxnb-expanded");
-    setText(v.inner, expanded ? text : r.state === "done" ? oneLine(text, 400) : tailText(text, 240));
+    const expandedRow = v.e.classList.contains("mlxnb-expanded");
+    setText(v.inner, expandedRow ? text
+      : r.state === "done" || stale ? oneLine(text, 400) : tailText(text, 240));
     setText(v.ntok, `${r.ntok ?? 0} tok`);
     setText(v.rate, r.tok_s != null ? `${formatRate(r.tok_s)} tok/s` : "");
     setText(v.ttft, r.ttft != null ? `ttft ${formatDuration(r.ttft)}` : "");
-    if (r.state === "done") v.stop.disabled = true;
+    v.stop.disabled = Boolean(v.stopped) || r.state === "done" || stale || pending();
+    setAttr(v.e, "data-stale", stale ? "1" : "");
   }
 
   function drawHeader() {
-    const hd = st.header, rows = [...st.rows.values()], n = countStates(rows);
+    const hd = st.header, rows = [...st.rows.values()];
     setText(hModel, hd.model || "mlxnb");
     setText(hTitle, hd.title || (hd.mode === "dashboard" ? "dashboard" : ""));
-    // Engine-wide counts are news only while live (a finished run's would be stale).
-    const parts = hd.live || hd.mode === "dashboard"
-      ? [`${hd.running ?? 0} running · ${hd.queued ?? 0} queued`] : [];
-    if (hd.mode !== "dashboard" || rows.length) parts.push(`rows ${n.done}/${rows.length} done`);
-    if (hd.live) parts.push(`${formatRate(hd.tok_s ?? 0)} tok/s`);
-    else if (rows.length) parts.push(`avg ${formatRate(runStats(rows).tok_s)} tok/s`);
-    const kvNow = hd.live ? hd.kv : Math.max(0, ...st.hist.kv);
-    if (hd.kv_unit === null) parts.push("KV: not reported by this server");
-    else if (hd.kv_unit === "fraction") parts.push(`server KV ${hd.live ? "" : "peak "}${Math.round(100 * (kvNow || 0))}%`);
-    else parts.push(`KV ${hd.live ? "" : "peak "}${formatBytes(kvNow || 0)}` +
-      (hd.kv_budget ? ` / ${formatBytes(hd.kv_budget)}` : ""));
-    setText(hStats, parts.join(" · "));
-    setAttr(root, "data-live", hd.live ? "1" : "0");
+    setText(hStats, headerParts(hd, rows, st.hist, stale).join(" · "));
+    setAttr(root, "data-live", stale ? "stale" : hd.live ? "1" : "0");
     setAttr(root, "data-seq", st.seq);
     setAttr(head, "data-running", hd.running ?? 0); setAttr(head, "data-queued", hd.queued ?? 0);
     stopAll.textContent = hd.mode === "dashboard" ? "stop all" : "stop run";
-    stopAll.style.display = hd.live ? "" : "none";
+    stopAll.style.display = hd.live && !stale ? "" : "none";
+    stopAll.disabled = pending();
+  }
+
+  function placeRows() {
+    for (const [id, v] of rowEls) if (!st.rows.has(id)) { v.e.remove(); rowEls.delete(id); }
+    const ids = [...st.rows.keys()], newest = st.header.mode === "dashboard";
+    const vis = visibleRows(ids.length, ROW_LIMIT, expanded, newest);
+    let prev = null;
+    ids.forEach((id, i) => {
+      const v = rowEls.get(id) || rowView(id);
+      const want = prev ? prev.nextSibling : rowsEl.firstChild;
+      if (want !== v.e) rowsEl.insertBefore(v.e, want);
+      v.e.hidden = i < vis.start || i >= vis.end;
+      prev = v.e;
+    });
+    const extra = expanded ? Math.max(0, ids.length - ROW_LIMIT) : vis.hidden;
+    more.hidden = extra === 0;
+    setText(more, moreLabel(extra, expanded, newest));
+    setAttr(more, "data-hidden", vis.hidden);
+    // a dashboard's control for earlier rows sits above them
+    if (newest && more.nextSibling !== rowsEl) root.insertBefore(more, rowsEl);
   }
 
   function draw() {
     raf = 0;
-    if (relayout) { // rows added or pruned: put elements in state order
-      for (const [id, v] of rowEls) if (!st.rows.has(id)) { v.e.remove(); rowEls.delete(id); }
-      let prev = null;
-      for (const id of st.rows.keys()) {
-        const v = rowEls.get(id) || rowView(id);
-        const want = prev ? prev.nextSibling : rowsEl.firstChild;
-        if (want !== v.e) rowsEl.insertBefore(v.e, want);
-        prev = v.e;
-      }
-      relayout = false;
-    }
+    applyTheme(root);
+    setAttr(root, "data-layout", layoutFor(root.clientWidth));
+    if (relayout) { placeRows(); relayout = false; }
     for (const id of dirty) update(id);
     dirty.clear();
     drawHeader();
     const c = colors(root);
-    drawKV(cvKV, st, c);
+    drawKV(cvKV, st, c, hl);
     drawSteps(cvStep, st, c);
-    drawTimeline(cvTime, st, c, liveNow(st.header, st.recvAt, performance.now()));
+    const live = st.header.live && !stale; // a stale view's clock stands still
+    drawTimeline(cvTime, st, c, liveNow({ ...st.header, live }, st.recvAt, performance.now()),
+      hl, live);
   }
 
-  // Canvases size to their box: redraw when the output area is resized or shown.
+  // Canvases and the row layout follow the output area's width.
   const ro = typeof ResizeObserver !== "undefined" ? new ResizeObserver(schedule) : null;
-  if (ro) ro.observe(charts);
+  if (ro) ro.observe(root);
   schedule();
 
   return () => {
     model.off("msg:custom", onMsg);
     for (const ev of events) model.off(ev, onTraits);
     if (raf) cancelAnimationFrame(raf);
+    if (staleTimer) clearTimeout(staleTimer);
     if (ro) ro.disconnect();
   };
 }

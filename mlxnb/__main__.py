@@ -26,10 +26,17 @@ DEMO_PROMPTS = [
 ]
 
 
+# The live status line shows each row's state cut to four letters.
+STATE_LEGEND = ("queu = queued (waiting for room in the batch), pref = prefill (reading "
+                "its prompt), deco = decoding; then how it finished: stop (end of text), "
+                "leng = length (hit --max-tokens), canc = cancelled, erro = error")
+
+
 async def demo(args) -> int:
     from . import _blas
 
     print(f"mlxnb {mlxnb.__version__} | BLAS: {_blas.status}")
+    print(f"loading {args.model} (the first load converts and warms up: up to a minute)")
     t = time.perf_counter()
     eng = mlxnb.Engine(args.model, max_batch=args.max_batch, kv_budget=args.kv_budget)
     print(f"loaded {eng.model_name} in {time.perf_counter() - t:.1f}s")
@@ -39,10 +46,12 @@ async def demo(args) -> int:
     await asyncio.sleep(0.5)  # the rest join the running batch
     second = eng.generate(prompts[len(prompts) // 2 or 1:], max_tokens=args.max_tokens)
     last = ""
+    if sys.stdout.isatty():
+        print(f"  one column per row, in submit order: {STATE_LEGEND}")
     while not (first.done and second.done):
         states = [r.finish_reason or r.state for r in eng.rows]
         line = (f"\r  step {len(eng.steps):4d}  batch {eng.running:2d}  "
-                f"tokens {sum(r.ntok for r in eng.rows):5d}  "
+                f"tokens {sum(r.ntok for r in eng.rows):5d}  rows "
                 + " ".join(s[:4] for s in states))
         if line != last and sys.stdout.isatty():
             print(line, end="", flush=True)

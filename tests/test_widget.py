@@ -5,9 +5,11 @@ on its loop: "submit", then per step "finish" (for rows ending) and "step".
 """
 
 import asyncio
+import html
 import json
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -266,8 +268,8 @@ def test_text_fallback():
     assert "[queued]" in live and "fake-model" in live
     data, _meta = w._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in data
-    text = data["text/plain"]
-    assert text == w.summary_text()
+    assert "results are in the output below" in data["text/plain"]
+    text = w.summary_text()
     lines = text.splitlines()
     assert lines[0].startswith("mlxnb fake-model | 2 rows (2 done)")
     assert "KV" in lines[0]
@@ -409,3 +411,89 @@ def test_real_engine_streams_into_the_widget():
     assert {r["id"] for r in dash.rows} >= {r.id for r in run.rows + late.rows}
     assert w.steps["s"] and any(s[2] for s in w.steps["snap"])
     assert w.header["model"] and "tok" in w.summary_text()
+
+
+def test_results_output_follows_the_widget_and_is_kept_current(monkeypatch):
+    """Displayed, a widget is two outputs: the widget view, then its results (text/plain
+    + text/html) under a display id, updated when rows finish; unfinished rows say so."""
+    import IPython.core.display_functions as df
+
+    published = []
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setattr(InteractiveShell, "initialized", classmethod(lambda cls: True))
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=object()))
+    monkeypatch.setattr(df, "publish_display_data", lambda data, metadata=None, **k:
+                        published.append((data, k.get("transient") or {}, k.get("update"))))
+
+    async def main():
+        eng = FakeEngine(step_s=0.002)
+        rows = [eng.submit("<b>bold</b> & \"quoted\"", max_tokens=6),
+                eng.submit("second", max_tokens=40)]
+        w = GenerationWidget(eng, rows, title="a")
+        w._ipython_display_()
+        first = list(published)
+        await settle(w, eng)
+        return w, rows, first
+
+    w, rows, first = asyncio.run(main())
+    (view, t0, _), (res, t1, upd) = first
+    assert "application/vnd.jupyter.widget-view+json" in view and not t0
+    assert t1 == {"display_id": w.display_id} and not upd
+    assert "2 rows unfinished as of" in res["text/plain"]
+    assert res["text/html"].count('data-state="unfinished"') == 2
+    assert "<b>bold" not in res["text/html"]  # escaped
+    assert "&lt;b&gt;bold&lt;/b&gt; &amp; &quot;quoted&quot;" in res["text/html"]
+    updates = [(d, t) for d, t, u in published[2:] if u]
+    assert updates and all(t == {"display_id": w.display_id} for _, t in updates)
+    last = updates[-1][0]
+    assert "2/2 rows done" in last["text/plain"] and "unfinished" not in last["text/plain"]
+    for r in rows:
+        assert r.text and html.escape(r.text) in last["text/html"]
+        assert r.text.splitlines()[0] in last["text/plain"]
+    assert last["text/html"].count('data-state="done"') == 2
+    assert "done: length" in last["text/plain"]
+
+
+def test_results_html_is_bounded_and_escaped():
+    from mlxnb import results
+
+    class R:  # the Row fields results.py reads
+        def __init__(self, i, text):
+            self.id, self.prompt, self.text, self.done, self.state = i, f"p{i}", text, True, "done"
+            self.finish_reason, self.ntok, self.tok_s, self.ttft_s = "length", 5, 10.0, 0.1
+            self.error, self.prompt_tokens, self.prefill_done = None, 3, 3
+            self.t_admit, self.t_done = 0.0, 1.0
+
+    rows = [R(i, "<script>x</script>" + "y" * 50_000) for i in range(100)]
+    b = results.bundle(rows, "m", "run")
+    assert len(b["text/html"]) < 300_000 and "<script>" not in b["text/html"]
+    assert "more characters: see run.texts" in b["text/plain"]
+    assert "100/100 rows done" in b["text/html"] and "tok/s over the run" in b["text/plain"]
+
+
+def test_terminal_ipython_gets_one_text_snapshot(monkeypatch):
+    """Without a kernel every display and update is printed: the widget shows as one
+    text snapshot and never publishes updates."""
+    import IPython
+    import IPython.core.display_functions as df
+    from IPython.core.interactiveshell import InteractiveShell
+
+    published = []
+    monkeypatch.setattr(InteractiveShell, "initialized", classmethod(lambda cls: True))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace())
+    monkeypatch.setattr(df, "publish_display_data", lambda data, metadata=None, **k:
+                        published.append(data))
+
+    async def main():
+        eng = FakeEngine(step_s=0.002)
+        w = GenerationWidget(eng, [eng.submit("hi", max_tokens=5)])
+        w._ipython_display_()
+        await settle(w, eng)
+        return w
+
+    w = asyncio.run(main())
+    assert len(published) == 1 and list(published[0]) == ["text/plain"]
+    assert published[0]["text/plain"].startswith("mlxnb fake-model")

@@ -1,0 +1,148 @@
+"""The lasting record of a widget's rows: `text/plain` and `text/html` for a cell output.
+
+A live widget needs its kernel: JupyterLab and Notebook 7 do not save widget state by
+default, and a reopened notebook then shows "Error displaying widget: model not found"
+where the widget was (jupyterlab-manager renders that message and no other mime type
+of the bundle). So every `%%generate` output also holds this rendering, in a display
+output of its own that the widget keeps current by display id (`update_display_data`
+while rows finish, and at a low rate while they run). Re-sending the widget's own
+bundle instead would make JupyterLab build a new widget view on every update.
+
+The HTML is small and safe: everything is escaped, styles are inline (sanitised
+away in untrusted notebooks, where the text still reads), no scripts. Each row's text
+is whole up to a per-row share of a total budget, so exports stay a sensible size.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+
+from ._text import one_line
+
+TOTAL_CHARS = 200_000  # all rows' text together, in one rendering
+ROW_CHARS = 8_000  # most text of one row (fewer when many rows share the budget)
+MIN_ROW_CHARS = 300
+PROMPT_CHARS = 160
+
+
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "\u2026"
+
+
+def state_label(r) -> str:
+    """"done: stop" for a finished row; "unfinished (decoding)" otherwise: a saved
+    rendering of a run whose kernel went away must not read as if it still runs."""
+    if r.done:
+        return f"done: {r.finish_reason}"
+    if r.state == "prefill":
+        pt = r.prompt_tokens or 1
+        return f"unfinished (prefill {min(100, int(100 * r.prefill_done / pt))}%)"
+    return "unfinished ({})".format({"decode": "decoding"}.get(r.state, r.state))
+
+
+def _stats(r) -> list:
+    out = [f"{r.ntok} tok"]
+    if r.tok_s is not None:
+        out.append(f"{r.tok_s:.1f} tok/s")
+    if r.ttft_s is not None:
+        out.append(f"ttft {r.ttft_s:.2f} s")
+    return out
+
+
+def _row_budget(n: int) -> int:
+    return max(MIN_ROW_CHARS, min(ROW_CHARS, TOTAL_CHARS // max(1, n)))
+
+
+def _body(r, budget: int) -> str:
+    text = f"error: {r.error}" if r.error else r.text
+    if len(text) > budget:
+        more = len(text) - budget
+        text = text[:budget] + f"\u2026 [{more} more characters: see run.texts]"
+    return text
+
+
+def summary(rows, model: str = "", title: str = "", now: float | None = None) -> dict:
+    """Counts for the heading: rows, done, unfinished, tokens, run tok/s."""
+    done = [r for r in rows if r.done]
+    t0 = min((r.t_admit for r in rows if r.t_admit is not None), default=None)
+    t1 = max((r.t_done for r in done if r.t_done is not None), default=None)
+    tokens = sum(r.ntok for r in rows)
+    span = (t1 - t0) if t0 is not None and t1 is not None else 0.0
+    return {"model": model, "title": title, "rows": len(rows), "done": len(done),
+            "unfinished": len(rows) - len(done), "tokens": tokens,
+            "tok_s": tokens / span if span > 0 and len(done) == len(rows) else None,
+            "at": time.strftime("%H:%M:%S", time.localtime(now or time.time()))}
+
+
+def heading(s: dict) -> str:
+    parts = ["mlxnb"]
+    if s["model"]:
+        parts[0] += f" {s['model']}"
+    if s["title"]:
+        parts.append(f"run {s['title']}")
+    parts.append(f"{s['done']}/{s['rows']} rows done")
+    parts.append(f"{s['tokens']} tokens")
+    if s["tok_s"]:
+        parts.append(f"{s['tok_s']:.1f} tok/s over the run")
+    return " \u00b7 ".join(parts)
+
+
+def unfinished_note(s: dict) -> str:
+    n = s["unfinished"]
+    return (f"{n} row{'s' * (n != 1)} unfinished as of {s['at']}. This output updates "
+            "while its kernel runs them; if the kernel has stopped, they never finished.")
+
+
+def plain(rows, model: str = "", title: str = "", now: float | None = None) -> str:
+    s = summary(rows, model, title, now)
+    lines = [heading(s)]
+    if s["unfinished"]:
+        lines.append(unfinished_note(s))
+    budget = _row_budget(len(rows))
+    for i, r in enumerate(rows, 1):
+        lines.append("")
+        lines.append(f"[{i}] {state_label(r)} \u00b7 " + " \u00b7 ".join(_stats(r))
+                     + f" \u00b7 prompt: {one_line(r.prompt, PROMPT_CHARS)}")
+        body = _body(r, budget)
+        if body:
+            lines += ["    " + ln for ln in body.splitlines() or [body]]
+    return "\n".join(lines)
+
+
+_E = html.escape
+_BOX = ("font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:12px;"
+        "line-height:1.4;max-width:100%")
+_META = "color:var(--jp-ui-font-color2,#5c5c5c);margin:6px 0 1px 0"
+_TEXT = ("white-space:pre-wrap;word-break:break-word;margin:0 0 0 1.6em;padding:0;"
+         "max-height:16em;overflow:auto;"
+         "font-family:var(--jp-code-font-family,monospace);font-size:12px;"
+         "background:none;border:none")
+
+
+def to_html(rows, model: str = "", title: str = "", now: float | None = None) -> str:
+    s = summary(rows, model, title, now)
+    out = [f'<div class="mlxnb-results" data-rows="{s["rows"]}" data-done="{s["done"]}"'
+           f' style="{_BOX}">',
+           f'<div class="mlxnb-results-head" style="font-weight:600">{_E(heading(s))}</div>']
+    if s["unfinished"]:
+        out.append(f'<div class="mlxnb-results-note" style="color:#a33;">'
+                   f"{_E(unfinished_note(s))}</div>")
+    budget = _row_budget(len(rows))
+    for i, r in enumerate(rows, 1):
+        state = "done" if r.done else "unfinished"
+        meta = f"[{i}] {state_label(r)} \u00b7 " + " \u00b7 ".join(_stats(r))
+        out.append(f'<div class="mlxnb-results-row" data-state="{state}">'
+                   f'<div style="{_META}"><b>{_E(meta)}</b> \u00b7 '
+                   f'<span title="{_E(_clip(r.prompt, 2000))}">'
+                   f"{_E(one_line(r.prompt, PROMPT_CHARS))}</span></div>"
+                   f'<pre class="mlxnb-results-text" style="{_TEXT}">'
+                   f"{_E(_body(r, budget))}</pre></div>")
+    out.append("</div>")
+    return "".join(out)
+
+
+def bundle(rows, model: str = "", title: str = "", now: float | None = None) -> dict:
+    rows = list(rows)
+    return {"text/plain": plain(rows, model, title, now),
+            "text/html": to_html(rows, model, title, now)}
