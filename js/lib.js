@@ -342,6 +342,7 @@ export function headerParts(hd, rows, hist, stale = false) {
     parts.push(`KV ${live ? "now" : "peak"} ${formatBytes(kv || 0)}` +
       (hd.kv_budget ? ` / ${formatBytes(hd.kv_budget)}` : ""));
   }
+  if (hd.cache_kinds) parts.push(hd.cache_kinds);
   if (stale) parts.push("not live: no kernel answered (rows not done are unfinished)");
   return parts;
 }

@@ -187,6 +187,12 @@ class Engine:
             progress.stage("warming up")
         return m, tok, ex, warm_up(ex) if warmup else 0.0
 
+    @property
+    def cache_kinds(self) -> str:
+        """The model's layer caches as batched, e.g. '24 recurrent-state + 8
+        attention layers, KV 4-bit'."""
+        return self._exec.cache_kinds
+
     def clock(self) -> float:
         return time.perf_counter() - self._t0
 

@@ -354,6 +354,8 @@ class GenerationWidget(anywidget.AnyWidget):
             # a server engine: KV as a fraction of its cache, or None = not reported
             "kv_unit": getattr(e, "kv_unit", "bytes"),
             "batch_reported": getattr(e, "batch_reported", True),
+            # e.g. "24 recurrent-state + 8 attention layers, KV 4-bit" (local engines)
+            "cache_kinds": getattr(e, "cache_kinds", None),
         }
 
     # -- full state ----------------------------------------------------------------------

@@ -66,6 +66,11 @@ test("header: this run's counts apart from the engine's", () => {
     "server KV now 25%");
   assert.equal(headerParts({ ...hd, kv_unit: null }, rows, { kv: [] })[2],
     "KV: not reported by this server");
+  // the cache kinds a local engine batches, after the KV figure
+  const kinds = headerParts({ ...hd, cache_kinds: "2 recurrent-state + 2 attention layers, KV 4-bit" },
+    rows, { kv: [1024] });
+  assert.equal(kinds[3], "2 recurrent-state + 2 attention layers, KV 4-bit");
+  assert.equal(live.length, 3);
   // the dashboard counts the engine
   const dash = headerParts({ ...hd, mode: "dashboard" }, rows, { kv: [] });
   assert.equal(dash[0], "1/3 rows shown done");
