@@ -12,6 +12,8 @@ import pytest
 
 from zoo import KV_WIDE, build, families, run_parity  # tests/ is on sys.path (pytest)
 
+pytestmark = pytest.mark.integration  # ~140 engines: about a minute on 2 cores
+
 # family -> the reason the Engine gives (a substring of its ValueError)
 REFUSED = {
     "deepseek_v41": "its LayerCache cache has no batched form",
