@@ -411,6 +411,13 @@ function render({ model, el }) {
     setAttr(v.e, "data-state", r.state); setAttr(v.e, "data-ntok", r.ntok ?? 0);
     setAttr(v.e, "data-finish", r.state === "done" ? r.finish || "" : "");
     setText(v.badge, badgeText(r, stale)); setAttr(v.badge, "data-kind", badgeKind(r, stale));
+    if (r.con) { // a constrained row: its kind ("json", "regex", "choice", "grammar") and,
+      // once done, whether its output is valid (r.parse: "ok", or why not in the tooltip)
+      const bad = r.parse && r.parse !== "ok" && r.parse !== "pending";
+      const mark = r.state !== "done" ? "" : bad ? " ✗" : " ✓";
+      setText(v.badge, `${badgeText(r, stale)} · ${r.con}${mark}`); setAttr(v.e, "data-constraint", r.con);
+      setAttr(v.badge, "title", bad ? r.parse : "");
+    }
     setText(v.prompt, oneLine(r.prompt || "", 80)); setAttr(v.prompt, "title", r.prompt || "");
     const text = r.error ? `error: ${r.error}` : r.text || "";
     const expandedRow = v.e.classList.contains("mlxnb-expanded");

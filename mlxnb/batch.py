@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
+from .constrain import Constraints
 from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
 from . import caches
@@ -104,6 +105,7 @@ class BatchExecutor:
         self.prefill = Prefill(model, self.make_cache, self.policy, self.shapes, self.prefix)
         self.prefill.pad_safe = pad_safe
         self._cold_launch = False  # a new decode batch shape (set by _align), this tick
+        self.constraints = Constraints(tokenizer)  # constrain.py: per-row grammars
         self._reset_batch()
         self.nsteps = 0
 
@@ -174,6 +176,8 @@ class BatchExecutor:
         self.drop: set = set()
         self._batch_rows, self._want_lp, self._any_procs, self._headroom = [], [], False, 0
         self._ids_tuple: tuple = ()  # self.ids, shared by step records until it changes
+        self._any_constrained = False
+        self.constraints.reset()
 
     @property
     def busy(self) -> bool:
@@ -315,6 +319,7 @@ class BatchExecutor:
                 # others' text is decoded on the loop side when someone reads it.
                 detok = self.tokenizer.detokenizer if a.params.stop else None
                 self.rows[a.row_id] = RowDecoder(a, detok, procs)
+                self.rows[a.row_id].matcher = self.constraints.compile(a.params)
                 self.ids.append(a.row_id)
                 u(a.row_id).state = "decode"
             self.sampler.extend([a.params.temperature for a in admits],
@@ -330,6 +335,7 @@ class BatchExecutor:
         self._batch_rows, self._ids_tuple = rows, tuple(self.ids)
         self._want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
         self._any_procs = any(r.processors for r in rows)
+        self._any_constrained = any(r.matcher is not None for r in rows)
         # steps until the first row has launched all its tokens
         self._headroom = min((r.params.max_tokens - r.launched for r in rows), default=0)
         if not self.caches:
@@ -348,6 +354,8 @@ class BatchExecutor:
             logits = logits.astype(mx.float32)
         if procs:
             logits = self._process(rows, logits, u)
+        if self._any_constrained:  # reads the step in flight; masks while the forward runs
+            logits = self.constraints.apply(logits, rows, self.inflight, self.rows)
         tokens = self.sampler.sample(logits)  # [B]
         lp = None
         if want:
@@ -401,6 +409,10 @@ class BatchExecutor:
             if r is None or rid in drop:
                 continue
             finish = r.accept(toks[i], None if lps is None else lps.get(i), emitted, self.eos)
+            if r.matcher is not None:
+                self.constraints.advance(inflight, rows)  # once per step
+                finish = self.constraints.finish(
+                    r, lambda t, e: r.accept(t, None, emitted, e), self.eos, finish)
             if finish is not None:
                 up = u(rid)
                 up.finish, up.error = finish

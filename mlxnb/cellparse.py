@@ -36,7 +36,7 @@ from ._text import RANGES, one_line
 
 __all__ = [
     "split_body", "interpolate", "parse_values", "unescape", "derive_seed",
-    "GridRow", "build_grid", "SWEEPABLE", "short",
+    "GridRow", "build_grid", "SWEEPABLE", "short", "constraint_params",
 ]
 
 _SEP = re.compile(r"^[ \t]*---[ \t]*$")
@@ -47,6 +47,7 @@ RESERVED = frozenset({
     "row", "prompt", "text", "finish_reason", "state", "prompt_tokens",
     "cached_tokens", "tokens", "ttft_s", "tok_s", "error", "temp", "seed", "sample",
     "prompt_index", "max_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
+    "constraint", "json_error", "json",
 })
 
 
@@ -317,3 +318,51 @@ def build_grid(templates: Sequence[str], ns: dict, sweeps: Dict[str, list], n: i
                     tag[("var_" + name) if name in RESERVED else name] = v
                 rows.append(GridRow(text, params, tag))
     return rows
+
+
+# -- constraints -------------------------------------------------------------------
+def _variable(flag: str, name: str, ns: dict, what: str) -> Any:
+    if not name.isidentifier():
+        raise UsageError(f"{flag} takes the name of a notebook variable holding {what}; "
+                         f"got {name!r}")
+    if name not in ns:
+        raise UsageError(f"{flag} {name}: {name} is not defined; define it in a cell above "
+                         f"({what})")
+    return ns[name]
+
+
+def constraint_params(json_schema: Optional[str], regex: Optional[str], choice: Any,
+                      grammar: Optional[str], ns: dict) -> Dict[str, Any]:
+    """``--json-schema NAME`` / ``--regex R`` / ``--choice a,b,c`` (or the name of a
+    list variable) / ``--grammar NAME`` as Engine.submit keywords (at most one). The
+    values themselves are checked by the engine, which compiles them."""
+    given = [f for f, v in (("--json-schema", json_schema), ("--regex", regex),
+                            ("--choice", choice), ("--grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        raise UsageError(f"give at most one of --json-schema, --regex, --choice, --grammar; "
+                         f"got {', '.join(given)}")
+    if json_schema is not None:
+        return {"json_schema": _variable("--json-schema", json_schema, ns,
+                                         "a dict, a JSON string or a pydantic model class")}
+    if grammar is not None:
+        g = _variable("--grammar", grammar, ns, "a Lark or GBNF grammar string")
+        if not isinstance(g, str):
+            raise UsageError(f"--grammar {grammar}: {grammar} is a {type(g).__name__}, not "
+                             "a string; give a variable holding a Lark or GBNF grammar")
+        return {"grammar": g}
+    if regex is not None:
+        if not regex:
+            raise UsageError("--regex needs a pattern; write e.g. --regex '[0-9]+'")
+        return {"regex": regex}
+    if choice is not None:
+        toks = list(choice) if isinstance(choice, (list, tuple)) else [choice]
+        if len(toks) == 1 and toks[0].isidentifier() and isinstance(ns.get(toks[0]), (list, tuple)):
+            items = [str(x) for x in ns[toks[0]]]  # a list variable
+        else:
+            items = [x.strip() for t in toks for x in str(t).split(",")]
+        items = [x for x in items if x]
+        if not items:
+            raise UsageError("--choice needs options; write e.g. --choice yes,no or "
+                             "--choice LABELS (a list variable)")
+        return {"choices": items}
+    return {}

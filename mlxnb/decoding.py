@@ -17,6 +17,8 @@ HISTORY = 256  # tokens of context kept for logits processors (repetition penalt
 class RowDecoder:
     """Host-side state of one decoding row: counts, text, stop strings."""
 
+    matcher = None  # a constrained row's grammar matcher (constrain.py)
+
     def __init__(self, a, detok, processors):
         self.id = a.row_id
         self.params = a.params

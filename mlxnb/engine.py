@@ -26,6 +26,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Union
 
 from . import progress
 from .batch import Admit, BatchExecutor
+from .constrain import normalize as normalize_constraint
 from .caches import KV_BITS, KV_GROUP_SIZES
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
@@ -261,9 +262,10 @@ class Engine:
             raise ValueError("stop and logits_processors take a list (stop: strings or "
                              "callables text -> bool)") from None
         try:
-            sp = SamplingParams(**params).check()
+            sp = SamplingParams(**normalize_constraint(params)).check()
         except TypeError as e:
             raise ValueError(str(e)) from None
+        self._exec.constraints.validate(sp)  # a bad schema/regex/grammar raises here
         ids = self.encode(prompt, chat, system)
         if not ids:  # a row with no tokens would sit in 'prefill' forever
             raise ValueError("the prompt encodes to no tokens (the tokenizer drops all of "

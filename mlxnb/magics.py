@@ -514,6 +514,13 @@ class MLXNBMagics(Magics):
               help="Send the prompt text as is (no chat template).")
     @argument("--logprobs", default=None, metavar="K",
               help="Keep the top-K log-probabilities per token (0-20).")
+    @argument("--json-schema", default=None, metavar="NAME", help="Constrain output to "
+              "this JSON schema (a notebook variable: dict, JSON string, pydantic class).")
+    @argument("--regex", default=None, metavar="R", help="Constrain output to match R.")
+    @argument("--choice", nargs="+", action="extend", default=None, metavar="A,B",
+              help="Constrain output to one of these strings (or a list variable's name).")
+    @argument("--grammar", default=None, metavar="NAME",
+              help="Constrain output to a Lark or GBNF grammar (a notebook variable).")
     @argument("--model", default=None, help="Model the cell expects (loads it if no "
               "model is loaded yet).")
     @argument("-o", "--out", dest="out", default=None, metavar="NAME",
@@ -559,8 +566,9 @@ class MLXNBMagics(Magics):
         grid = cp.build_grid(cp.split_body(cell), self.shell.user_ns, sweeps, n,
                              limit=c.max_rows)
 
+        common = dict(stop=tuple(stop), logprobs=lp, **cp.constraint_params(
+            a.json_schema, a.regex, a.choice, a.grammar, self.shell.user_ns))
         eng = self._engine_for(a.model, quiet)
-        common = dict(stop=tuple(stop), logprobs=lp)
         prepared = []  # validate and tokenize EVERY row before submitting any
         for i, g in enumerate(grid):
             try:

@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Optional
 
 from ._log import swallowed
 from ._text import RANGES, one_line
+from .constrain import check_params as check_constraint, parse_json
 
 def on_loop(loop, make_awaitable):
     """An awaitable for `make_awaitable()` run on `loop`, awaitable from whatever loop
@@ -50,6 +51,11 @@ class SamplingParams:
     stop: tuple = ()
     logprobs: int = 0
     logits_processors: tuple = ()
+    # at most one constraint per row (constrain.py)
+    json_schema: Optional[dict] = None
+    regex: Optional[str] = None
+    choices: Optional[tuple] = None
+    grammar: Optional[str] = None
 
     def check(self) -> "SamplingParams":
         def bad(msg):
@@ -76,6 +82,7 @@ class SamplingParams:
                 bad(f"{name} must be {what}, got {v!r}")
         if any(not (callable(s) or (isinstance(s, str) and s)) for s in self.stop):
             bad("stop entries must be non-empty strings (or callables text -> bool)")
+        check_constraint(self)
         return self
 
     @property
@@ -101,6 +108,8 @@ class RowResult:
     error: Optional[str]
     seed: Optional[int]
     params: dict
+    json: Any = None  # the text parsed as JSON (see Row.json)
+    json_error: Optional[str] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,6 +183,15 @@ class Row:
         return len(self.tokens)
 
     @property
+    def json(self) -> Any:
+        """The finished text parsed as JSON, or None (`json_error` says why)."""
+        return parse_json(self)[0]
+
+    @property
+    def json_error(self) -> Optional[str]:
+        return parse_json(self)[1]
+
+    @property
     def ttft_s(self) -> Optional[float]:
         return None if self.t_first is None else self.t_first - self.t_submit
 
@@ -195,6 +213,7 @@ class Row:
             cached_tokens=self.cached_tokens, ttft_s=self.ttft_s, tok_s=self.tok_s,
             logprobs=self.logprobs, error=self.error, seed=p.seed,
             params={k: v for k, v in asdict(p).items() if k != "logits_processors"},
+            json=self.json, json_error=self.json_error,
         )
 
     def __await__(self):

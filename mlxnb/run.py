@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import List
 
+from .constrain import record_fields as constraint_fields
 from .rows import Row, RowResult, on_loop
 
 
@@ -77,6 +78,7 @@ class Run:
             }
             if isinstance(r.tag, dict):
                 rec.update(r.tag)
+            rec.update(constraint_fields(r))
             out.append(rec)
         return out
 

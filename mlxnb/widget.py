@@ -38,6 +38,7 @@ import traitlets as t
 
 from . import results
 from ._text import fmt_bytes, one_line
+from .constrain import widget_fields as constraint_fields
 
 FLUSH_HZ = 15
 MAX_STEP_POINTS = 2000  # per history array, in traits and in a view
@@ -98,6 +99,9 @@ def _row_line(r, width: int) -> str:
     stats = f"{r.ntok:>5} tok"
     stats += f" {r.tok_s:6.1f} tok/s" if r.tok_s is not None else " " * 12
     stats += f"  ttft {r.ttft_s:.2f}s" if r.ttft_s is not None else " " * 12
+    con = constraint_fields(r)
+    if con:  # a constrained row: its kind and whether its output parses
+        badge += f" {con['con']}" + {"ok": " ok", "pending": ""}.get(con["parse"], " invalid")
     line = f"[{badge}]".ljust(15) + stats
     out = f"error: {r.error}" if r.error else r.text
     p, txt = " ".join(r.prompt.split()), " ".join(out.split())
@@ -274,6 +278,7 @@ class GenerationWidget(anywidget.AnyWidget):
             "finish": r.finish_reason, "error": r.error and str(r.error)[:300],
             "t_admit": _r(r.t_admit, 3), "t_first": _r(r.t_first, 3),
             "t_done": _r(r.t_done, 3),
+            **constraint_fields(r),
         }
 
     def _row_delta(self, r):

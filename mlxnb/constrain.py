@@ -1,0 +1,363 @@
+"""Structured rows: a JSON schema, a regex, a list of choices or a grammar per row.
+
+llguidance (Rust; also behind vLLM's and llama.cpp's structured output) compiles each
+constraint into a matcher over the model's tokenizer and fills a token bitmask for
+many matchers at once on its own thread pool. Constrained rows and free rows share
+the batch; only constrained rows pay for masks.
+
+The decode pipeline launches step N+1 before the host has read step N's tokens, but
+a row's mask for step N+1 depends on the token it took at step N. So for a batch
+that holds constrained rows, `_launch` queues the forward pass, then (`apply`) reads
+step N's tokens (ready before the forward starts), advances the matchers and fills
+the masks while the device runs the forward pass, and only then masks the logits and
+samples. Masking sets disallowed logits to -inf before the shared sampler, so greedy,
+temperature, top-k/p, min-p and the per-row seeded noise work unchanged, and a seeded
+constrained row draws the same tokens alone or in any batch.
+
+A row whose grammar is complete (nothing may follow) ends with `stop` at once, as if
+it had sampled the end-of-sequence token; one cut by max_tokens ends with `length`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+KINDS = ("json_schema", "regex", "choices", "grammar")
+# Whitespace inside JSON is fixed (", " and ": ", none elsewhere): with flexible
+# whitespace a model can spend its whole token budget on spaces and newlines.
+_JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CACHE = 256  # compiled constraints kept per engine
+
+
+def _short(v: Any, n: int = 60) -> str:
+    s = " ".join(repr(v).split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+# -- the user's values (loop side, before a SamplingParams exists) -----------------
+def normalize(params: dict) -> dict:
+    """Bring constraint keywords to their stored form, in place: json_schema -> dict
+    (from a dict, a JSON string or a pydantic model class), choices -> tuple of str.
+    ValueError (one line) for a value of the wrong kind, or for two constraints."""
+    given = [k for k in KINDS if params.get(k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema=, regex=, choices=, grammar= per "
+                         f"row; got {', '.join(given)}")
+    js = params.get("json_schema")
+    if js is not None:
+        params["json_schema"] = _schema_dict(js)
+    ch = params.get("choices")
+    if ch is not None:
+        if isinstance(ch, (str, bytes)) or not hasattr(ch, "__iter__"):
+            raise ValueError(f"choices takes a list of strings, e.g. choices=['yes', 'no']; "
+                             f"got {_short(ch)}")
+        params["choices"] = tuple(ch)
+    return params
+
+
+def _schema_dict(js) -> dict:
+    if isinstance(js, type) and hasattr(js, "model_json_schema"):  # a pydantic model
+        js = js.model_json_schema()
+    elif isinstance(js, (str, bytes)):
+        try:
+            js = json.loads(js)
+        except ValueError as e:
+            raise ValueError(f"json_schema is a string but not valid JSON ({e}); pass a "
+                             "dict, a JSON string or a pydantic model class") from None
+    if not isinstance(js, dict):
+        raise ValueError(f"json_schema takes a dict, a JSON string or a pydantic model "
+                         f"class; got {_short(js)}")
+    try:  # a deep, JSON-only copy: later edits to the user's dict change nothing here
+        return json.loads(json.dumps(js))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"json_schema holds a value JSON cannot represent ({e})") from None
+
+
+def check_params(p) -> None:
+    """Type checks for SamplingParams.check (the grammar itself is compiled by
+    `Constraints.compile`, which needs the tokenizer)."""
+    given = [k for k in KINDS if getattr(p, k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema=, regex=, choices=, grammar= per "
+                         f"row; got {', '.join(given)}")
+    if p.json_schema is not None and not isinstance(p.json_schema, dict):
+        raise ValueError(f"json_schema must be a dict here; got {_short(p.json_schema)}")
+    for k in ("regex", "grammar"):
+        v = getattr(p, k)
+        if v is not None and not (isinstance(v, str) and v.strip()):
+            raise ValueError(f"{k} must be a non-empty string; got {_short(v)}")
+    if p.choices is not None:
+        if (not isinstance(p.choices, tuple) or not p.choices
+                or not all(isinstance(c, str) and c for c in p.choices)):
+            raise ValueError(f"choices must be a non-empty list of non-empty strings; got "
+                             f"{_short(p.choices)}")
+
+
+def kind_of(p) -> Optional[str]:
+    """Which constraint a row's params carry ('json_schema', ...), or None."""
+    for k in KINDS:
+        if getattr(p, k, None) is not None:
+            return k
+    return None
+
+
+def _key(p) -> Optional[tuple]:
+    k = kind_of(p)
+    if k is None:
+        return None
+    v = getattr(p, k)
+    return (k, json.dumps(v, sort_keys=True) if k == "json_schema" else
+            json.dumps(v) if k == "choices" else v)
+
+
+def _one_line(msg: str) -> str:
+    """llguidance errors quote the grammar with a caret under the fault; keep the
+    words and drop the drawing."""
+    keep = [ln.strip() for ln in str(msg).splitlines()
+            if ln.strip() and not set(ln.strip()) <= {"^", " "}
+            and not ln.lstrip()[:1].isdigit()]
+    s = " ".join(" ".join(keep).split())
+    return s if len(s) <= 300 else s[:299] + "…"
+
+
+def _grammar(kind: str, value) -> str:
+    import llguidance as llg
+
+    LLM = llg.LLMatcher
+    if kind == "json_schema":
+        return LLM.grammar_from_json_schema(value, defaults=_JSON_OPTS)
+    if kind == "regex":
+        return LLM.grammar_from_regex(value)
+    if kind == "choices":
+        return LLM.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    # Lark, or GBNF (llama.cpp's format), which llguidance converts to Lark
+    return llg.grammar_from("grammar", value)
+
+
+# -- per engine: compiled constraints, and the batch's masks (worker side) ---------
+class Constraints:
+    """The engine's constraint compiler and the batch's mask filler.
+
+    `compile` runs on the loop (validation before submitting) and on the worker (a
+    row joining the batch); compiled matchers are cached per constraint and each row
+    gets a copy, so 500 rows with one schema compile it once.
+    """
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._llt = None
+        self._cache: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._executor = None
+        self._advanced = None  # the in-flight step whose tokens the matchers consumed
+        self._pos_for = None  # batch rows list -> positions of its constrained rows
+        self._pos: List[int] = []
+        self._idx = None
+        self._shifts = None
+
+    def lltokenizer(self):
+        """llguidance's view of the tokenizer (built once: ~0.4 s for 49k tokens)."""
+        with self._lock:
+            if self._llt is None:
+                try:
+                    import llguidance.hf
+                except ImportError:
+                    raise ValueError("constrained rows need llguidance: "
+                                     "pip install llguidance") from None
+                tw = self._tokenizer
+                hf = getattr(tw, "_tokenizer", tw)
+                eos = sorted(getattr(tw, "eos_token_ids", None) or ()) or None
+                try:
+                    self._llt = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+                except ValueError as e:
+                    raise ValueError(f"constrained rows need a fast (Rust) Hugging Face "
+                                     f"tokenizer ({e})") from None
+            return self._llt
+
+    def compile(self, p):
+        """A fresh matcher for `p`'s constraint (None for a free row). ValueError with
+        one line naming what is wrong in the schema / regex / grammar."""
+        m = self._template(p)
+        return None if m is None else m.deep_copy()
+
+    def validate(self, p) -> None:
+        """Compile `p`'s constraint (cached) or raise a one-line ValueError."""
+        self._template(p)
+
+    def _template(self, p):
+        key = _key(p)
+        if key is None:
+            return None
+        import llguidance as llg
+
+        with self._lock:
+            m = self._cache.get(key)
+            if m is not None:
+                self._cache.move_to_end(key)
+                return m
+        kind = key[0]
+        what = kind
+        llt = self.lltokenizer()
+        try:
+            g = _grammar(kind, getattr(p, kind))
+        except ValueError as e:
+            raise ValueError(f"{what} is invalid: {_one_line(e)}") from None
+        err = llg.LLMatcher.validate_grammar(g, llt)
+        if err:
+            raise ValueError(f"{what} is invalid: {_one_line(err)}")
+        m = llg.LLMatcher(llt, g, log_level=0)
+        if m.is_error():
+            raise ValueError(f"{what} is invalid: {_one_line(m.get_error())}")
+        with self._lock:
+            self._cache[key] = m
+            while len(self._cache) > _CACHE:
+                self._cache.popitem(last=False)
+        return m
+
+    # -- the batch (worker thread only) --------------------------------------------
+    def advance(self, inflight, rows: Dict[int, Any]) -> None:
+        """Feed the tokens of the step in flight to its constrained rows' matchers
+        (once per step, whichever of launch and read comes first)."""
+        if inflight is None or inflight is self._advanced:
+            return
+        self._advanced = inflight
+        ids, tokens, _ = inflight
+        pairs = [(i, r.matcher) for i, rid in enumerate(ids)
+                 if (r := rows.get(rid)) is not None and r.matcher is not None]
+        if not pairs:
+            return
+        toks = tokens.tolist()
+        for i, m in pairs:
+            if not m.is_stopped():
+                m.consume_token(toks[i])  # a refused token leaves m in its error state
+
+    def apply(self, logits, batch_rows, inflight, rows):
+        """Mask the constrained rows' logits [B, V] (see the module docstring)."""
+        import mlx.core as mx
+        import llguidance.numpy as lln
+
+        mx.async_eval(logits)  # the forward pass runs while the host fills the masks
+        self.advance(inflight, rows)
+        if self._pos_for is not batch_rows:
+            self._pos_for = batch_rows
+            self._pos = [i for i, r in enumerate(batch_rows) if r.matcher is not None]
+            self._idx = mx.array(self._pos) if self._pos else None
+        pos = self._pos
+        if not pos:
+            return logits
+        if self._executor is None:
+            import llguidance as llg
+
+            self._executor = llg.LLExecutor()
+        llt = self.lltokenizer()
+        buf = lln.allocate_token_bitmask(len(pos), llt.vocab_size)
+        lln.fill_next_token_bitmask_par(
+            self._executor, [(batch_rows[i].matcher, j) for j, i in enumerate(pos)], buf)
+        if self._shifts is None:
+            self._shifts = mx.arange(32, dtype=mx.uint32)
+        B, V = logits.shape
+        if len(pos) == B:
+            return masked(logits, mx.array(buf), self._shifts)
+        sub = masked(logits[self._idx], mx.array(buf), self._shifts)
+        logits[self._idx] = sub
+        return logits
+
+    def finish(self, r, emit, eos: set, finish: Optional[tuple]) -> Optional[tuple]:
+        """After a constrained row's token is read: its finish (reason, error), or None.
+        A complete grammar ends the row as its end-of-sequence token would."""
+        m = r.matcher
+        if m.is_error():
+            return ("error", f"constraint failed: {_one_line(m.get_error())}")
+        if not m.is_stopped():
+            return finish
+        if finish is None:
+            e = min(eos) if eos else -1
+            return emit(e, {e})
+        return ("stop", None) if finish == ("length", None) else finish
+
+    def reset(self) -> None:
+        self._advanced = self._pos_for = self._idx = None
+        self._pos = []
+
+
+def masked(logits, words, shifts):
+    """logits [b, V] with every token whose bit is clear in words [b, W] (int32,
+    llguidance's layout: token t is bit t % 32 of word t // 32) set to -inf. Tokens
+    past the bitmask (padding rows of a larger embedding) are disallowed."""
+    import mlx.core as mx
+
+    b, V = logits.shape
+    bits = (words.astype(mx.uint32)[:, :, None] >> shifts) & 1  # [b, W, 32]
+    allowed = bits.reshape(b, -1).astype(mx.bool_)
+    n = allowed.shape[1]
+    if n >= V:
+        allowed = allowed[:, :V]
+    else:
+        allowed = mx.concatenate([allowed, mx.zeros((b, V - n), dtype=mx.bool_)], axis=1)
+    return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+
+# -- results (loop side) ------------------------------------------------------------
+def parse_json(row) -> Tuple[Any, Optional[str]]:
+    """(value, None) when the row's text parses as JSON, else (None, reason)."""
+    if not row.done:
+        return None, f"the row is still {row.state}; await it first"
+    cached = getattr(row, "_parsed_json", None)  # a done row's text no longer changes
+    if cached is None:
+        cached = row._parsed_json = _parse(row)
+    return cached
+
+
+def _parse(row) -> Tuple[Any, Optional[str]]:
+    if row.finish_reason in ("error", "cancelled"):
+        return None, f"the row ended with {row.finish_reason}" + (
+            f": {row.error}" if row.error else "")
+    text = row.text
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        cut = " (cut by max_tokens: raise --max-tokens)" if row.finish_reason == "length" else ""
+        return None, f"not valid JSON: {e}{cut}"
+    return value, None
+
+
+def record_fields(row) -> dict:
+    """Columns a constrained row adds to `Run.records()`: `constraint`, `json_error`
+    and `json.<field>` per top-level field of a JSON object."""
+    kind = kind_of(row.params)
+    if kind is None:
+        return {}
+    out = {"constraint": kind}
+    if kind == "json_schema":
+        value, err = parse_json(row)
+        out["json_error"] = err
+        if isinstance(value, dict):
+            out.update({f"json.{k}": v for k, v in value.items()})
+        elif value is not None:
+            out["json"] = value
+    return out
+
+
+_SHORT = {"json_schema": "json", "regex": "regex", "choices": "choice", "grammar": "grammar"}
+
+
+def widget_fields(row) -> dict:
+    """A constrained row's fields for the widget: `con` (json | regex | choice |
+    grammar) and `parse` ('pending', 'ok' or why its output is not valid)."""
+    kind = kind_of(row.params)
+    if kind is None:
+        return {}
+    return {"con": _SHORT[kind], "parse": _status(row, kind)}
+
+
+def _status(row, kind) -> str:
+    if not row.done:
+        return "pending"
+    if kind == "json_schema":
+        return parse_json(row)[1] or "ok"
+    if row.finish_reason == "stop":
+        return "ok"
+    return f"incomplete ({row.finish_reason})"
