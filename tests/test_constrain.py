@@ -1,0 +1,272 @@
+"""Structured rows on the tiny random-weight model: a random model is the harshest
+test of a constraint, since nothing but the mask keeps its output valid."""
+
+import json
+import re
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxnb import Engine
+from mlxnb.constrain import kind_of, masked
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["happy", "sad", "calm"]},
+        "tags": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                 "maxItems": 3},
+    },
+    "required": ["name", "age", "mood"],
+    "additionalProperties": False,
+}
+LABEL = {"type": "object", "properties": {"label": {"enum": ["pos", "neg", "neutral"]},
+                                          "score": {"type": "integer", "minimum": 1,
+                                                    "maximum": 5}},
+         "required": ["label", "score"], "additionalProperties": False}
+REGEX = r"[A-Z]{2}-[0-9]{3}"
+CHOICES = ["yes", "no", "maybe later"]
+LARK = r"""start: "(" NUM ("," NUM)* ")"
+NUM: /[0-9]{1,2}/
+"""
+LARK_RE = r"\([0-9]{1,2}(,[0-9]{1,2})*\)"
+
+
+def make(tiny, **kw):
+    kw.setdefault("kv_budget", None)
+    kw.setdefault("warmup", False)
+    return Engine(tiny, **kw)
+
+
+def valid(r) -> bool:
+    p = r.params
+    if p.json_schema is not None:
+        try:
+            jsonschema.validate(json.loads(r.text), p.json_schema)
+            return True
+        except (ValueError, jsonschema.ValidationError):
+            return False
+    if p.regex is not None:
+        return re.fullmatch(p.regex, r.text) is not None
+    if p.choices is not None:
+        return r.text in p.choices
+    if p.grammar is not None:
+        return re.fullmatch(LARK_RE, r.text) is not None
+    return True
+
+
+def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun):
+    async def main():
+        eng = make(tiny, max_batch=64)
+        rows = []
+        for i in range(64):
+            kw = dict(max_tokens=96, temperature=(0.0, 0.7, 1.0, 1.3)[i % 4], seed=i,
+                      top_p=0.9 if i % 3 == 0 else 1.0)
+            kind = i % 6
+            if kind == 0:
+                kw["json_schema"] = PERSON
+            elif kind == 1:
+                kw["json_schema"] = LABEL
+            elif kind == 2:
+                kw["regex"] = REGEX
+            elif kind == 3:
+                kw["choices"] = CHOICES
+            elif kind == 4:
+                kw["grammar"] = LARK
+                kw["max_tokens"] = 12
+            rows.append(eng.submit(f"row {i}: say something", chat=False, **kw))
+        await eng.wait()
+        steps = [s.batch_size for s in eng.steps]
+        await eng.aclose()
+        return rows, steps
+
+    rows, steps = arun(main)
+    assert max(steps) == 64  # one batch
+    by = {}
+    for r in rows:
+        by.setdefault(kind_of(r.params), []).append(r)
+        assert r.finish_reason in ("stop", "length"), (r.finish_reason, r.error)
+        if r.finish_reason == "stop":
+            assert valid(r), (r.params, r.text)
+        else:
+            assert r.ntok == r.params.max_tokens
+    # The constraints are what end these rows: each kind stops (valid) before its cap.
+    for kind in ("json_schema", "regex", "choices"):
+        assert all(r.finish_reason == "stop" for r in by[kind]), kind
+    assert all(r.json is not None and r.json_error is None for r in by["json_schema"])
+    assert all(len(r.tokens) < r.params.max_tokens for r in by["regex"] + by["choices"])
+    assert sum(r.finish_reason == "stop" for r in by["grammar"]) >= 3
+    # greedy free rows never pick eos on the byte model; they run to their cap
+    assert all(r.finish_reason == "length" for r in by[None] if r.params.temperature == 0)
+
+
+def test_seeded_constrained_row_is_the_same_alone_and_batched(tiny, arun):
+    async def main():
+        eng = make(tiny, max_batch=16)
+        kw = dict(json_schema=PERSON, max_tokens=80, temperature=0.9, top_p=0.95, seed=7)
+        alone = await eng.submit("the same row", chat=False, **kw)
+        greedy = await eng.submit("greedy", chat=False, regex=REGEX, max_tokens=20)
+        others = [eng.submit(f"other {i}", chat=False, max_tokens=40,
+                             temperature=1.0, seed=i) for i in range(5)]
+        others += [eng.submit(f"json {i}", chat=False, json_schema=LABEL, seed=i,
+                              temperature=0.5, max_tokens=60) for i in range(4)]
+        mid = eng.submit("the same row", chat=False, **kw)
+        g2 = eng.submit("greedy", chat=False, regex=REGEX, max_tokens=20)
+        await eng.wait()
+        await eng.aclose()
+        return alone, greedy, mid.result(), g2.result()
+
+    alone, greedy, batched, g2 = arun(main)
+    assert alone.finish_reason == "stop" and alone.tokens == batched.tokens
+    assert greedy.tokens == g2.tokens and re.fullmatch(REGEX, g2.text)
+
+
+def test_length_is_honest_and_keeps_the_partial_output(tiny, arun):
+    async def main():
+        eng = make(tiny)
+        r = eng.submit("cut me", chat=False, json_schema=PERSON, max_tokens=5)
+        await r
+        await eng.aclose()
+        return r
+
+    r = arun(main)
+    assert r.finish_reason == "length" and r.ntok == 5 and r.text.startswith('{"')
+    assert r.json is None and "max_tokens" in r.json_error
+    assert r.result().json is None and r.result().json_error == r.json_error
+
+
+def test_complete_grammar_stops_without_waiting_for_eos(tiny, arun):
+    async def main():
+        eng = make(tiny)
+        r = eng.submit("pick", chat=False, choices=["abc"], max_tokens=50,
+                       stop=["zz"])  # a stop-string row is detokenized on the worker
+        await r
+        await eng.aclose()
+        return r
+
+    r = arun(main)
+    # the byte model never samples eos; the finished grammar ends the row
+    assert (r.finish_reason, r.text, r.ntok) == ("stop", "abc", 3)
+
+
+def test_schema_forms_gbnf_and_pandas_columns(tiny, arun):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Item(pydantic.BaseModel):
+        kind: str = pydantic.Field(max_length=4)
+        count: int = pydantic.Field(ge=0, le=9)
+
+    gbnf = 'root ::= "v" [0-9] "." [0-9]'
+
+    async def main():
+        eng = make(tiny)
+        run = eng.generate(["a", "b"], chat=False, json_schema=Item, max_tokens=60)
+        s = eng.submit("c", chat=False, json_schema=json.dumps(LABEL), max_tokens=60)
+        g = eng.submit("d", chat=False, grammar=gbnf, max_tokens=10)
+        await run
+        await s
+        await g
+        await eng.aclose()
+        return run, s, g
+
+    run, s, g = arun(main)
+    assert all(r.finish_reason == "stop" for r in run)
+    for r in run:
+        Item.model_validate(r.json)
+    df = run.to_pandas()
+    assert {"json.kind", "json.count", "json_error", "constraint"} <= set(df.columns)
+    assert list(df["json.count"]) == [r.json["count"] for r in run]
+    assert df["json_error"].isna().all() and set(df["constraint"]) == {"json_schema"}
+    assert s.finish_reason == "stop" and jsonschema.validate(s.json, LABEL) is None
+    assert re.fullmatch(r"v[0-9]\.[0-9]", g.text) and g.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(regex="a(b"), "regex is invalid"),
+    (dict(json_schema={"type": "frobnicate"}), "json_schema is invalid"),
+    (dict(json_schema="{not json"), "not valid JSON"),
+    (dict(json_schema=[1, 2]), "json_schema takes a dict"),
+    (dict(grammar="start: undefined_rule"), "grammar is invalid"),
+    (dict(grammar='root ::= "a" undefined'), "grammar is invalid"),
+    (dict(choices="yes"), "list of strings"),
+    (dict(choices=[]), "non-empty list"),
+    (dict(choices=["a", 3]), "non-empty strings"),
+    (dict(regex=""), "non-empty string"),
+    (dict(regex="a", choices=["a"]), "at most one"),
+])
+def test_bad_constraints_raise_one_line_before_submitting(tiny, arun, kw, words):
+    async def main():
+        eng = make(tiny)
+        running = eng.submit("keep going", chat=False, max_tokens=30)
+        with pytest.raises(ValueError) as ei:
+            eng.submit("x", chat=False, **kw)
+        with pytest.raises(ValueError):
+            eng.generate(["y", "z"], chat=False, **kw)
+        n = len(eng.rows)
+        await running
+        await eng.aclose()
+        return ei.value, n, running
+
+    err, n, running = arun(main)
+    assert words in str(err) and "\n" not in str(err), str(err)
+    assert n == 1 and running.finish_reason == "length"  # nothing submitted or disturbed
+
+
+def test_cancel_a_constrained_row_mid_batch(tiny, arun):
+    async def main():
+        eng = make(tiny)
+        a = eng.submit("a", chat=False, json_schema={"type": "string"}, max_tokens=200)
+        b = eng.submit("b", chat=False, regex="[a-z]{150}", max_tokens=200)
+        while b.ntok < 5 and not b.done:
+            await asyncio_sleep()
+        b.cancel()
+        await a
+        await b
+        await eng.aclose()
+        return a, b
+
+    a, b = arun(main)
+    assert b.finish_reason == "cancelled"
+    assert a.finish_reason in ("stop", "length")
+    assert a.finish_reason == "length" or isinstance(a.json, str)
+
+
+async def asyncio_sleep():
+    import asyncio
+
+    await asyncio.sleep(0.001)
+
+
+def test_mask_matches_a_numpy_reference_including_padded_vocab():
+    rng = np.random.default_rng(0)
+    for V, b in ((70, 3), (64, 2), (100, 1)):  # 100 > 96 bits: padded embedding rows
+        words = rng.integers(-2**31, 2**31, size=(b, 3), dtype=np.int64).astype(np.int32)
+        logits = rng.normal(size=(b, V)).astype(np.float32)
+        out = np.array(masked(mx.array(logits), mx.array(words), mx.arange(32, dtype=mx.uint32)))
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").astype(bool)
+        want = np.where(np.pad(bits, ((0, 0), (0, max(0, V - 96))))[:, :V], logits, -np.inf)
+        np.testing.assert_array_equal(out, want)
+
+
+def test_the_default_models_tokenizer_works(arun):
+    from mlxnb.tiny import tiny_model
+
+    tiny = tiny_model(vocab="smollm2")  # the real 49152-token tokenizer, random weights
+
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit(f"p{i}", json_schema=LABEL, max_tokens=40, seed=i,
+                           temperature=0.8) for i in range(3)]
+        rows += [eng.submit("q", regex=REGEX, max_tokens=20),
+                 eng.submit("r", choices=CHOICES, max_tokens=20)]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    for r in arun(main):
+        assert r.finish_reason in ("stop", "length")
+        assert r.finish_reason == "length" or valid(r), r.text
