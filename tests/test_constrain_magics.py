@@ -1,0 +1,99 @@
+"""%%generate --json-schema / --regex / --choice / --grammar on an in-process IPython
+shell and the tiny model."""
+
+import json
+import re
+
+import pytest
+from IPython.core.error import UsageError
+
+from mlxnb import magics
+from mlxnb.cellparse import constraint_params
+
+from test_magics import arun_shut, attach, gen, ip  # noqa: F401  (fixtures)
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0,
+                                                 "maximum": 99}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+def test_each_flag_constrains_its_rows(ip, tiny, arun_shut):
+    async def main():
+        attach(tiny)
+        ip.user_ns.update(schema=SCHEMA, labels=["red", "green"],
+                          gram='root ::= "x" [0-9] [0-9]')
+        runs = [gen(ip, "--quiet --raw --max-tokens 40 --json-schema schema", "a\nb"),
+                # IPython expands {...} in a magic's line: {{3}} reaches us as {3}
+                gen(ip, "--quiet --raw --max-tokens 20 --regex '[a-c]{{3}}!'", "c"),
+                gen(ip, "--quiet --raw --max-tokens 20 --choice 'yes,no way'", "d"),
+                gen(ip, "--quiet --raw --max-tokens 20 --choice labels", "e"),
+                gen(ip, "--quiet --raw --max-tokens 20 --grammar gram", "f"),
+                gen(ip, "--quiet --raw --max-tokens 5", "free")]
+        for r in runs:
+            await r
+        return runs
+
+    js, rx, ch, lab, gr, free = arun_shut(main)
+    assert all(r.finish_reason == "stop" and set(r.json) == {"ok", "n"} for r in js)
+    assert re.fullmatch(r"[a-c]{3}!", rx[0].text) and rx[0].finish_reason == "stop"
+    assert ch[0].text in ("yes", "no way") and lab[0].text in ("red", "green")
+    assert re.fullmatch(r"x[0-9]{2}", gr[0].text)
+    df = js.to_pandas()
+    assert list(df["json.n"]) == [r.json["n"] for r in js]
+    assert "constraint" not in free.to_pandas().columns
+
+
+@pytest.mark.parametrize("line, words", [
+    ("--json-schema nope", "nope is not defined"),
+    ("--json-schema '{\"type\"'", "name of a notebook variable"),
+    ("--grammar notstr", "not a string"),
+    ("--regex 'a(b'", "regex is invalid"),
+    ("--json-schema bad", "json_schema is invalid"),
+    ("--regex a --choice a,b", "at most one"),
+    ("--choice ,", "--choice needs options"),
+])
+def test_bad_constraint_options_are_one_line_usage_errors(ip, tiny, arun_shut, line, words):
+    async def main():
+        eng = attach(tiny)
+        ip.user_ns.update(notstr=5, bad={"type": "frobnicate"})
+        with pytest.raises(UsageError) as ei:
+            gen(ip, "--quiet --raw " + line, "a\nb")
+        return ei.value, len(eng.rows)
+
+    err, n = arun_shut(main)
+    assert words in str(err) and "\n" not in str(err), str(err)
+    assert n == 0  # nothing submitted
+
+
+def test_constraint_params_parsing():
+    ns = {"xs": ("a", "b"), "s": SCHEMA}
+    assert constraint_params(None, None, ["a,b", "c"], None, ns) == {"choices": ["a", "b", "c"]}
+    assert constraint_params(None, None, ["xs"], None, ns) == {"choices": ["a", "b"]}
+    assert constraint_params(None, None, ["xs,y"], None, ns) == {"choices": ["xs", "y"]}
+    assert constraint_params("s", None, None, None, ns) == {"json_schema": SCHEMA}
+    assert constraint_params(None, r"\d+", None, None, ns) == {"regex": r"\d+"}
+    assert constraint_params(None, None, None, None, ns) == {}
+
+
+def test_widget_marks_constrained_rows(ip, tiny, arun_shut):
+    async def main():
+        attach(tiny)
+        ip.user_ns["schema"] = SCHEMA
+        run = gen(ip, "--raw --max-tokens 40 --json-schema schema -o r1", "a")
+        cut = gen(ip, "--raw --max-tokens 3 --json-schema schema -o r2", "b")
+        free = gen(ip, "--raw --max-tokens 3 -o r3", "c")
+        await run
+        await cut
+        await free
+        return run, cut, free
+
+    run, cut, free = arun_shut(main)
+    full = run.widget._row_full(run.rows[0])
+    assert full["con"] == "json" and full["parse"] == "ok"
+    bad = cut.widget._row_full(cut.rows[0])
+    assert bad["con"] == "json" and "not valid JSON" in bad["parse"]
+    assert "con" not in free.widget._row_full(free.rows[0])
+    text = run.widget.summary_text()
+    assert "json ok" in text and "json invalid" in cut.widget.summary_text()
+    json.dumps(full)  # what the front end gets is plain JSON
