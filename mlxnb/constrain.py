@@ -287,6 +287,21 @@ def masked(logits, words, shifts):
     """logits [b, V] with every token whose bit is clear in words [b, W] (int32,
     llguidance's layout: token t is bit t % 32 of word t // 32) set to -inf. Tokens
     past the bitmask (padding rows of a larger embedding) are disallowed."""
+    global _masked_compiled
+    if _masked_compiled is None:
+        import mlx.core as mx
+
+        # One fused pass instead of six over [b, V] (CPU, b=32, V=49152: ~4x faster).
+        # Not shapeless: the slice to V fixes b; a new b re-traces (~ms), its kernel
+        # is the same.
+        _masked_compiled = mx.compile(_masked)
+    return _masked_compiled(logits, words, shifts)
+
+
+_masked_compiled = None
+
+
+def _masked(logits, words, shifts):
     import mlx.core as mx
 
     b, V = logits.shape

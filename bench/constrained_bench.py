@@ -1,0 +1,295 @@
+"""Constrained decoding cost: decode tok/s of B constrained rows vs B free rows at the
+same batch size, and the per-step mask time at several batch sizes.
+
+  decode   mlxnb.Engine(max_batch=B) on a random-weight model of the chosen shape
+           (default SmolLM2-135M's, with the tokenizer's vocabulary). Each pass
+           submits 2*B rows of one kind so that the batch refills as rows end: free
+           rows, or rows constrained by a JSON schema (an array of 8 small objects:
+           strings, bounded integers, enums) and a regex, half each. tok/s = tokens
+           read / summed step time over the decode-only steps with all B rows in the
+           batch (`eng.steps`: batch_size == B, prefill_tokens == 0). Passes
+           alternate free, constrained (--repeat rounds); the best of each and the
+           median per-round ratio are printed.
+  mask     per decode step at batch B, outside the engine: llguidance filling the
+           bitmask for B matchers (its thread pool), consuming one token per row,
+           and applying the mask to [B, V] logits on the device (mlxnb.constrain.masked,
+           timed to mx.eval). Rows advance by a random allowed token; a finished
+           grammar restarts. mean / p50 / p90 ms per step.
+
+The tokenizer (--tokenizer): a tokenizer.json file or an mlx-lm/HF directory,
+"default" (mlxnb's default model, when it is installed or converted), or "synthetic"
+(a byte-level BPE trained here on generated JSON-ish text: needs nothing but the
+`tokenizers` package mlx-lm already depends on; ~30 s). Default: "default", falling
+back to "synthetic".
+
+Needs only mlx, mlx-lm and llguidance (plus this checkout's mlxnb). Plain numbers out:
+  python bench/constrained_bench.py                     # B=32, mask at B=32,128
+  python bench/constrained_bench.py --batch 32 --new 128 --repeat 3 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+try:  # an mlxnb on PYTHONPATH wins over this checkout
+    import mlxnb  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(_ROOT))
+
+import mlxnb  # noqa: E402  (first: it puts OpenBLAS under MLX on Linux CPU)
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlxnb.constrain import Constraints, masked  # noqa: E402
+from mlxnb.rows import SamplingParams  # noqa: E402
+
+pc = time.perf_counter
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0),
+    "llama1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                    rope_theta=500000.0),
+}
+ITEM = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "mood": {"enum": ["happy", "sad", "calm"]},
+    "ok": {"type": "boolean"}},
+    "required": ["name", "age", "mood", "ok"], "additionalProperties": False}
+SCHEMA = {"type": "array", "items": ITEM, "minItems": 8, "maxItems": 8}
+REGEX = r"([A-Z][a-z]{2,8} ){40}[0-9]{4}"
+CONSTRAINTS = [dict(json_schema=SCHEMA), dict(regex=REGEX)]
+MASK_KINDS = CONSTRAINTS + [dict(json_schema=ITEM), dict(choices=("alpha", "beta", "gamma"))]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# -- tokenizer and model -------------------------------------------------------------
+def _synthetic_tokenizer_json(vocab: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9)))
+             for _ in range(20000)]
+
+    def lines():
+        for _ in range(60000):
+            d = {rng.choice(words): rng.choice([rng.randint(-999, 9999),
+                                                " ".join(rng.choices(words, k=4))])
+                 for _ in range(3)}
+            yield json.dumps(d) + " " + " ".join(rng.choices(words, k=12)).capitalize() + "."
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tr = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                             show_progress=False)
+    tok.train_from_iterator(lines(), tr)
+    return tok.to_str()
+
+
+def load_tokenizer(spec: str):
+    """An mlx-lm TokenizerWrapper and a line saying what it is."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
+
+    if spec == "default":
+        try:
+            from mlxnb.models import default_model_path
+            from mlx_lm.utils import load_tokenizer as mlx_load
+
+            path = default_model_path()
+            return mlx_load(path), f"default model's ({path.name})"
+        except Exception as e:
+            log(f"(no default model here: {type(e).__name__}: {e}; using 'synthetic')")
+            spec = "synthetic"
+    if spec == "synthetic":
+        t = pc()
+        from tokenizers import Tokenizer
+
+        obj = Tokenizer.from_str(_synthetic_tokenizer_json(49152))
+        what = f"synthetic byte-level BPE, trained in {pc() - t:.0f} s"
+    else:
+        p = Path(spec)
+        if p.is_dir():
+            from mlx_lm.utils import load_tokenizer as mlx_load
+
+            return mlx_load(p), f"from {p}"
+        from tokenizers import Tokenizer
+
+        obj, what = Tokenizer.from_file(str(p)), f"from {p}"
+    eos = "<|endoftext|>" if obj.token_to_id("<|endoftext|>") is not None else None
+    hf = PreTrainedTokenizerFast(tokenizer_object=obj, eos_token=eos)
+    ids = [hf.eos_token_id] if hf.eos_token_id is not None else []
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=ids), what
+
+
+def build_model(shape: str, dtype: str, vocab: int):
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    args = ModelArgs(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=True,
+                     max_position_embeddings=16384, vocab_size=vocab, **SHAPES[shape])
+    mx.random.seed(0)
+    model = Model(args)
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+# -- decode tok/s --------------------------------------------------------------------
+async def one_pass(eng, B: int, new: int, constrained: bool, seed: int) -> dict:
+    rng = random.Random(seed)
+    words = ["river", "stone", "quiet", "orange", "market", "seven", "cloud", "paper"]
+    rows, steps0 = [], len(eng.steps)
+    for i in range(2 * B):
+        kw = CONSTRAINTS[i % 2] if constrained else {}
+        text = f"Record {i}: " + " ".join(rng.choices(words, k=40))
+        rows.append(eng.submit(text, chat=False, max_tokens=new, **kw))
+    await eng.wait()
+    steps = [s for s in eng.steps[steps0:] if s.batch_size == B and s.prefill_tokens == 0]
+    toks, secs = sum(s.tokens for s in steps), sum(s.dt_s for s in steps)
+    fin = {}
+    for r in rows:
+        fin[r.finish_reason] = fin.get(r.finish_reason, 0) + 1
+    return dict(tok_s=toks / secs if secs else float("nan"), steps=len(steps),
+                ms_step=1000 * secs / max(len(steps), 1), finish=fin)
+
+
+async def decode(model, tok, args) -> dict:
+    B = args.batch
+    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None)
+    for c in (False, True):  # warm-up: kernels and shapes of both kinds
+        await one_pass(eng, B, min(args.new, 16), c, seed=99)
+    free, cons, ratios = [], [], []
+    for k in range(args.repeat):
+        f = await one_pass(eng, B, args.new, False, seed=k)
+        c = await one_pass(eng, B, args.new, True, seed=k)
+        free.append(f)
+        cons.append(c)
+        ratios.append(c["tok_s"] / f["tok_s"])
+        log(f"  round {k + 1}: free {f['tok_s']:8.1f} tok/s ({f['ms_step']:.2f} ms/step, "
+            f"{f['steps']} steps)   constrained {c['tok_s']:8.1f} tok/s "
+            f"({c['ms_step']:.2f} ms/step, {c['steps']} steps, {c['finish']})  "
+            f"ratio {ratios[-1]:.3f}")
+    await eng.aclose()
+    best_f, best_c = max(x["tok_s"] for x in free), max(x["tok_s"] for x in cons)
+    return dict(B=B, free_tok_s=best_f, constrained_tok_s=best_c,
+                ratio_best=best_c / best_f, ratio_median=statistics.median(ratios))
+
+
+# -- mask time per step -----------------------------------------------------------------
+def _allowed_token(row_words: np.ndarray, rng: np.random.Generator, vocab: int) -> int:
+    bits = np.unpackbits(row_words.view(np.uint8), bitorder="little")[:vocab]
+    ids = np.flatnonzero(bits)
+    return int(ids[rng.integers(len(ids))]) if len(ids) else -1
+
+
+def mask_time(tok, B: int, steps: int, V: int) -> dict:
+    import llguidance as llg
+    import llguidance.numpy as lln
+
+    cons = Constraints(tok)
+    llt = cons.lltokenizer()
+    ms = [cons.compile(SamplingParams(**MASK_KINDS[i % len(MASK_KINDS)])) for i in range(B)]
+    ex = llg.LLExecutor()
+    rng = np.random.default_rng(0)
+    shifts = mx.arange(32, dtype=mx.uint32)
+    logits = mx.random.normal((B, V)).astype(mx.bfloat16)
+    mx.eval(logits)
+    fill, consume, apply = [], [], []
+    for step in range(steps + 3):  # 3 warm-up steps
+        buf = lln.allocate_token_bitmask(B, llt.vocab_size)
+        t0 = pc()
+        lln.fill_next_token_bitmask_par(ex, [(m, i) for i, m in enumerate(ms)], buf)
+        t1 = pc()
+        out = masked(logits, mx.array(buf), shifts)
+        mx.eval(out)
+        t2 = pc()
+        picks = [_allowed_token(buf[i], rng, llt.vocab_size) for i in range(B)]
+        t3 = pc()
+        for m, t in zip(ms, picks):
+            if t in llt.eos_tokens or t < 0 or m.is_stopped():
+                m.reset()
+            else:
+                m.consume_token(t)
+        t4 = pc()
+        if step >= 3:
+            fill.append(t1 - t0)
+            apply.append(t2 - t1)
+            consume.append(t4 - t3)
+    errors = sum(m.is_error() for m in ms)
+
+    def stats(xs):
+        xs = sorted(1000 * x for x in xs)
+        return dict(mean=statistics.fmean(xs), p50=xs[len(xs) // 2],
+                    p90=xs[int(0.9 * (len(xs) - 1))])
+
+    return dict(B=B, fill_ms=stats(fill), consume_ms=stats(consume), apply_ms=stats(apply),
+                matcher_errors=errors)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=32, help="decode batch size B")
+    ap.add_argument("--new", type=int, default=128, help="max tokens per row")
+    ap.add_argument("--repeat", type=int, default=2, help="free/constrained rounds")
+    ap.add_argument("--mask-batches", default="32,128")
+    ap.add_argument("--mask-steps", type=int, default=50)
+    ap.add_argument("--shape", default="smollm2", choices=list(SHAPES))
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--tokenizer", default="default",
+                    help="tokenizer.json | model directory | default | synthetic")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    import llguidance
+
+    log(f"device {mx.default_device()} | mlx {mx.__version__} | llguidance "
+        f"{llguidance.__version__} | {platform.machine()} | python {platform.python_version()}")
+    tok, what = load_tokenizer(args.tokenizer)
+    V = len(tok._tokenizer)
+    log(f"tokenizer: {what}, {V} tokens")
+    out = dict(device=str(mx.default_device()), tokenizer=what, vocab=V)
+    if not args.skip_decode:
+        model = build_model(args.shape, args.dtype, V)
+        log(f"\n## decode: {args.shape} {args.dtype}, B={args.batch}, max_tokens={args.new}")
+        d = asyncio.run(decode(model, tok, args))
+        out["decode"] = d
+        log(f"decode tok/s at B={d['B']}: free {d['free_tok_s']:.1f}  constrained "
+            f"{d['constrained_tok_s']:.1f}  ratio (best) {d['ratio_best']:.3f}  "
+            f"ratio (median of rounds) {d['ratio_median']:.3f}")
+    log(f"\n## mask time per step (ms; {args.mask_steps} steps; kinds: array-of-objects "
+        f"schema, regex, object schema, choices)")
+    log(f"{'B':>5} {'fill mean':>10} {'p50':>7} {'p90':>7} | {'consume':>8} | "
+        f"{'apply mean':>10} {'p50':>7} {'p90':>7}")
+    out["mask"] = []
+    for B in (int(b) for b in args.mask_batches.split(",")):
+        m = mask_time(tok, B, args.mask_steps, V)
+        out["mask"].append(m)
+        f, c, a = m["fill_ms"], m["consume_ms"], m["apply_ms"]
+        log(f"{B:>5} {f['mean']:>10.3f} {f['p50']:>7.3f} {f['p90']:>7.3f} | "
+            f"{c['mean']:>8.3f} | {a['mean']:>10.3f} {a['p50']:>7.3f} {a['p90']:>7.3f}"
+            + (f"  ({m['matcher_errors']} matcher errors)" if m["matcher_errors"] else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
