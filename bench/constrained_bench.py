@@ -3,13 +3,14 @@ same batch size, and the per-step mask time at several batch sizes.
 
   decode   mlxnb.Engine(max_batch=B) on a random-weight model of the chosen shape
            (default SmolLM2-135M's, with the tokenizer's vocabulary). Each pass
-           submits 2*B rows of one kind so that the batch refills as rows end: free
-           rows, or rows constrained by a JSON schema (an array of 8 small objects:
-           strings, bounded integers, enums) and a regex, half each. tok/s = tokens
-           read / summed step time over the decode-only steps with all B rows in the
-           batch (`eng.steps`: batch_size == B, prefill_tokens == 0). Passes
-           alternate free, constrained (--repeat rounds); the best of each and the
-           median per-round ratio are printed.
+           submits B rows of one kind at once: free rows, or rows constrained by a
+           JSON schema (an array of 32 small objects: strings, bounded integers,
+           enums, booleans) and a regex, half each; neither can complete within
+           max_tokens, so every row of both kinds runs to it. tok/s = tokens read /
+           summed step time over the decode-only steps with all B rows in the batch
+           (`eng.steps`: batch_size == B, prefill_tokens == 0). Passes alternate
+           free, constrained (--repeat rounds); the best of each and the median
+           per-round ratio are printed.
   mask     per decode step at batch B, outside the engine: llguidance filling the
            bitmask for B matchers (its thread pool), consuming one token per row,
            and applying the mask to [B, V] logits on the device (mlxnb.constrain.masked,
@@ -68,8 +69,10 @@ ITEM = {"type": "object", "properties": {
     "mood": {"enum": ["happy", "sad", "calm"]},
     "ok": {"type": "boolean"}},
     "required": ["name", "age", "mood", "ok"], "additionalProperties": False}
-SCHEMA = {"type": "array", "items": ITEM, "minItems": 8, "maxItems": 8}
-REGEX = r"([A-Z][a-z]{2,8} ){40}[0-9]{4}"
+# Both need more tokens than a row may take (>= 20 per item, >= 1 per word), so every
+# row runs to max_tokens, as the free rows do: the batches compared have one shape.
+SCHEMA = {"type": "array", "items": ITEM, "minItems": 32, "maxItems": 32}
+REGEX = r"([A-Z][a-z]{2,8} ){1000}[0-9]{4}"
 CONSTRAINTS = [dict(json_schema=SCHEMA), dict(regex=REGEX)]
 MASK_KINDS = CONSTRAINTS + [dict(json_schema=ITEM), dict(choices=("alpha", "beta", "gamma"))]
 
@@ -157,7 +160,7 @@ async def one_pass(eng, B: int, new: int, constrained: bool, seed: int) -> dict:
     rng = random.Random(seed)
     words = ["river", "stone", "quiet", "orange", "market", "seven", "cloud", "paper"]
     rows, steps0 = [], len(eng.steps)
-    for i in range(2 * B):
+    for i in range(B):
         kw = CONSTRAINTS[i % 2] if constrained else {}
         text = f"Record {i}: " + " ".join(rng.choices(words, k=40))
         rows.append(eng.submit(text, chat=False, max_tokens=new, **kw))
