@@ -17,6 +17,7 @@ from ._log import swallowed
 from ._text import RANGES, one_line
 from .constrain import check_params as check_constraint, parse_json
 
+
 def on_loop(loop, make_awaitable):
     """An awaitable for `make_awaitable()` run on `loop`, awaitable from whatever loop
     is running: ipykernel 7 subshells run cells on another thread with another loop."""
