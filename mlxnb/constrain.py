@@ -21,6 +21,7 @@ it had sampled the end-of-sequence token; one cut by max_tokens ends with `lengt
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
@@ -120,6 +121,8 @@ def _one_line(msg: str) -> str:
             if ln.strip() and not set(ln.strip()) <= {"^", " "}
             and not ln.lstrip()[:1].isdigit()]
     s = " ".join(" ".join(keep).split())
+    # positions like "at 1(8):" point into llguidance's internal grammar, not the user's
+    s = re.sub(r"\bat \d+\(\d+\):\s*", "", s).replace(" (in regex)", "")
     return s if len(s) <= 300 else s[:299] + "…"
 
 
