@@ -11,7 +11,9 @@ Message protocol (kernel -> front end), one per flush::
 
     {"type": "delta", "seq": n,
      "rows": [{"id", and only what changed among: state, ntok, pf (prefill %), tok_s,
-               ttft, finish, error, t_admit, t_first, t_done; prompt, prompt_tokens,
+               ttft, finish, error, t_admit, t_first, t_done, and for a constrained
+               row con (json | regex | choice | grammar) and parse (pending | ok |
+               why its output is invalid); prompt, prompt_tokens,
                t_submit on a row's first appearance; "d": text appended since the
                last message, or "text": the whole text when it was rewritten}],
      "steps": {"s", "t", "dt", "b", "pf", "kv": [...], "snap": [[step, kv, [id, bytes, ...]]]},
