@@ -166,6 +166,7 @@ class Constraints:
         with self._lock:
             if self._llt is None:
                 try:
+                    import llguidance
                     import llguidance.hf
                 except ImportError:
                     raise ValueError("constrained rows need llguidance: "
@@ -173,8 +174,11 @@ class Constraints:
                 tw = self._tokenizer
                 hf = getattr(tw, "_tokenizer", tw)
                 eos = sorted(getattr(tw, "eos_token_ids", None) or ()) or None
+                # JSON slices: masks of JSON rows 3x faster (32 rows, SmolLM2's vocab),
+                # and regexes, choices and Lark no slower than with the general ones
+                slices = llguidance.LLTokenizer.json_slices()
                 try:
-                    self._llt = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+                    self._llt = llguidance.hf.from_tokenizer(hf, eos_token=eos, slices=slices)
                 except ValueError as e:
                     raise ValueError(f"constrained rows need a fast (Rust) Hugging Face "
                                      f"tokenizer ({e})") from None
