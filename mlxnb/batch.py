@@ -17,6 +17,7 @@ views of its KV layers: no mask array, scalar RoPE offsets.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -429,8 +430,10 @@ class BatchExecutor:
         out = {}
         for j, i in enumerate(want):
             k = self.rows[ids[i]].params.logprobs if ids[i] in self.rows else 0
+            # a constrained row's disallowed tokens (-inf) are not alternatives
             out[i] = {"logprob": chosen[j],
-                      "top": list(zip(top_ids[j][:k], top_lp[j][:k])) if top_ids else []}
+                      "top": [(t, x) for t, x in zip(top_ids[j][:k], top_lp[j][:k])
+                              if x != -math.inf] if top_ids else []}
         return out
 
     # -- memory ----------------------------------------------------------------------

@@ -270,3 +270,21 @@ def test_the_default_models_tokenizer_works(arun):
     for r in arun(main):
         assert r.finish_reason in ("stop", "length")
         assert r.finish_reason == "length" or valid(r), r.text
+
+
+def test_top_k_min_p_and_logprobs_see_only_allowed_tokens(tiny, arun):
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("x", chat=False, choices=["ab", "ac", "b"], logprobs=4,
+                           max_tokens=5, top_k=3, min_p=0.05, temperature=1.2, seed=s)
+                for s in range(6)]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    for r in arun(main):
+        assert r.finish_reason == "stop" and r.text in ("ab", "ac", "b")
+        first = r.logprobs[0]
+        # the distribution sampled from: only 'a' and 'b' can start a choice
+        assert {t for t, _ in first["top"]} <= {ord("a"), ord("b")}
+        assert all(lp > -1e9 for _, lp in first["top"]) and first["logprob"] <= 0
