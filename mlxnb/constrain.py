@@ -205,8 +205,7 @@ class Constraints:
             if m is not None:
                 self._cache.move_to_end(key)
                 return m
-        kind = key[0]
-        what = kind
+        kind = what = key[0]
         llt = self.lltokenizer()
         try:
             g = _grammar(kind, getattr(p, kind))
