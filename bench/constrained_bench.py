@@ -12,7 +12,8 @@ same batch size, and the per-step mask time at several batch sizes.
            free, constrained (--repeat rounds); the best of each and the median
            per-round ratio are printed.
   mask     per decode step at batch B, outside the engine: llguidance filling the
-           bitmask for B matchers (its thread pool), consuming one token per row,
+           bitmask for B matchers (as the engine does: its thread pool with >= 8
+           CPU cores, else the calling thread), consuming one token per row,
            and applying the mask to [B, V] logits on the device (mlxnb.constrain.masked,
            timed to mx.eval). Rows advance by a random allowed token; a finished
            grammar restarts. mean / p50 / p90 ms per step.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
@@ -208,22 +210,17 @@ def _allowed_token(row_words: np.ndarray, rng: np.random.Generator, vocab: int) 
 
 
 def mask_time(tok, B: int, steps: int, V: int) -> dict:
-    import llguidance as llg
-    import llguidance.numpy as lln
-
     cons = Constraints(tok)
     llt = cons.lltokenizer()
     ms = [cons.compile(SamplingParams(**MASK_KINDS[i % len(MASK_KINDS)])) for i in range(B)]
-    ex = llg.LLExecutor()
     rng = np.random.default_rng(0)
     shifts = mx.arange(32, dtype=mx.uint32)
     logits = mx.random.normal((B, V)).astype(mx.bfloat16)
     mx.eval(logits)
     fill, consume, apply = [], [], []
     for step in range(steps + 3):  # 3 warm-up steps
-        buf = lln.allocate_token_bitmask(B, llt.vocab_size)
         t0 = pc()
-        lln.fill_next_token_bitmask_par(ex, [(m, i) for i, m in enumerate(ms)], buf)
+        buf = cons.fill(ms)  # as the engine fills them (thread pool or this thread)
         t1 = pc()
         out = masked(logits, mx.array(buf), shifts)
         mx.eval(out)
@@ -268,8 +265,12 @@ def main():
 
     import llguidance
 
+    from mlxnb import constrain
+
     log(f"device {mx.default_device()} | mlx {mx.__version__} | llguidance "
-        f"{llguidance.__version__} | {platform.machine()} | python {platform.python_version()}")
+        f"{llguidance.__version__} | {platform.machine()} | python {platform.python_version()}"
+        f" | masks filled {'in parallel' if constrain._PARALLEL else 'on one thread'}"
+        f" ({os.cpu_count()} CPUs)")
     tok, what = load_tokenizer(args.tokenizer)
     V = len(tok._tokenizer)
     log(f"tokenizer: {what}, {V} tokens")

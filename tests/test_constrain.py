@@ -288,3 +288,22 @@ def test_top_k_min_p_and_logprobs_see_only_allowed_tokens(tiny, arun):
         # the distribution sampled from: only 'a' and 'b' can start a choice
         assert {t for t, _ in first["top"]} <= {ord("a"), ord("b")}
         assert all(lp > -1e9 for _, lp in first["top"]) and first["logprob"] <= 0
+
+
+def test_thread_pool_and_calling_thread_fill_the_same_masks(tiny, monkeypatch):
+    from mlxnb import constrain
+    from mlxnb.rows import SamplingParams
+
+    cons = constrain.Constraints(tiny[1])
+    kinds = [dict(json_schema=PERSON), dict(regex=REGEX), dict(choices=CHOICES),
+             dict(grammar=LARK)]
+    ms = [cons.compile(SamplingParams(**k)) for k in kinds * 3]
+    for m, t in zip(ms[4:], b'{Ay({Bm('):
+        assert m.consume_token(t)  # some rows a token in (the byte vocab: id == byte)
+    masks = {}
+    for par in (True, False):
+        monkeypatch.setattr(constrain, "_PARALLEL", par)
+        masks[par] = cons.fill(ms)
+    np.testing.assert_array_equal(masks[True], masks[False])
+    first = np.unpackbits(masks[False][0].view(np.uint8), bitorder="little")
+    assert np.flatnonzero(first).tolist() == [ord("{")]  # a JSON object starts with {
