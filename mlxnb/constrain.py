@@ -1,9 +1,9 @@
 """Structured rows: a JSON schema, a regex, a list of choices or a grammar per row.
 
-llguidance (Rust; also behind vLLM's and llama.cpp's structured output) compiles each
-constraint into a matcher over the model's tokenizer and fills a token bitmask for
-many matchers at once on its own thread pool. Constrained rows and free rows share
-the batch; only constrained rows pay for masks.
+llguidance (Rust; a structured-output backend of vLLM and llama.cpp) compiles each
+constraint into a matcher over the model's tokenizer and fills the token bitmasks of
+all constrained rows in one call (on its thread pool where cores are to spare).
+Constrained rows and free rows share the batch; only constrained rows pay for masks.
 
 The decode pipeline launches step N+1 before the host has read step N's tokens, but
 a row's mask for step N+1 depends on the token it took at step N. So for a batch
