@@ -307,3 +307,22 @@ def test_thread_pool_and_calling_thread_fill_the_same_masks(tiny, monkeypatch):
     np.testing.assert_array_equal(masks[True], masks[False])
     first = np.unpackbits(masks[False][0].view(np.uint8), bitorder="little")
     assert np.flatnonzero(first).tolist() == [ord("{")]  # a JSON object starts with {
+
+
+def test_a_remote_engine_refuses_constraints_instead_of_dropping_them(arun):
+    import httpx
+
+    from mlxnb.remote.engine import RemoteEngine
+
+    async def main():
+        eng = RemoteEngine("http://test:8000", _transport=httpx.MockTransport(
+            lambda req: httpx.Response(404)))
+        try:
+            for kw in (dict(json_schema=PERSON), dict(regex=REGEX), dict(choices=CHOICES)):
+                with pytest.raises(ValueError, match="remote server"):
+                    eng.submit("x", **kw)
+            return len(eng.rows)
+        finally:
+            await eng.aclose()
+
+    assert arun(main) == 0

@@ -177,6 +177,11 @@ class RemoteEngine:
             raise ValueError("logits_processors run on the model in this process; a "
                              "remote server cannot take them (use `%mlxnb load` for that)")
         params.pop("logits_processors", None)
+        given = [k for k in ("json_schema", "regex", "choices", "grammar")
+                 if params.get(k) is not None]
+        if given:  # sent nowhere, they would leave the rows unconstrained without a word
+            raise ValueError(f"{given[0]}= constrains tokens on a model in this process; a "
+                             "remote server does not take it here (use `%mlxnb load`)")
         stop = params.get("stop")
         stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
         try:
