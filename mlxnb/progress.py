@@ -10,7 +10,8 @@ notebook the same line is one text output updated in place by display id, ending
 engine's MLX worker thread while the caller waits, so the bar is module state, and a
 small thread (in the caller's context, so its output lands in the caller's cell)
 redraws it twice a second, which also keeps the clock moving through one long stage.
-``MLXNB_PROGRESS=0`` turns it off. Hub downloads show huggingface_hub's own bars.
+``MLXNB_PROGRESS=0`` turns it off; output to a file or pipe gets none. Hub downloads
+show huggingface_hub's own bars.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ def _in_kernel() -> bool:
     return getattr(get_ipython(), "kernel", None) is not None
 
 
+def _tty() -> bool:
+    import sys
+
+    try:
+        return sys.stderr.isatty()
+    except Exception:
+        return False
+
+
 def stage(name: str) -> None:
     """Say which stage the current load is in (no-op outside `loading`); the ticker
     shows it at its next redraw."""
@@ -86,6 +96,9 @@ def loading(what: str, stages: int = 3):
         yield
         return
     cell = _CellLine() if _in_kernel() else None
+    if cell is None and not _tty():  # a log file or pipe: redraws would pile up in it
+        yield
+        return
     bar = tqdm(total=stages, desc=f"mlxnb: loading {what}", unit="stage", delay=DELAY_S,
                leave=False, bar_format="{desc} [{elapsed}]{postfix}", file=cell)
     bar.set_postfix_str("reading weights", refresh=False)

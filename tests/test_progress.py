@@ -8,6 +8,7 @@ from mlxnb import progress
 
 def test_slow_load_shows_its_stages_and_quick_load_is_silent(capsys, monkeypatch):
     monkeypatch.setattr(progress, "DELAY_S", 0.2)
+    monkeypatch.setattr(progress, "_tty", lambda: True)  # a terminal
     with progress.loading("quick"):
         progress.stage("warming up")
     assert capsys.readouterr().err == ""
@@ -60,3 +61,12 @@ def test_in_a_notebook_the_line_is_one_output_updated_in_place(monkeypatch):
     assert any("mlxnb: loading m [00:01], warming up" in t for _, _, t in shown), shown
     assert shown[-1][2].startswith("mlxnb: loaded m in 1.") and \
         shown[-1][2].endswith("(reading weights, warming up)"), shown[-1]
+
+
+def test_no_redraws_into_a_file_or_pipe(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "_tty", lambda: False)
+    with progress.loading("x"):
+        progress.stage("warming up")
+        time.sleep(0.6)
+    assert capsys.readouterr().err == ""
