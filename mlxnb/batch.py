@@ -316,10 +316,8 @@ class BatchExecutor:
                 if a.params.repetition_penalty is not None:
                     procs += make_logits_processors(
                         repetition_penalty=a.params.repetition_penalty)
-                # Only rows with stop strings are detokenized here, per token; the
-                # others' text is decoded on the loop side when someone reads it.
-                detok = self.tokenizer.detokenizer if a.params.stop else None
-                self.rows[a.row_id] = RowDecoder(a, detok, procs)
+                # every row's text is decoded here, as its tokens are read (decoding.py)
+                self.rows[a.row_id] = RowDecoder(a, self.tokenizer.detokenizer, procs)
                 self.rows[a.row_id].matcher = self.constraints.compile(a.params)
                 self.ids.append(a.row_id)
                 u(a.row_id).state = "decode"

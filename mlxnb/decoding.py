@@ -1,8 +1,10 @@
-"""Per-row decoding on the worker: token counts, stop strings and the text they need.
+"""Per-row decoding on the worker: token counts, text, stop strings.
 
-Only rows with stop strings are detokenized here (their stops are text-level, across
-token boundaries, and must never be shown); other rows' text is decoded on the loop
-side when read (`Row.text`).
+The worker detokenizes every row as its tokens are read and reports text deltas; the
+event loop only appends them (`Engine._apply`). One owner per row's detokenizer: a
+streaming detokenizer advanced from two threads duplicates or drops characters.
+Stop strings are text-level (they may span tokens) and are never shown, so a tail
+that could still become one is held back until it cannot.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class RowDecoder:
         self.history = mx.array(a.ids[-HISTORY:]) if processors else None
         self.launched = 0  # decode steps launched for this row
         self.ntok = 0
-        self.text = ""  # full detokenized text
+        self.text = ""  # detokenized text (rows with stop strings: the stops search it)
         self.shown = 0  # chars of text already reported
         self.hold = max((len(s) for s in a.params.stop if isinstance(s, str)), default=0)
 
@@ -37,22 +39,22 @@ class RowDecoder:
         `emitted`; return (finish_reason, error) when the row ends here."""
         detok = self.detok
         if tok in eos:
-            if detok is not None:
-                detok.finalize()
-                self.text += detok.last_segment
-                emitted.append((self.id, None, self._visible(True), None))
+            detok.finalize()
+            self.text += detok.last_segment
+            emitted.append((self.id, None, self._visible(True), None))
             return ("stop", None)
         self.ntok += 1
         final = self.ntok >= self.params.max_tokens
         if lp is not None:
             lp["token"] = tok
-        if detok is None:
-            emitted.append((self.id, tok, None, lp))
-            return ("length", None) if final else None
         detok.add_token(tok)
         if final:
             detok.finalize()
-        self.text += detok.last_segment
+        seg = detok.last_segment
+        if not self.params.stop:  # nothing to search or hold back: pass it on
+            emitted.append((self.id, tok, seg, lp))
+            return ("length", None) if final else None
+        self.text += seg
         try:
             hit = self._find_stop()
         except Exception as e:  # a stop callback's failure ends its row only

@@ -7,24 +7,34 @@
               apply RowUpdates ◀─ report ──   (prefill chunk, decode N+1, read N)
               StepRecord, listeners
 
-mlx-lm's arrays live on thread-local streams, so one worker thread does all MLX work
-(loading included) and the loop only ever sees plain Python values. The loop awaits
+mlx-lm's arrays live on thread-local streams, so one worker thread does the MLX
+work of every batch and the loop only ever sees plain Python values. The loop awaits
 each tick, so it stays free to run cells, widget messages and stop buttons meanwhile.
+Reading a model from disk or the hub never runs on that worker (it may block for
+good): it runs on a thread of its own, bounded by `load_timeout` and interruptible,
+and only the short set-up of the loaded arrays (fusing, warm-up) is queued on the
+worker, one small job at a time, between other engines' ticks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
+import ctypes
 import dataclasses
+import gc
+import itertools
 import os
 import secrets
 import threading
 import time
+import weakref
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
-from . import progress
+from . import _aio, progress
 from .batch import Admit, BatchExecutor
 from .constrain import normalize as normalize_constraint
 from .caches import KV_BITS, KV_GROUP_SIZES
@@ -44,12 +54,21 @@ class _WontFit(ValueError):
     "context" or "KV cache" (submit(context=1)) must still raise."""
 
 
+class _TemplateTimeout(Exception):
+    """Raised inside a chat-template render that ran past its time bound."""
+
+
 # Longest run of decode steps the worker takes without the loop. Each round trip
 # costs ~0.4 ms of host time the device waits for
 # (bench/results/2026-11-29-h200-before-fusion.md); new rows and cancels end a streak
 # at once (`_interrupt`), so it bounds only how often tokens reach the widget.
 _STREAK_S = 0.050
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
+# Chat templates are code from the model directory (sandboxed Jinja, which bounds
+# ranges but not nested loops). A render normally takes milliseconds; past this it
+# is stopped and the prompt refused, so running rows stall no longer than this.
+_TEMPLATE_S = 2.0
+_LOAD_TIMEOUT_S = 900.0  # default bound on reading a model (a download included)
 _WORKER_TIDS: set = set()
 _WORKER: Optional[ThreadPoolExecutor] = None
 _WORKER_LOCK = threading.Lock()
@@ -95,19 +114,88 @@ def _await_worker_exit():
             time.sleep(0.001)
 
 
-def _get_loop(loop):
-    if loop is not None:
-        return loop
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    try:  # IPython kernel: the kernel's loop even before it runs (--ext at start)
-        import tornado.ioloop
+def _bounded(fn, timeout: float):
+    """fn() on a helper thread, waited for at most `timeout` s; past that the thread is
+    stopped with an exception raised inside it (it runs Python code: a template render)
+    and _TemplateTimeout raised here."""
+    box = {}
 
-        return tornado.ioloop.IOLoop.current().asyncio_loop
+    def work():
+        try:
+            box["ok"] = fn()
+        except BaseException as e:
+            box["err"] = e
+
+    t = threading.Thread(target=work, daemon=True, name="mlxnb-template")
+    t.start()
+    try:
+        t.join(timeout)
+    finally:
+        if t.is_alive():  # timed out or interrupted: do not leave it spinning
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident),
+                                                       ctypes.py_object(_TemplateTimeout))
+    if t.is_alive():
+        raise _TemplateTimeout()
+    if "err" in box:
+        raise box["err"]
+    return box["ok"]
+
+
+def _load_bounded(name, timeout: Optional[float]):
+    """`models.load_model(name)` on a thread of its own, waited for at most `timeout`
+    seconds (None: no limit); an interrupt (KeyboardInterrupt) ends the wait at once.
+
+    Reading weights, a download or a hung file system may block for good; off the
+    caller's thread and off the MLX worker that steps running batches, the cost is one
+    abandoned thread, whose result is dropped if it ever comes. mlx-lm evaluates the
+    weights it loads, so the worker uses them as plain buffers."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work():
+        _WORKER_TIDS.add(threading.get_native_id())  # it runs MLX: see _await_worker_exit
+        try:
+            from .models import load_model
+
+            fut.set_result(load_model(name))
+        except BaseException as e:  # handed to the waiting thread
+            fut.set_exception(e)
+
+    threading.Thread(target=work, daemon=True, name="mlxnb-load").start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    # Short waits: a pending interrupt is raised between them (one untimed wait sleeps
+    # through an interrupt that arrives as a flag, not as a signal to this thread).
+    while True:
+        left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+        try:
+            return fut.result(max(left, 0.0))
+        except concurrent.futures.TimeoutError:
+            if deadline is None or time.monotonic() < deadline:
+                continue
+        from .models import ModelLoadError
+
+        raise ModelLoadError(
+            f"loading {str(name)!r} took longer than {timeout:g} s (a stalled download or "
+            "file system?); check the network or the path, or pass load_timeout=None "
+            "to wait without a limit") from None
+
+
+def _release_heap() -> None:
+    """Hand freed heap memory back to the system. glibc keeps what a thread freed in
+    that thread's arena; weights read on a loader thread and freed at close left
+    ~500 MB of RSS per kernel behind (bench/reliability.py cycles) until trimmed."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _longest_token(tok) -> int:
+    """Most characters one token can stand for (its vocabulary string is at least as
+    long as its decoded text: byte-level and SentencePiece pieces map 1:1 or more)."""
+    try:
+        return max(1, max(map(len, tok.get_vocab())))
     except Exception:
-        return asyncio.get_event_loop_policy().get_event_loop()
+        return 0  # unknown: no character limit
 
 
 class Engine:
@@ -118,14 +206,26 @@ class Engine:
     None (no limit). `prefill_chunk`: prompt tokens prefilled per step beside running
     rows (their stall is bounded by one chunk); None adapts it to the device, about
     50 ms of prefill per step (512..8192 tokens). Construction blocks while the model
-    loads and, with `warmup`, runs a few tokens through the common batch paths once
+    loads (at most `load_timeout` seconds, None: no limit; an interrupt stops the
+    wait) and, with `warmup`, runs a few tokens through the common batch paths once
     (warmup.py: the first use of each kernel costs seconds on some backends, which
     the first rows would otherwise wait for; `warmup_s` says how long it took).
+    Other engines keep generating meanwhile; build it from another thread (for
+    example `await asyncio.to_thread(Engine, name)` in a notebook) to keep this
+    loop's rows streaming too.
     `fuse`: concatenate each layer's q/k/v and gate/up projection weights so each
     group is one matmul (fuse.py; same outputs; bf16 decode steps 2-25% faster on
     an H200; quantized layers are left alone, where it measured no gain). It changes
     the model in place: a model you pass in then shows `q_k_v_fused` /
     `gate_up_fused` in its parameters; fuse=False leaves it as is.
+    `loop`: the event loop rows are served on; by default the running one, else the
+    IPython kernel's (from any thread), else the one running where rows are first
+    submitted; a submit with no running loop to serve on is refused.
+
+    Lifetime: `close()` / `await aclose()` cancel unfinished rows and release the
+    model, its caches and the tokenizer. Rows, `Run`s and widgets keep what they show
+    (text, tokens, stats) without keeping the engine alive; the engine itself keeps
+    unfinished rows, and finished ones only while something else holds them.
     """
 
     def __init__(self, model="default", *, max_batch: int = 32,
@@ -133,7 +233,8 @@ class Engine:
                  prefill_chunk: Optional[int] = None,
                  prefix_cache: Union[str, int, None] = "256MB", warmup: bool = True,
                  fuse: bool = True, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64, loop=None):
+                 kv_group_size: int = 64,
+                 load_timeout: Optional[float] = _LOAD_TIMEOUT_S, loop=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int)
@@ -148,25 +249,49 @@ class Engine:
             raise ValueError(f"kv_group_size must be one of "
                              f"{', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        if load_timeout is not None and not (isinstance(load_timeout, (int, float))
+                                             and load_timeout > 0):
+            raise ValueError(f"load_timeout must be a positive number of seconds or None "
+                             f"(no limit), got {load_timeout!r}")
         self.kv_budget = parse_bytes(kv_budget)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self.loop = _get_loop(loop)
+        # None until a submit finds one: an engine built where no loop runs (a plain
+        # thread) serves on the loop of the code that first submits to it.
+        self.loop = _aio.engine_loop(loop, required=False)
         self._t0 = time.perf_counter()
         self._pool = _mlx_worker()
         prefix_bytes = parse_bytes(prefix_cache) or 0 if prefix_cache else 0
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
         with progress.loading(self.model_name):
-            self.model, self.tokenizer, self._exec, self.warmup_s = self._pool.submit(
-                self._load, model, prefix_bytes, warmup, fuse).result()
-        self.context_length = getattr(getattr(self.model, "args", None),
+            if isinstance(model, (tuple, list)):
+                m, tok = model
+            else:
+                m, tok = _load_bounded(model, load_timeout)
+            on_worker = self._on_worker
+            self._exec = on_worker(BatchExecutor, m, tok, prefill_chunk, prefix_bytes,
+                                   fuse, kv_bits, kv_group_size)
+            if warmup:
+                progress.stage("warming up")
+            self.warmup_s = warm_up(self._exec, run=on_worker) if warmup else 0.0
+        self.model, self.tokenizer = m, tok
+        self._kinds = self._exec.cache_kinds  # still named once the executor is gone
+        self.context_length = getattr(getattr(m, "args", None),
                                       "max_position_embeddings", None)
-        self.scheduler = Scheduler(max_batch, self.kv_budget, self._exec.kv_bytes_for)
-        self.rows: List[Row] = []
+        # Prompts longer than this many characters cannot fit the context in any
+        # tokenization, so they are refused before tokenizing (seconds for megabytes).
+        longest = _longest_token(tok)
+        self.max_prompt_chars = (self.context_length * longest
+                                 if self.context_length and longest else None)
+        self.scheduler = Scheduler(max_batch, self.kv_budget, self._kv_bytes_for)
         self.steps: List[StepRecord] = []  # the latest _KEEP_STEPS steps
         self._nsteps = 0
-        self._by_id = {}
+        self._ids = itertools.count()
+        self._live: Dict[int, Row] = {}  # unfinished rows, by id
+        self._finished = weakref.WeakValueDictionary()  # finished rows someone holds
+        self.finished = Counter()  # finish reason -> rows ended with it
+        self._nsubmitted = 0
         self._cancels: List[int] = []
         self._listeners: List[Callable] = []
         self._wake = asyncio.Event()
@@ -175,24 +300,20 @@ class Engine:
         self._task = None
         self._idle: Optional[asyncio.Future] = None
 
-    def _load(self, model, prefix_bytes, warmup, fuse):
-        if isinstance(model, (tuple, list)):
-            m, tok = model
-        else:
-            from .models import load_model
+    def _on_worker(self, fn, *args):
+        """fn(*args) as one job on the shared MLX thread, between other engines' ticks."""
+        return self._pool.submit(fn, *args).result()
 
-            m, tok = load_model(model)
-        ex = BatchExecutor(m, tok, self.prefill_chunk, prefix_bytes, fuse,
-                           self.kv_bits, self.kv_group_size)
-        if warmup:
-            progress.stage("warming up")
-        return m, tok, ex, warm_up(ex) if warmup else 0.0
+    def _kv_bytes_for(self, length: int) -> int:
+        ex = self._exec
+        return ex.kv_bytes_for(length) if ex is not None else 0
 
     @property
     def cache_kinds(self) -> str:
         """The model's layer caches as batched, e.g. '24 recurrent-state + 8
         attention layers, KV 4-bit'."""
-        return self._exec.cache_kinds
+        ex = self._exec
+        return ex.cache_kinds if ex is not None else self._kinds
 
     def clock(self) -> float:
         return time.perf_counter() - self._t0
@@ -205,6 +326,22 @@ class Engine:
     @property
     def queued(self) -> int:
         return len(self.scheduler.queue)
+
+    @property
+    def rows(self) -> List[Row]:
+        """Rows in submission order: every unfinished one, and finished ones while
+        something else (a Run, a widget, a variable) still holds them; the engine
+        does not keep finished rows, so a kernel that runs for days stays flat."""
+        rows = list(self._live.values())
+        rows += [r for r in (ref() for ref in self._finished.valuerefs()) if r is not None]
+        rows.sort(key=lambda r: r.id)
+        return rows
+
+    @property
+    def submitted(self) -> int:
+        """Rows submitted so far, finished ones included (`finished` counts those by
+        finish reason)."""
+        return self._nsubmitted
 
     def add_listener(self, fn: Callable) -> None:
         """fn(kind, obj) on the loop: ('submit', Row), ('step', StepRecord), ('finish', Row)."""
@@ -223,6 +360,7 @@ class Engine:
 
     # -- submitting ----------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True, system: Optional[str] = None) -> List[int]:
+        self._check_open()
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt must be a string, got {type(prompt).__name__}")
         if not prompt.strip():
@@ -235,11 +373,29 @@ class Engine:
         except UnicodeEncodeError:
             raise ValueError("the prompt holds invalid unicode (lone surrogates); "
                              "clean the text before submitting") from None
+        limit = self.max_prompt_chars
+        n = len(prompt) + (len(system) if isinstance(system, str) else 0)
+        if limit and n > limit:
+            raise _WontFit(f"the prompt has {n:,} characters, more than the model's context "
+                           f"of {self.context_length} tokens can hold in any tokenization "
+                           f"(at most {limit:,}); shorten it")
         tok = self.tokenizer
         if chat and getattr(tok, "chat_template", None):
             msgs = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
-            return list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+            try:
+                return list(_bounded(lambda: tok.apply_chat_template(
+                    msgs, add_generation_prompt=True), _TEMPLATE_S))
+            except _TemplateTimeout:
+                raise ValueError(f"the model's chat template ran longer than "
+                                 f"{_TEMPLATE_S:g} s on this prompt and was stopped (a "
+                                 "runaway loop in the template?); send the prompt as is "
+                                 "with chat=False (%%generate --raw)") from None
+            except Exception as e:  # Jinja errors: SecurityError, UndefinedError, ...
+                msg = " ".join(str(e).split())[:200] or "no message"
+                raise ValueError(f"the model's chat template failed on this prompt "
+                                 f"({type(e).__name__}: {msg}); send the prompt as is "
+                                 "with chat=False (%%generate --raw)") from None
         text = f"{system}\n\n{prompt}" if system else prompt
         return list(tok.encode(text))
 
@@ -247,6 +403,7 @@ class Engine:
                 **params):
         """Validate and tokenize without submitting: (ids, SamplingParams). Raises
         ValueError with a one-line message for anything that cannot run."""
+        self._check_open()
         unknown = set(params) - _PARAM_NAMES
         if unknown:
             raise ValueError(f"unknown parameter(s): {', '.join(sorted(unknown))}")
@@ -301,14 +458,16 @@ class Engine:
     def submit_prepared(self, prompt, ids, sp, tag=None, err=None) -> Row:
         """Submit what `prepare` returned (the magics validate a whole grid first)."""
         self._check_open()
-        row = Row(self, len(self.rows), prompt, ids, sp, tag)
-        self.rows.append(row)
-        self._by_id[row.id] = row
-        if err:
-            self._notify("submit", row)
-            self._end(row, "error", err)
-            return row
-        self._call_on_loop(self._enqueue, row)
+        if self.loop is None:
+            self.loop = _aio.engine_loop()  # the running (or kernel's) loop, else refuse
+        row = Row(next(self._ids), prompt, ids, sp, tag, future=self.loop.create_future(),
+                  t0=self._t0, canceller=weakref.WeakMethod(self.cancel))
+        self._live[row.id] = row
+        try:
+            _aio.call_soon(self.loop, self._enqueue, row, err)
+        except _aio.NoLoopError:
+            self._live.pop(row.id, None)
+            raise
         return row
 
     def generate(self, prompts: Iterable[str], *, chat: bool = True,
@@ -319,8 +478,13 @@ class Engine:
         return Run([self.submit_prepared(p, ids, sp) for p, (ids, sp) in
                     zip(prompts, prepared)], meta={"model": self.model_name})
 
-    def _enqueue(self, row: Row):
+    def _enqueue(self, row: Row, err: Optional[str] = None):
+        self._nsubmitted += 1
         if row.done:  # cancelled before it reached the loop
+            return
+        if err or self._closed:
+            self._notify("submit", row)
+            self._end(row, "error" if err else "cancelled", err)
             return
         self.scheduler.enqueue(row)
         self._notify("submit", row)
@@ -328,28 +492,17 @@ class Engine:
         self._wake.set()
         self._interrupt.set()
 
-    def _call_on_loop(self, fn, *args):
-        if self._on_loop_thread():
-            fn(*args)
-        else:  # ipykernel subshells run cells on another thread
-            self.loop.call_soon_threadsafe(fn, *args)
-
-    def _on_loop_thread(self) -> bool:
-        try:
-            return asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            return getattr(self.loop, "_thread_id", None) in (None, threading.get_ident())
-
     # -- cancelling ----------------------------------------------------------------
     def cancel(self, rows: Sequence[Row]) -> None:
-        self._call_on_loop(self._cancel, list(rows))
+        if self.loop is not None:  # else nothing was ever submitted
+            _aio.call_soon(self.loop, self._cancel, list(rows))
 
     def cancel_all(self) -> None:
-        self.cancel([r for r in self.rows if not r.done])
+        self.cancel(list(self._live.values()))
 
     def _cancel(self, rows):
         for row in rows:
-            if row.done:
+            if row.done or self._live.get(row.id) is not row:
                 continue
             if self.scheduler.dequeue(row):
                 self._end(row, "cancelled")
@@ -370,9 +523,12 @@ class Engine:
 
     async def _serve(self):
         while not self._closed:
+            ex = self._exec
+            if ex is None:  # closed from another thread
+                break
             admits = self.scheduler.admit()
             cancels, self._cancels = self._cancels, []
-            if not (admits or cancels or self._exec.busy):
+            if not (admits or cancels or ex.busy):
                 self._wake.clear()
                 if self._idle is not None and not self._idle.done():
                     self._idle.set_result(None)
@@ -387,21 +543,26 @@ class Engine:
             self._interrupt.clear()
             try:
                 report = await self.loop.run_in_executor(
-                    self._pool, self._exec.tick,
+                    self._pool, ex.tick,
                     [Admit(r.id, r.prompt_ids, r.params) for r in admits], cancels,
                     _STREAK_S, self._interrupt)
             except Exception as e:  # the executor itself broke: fail what it held
                 for rid in list(self.scheduler.active):
-                    self._end(self._by_id[rid], "error", f"engine step failed: {e}")
-                self._exec.close()
+                    row = self._live.get(rid)
+                    if row is not None:
+                        self._end(row, "error", f"engine step failed: {e}")
+                ex.close()
                 continue
             self._apply(report, time.perf_counter() - t0)
 
     def _apply(self, report, dt):
+        """The one place worker results reach rows: tokens, text deltas, states."""
         now = self.clock()
-        by_id = self._by_id
+        live = self._live
         for rid, tok, text, lp in report.emitted:
-            row = by_id[rid]
+            row = live.get(rid)
+            if row is None:  # ended on this side first (cancel, close)
+                continue
             if tok is not None:
                 if row.t_first is None:
                     row.t_first = now
@@ -409,10 +570,10 @@ class Engine:
                 if lp is not None:
                     row.logprobs.append(lp)
             if text:
-                row._text += text
+                row.text += text  # rebinds a new str: readers see old or new, whole
         for rid, up in report.updates.items():
-            row = by_id[rid]
-            if row.done:
+            row = live.get(rid)
+            if row is None:
                 continue
             if up.state:
                 row.state = up.state
@@ -440,19 +601,35 @@ class Engine:
             del self.steps[:len(self.steps) - _KEEP_STEPS]
 
     def _end(self, row: Row, reason: str, error: Optional[str] = None):
+        """Finish a row (on the loop): its last fields, its future, its callbacks."""
         self.scheduler.release(row.id)
+        if row.done:
+            return
+        self._live.pop(row.id, None)
+        self._finished[row.id] = row
+        self.finished[reason] += 1
         row._finish(reason, error)
         self._notify("finish", row)
 
     # -- waiting and closing ---------------------------------------------------------
     async def wait(self) -> None:
         """Wait until every submitted row has finished."""
-        pending = [r._future for r in self.rows if not r.done]
-        if pending:
-            await asyncio.shield(asyncio.gather(*pending))
+        async def on_loop():
+            while self._live:
+                await asyncio.shield(asyncio.gather(
+                    *[r._future for r in list(self._live.values())]))
+
+        if self.loop is not None:
+            await _aio.awaitable_on(self.loop, on_loop)
 
     async def aclose(self) -> None:
-        """Cancel what is running, stop the scheduler and free the model's caches."""
+        """Cancel what is running, stop the scheduler and release the model, its caches
+        and the tokenizer (rows keep their results)."""
+        if self.loop is None:  # nothing was submitted: close on the caller's loop
+            self.loop = asyncio.get_running_loop()
+        await _aio.awaitable_on(self.loop, self._aclose)
+
+    async def _aclose(self):
         if self._closed:
             return
         self.cancel_all()
@@ -463,31 +640,61 @@ class Engine:
                 await asyncio.wait_for(asyncio.shield(self._idle), timeout=10)
             except asyncio.TimeoutError:
                 log.warning("aclose: the scheduler did not go idle within 10 s; closing anyway")
-        self._closed = True
-        self._wake.set()
-        self._interrupt.set()
-        for row in self.rows:  # nothing is ever left without a finish reason
-            if not row.done:
-                self._end(row, "cancelled")
-        try:
-            await self.loop.run_in_executor(self._pool, self._exec.close)
-        except RuntimeError:  # interpreter shutdown already stopped the worker
-            pass
+        ex = self._shut()
+        if ex is not None:
+            try:
+                await self.loop.run_in_executor(self._pool, ex.close)
+                # The worker drops its reference to a finished job only after its
+                # result is delivered: one more job makes sure that it has, so the
+                # model is free when this returns (fused layers hold reference
+                # cycles: collect them now, not at some later allocation).
+                del ex
+                await self.loop.run_in_executor(self._pool, int)
+                gc.collect()
+                _release_heap()
+            except RuntimeError:  # interpreter shutdown already stopped the worker
+                pass
 
     def close(self) -> None:
-        """Synchronous close for scripts/atexit: cancel everything, free the caches."""
+        """Synchronous close for scripts/atexit: cancel everything, release the model,
+        its caches and the tokenizer."""
         if self._closed:
             return
+        ex = self._shut()
+        if ex is not None:
+            try:  # after any tick in flight: the worker runs one thing at a time
+                self._pool.submit(ex.close)
+                self._pool.submit(_release_heap)
+            except RuntimeError:  # interpreter shutdown already stopped the worker
+                pass
+
+    def _shut(self):
+        """Mark closed, end every row, let go of everything that holds device memory;
+        returns the executor for the caller to close on the worker."""
         self._closed = True
-        self._wake.set()
         self._interrupt.set()
-        for row in self.rows:
-            if not row.done:
-                self._end(row, "cancelled")
-        try:  # after any tick in flight: the worker runs one thing at a time
-            self._pool.submit(self._exec.close)
-        except RuntimeError:  # interpreter shutdown already stopped the worker
+        try:  # asyncio objects belong to the loop's thread
+            if self.loop is None:
+                raise _aio.NoLoopError()
+            _aio.call_soon(self.loop, self._end_all)
+        except _aio.NoLoopError:  # no loop, or one that will not run again: end here
+            self._end_all()
+        ex, self._exec = self._exec, None
+        self.model = self.tokenizer = None
+        return ex
+
+    def _end_all(self):
+        try:
+            self._wake.set()
+        except RuntimeError:  # the loop is closed: no serving task to wake
             pass
+        for row in list(self._live.values()):  # nothing is left without a finish reason
+            self._end(row, "cancelled")
+        self._cancels.clear()
+        self.scheduler.queue.clear()
+        self.scheduler.active.clear()
+        self._notify("close", self)
+        self._listeners.clear()
 
     @property
     def closed(self) -> bool:
@@ -500,15 +707,18 @@ class Engine:
     def status(self) -> str:
         kv = self.steps[-1].kv_bytes if self.steps else 0
         budget = fmt_bytes(self.kv_budget) if self.kv_budget else "no limit"
-        done = sum(r.done for r in self.rows)
+        done = sum(self.finished.values())
+        ex = self._exec
+        if ex is None:
+            return f"model {self.model_name} (closed) | done {done}"
         # a plain number the worker writes; a read mid-tick is at most one tick old
-        chunk = self._exec.policy.current
+        chunk = ex.policy.current
         mode = "auto" if self.prefill_chunk is None else "fixed"
-        prefix = "on" if self._exec.prefix is not None else (
-            "off for these cache kinds" if self._exec.prefix_bytes else "off")
+        prefix = "on" if ex.prefix is not None else (
+            "off for these cache kinds" if ex.prefix_bytes else "off")
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
-                f"tokens/step ({mode}) | {self._exec.cache_kinds} | prefix reuse "
+                f"tokens/step ({mode}) | {ex.cache_kinds} | prefix reuse "
                 f"{prefix}")
 
     def __repr__(self):

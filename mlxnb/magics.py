@@ -32,6 +32,7 @@ from IPython.core.magic_arguments import (MagicArgumentParser, argument,
 from traitlets import Bool, Float, Int, List, Unicode, Union
 from traitlets.config import Configurable
 
+from . import _aio
 from . import cellparse as cp
 from ._log import swallowed
 from ._text import one_line
@@ -110,11 +111,8 @@ def _close(eng):
     if _S.engine is eng:
         _S.engine, _S.model_spec = None, None
     loop = eng.loop
-    try:
-        here = asyncio.get_running_loop()
-    except RuntimeError:
-        here = None
-    if here is loop:  # free the caches in the background, rows end 'cancelled'
+    # on the loop: free the caches in the background, rows end 'cancelled'
+    if loop is not None and _aio.running_loop() is loop:
         task = loop.create_task(eng.aclose())
         _S.closing.add(task)
         task.add_done_callback(_S.closing.discard)
@@ -141,7 +139,7 @@ async def wait():
         return None
 
     async def on_loop():
-        while any(not r.done for r in list(eng.rows)):
+        while any(not r.done for r in list(eng.rows)):  # rows submitted meanwhile too
             await eng.wait()
         for w in list(_S.widgets):
             try:
@@ -149,14 +147,7 @@ async def wait():
             except Exception:
                 swallowed("widget sync", w.sync_now)
 
-    try:
-        here = asyncio.get_running_loop()
-    except RuntimeError:
-        here = None
-    if here is eng.loop or not eng.loop.is_running():
-        await on_loop()
-    else:  # an ipykernel subshell: the rows live on the kernel's loop
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_loop(), eng.loop))
+    await _aio.awaitable_on(eng.loop, on_loop)  # a subshell's loop hops over
     return None
 
 
@@ -229,19 +220,17 @@ def _sendable(magic):
     return wrapper
 
 
-def _kernel_loop(ip):
-    """The loop rows must live on: the kernel's (also from a subshell thread, and at
-    --ext time before it runs), else the running one, else IPython's autoawait loop."""
-    io_loop = getattr(getattr(ip, "kernel", None), "io_loop", None)
-    loop = getattr(io_loop, "asyncio_loop", None)
-    if loop is not None:
-        return loop
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        from IPython.core.async_helpers import get_asyncio_loop
+def _reserved(shell, name: str) -> bool:
+    """Names a run must not be bound to: builtins (exit, print, ...), dunders
+    (__builtins__), and what IPython keeps in the namespace for itself (In, Out,
+    get_ipython, _oh, _ih, _dh, _, _i, _5, _i5, ...)."""
+    import builtins
+    import re
 
-        return get_asyncio_loop()
+    hidden = getattr(shell, "user_ns_hidden", {}) or {}
+    return (hasattr(builtins, name) or name in hidden
+            or (name.startswith("__") and name.endswith("__"))
+            or re.fullmatch(r"_+|_i+|_i?\d+|_[oid]h", name) is not None)
 
 
 def _norm(spec) -> str:
@@ -313,7 +302,7 @@ class MLXNBMagics(Magics):
                   kv_budget=c.kv_budget if kv_budget is None else kv_budget,
                   prefill_chunk=(c.prefill_chunk if prefill_chunk is None else
                                  None if prefill_chunk == "auto" else prefill_chunk),
-                  loop=_kernel_loop(self.shell))
+                  loop=_aio.shell_loop())
         if isinstance(kw["kv_budget"], str) and kw["kv_budget"].strip().isdigit():
             kw["kv_budget"] = int(kw["kv_budget"])
         if not quiet:
@@ -424,7 +413,7 @@ class MLXNBMagics(Magics):
 
         try:
             new = connect(a.url, model=a.model, api_key=key, max_concurrency=mc or 64,
-                          loop=_kernel_loop(self.shell))
+                          loop=_aio.shell_loop())
         except ValueError as e:
             raise UsageError(f"%mlxnb connect: {one_line(e, 300)}") from None
         _S.engine, _S.model_spec = new, new.model_name
@@ -442,11 +431,10 @@ class MLXNBMagics(Magics):
             print(f"mlxnb: no model loaded yet; {self.cfg.model!r} loads on the first "
                   "%%generate (or `%mlxnb load [MODEL]`)")
             return None
-        rows = list(eng.rows)
-        err = sum(r.finish_reason == "error" for r in rows)
-        cancelled = sum(r.finish_reason == "cancelled" for r in rows)
-        print(f"mlxnb: {eng.status()}\n  {len(rows)} rows submitted ({cancelled} cancelled, "
-              f"{err} error), {len(eng.steps)} steps, max_batch {eng.max_batch}")
+        done = eng.finished
+        print(f"mlxnb: {eng.status()}\n  {eng.submitted} rows submitted ({done['cancelled']} "
+              f"cancelled, {done['error']} error), {len(eng.steps)} steps, "
+              f"max_batch {eng.max_batch}")
         return None
 
     def _cmd_stop(self, rest=""):
@@ -485,7 +473,7 @@ class MLXNBMagics(Magics):
         if eng is None:
             print("mlxnb: no engine to unload")
             return None
-        live = sum(not r.done for r in eng.rows)
+        live = eng.running + eng.queued
         _close(eng)
         print(f"mlxnb: closed the engine ({live} unfinished rows cancelled)")
         return None
@@ -547,6 +535,9 @@ class MLXNBMagics(Magics):
         c = self.cfg
         if a.out is not None and not (a.out.isidentifier() and not keyword.iskeyword(a.out)):
             raise UsageError(f"-o {a.out!r} is not a valid variable name; write e.g. -o run")
+        if a.out is not None and _reserved(self.shell, a.out):
+            raise UsageError(f"-o {a.out!r} would replace a name Python or IPython relies "
+                             "on; choose another name, e.g. -o run")
         defaults = {"max_tokens": c.max_tokens, "temp": c.temperature, "top_p": c.top_p,
                     "top_k": c.top_k, "min_p": c.min_p,
                     "repetition_penalty": c.repetition_penalty, "seed": c.seed}

@@ -10,7 +10,7 @@ a clear error in a second or two, not a traceback after retries.
 from __future__ import annotations
 
 import os
-import socket
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,9 @@ def resolve_model_path(name: str | os.PathLike = "default") -> Path:
 
 
 def _check_dir(p: Path, name: str) -> Path:
+    if p.exists() and not (p.is_dir() or p.is_file()):
+        raise ModelLoadError(f"could not load {name!r}: {p} is a special file, not an "
+                             f"mlx-lm model directory. {_DIR_HINT}")
     if not p.is_dir():
         hint = (" (GGUF files are not loaded directly; only the bundled default "
                 "is converted)" if p.suffix == ".gguf" else "")
@@ -80,12 +83,31 @@ def _check_dir(p: Path, name: str) -> Path:
         raise ModelLoadError(
             f"could not load {name!r}: {p} is not an mlx-lm model directory (it needs "
             f"config.json + *.safetensors; there is no config.json). {_DIR_HINT}")
+    _check_files(p, name)
     if not any(p.glob("*.safetensors")):
         raise ModelLoadError(
             f"could not load {name!r}: {p} has config.json but no *.safetensors "
             "weights (an incomplete download or conversion?). mlx-lm needs the "
             "weights in safetensors format next to config.json.")
     return p
+
+
+def _check_files(p: Path, name: str) -> None:
+    """Every file mlx-lm may open must be a regular file (symlinks followed, as in
+    the HF cache): opening a FIFO or a device blocks inside the reader with the GIL
+    held, which no interrupt or timeout can end. stat() itself never blocks on them."""
+    for f in p.iterdir():
+        try:
+            mode = f.stat().st_mode
+        except OSError:  # a broken link: the reader reports it if it needs the file
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket"
+                    if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode)
+                    or stat.S_ISBLK(mode) else "not a regular file")
+            raise ModelLoadError(f"could not load {name!r}: {f} is {kind}; a model "
+                                 "directory holds regular files only. Replace it with "
+                                 "the real file")
 
 
 def _load_dir(path: Path, name: str, kwargs: dict):
@@ -129,8 +151,9 @@ def _hub_snapshot(repo: str) -> Path:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     if not _reachable(endpoint):
         raise ModelLoadError(
-            f"could not load {repo!r}: not a local directory and the Hugging Face "
-            f"hub is unreachable ({endpoint}), and it is not in the local HF cache. "
+            f"could not load {repo!r}: not a local directory, not in the local HF cache, "
+            f"and the Hugging Face hub did not answer within {_HUB_PROBE_TIMEOUT_S:g} s "
+            f"({endpoint}). "
             f"{_DIR_HINT}")
     try:
         return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
@@ -140,26 +163,27 @@ def _hub_snapshot(repo: str) -> Path:
 
 
 def _reachable(url: str, timeout: float = _HUB_PROBE_TIMEOUT_S) -> bool:
-    """TCP-connect to the hub host within `timeout` seconds overall.
+    """Whether the hub answers an HTTP request within `timeout` seconds overall (any
+    status counts). A TCP connect is not enough: an endpoint that accepts and never
+    answers would pass it and stall the download instead.
 
     Runs in a daemon thread because DNS resolution ignores socket timeouts and can hang
-    for a long time on a network that silently drops packets.
+    for a long time on a network that silently drops packets. urllib goes through
+    HTTPS_PROXY and friends the way the hub client does.
     """
-    from urllib.parse import urlparse
+    import urllib.error
+    import urllib.request
 
-    # Behind a proxy the hub is reached through it, so probe the proxy instead.
-    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY",
-                                          "all_proxy") if os.environ.get(k)), None)
-    u = urlparse(proxy or url)
-    host = u.hostname or "huggingface.co"
-    port = u.port or (443 if u.scheme != "http" else 80)
     ok: list[bool] = []
 
     def probe():
         try:
-            socket.create_connection((host, port), timeout=timeout).close()
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"),
+                                   timeout=timeout).close()
             ok.append(True)
-        except OSError:
+        except urllib.error.HTTPError:  # it answered
+            ok.append(True)
+        except Exception:
             pass
 
     t = threading.Thread(target=probe, daemon=True, name="mlxnb-hub-probe")

@@ -23,7 +23,9 @@ from .run import Run
 class EngineLike(Protocol):
     model_name: str
     loop: asyncio.AbstractEventLoop
-    rows: List[Row]  # every row submitted, in submission order
+    rows: List[Row]  # rows still held (unfinished, or kept by a caller), in order
+    submitted: int  # rows submitted so far
+    finished: Any  # Counter: finish reason -> rows ended with it
     steps: List[StepRecord]  # chart samples, oldest first
     max_batch: int
     kv_budget: Optional[int]

@@ -10,32 +10,17 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, List, Optional
 
+from ._aio import awaitable_on
 from ._log import swallowed
 from ._text import RANGES, one_line
 from .constrain import check_params as check_constraint, parse_json
 
 
-def on_loop(loop, make_awaitable):
-    """An awaitable for `make_awaitable()` run on `loop`, awaitable from whatever loop
-    is running: ipykernel 7 subshells run cells on another thread with another loop."""
-    try:
-        here = asyncio.get_running_loop()
-    except RuntimeError:
-        here = None
-    if here is None or here is loop:
-        return make_awaitable()
-
-    async def hop():
-        return await make_awaitable()
-
-    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(hop(), loop))
-
-
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 @dataclass(frozen=True)
@@ -122,11 +107,16 @@ class Row:
     Live fields: `state` (queued | prefill | decode | done), `tokens`, `text` (stop
     strings held back, never shown), `prefill_done` / `prompt_tokens`, `finish_reason`,
     and timeline stamps `t_submit`, `t_admit`, `t_first`, `t_done` (engine clock, s).
+
+    A plain record: the engine's event loop writes every field (text arrives already
+    decoded from the worker), so reading from any thread sees whole values. It keeps
+    no hold on the engine: a finished row outlives its engine at the cost of its own
+    fields only.
     """
 
-    def __init__(self, engine, row_id: int, prompt: str, prompt_ids: List[int],
-                 params: SamplingParams, tag: Any = None):
-        self.engine = engine
+    def __init__(self, row_id: int, prompt: str, prompt_ids: List[int],
+                 params: SamplingParams, tag: Any = None, *, future: asyncio.Future,
+                 t0: float, canceller: Optional[Callable] = None):
         self.id = row_id
         self.prompt = prompt
         self.prompt_ids = prompt_ids
@@ -134,46 +124,25 @@ class Row:
         self.tag = tag  # free slot for the caller (e.g. the magic's sweep values)
         self.state = QUEUED
         self.tokens: List[int] = []
-        self._text = ""
-        # Text is decoded lazily from `tokens` when read (rows with stop strings get
-        # it from the worker instead, which must see it to find the stops).
-        self._decoded = 0
-        tok = getattr(engine, "tokenizer", None)
-        self._detok = None if params.stop or tok is None else tok.detokenizer
+        self.text = ""  # the generated text so far, without stop strings
         self.logprobs: Optional[List[dict]] = [] if params.logprobs else None
         self.prefill_done = 0
         self.cached_tokens = 0
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
-        self.t_submit = engine.clock()
+        self._t0 = t0  # the engine clock's origin (perf_counter)
+        self.t_submit = time.perf_counter() - t0
         self.t_admit: Optional[float] = None
         self.t_first: Optional[float] = None
         self.t_done: Optional[float] = None
-        self._future: asyncio.Future = engine.loop.create_future()
+        self._future = future
+        self._canceller = canceller  # weak: cancels through the engine while it lives
         self._callbacks: List[Callable[["Row"], None]] = []
 
     # -- reading ---------------------------------------------------------------
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def text(self) -> str:
-        """The generated text so far (stop strings never included)."""
-        d = self._detok
-        if d is not None and self._decoded < len(self.tokens):
-            parts = []
-            for t in self.tokens[self._decoded:]:
-                d.add_token(t)
-                parts.append(d.last_segment)
-            self._decoded = len(self.tokens)
-            self._text += "".join(parts)
-        return self._text
-
-    @text.setter
-    def text(self, value: str) -> None:
-        self._text = value
-        self._decoded = len(self.tokens)
 
     @property
     def done(self) -> bool:
@@ -201,7 +170,7 @@ class Row:
         """Decode rate after the first token (the first one is the prefill's)."""
         if self.t_first is None or len(self.tokens) < 2:
             return None
-        end = self.t_done if self.t_done is not None else self.engine.clock()
+        end = self.t_done if self.t_done is not None else time.perf_counter() - self._t0
         return (len(self.tokens) - 1) / max(end - self.t_first, 1e-9)
 
     def result(self) -> RowResult:
@@ -219,7 +188,8 @@ class Row:
 
     def __await__(self):
         # Shielded: a cancelled awaiting cell must not cancel the row itself.
-        return on_loop(self.engine.loop, lambda: asyncio.shield(self._future)).__await__()
+        fut = self._future
+        return awaitable_on(fut.get_loop(), lambda: asyncio.shield(fut)).__await__()
 
     def add_done_callback(self, fn: Callable[["Row"], None]) -> None:
         if self.done:
@@ -230,33 +200,32 @@ class Row:
     # -- acting ----------------------------------------------------------------
     def cancel(self) -> None:
         """Stop this row at the next step boundary; it ends with 'cancelled'."""
-        self.engine.cancel([self])
+        cancel = self._canceller() if self._canceller is not None else None
+        if cancel is not None and not self.done:  # a gone engine ended all its rows
+            cancel([self])
 
     def __repr__(self):
         extra = f" {self.finish_reason}" if self.done else ""
         return f"<Row {self.id} {self.state}{extra} ntok={self.ntok} {self.prompt[:30]!r}>"
 
-    # -- engine side (loop thread only) ----------------------------------------
+    # -- the engine's side (on its loop) ------------------------------------------
     def _finish(self, reason: str, error: Optional[str] = None) -> None:
+        """Record the end: the last fields, the awaited result, the callbacks."""
         if self.done:
             return
-        if self._detok is not None:
-            _ = self.text
-            self._detok.finalize()
-            self._text += self._detok.last_segment
-            self._detok = None
-        self.state = DONE
-        self.finish_reason = reason
-        self.error = error
-        self.t_done = self.engine.clock()
+        self.state, self.finish_reason, self.error = DONE, reason, error
+        self.t_done = time.perf_counter() - self._t0
         if not self._future.done():
-            self._future.set_result(self.result())
-        for fn in self._callbacks:
+            try:
+                self._future.set_result(self.result())
+            except RuntimeError:  # its loop is closed (interpreter exit): nobody waits
+                pass
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # a listener's bug must not break the engine
+            except Exception:  # a caller's callback must not break the engine
                 swallowed("row callback", fn)
-        self._callbacks.clear()
 
 
 class StepRecord:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
-from pathlib import Path
+import os
+import secrets
+from dataclasses import asdict
+from pathlib import Path, PurePath
 from typing import List
 
+from ._aio import awaitable_on
 from .constrain import record_fields as constraint_fields
-from .rows import Row, RowResult, on_loop
+from .rows import Row, RowResult
 
 
 class Run:
@@ -16,7 +21,8 @@ class Run:
 
     `run.rows[i]` are live `Row`s (text, tokens, state, finish_reason, ttft_s, tok_s,
     ...) while generating and after. Awaiting is shielded: interrupting the awaiting
-    cell leaves the rows running (stop them with `run.cancel()`).
+    cell leaves the rows running (stop them with `run.cancel()`). It holds its rows,
+    not their engine: a closed engine's model is freed while its runs are kept.
     """
 
     def __init__(self, rows: List[Row], name: str | None = None, meta: dict | None = None):
@@ -37,7 +43,7 @@ class Run:
     def __await__(self):
         if not self.rows:
             return self._wait().__await__()
-        return on_loop(self.rows[0].engine.loop, self._wait).__await__()
+        return awaitable_on(self.rows[0]._future.get_loop(), self._wait).__await__()
 
     async def _wait(self) -> List[RowResult]:
         if self.rows:
@@ -63,8 +69,10 @@ class Run:
 
     def cancel(self) -> None:
         """Stop every unfinished row of this run (they end with 'cancelled')."""
-        if self.rows:
-            self.rows[0].engine.cancel(self.rows)
+        live = [r for r in self.rows if not r.done]
+        cancel = live[0]._canceller() if live and live[0]._canceller else None
+        if cancel is not None:  # one trip to the engine for all of them
+            cancel(live)
 
     def records(self) -> List[dict]:
         out = []
@@ -91,17 +99,37 @@ class Run:
         return pd.DataFrame(self.records())
 
     def save(self, path) -> Path:
-        """Write JSONL: one line per row with its params, token ids and stats."""
-        path = Path(path)
-        with path.open("w", encoding="utf-8") as f:
-            for r, rec in zip(self.rows, self.records()):
-                from dataclasses import asdict
+        """Write JSONL: one line per row with its params, token ids and stats.
 
-                params = {k: v for k, v in asdict(r.params).items() if k != "logits_processors"}
-                params["stop"] = [s for s in params["stop"] if isinstance(s, str)]
-                rec.update(params=params, token_ids=list(r.tokens), logprobs=r.logprobs,
-                           model=self.meta.get("model"))
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        Atomic: written to a temporary file next to `path`, then renamed over it, so a
+        failure leaves an existing file as it was. numpy numbers and arrays, dates and
+        paths in sweep values are written as JSON numbers, lists and strings."""
+        path = Path(path)
+        lines = []
+        for r, rec in zip(self.rows, self.records()):
+            params = {k: v for k, v in asdict(r.params).items() if k != "logits_processors"}
+            params["stop"] = [s for s in params["stop"] if isinstance(s, str)]
+            rec.update(params=params, token_ids=list(r.tokens), logprobs=r.logprobs,
+                       model=self.meta.get("model"))
+            line = json.dumps(rec, ensure_ascii=False, default=_json_default)
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates: JSON's \ud800 escapes
+                line = json.dumps(rec, ensure_ascii=True, default=_json_default)
+            lines.append(line + "\n")
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            with open(tmp, "x", encoding="utf-8") as f:  # the usual permissions
+                f.writelines(lines)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         return path
 
     def __repr__(self):
@@ -112,3 +140,22 @@ class Run:
         s = ", ".join(f"{v} {k}" for k, v in states.items())
         name = f" {self.name!r}" if self.name else ""
         return f"<Run{name}: {len(self.rows)} rows ({s})>"
+
+
+def _json_default(o):
+    """JSON for the values sweeps and tags commonly hold; anything else as its str()."""
+    item = getattr(o, "item", None)  # numpy scalars and 0-d arrays
+    if callable(item) and getattr(o, "ndim", 0) == 0:
+        return item()
+    tolist = getattr(o, "tolist", None)  # numpy arrays
+    if callable(tolist):
+        return tolist()
+    if isinstance(o, (datetime.date, datetime.time)):
+        return o.isoformat()
+    if isinstance(o, (PurePath, os.PathLike)):
+        return os.fspath(o)
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    if isinstance(o, bytes):
+        return o.decode("utf-8", "backslashreplace")
+    return str(o)

@@ -16,6 +16,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+# Temperatures below this sample greedily. Dividing float32 logits by a subnormal
+# temperature (1e-39) overflows them to inf, and argmax over infs picks token 0; at
+# any temperature this low, logit gaps of 1e-4 already outweigh the Gumbel noise a
+# hundred thousand times over, so greedy is what sampling would give anyway.
+MIN_TEMPERATURE = 1e-5
+
 _M1 = 0x85EBCA6B
 _M2 = 0xC2B2AE35
 _GOLDEN = 0x9E3779B9
@@ -54,13 +60,18 @@ def _gumbel_argmax(logits, temp, seeds, counters, vocab_ids):
 
 
 def _apply_filters(logprobs: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:
+    out = logprobs
     if 0 < top_p < 1.0:
-        logprobs = apply_top_p(logprobs, top_p)
+        out = apply_top_p(out, top_p)
     if min_p > 0.0:
-        logprobs = apply_min_p(logprobs, min_p)
-    if 0 < top_k < logprobs.shape[-1]:
-        logprobs = apply_top_k(logprobs, top_k)
-    return logprobs
+        out = apply_min_p(out, min_p)
+    if 0 < top_k < out.shape[-1]:
+        out = apply_top_k(out, top_k)
+    # The most likely token belongs to every nucleus, top-k and min-p set. Keep it
+    # explicitly: a top-p of 1e-45 is 0 in float32, the mask then drops every token,
+    # and argmax over an all -inf row picks token 0.
+    best = mx.argmax(logprobs, axis=-1, keepdims=True)
+    return mx.put_along_axis(out, best, mx.take_along_axis(logprobs, best, axis=-1), axis=-1)
 
 
 class BatchSampler:
@@ -85,7 +96,8 @@ class BatchSampler:
 
     def extend(self, temps: Sequence[float], filters: Sequence[tuple],
                seeds: Sequence[int], counters: Sequence[int]) -> None:
-        self.temps += list(temps)
+        temps = [t if t >= MIN_TEMPERATURE else 0.0 for t in temps]
+        self.temps += temps
         self.filters += list(filters)
         new = [
             mx.array(list(temps), dtype=mx.float32),

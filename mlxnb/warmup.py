@@ -35,33 +35,36 @@ def _ids(n: int, salt: int):
     return [2 + (7 * i + salt) % 50 for i in range(n)]  # any vocab of 64+ tokens
 
 
-def warm_up(ex: BatchExecutor, max_ticks: int = 200) -> float:
-    """Run the workload above on `ex` (on its MLX thread); returns the seconds taken.
+def warm_up(ex: BatchExecutor, max_ticks: int = 200, run=None) -> float:
+    """Run the workload above on `ex`; returns the seconds taken. `run(fn, *args)`
+    runs each piece on the executor's MLX thread (default: this thread), one tick per
+    call, so ticks of other engines sharing that thread interleave with it.
     Failures are logged (mlxnb logger) and passed over: a model that cannot run a
     path fails real rows with a message of their own."""
+    run = run or (lambda fn, *args: fn(*args))
     t0 = time.perf_counter()
     # equal lengths: an unpadded batch; the joiner's own prompt: no prefix reuse
     first = [Admit(-1, _ids(9, 1), SamplingParams(max_tokens=3)),
              Admit(-2, _ids(9, 2), SamplingParams(max_tokens=4, temperature=0.8, seed=1))]
     joiner = Admit(-3, _ids(40, 3), SamplingParams(max_tokens=2))
     try:
-        ex.tick(first, [])
+        run(ex.tick, first, [])
         for _ in range(max_ticks):
             admits = [joiner] if joiner is not None and ex.ids else []
             if admits:
                 joiner = None
-            report = ex.tick(admits, [])
+            report = run(ex.tick, admits, [])
             if not report.busy and joiner is None:
                 break
     except Exception:
         swallowed("warm-up")
     # the buffers are small and get reused; mx.clear_cache would also hang in a
     # forked child (tests/test_prefill_policy.py)
-    ex.close(clear_cache=False)
+    run(ex.close, False)
     # What the workload measured was cold and tiny: the first prefills (beside
     # running rows, and idle ones until a tick has measured its own) are sized by a
     # rate measured for the purpose instead.
-    ex.policy.reset(prefill_rate(ex))
+    ex.policy.reset(run(prefill_rate, ex))
     ex.nsteps = 0
     return time.perf_counter() - t0
 

@@ -32,6 +32,7 @@ import os
 import re
 import time
 import uuid
+import weakref
 from collections import deque
 from pathlib import Path
 
@@ -40,6 +41,7 @@ import traitlets as t
 
 from . import results
 from ._text import fmt_bytes, one_line
+from . import _aio
 from .constrain import widget_fields as constraint_fields
 
 FLUSH_HZ = 15
@@ -130,7 +132,8 @@ class GenerationWidget(anywidget.AnyWidget):
     def __init__(self, engine, rows=None, *, title: str = "", max_rows: int = 200,
                  flush_hz: float = FLUSH_HZ, **kwargs):
         super().__init__(**kwargs)
-        self.engine = engine
+        # Weak: a widget shows rows, it must not keep a closed engine's model alive.
+        self._engine_ref, self._gone = weakref.ref(engine), _GoneEngine(engine)
         self.dashboard = rows is None
         self.title = title
         self.max_rows = max_rows if self.dashboard else None
@@ -164,6 +167,12 @@ class GenerationWidget(anywidget.AnyWidget):
             self._listening = True
         if self._live:
             self._wake()
+
+    @property
+    def engine(self):
+        """The engine while it lives; after that a stand-in with its last figures."""
+        eng = self._engine_ref()
+        return self._gone if eng is None else eng
 
     # -- engine events (on the engine loop) -------------------------------------------
     def _on_event(self, kind, obj):
@@ -215,11 +224,7 @@ class GenerationWidget(anywidget.AnyWidget):
         if self._flusher is not None and not self._flusher.done():
             return
         loop = self.engine.loop
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:
-            here = None
-        if here is not loop and loop.is_running():
+        if not _aio.on_thread(loop):
             loop.call_soon_threadsafe(self._wake)  # a subshell thread: hop onto the loop
             return
         # A fresh context, so the flusher's messages are not tied to the cell that
@@ -396,7 +401,9 @@ class GenerationWidget(anywidget.AnyWidget):
     def _on_front_msg(self, _widget, content, _buffers):
         kind = content.get("type") if isinstance(content, dict) else None
         if kind == "stop":
-            row = self._rows.get(content.get("id"))
+            rid = content.get("id")
+            # ids are ints; anything else (a list, a dict) names no row
+            row = self._rows.get(rid) if isinstance(rid, int) else None
             if row is not None and not row.done:
                 row.cancel()
         elif kind == "stop_all":
@@ -497,6 +504,36 @@ class GenerationWidget(anywidget.AnyWidget):
 
     def __repr__(self):
         return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"
+
+
+class _GoneEngine:
+    """What a widget reads of an engine that no longer exists: its fixed figures, no
+    rows running, nothing to listen to or cancel."""
+
+    running = queued = 0
+    steps = rows = ()
+
+    def __init__(self, engine):
+        self.model_name = getattr(engine, "model_name", "")
+        self.kv_budget = getattr(engine, "kv_budget", None)
+        self.max_batch = getattr(engine, "max_batch", None)
+        self.kv_unit = getattr(engine, "kv_unit", "bytes")
+        self.batch_reported = getattr(engine, "batch_reported", True)
+        self.cache_kinds = getattr(engine, "cache_kinds", None)
+        self.loop = engine.loop
+        self._t0 = time.perf_counter() - engine.clock()
+
+    def clock(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def add_listener(self, fn):
+        pass
+
+    def remove_listener(self, fn):
+        pass
+
+    def cancel(self, rows):
+        pass
 
 
 def _short_model_name(name: str) -> str:

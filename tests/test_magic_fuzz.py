@@ -230,13 +230,15 @@ BAD_CELLS = {
         ("", "{nothing}", "is an empty list"),
     ],
     "long prompts": [
-        ("", "a" * 100_000, "prompt (100019 tokens)"),  # 100k characters, one prompt
-        ("--raw", "日本" * 50_000, "exceeds the model's context"),  # 300 kB of UTF-8
-        ("", "🙂" * 100_000, "exceeds the model's context"),
+        # refused before tokenizing: more characters than the context holds in any
+        # tokenization
+        ("", "a" * 100_000, "100,000 characters, more than the model's context"),
+        ("--raw", "日本" * 50_000, "more than the model's context"),  # 300 kB of UTF-8
+        ("", "🙂" * 100_000, "more than the model's context"),
         ("", "x" * 5000, "exceeds the model's context of 4096"),  # just over the context
         ("--max-tokens 100", "y" * 4000, "prompt (4019 tokens) + max_tokens (100)"),
         ("", "ok\n" + "z" * 100_000, "row 2 'zzzz"),  # the second row of a grid
-        ("", "{big}", "exceeds the model's context"),
+        ("", "{big}", "more than the model's context"),
         ("", "a\n" * 50_000, "50000 rows, more than the limit of 1024"),  # 100k chars
         ("", "{many}", "2000 rows, more than the limit of 1024"),
     ],

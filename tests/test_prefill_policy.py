@@ -196,7 +196,7 @@ def test_a_forked_child_can_make_an_engine(tmp_path):
         "import asyncio, os, signal, mlxnb\n"
         "from mlxnb.tiny import tiny_model\n"
         "tiny = tiny_model()\n"
-        "mlxnb.Engine(tiny, kv_budget=None)\n"
+        "mlxnb.Engine(tiny, kv_budget=None, loop=asyncio.new_event_loop())\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
         "    signal.alarm(20)\n"

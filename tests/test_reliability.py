@@ -152,7 +152,7 @@ def test_load_1000_rows_in_bursts_under_a_tight_kv_budget(tiny, arun):
     assert len(admitted) >= len(rows) - reasons["cancelled"]
     stamps = [r.t_admit for r in admitted]
     assert stamps == sorted(stamps), "admission was not FIFO"
-    assert eng._exec.caches is None and not eng._exec.prefill.prefilling
+    assert eng._exec is None and eng.model is None  # closing released them
     assert mem1 <= mem0 + (1 << 20), f"active memory {mem0} -> {mem1}"
 
 
@@ -400,7 +400,7 @@ def test_aclose_with_rows_in_flight_is_quick_and_final(tiny, arun):
     assert dt < 2.0, f"aclose took {dt:.2f}s"
     assert [r.finish_reason for r in rows] == ["cancelled"] * 6
     assert all(len(r.tokens) < 2000 for r in rows)
-    assert eng.closed and eng._exec.caches is None and not eng._exec.prefill.prefilling
+    assert eng.closed and eng._exec is None and eng.model is None
     for msg in errors:
         assert "closed" in msg and "\n" not in msg
 

@@ -338,7 +338,7 @@ def test_model_choice_at_connect():
         engine(srv)
     with pytest.raises(ValueError, match="does not serve model 'c'; it lists 'a', 'b'"):
         engine(srv, model="c")
-    assert engine(srv, model="b").model_name == "b"
+    assert engine(srv, model="b", loop=asyncio.new_event_loop()).model_name == "b"
 
 
 def test_an_unreachable_server_is_refused_at_connect():
@@ -478,7 +478,8 @@ def test_both_engines_satisfy_the_protocol(tiny, arun):
             await eng.aclose()
 
     arun(main)
-    assert isinstance(engine(Server(lambda req, n: None)), EngineLike)
+    assert isinstance(engine(Server(lambda req, n: None), loop=asyncio.new_event_loop()),
+                      EngineLike)
 
 
 def test_wire_events_and_finish_reasons():

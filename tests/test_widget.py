@@ -9,6 +9,7 @@ import html
 import json
 import shutil
 import subprocess
+import time
 import types
 from pathlib import Path
 
@@ -50,8 +51,9 @@ class FakeEngine:
             fn(kind, obj)
 
     def submit(self, prompt, max_tokens=16, prompt_len=40):
-        row = Row(self, len(self.rows), prompt, list(range(prompt_len)),
-                  SamplingParams(max_tokens=max_tokens))
+        row = Row(len(self.rows), prompt, list(range(prompt_len)),
+                  SamplingParams(max_tokens=max_tokens), future=self.loop.create_future(),
+                  t0=time.perf_counter() - self.clock(), canceller=lambda: self.cancel)
         self.rows.append(row)
         self._queue.append(row)
         self._notify("submit", row)
