@@ -137,7 +137,7 @@ class BatchExecutor:
 
         try:
             return caches.layer_costs(run())
-        except Exception as e:
+        except Exception:
             if self.kv_bits is None:
                 raise
         self.quantized_attention = False
@@ -149,7 +149,6 @@ class BatchExecutor:
                 f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "
                 f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides its "
                 f"head dim, or no kv_bits.") from None
-        return caches.layer_costs(cache)
 
     def kv_bytes_for(self, length: int) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""

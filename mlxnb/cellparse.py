@@ -36,7 +36,7 @@ from ._text import RANGES, one_line
 
 __all__ = [
     "split_body", "interpolate", "parse_values", "unescape", "derive_seed",
-    "GridRow", "build_grid", "SWEEPABLE", "short", "constraint_params",
+    "GridRow", "build_grid", "SWEEPABLE", "constraint_params",
 ]
 
 _SEP = re.compile(r"^[ \t]*---[ \t]*$")

@@ -38,9 +38,10 @@ from . import _aio, progress
 from .batch import Admit, BatchExecutor
 from .constrain import normalize as normalize_constraint
 from .caches import KV_BITS, KV_GROUP_SIZES
+from .protocol import Listeners
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
-from ._log import log, swallowed
+from ._log import log
 from ._text import fmt_bytes, parse_bytes
 from .scheduler import Scheduler
 from .warmup import warm_up
@@ -198,7 +199,7 @@ def _longest_token(tok) -> int:
         return 0  # unknown: no character limit
 
 
-class Engine:
+class Engine(Listeners):
     """Continuous-batching generation on one MLX model.
 
     `model`: "default" (bundled SmolLM2-135M-Instruct), an mlx-lm hub id, a local
@@ -342,21 +343,6 @@ class Engine:
         """Rows submitted so far, finished ones included (`finished` counts those by
         finish reason)."""
         return self._nsubmitted
-
-    def add_listener(self, fn: Callable) -> None:
-        """fn(kind, obj) on the loop: ('submit', Row), ('step', StepRecord), ('finish', Row)."""
-        self._listeners.append(fn)
-
-    def remove_listener(self, fn: Callable) -> None:
-        if fn in self._listeners:
-            self._listeners.remove(fn)
-
-    def _notify(self, kind, obj):
-        for fn in list(self._listeners):
-            try:
-                fn(kind, obj)
-            except Exception:  # a listener's bug must not stop generation
-                swallowed("engine listener", fn)
 
     # -- submitting ----------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True, system: Optional[str] = None) -> List[int]:

@@ -256,6 +256,16 @@ def _run_display(run):
         display({"text/plain": repr(run)}, raw=True)
 
 
+def _int_or_word(opt: str, raw, word: str):
+    """An integer option that also takes one word (`--prefill-chunk auto`)."""
+    if (raw or "").strip().lower() == word:
+        return word
+    try:
+        return cp.parse_values(opt, raw, int, sweep=False)[0]
+    except UsageError as e:
+        raise UsageError(f"{e} (or --{opt.replace('_', '-')} {word})") from None
+
+
 _LOAD = MagicArgumentParser(prog="%mlxnb load", add_help=False)
 _LOAD.add_argument("model", nargs="?", default=None)
 _LOAD.add_argument("--kv-budget", default=None)
@@ -355,18 +365,9 @@ class MLXNBMagics(Magics):
     def _cmd_load(self, rest):
         a = _parse(_LOAD, rest, "%mlxnb load", "run %mlxnb alone for the options")
         mb = cp.parse_values("max_batch", a.max_batch, int, sweep=False)[0]
-        auto = (a.prefill_chunk or "").strip().lower() == "auto"
-        try:
-            pc = "auto" if auto else cp.parse_values("prefill_chunk", a.prefill_chunk, int,
-                                                     sweep=False)[0]
-        except UsageError as e:
-            raise UsageError(f"{e} (or --prefill-chunk auto)") from None
-        kv_none = (a.kv_bits or "").strip().lower() == "none"
-        try:
-            kb = "none" if kv_none else cp.parse_values("kv_bits", a.kv_bits, int,
-                                                        sweep=False)[0]
-        except UsageError as e:
-            raise UsageError(f"{e} (or --kv-bits none)") from None
+        pc = _int_or_word("prefill_chunk", a.prefill_chunk, "auto")
+        auto = pc == "auto"
+        kb = _int_or_word("kv_bits", a.kv_bits, "none")
         kg = cp.parse_values("kv_group_size", a.kv_group_size, int, sweep=False)[0]
         for flag, v in (("--max-batch", mb), ("--prefill-chunk", None if auto else pc)):
             if v is not None and v < 1:

@@ -15,8 +15,31 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Iterable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
+from ._log import swallowed
 from .rows import Row, SamplingParams, StepRecord
 from .run import Run
+
+
+class Listeners:
+    """An engine's listeners: fn(kind, obj) on its loop, for ('submit', Row),
+    ('step', StepRecord) and ('finish', Row). A failing listener is logged and the
+    engine goes on (the host class sets `self._listeners = []`)."""
+
+    _listeners: List[Callable]
+
+    def add_listener(self, fn: Callable) -> None:
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    def _notify(self, kind, obj):
+        for fn in list(self._listeners):
+            try:
+                fn(kind, obj)
+            except Exception:  # a listener's bug must not stop generation
+                swallowed("engine listener", fn)
 
 
 @runtime_checkable

@@ -24,8 +24,8 @@ from collections import Counter, deque
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from .. import _aio
-from .._log import swallowed
 from ..rows import DECODE, PREFILL, Row, SamplingParams, StepRecord
+from ..protocol import Listeners
 from ..run import Run
 from . import wire
 from .client import Client, ServerError, model_list_text
@@ -68,7 +68,7 @@ class RemoteRow(Row):
         return (self._ntok - 1) / max(end - self.t_first, 1e-9)
 
 
-class RemoteEngine:
+class RemoteEngine(Listeners):
     """Rows served by an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server,
     mlx_lm.server ...). Build it with `mlxnb.connect(url)`; it has the local engine's
     surface, so `%%generate`, `Run`, the widget and `%mlxnb status/stop` work on it
@@ -141,20 +141,6 @@ class RemoteEngine:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def add_listener(self, fn: Callable) -> None:
-        self._listeners.append(fn)
-
-    def remove_listener(self, fn: Callable) -> None:
-        if fn in self._listeners:
-            self._listeners.remove(fn)
-
-    def _notify(self, kind, obj):
-        for fn in list(self._listeners):
-            try:
-                fn(kind, obj)
-            except Exception:  # a listener's bug must not stop generation
-                swallowed("engine listener", fn)
 
     def _check_open(self):
         if self._closed:
