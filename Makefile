@@ -48,8 +48,8 @@ test: system-deps browser-deps $(TEST_STAMP)
 	$(BIN)/python -m pytest -q --nbval-lax notebooks/
 	$(BIN)/python bench/engine_bench.py --quick > /dev/null
 
-# The unit tier: the tiny random-weight model, no kernels, subprocesses or bundled
-# model (under a minute on 2 cores).
+# The unit tier: the tiny random-weight model, no kernels, subprocesses, servers or
+# bundled model (about a minute on 2 cores).
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "$(UNIT)"
 

@@ -98,6 +98,7 @@ async def tokens_in(row, seconds: float) -> int:
     return row.ntok - n
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("answer_root", [False, True], ids=["silent", "stalls-download"])
 def test_a_stalled_hub_load_leaves_running_rows_at_their_rate(tiny, arun, monkeypatch,
                                                               answer_root):
@@ -160,6 +161,7 @@ def test_an_interrupt_ends_a_stalled_load_and_frees_everything(tiny, monkeypatch
 
 
 # ------------------------------------------------------------ lifetime and memory
+@pytest.mark.integration
 def test_closed_engines_release_their_models(arun):
     """Closing an engine releases its model even while its runs and widgets are kept;
     dropping the engine then frees it whole (widgets hold what they show)."""
@@ -577,6 +579,7 @@ def test_magic_errors_for_templates_and_huge_prompts_are_one_line(shell, tiny):
 
 
 # ------------------------------------------------------------------ a real kernel
+@pytest.mark.integration
 def test_in_a_kernel_a_thread_built_engine_serves_and_reserved_names_are_refused(tmp_path):
     """In a real kernel an Engine built on a background thread serves on the kernel's
     loop (it bound a fresh loop nobody ran: `await row` hung), and `-o __builtins__`

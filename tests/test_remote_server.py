@@ -21,7 +21,7 @@ from _jupyter import free_port, kernel_env  # tests/ is on sys.path under pytest
 from mlxnb._blas import blas_env
 from mlxnb.remote import connect
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.integration]  # real server subprocesses
 
 
 @contextlib.contextmanager
