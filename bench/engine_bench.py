@@ -347,45 +347,6 @@ async def run_engine(model, tok, prompts_nat, prompts_steady, n, B, warm_prompts
 
 
 # -- profile ---------------------------------------------------------------------------
-class _MxShim:
-    """Stands in for `mx` inside mlxnb.batch and mlxnb.prefill: times eval / async_eval."""
-
-    def __init__(self, prof):
-        self._prof = prof
-
-    def __getattr__(self, name):
-        return getattr(mx, name)
-
-    def _timed(self, name, *a, **k):
-        t = pc()
-        try:
-            return getattr(mx, name)(*a, **k)
-        finally:
-            self._prof.add(f"{self._prof.phase}.{name}", pc() - t)
-
-    def async_eval(self, *a, **k):
-        return self._timed("async_eval", *a, **k)
-
-    def eval(self, *a, **k):
-        return self._timed("eval", *a, **k)
-
-
-class _ModelProxy:
-    def __init__(self, model, prof):
-        self.__dict__["_m"] = model
-        self.__dict__["_prof"] = prof
-
-    def __call__(self, *a, **k):
-        t = pc()
-        try:
-            return self._m(*a, **k)
-        finally:
-            self._prof.add(self._prof.phase + ".fwd_build", pc() - t)
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
-
-
 class GcTimer:
     """Milliseconds the cyclic garbage collector ran inside the `with` block."""
 
@@ -405,15 +366,14 @@ class GcTimer:
 
 
 class EngineProfiler:
-    """Per-tick host timers around BatchExecutor / Engine methods (no mlxnb edits).
+    """Per-tick host timers from the engine's own timing hooks (`Engine.trace`).
 
     Every tick gets a dict: seconds per part, plus counts ("n.*": decoded rows,
     prefill tokens, groups started, rows in them). `_read` is split into the wait
-    for the device (an explicit mx.eval of the in-flight tokens, which
-    `tokens.tolist()` would do anyway) and the Python after it (tolist of a ready
-    array, `_accept` per row). `Prefill.run` is split into `next_group` (group
-    building, cache allocation), forward graph build and `mx.eval` (blocked on the
-    device: the prefill chunk and the decode step launched just before it).
+    for the device (`tokens.tolist()` of the step in flight) and the Python after
+    it (`accept` per row, within read.py). `Prefill.run` is split into `next_group`
+    (group building, cache allocation), forward graph build and `mx.eval` (blocked
+    on the device: the prefill chunk and the decode step launched just before it).
     `_align` runs inside `_filter` and `_join` (nested, not additive).
     """
 
@@ -422,143 +382,39 @@ class EngineProfiler:
             "prefill.fwd_build", "prefill.eval", "read.wait", "read.py", "read.accept",
             "kv_report", "tick.rest", "apply", "gap", "gap.rest", "period"]
     COUNTS = ["n.decoded", "n.prefill_tokens", "n.groups", "n.group_rows", "n.emitted"]
-    METHODS = ["tick", "_filter", "_join", "_align", "_launch", "_read", "_kv_report"]
-    PREFILL_METHODS = ["run", "next_group"]  # of the executor's Prefill
 
     def __init__(self):
         self.ticks = []
         self.cur = {}
-        self.phase = "other"
         self.summary = None
-        self._saved = None
 
     def add(self, key, dt):
         self.cur[key] = self.cur.get(key, 0.0) + dt
 
-    def _wrap(self, key, fn, phase=None):
-        def w(*a, **k):
-            prev = self.phase
-            if phase:
-                self.phase = phase
-            t = pc()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.add(key, pc() - t)
-                self.phase = prev
-        return w
-
     def attach(self, eng):
-        import mlxnb.batch as mb
-        import mlxnb.prefill as mp
-        import mlxnb.sampling as ms
-
-        ex = eng._exec
-        self._saved = (ex.model, mb.mx, mp.mx, ms.BatchSampler.sample)
-        for obj, names in ((ex, self.METHODS), (ex.prefill, self.PREFILL_METHODS)):
-            for nm in names:
-                assert nm not in obj.__dict__, nm
-                assert callable(getattr(obj, nm)), nm  # fails loudly on a rename
-        orig_tick = ex.tick
-        # Per-tick timers need one decode step per tick: no streaks while profiling.
+        """Take the engine's timing hooks (Engine.trace); one decode step per tick."""
         import mlxnb.engine as me
 
         self._streak, me._STREAK_S = me._STREAK_S, 0.0
+        self.cur = {}
+        eng.trace(self._on)
 
-        def tick(*a, **k):
+    def _on(self, name, value):
+        if name == "tick":  # the tick's parts came first: this one closes it
+            self.cur["t0"], self.cur["tick"] = pc() - value, value
+            self.ticks.append(self.cur)
             self.cur = {}
-            t0 = pc()
-            rep = None
-            try:
-                rep = orig_tick(*a, **k)
-                return rep
-            finally:
-                t1 = pc()
-                self.cur["t0"], self.cur["tick"] = t0, t1 - t0
-                if rep is not None:
-                    self.cur["n.decoded"] = rep.steps[0].decoded
-                    self.cur["n.prefill_tokens"] = rep.steps[0].prefill_tokens
-                    self.cur["n.emitted"] = len(rep.emitted)
-                self.ticks.append(self.cur)
-
-        orig_read = ex._read
-
-        def read(inflight, u, emitted):
-            t = pc()
-            mx.eval(inflight[1])
-            t1 = pc()
-            try:
-                return orig_read(inflight, u, emitted)
-            finally:
-                self.add("read.wait", t1 - t)
-                self.add("read.py", pc() - t1)
-
-        orig_next = ex.prefill.next_group
-
-        def next_group(*a, **k):
-            t = pc()
-            g = orig_next(*a, **k)
-            self.add("prefill.group", pc() - t)
-            if g is not None:
-                self.add("n.groups", 1)
-                self.add("n.group_rows", len(g.admits))
-            return g
-
-        ex.tick = tick
-        ex._read = read
-        ex.prefill.next_group = next_group
-        ex._filter = self._wrap("filter", ex._filter)
-        ex._join = self._wrap("join", ex._join)
-        ex._align = self._wrap("align", ex._align)
-        ex._launch = self._wrap("launch", ex._launch, "launch")
-        ex.prefill.run = self._wrap("prefill", ex.prefill.run, "prefill")
-        import mlxnb.decoding as md
-
-        self._accept = md.RowDecoder.accept
-        md.RowDecoder.accept = self._wrap("read.accept", md.RowDecoder.accept)
-        ex._kv_report = self._wrap("kv_report", ex._kv_report)
-        ex.model = _ModelProxy(ex.model, self)
-        mb.mx = mp.mx = _MxShim(self)
-        orig_sample = self._saved[3]
-        prof = self
-
-        def sample(sampler, logits):
-            t = pc()
-            try:
-                return orig_sample(sampler, logits)
-            finally:
-                prof.add("launch.sample", pc() - t)
-
-        ms.BatchSampler.sample = sample
-        orig_apply = eng._apply
-
-        def apply(report, dt):
-            t = pc()
-            try:
-                return orig_apply(report, dt)
-            finally:
-                if self.ticks:
-                    self.ticks[-1]["apply"] = pc() - t
-
-        eng._apply = apply
+        elif name == "apply":  # the loop side, after its tick
+            if self.ticks:
+                self.ticks[-1]["apply"] = value
+        else:
+            self.add(name, value)
 
     def detach(self, eng):
-        import mlxnb.batch as mb
-        import mlxnb.prefill as mp
-        import mlxnb.sampling as ms
-
         import mlxnb.engine as me
 
         me._STREAK_S = self._streak
-        ex = eng._exec
-        ex.model, mb.mx, mp.mx, ms.BatchSampler.sample = self._saved
-        for obj, names in ((ex, self.METHODS), (ex.prefill, self.PREFILL_METHODS)):
-            for nm in names:
-                obj.__dict__.pop(nm, None)
-        import mlxnb.decoding as md
-
-        md.RowDecoder.accept = self._accept
-        eng.__dict__.pop("_apply", None)
+        eng.trace(None)
         self._derive(self.ticks)
 
     @staticmethod

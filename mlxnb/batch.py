@@ -30,6 +30,7 @@ from .constrain import Constraints
 from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
 from . import caches
+from ._trace import lap, pc, timed
 from .caches import aligned_views, left_padded, merge_lean
 from .prefill import (AUTO_MAX, IDLE_PREFILL, Prefill, PrefillPolicy, ShapeMemory,
                       padding_stays_out)
@@ -79,6 +80,7 @@ class BatchExecutor:
                  prefix_bytes: int = 0, fuse: bool = False,
                  kv_bits: Optional[int] = None, kv_group_size: int = 64):
         self.model, self.tokenizer = model, tokenizer
+        self.tracer = None  # see trace()
         self.prefill_chunk = prefill_chunk  # None: auto (PrefillPolicy)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.quantized_attention = True  # (caches._Quantized; _probe_costs may clear it)
@@ -109,6 +111,10 @@ class BatchExecutor:
         self.constraints = Constraints(tokenizer)  # constrain.py: per-row grammars
         self._reset_batch()
         self.nsteps = 0
+
+    def trace(self, tracer) -> None:
+        """Report each tick's parts to `tracer(name, seconds)` (_trace.py); None: off."""
+        self.tracer = self.prefill.tracer = tracer
 
     def _probe_ids(self) -> List[int]:
         """Token ids of ordinary text, for probe forwards (any ids if the tokenizer
@@ -239,6 +245,12 @@ class BatchExecutor:
                     or (interrupt is not None and interrupt.is_set())
                     or any(x.finish for x in up.values())):
                 break
+        if self.tracer is not None:
+            tr, first = self.tracer, steps[0]
+            tr("n.decoded", first.decoded)
+            tr("n.prefill_tokens", first.prefill_tokens)
+            tr("n.emitted", len(emitted))
+            tr("tick", pc() - t0)
         return TickReport(up, emitted, steps, self.busy)
 
     def _cancel(self, rid, u):
@@ -261,6 +273,7 @@ class BatchExecutor:
         self._reset_batch()
 
     # -- batch membership --------------------------------------------------------
+    @timed("filter")
     def _filter(self):
         """Drop finished/cancelled rows and rows that have launched all their tokens."""
         if not self.drop and self._headroom > 0:  # the per-step common case
@@ -289,6 +302,7 @@ class BatchExecutor:
         self.drop -= set(gone)
         self._align()
 
+    @timed("join")
     def _join(self, u):
         if not self.prefill.ready:
             return
@@ -326,6 +340,7 @@ class BatchExecutor:
         self.prefill.ready = []
         self._align()
 
+    @timed("align")
     def _align(self):
         """After a membership change: what the model sees (aligned views when no row
         is padded) and the per-row facts each step needs, computed once here."""
@@ -345,8 +360,11 @@ class BatchExecutor:
         self._cold_launch = self.shapes.first(("decode", len(rows), aligned))
 
     # -- compute -----------------------------------------------------------------
+    @timed("launch")
     def _launch(self, u):
         rows, want, procs = self._batch_rows, self._want_lp, self._any_procs
+        tr = self.tracer
+        t = pc() if tr else 0.0
         logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
         if want or procs or self.sampler.needs_float32:
             logits = logits.astype(mx.float32)
@@ -354,7 +372,11 @@ class BatchExecutor:
             logits = self._process(rows, logits, u)
         if self._any_constrained:  # reads the step in flight; masks while the forward runs
             logits = self.constraints.apply(logits, rows, self.inflight, self.rows)
+        if tr:
+            t = lap(tr, "launch.fwd_build", t)
         tokens = self.sampler.sample(logits)  # [B]
+        if tr:
+            t = lap(tr, "launch.sample", t)
         lp = None
         if want:
             k = max(rows[i].params.logprobs for i in want)
@@ -363,6 +385,8 @@ class BatchExecutor:
             mx.async_eval(tokens, *lp[1:])
         else:
             mx.async_eval(tokens)
+        if tr:
+            lap(tr, "launch.async_eval", t)
         for r in rows:
             r.launched += 1
         self._headroom -= 1
@@ -399,7 +423,11 @@ class BatchExecutor:
     # -- reading back --------------------------------------------------------------
     def _read(self, inflight, u, emitted: List[tuple]) -> None:
         ids, tokens, lp = inflight
+        tr = self.tracer
+        t0 = pc() if tr else 0.0
         toks = tokens.tolist()  # the one host sync per step
+        if tr:
+            t1 = lap(tr, "read.wait", t0)
         lps = self._read_logprobs(ids, lp) if lp is not None else None
         rows, drop = self.rows, self.drop
         for i, rid in enumerate(ids):
@@ -418,6 +446,9 @@ class BatchExecutor:
                 if rid not in self.ids:
                     rows.pop(rid, None)
                     drop.discard(rid)
+        if tr:
+            lap(tr, "read.accept", t1)
+            tr("read.py", pc() - t1)
 
     def _read_logprobs(self, ids, lp) -> dict:
         want, chosen, top_ids, top_lp = lp
@@ -434,6 +465,7 @@ class BatchExecutor:
         return out
 
     # -- memory ----------------------------------------------------------------------
+    @timed("kv_report")
     def _kv_report(self):
         """(total bytes, bytes per batch row, {prefilling row: bytes})."""
         share, other = 0, {}

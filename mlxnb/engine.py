@@ -43,6 +43,7 @@ from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
 from ._log import log
 from ._text import fmt_bytes, parse_bytes
+from ._trace import timed
 from .scheduler import Scheduler
 from .warmup import warm_up
 
@@ -298,6 +299,7 @@ class Engine(Listeners):
         self._wake = asyncio.Event()
         self._interrupt = threading.Event()  # set on the loop: ends the worker's streak
         self._closed = False
+        self.tracer = None  # see trace()
         self._task = None
         self._idle: Optional[asyncio.Future] = None
 
@@ -541,6 +543,13 @@ class Engine(Listeners):
                 continue
             self._apply(report, time.perf_counter() - t0)
 
+    def trace(self, tracer) -> None:
+        """Report each tick's parts, on the worker and here, to `tracer(name, seconds)`
+        (mlxnb/_trace.py; bench/engine_bench.py's profiler); None turns it off."""
+        self.tracer = tracer
+        self._exec.trace(tracer)
+
+    @timed("apply")
     def _apply(self, report, dt):
         """The one place worker results reach rows: tokens, text deltas, states."""
         now = self.clock()

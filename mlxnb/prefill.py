@@ -22,6 +22,7 @@ from typing import Callable, Deque, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ._trace import lap, pc, timed
 from .caches import aligned_views, empty_batch, round_up
 
 IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
@@ -231,6 +232,7 @@ class Prefill:
         self.model, self.make_cache, self.policy = model, make_cache, policy
         self.shapes, self.prefix = shapes, prefix
         self.pad_safe = True
+        self.tracer = None  # BatchExecutor.trace
         self.waiting: Deque = deque()  # Admits, prefill not started
         self.current: Optional[PrefillGroup] = None  # the group being prefilled
         self.ready: List[PrefillGroup] = []  # prefilled, joining at the next tick
@@ -269,6 +271,7 @@ class Prefill:
         self.current = None
         self.ready = []
 
+    @timed("prefill")
     def run(self, u, decoding: bool, cold_launch: bool) -> int:
         """Prefill up to one step budget of tokens beside a running batch (its stall is
         bounded by that). With nothing decoding, group everything admitted (up to
@@ -308,6 +311,17 @@ class Prefill:
 
     def next_group(self, budget: int, step_budget: int,
                    decoding: bool) -> Optional[PrefillGroup]:
+        t = pc() if self.tracer else 0.0
+        g = self._next_group(budget, step_budget, decoding)
+        if self.tracer:
+            lap(self.tracer, "prefill.group", t)
+            if g is not None:
+                self.tracer("n.groups", 1)
+                self.tracer("n.group_rows", len(g.admits))
+        return g
+
+    def _next_group(self, budget: int, step_budget: int,
+                    decoding: bool) -> Optional[PrefillGroup]:
         """The next group: rows from the head of `waiting` whose padded widths fit
         `budget` tokens; beside a running batch also at most one bucket per row
         within `step_budget` (a chunk is at least one bucket wide per row)."""
@@ -352,8 +366,14 @@ class Prefill:
             if self.shapes.first(("prefill", k, g.pos, n, g.batched)):
                 self.cold_chunk = True
             cols = g.tokens[:, g.pos:g.pos + n]
+            tr = self.tracer
+            t = pc() if tr else 0.0
             self.model(cols, cache=g.views)
+            if tr:
+                t = lap(tr, "prefill.fwd_build", t)
             mx.eval([c.state for c in g.cache])
+            if tr:
+                lap(tr, "prefill.eval", t)
             g.pos += n
         if g.pos >= g.width:
             if g.batched and g.padded:
