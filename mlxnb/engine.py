@@ -547,7 +547,8 @@ class Engine(Listeners):
         """Report each tick's parts, on the worker and here, to `tracer(name, seconds)`
         (mlxnb/_trace.py; bench/engine_bench.py's profiler); None turns it off."""
         self.tracer = tracer
-        self._exec.trace(tracer)
+        if self._exec is not None:  # (a closed engine has no ticks to report)
+            self._exec.trace(tracer)
 
     @timed("apply")
     def _apply(self, report, dt):

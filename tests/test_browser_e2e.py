@@ -24,6 +24,7 @@ Chromium at /usr/bin/chromium (never `playwright install`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -43,6 +44,25 @@ CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu",
                 "--disable-background-networking", "--disable-component-update",
                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 BUDGET_S = 120.0
+
+
+@contextlib.contextmanager
+def chromium_page(tmp_path, height: int):
+    """A page of a fresh headless Chromium profile, 1280 px wide (Playwright drives
+    the system Chromium; nothing is downloaded)."""
+    from playwright import sync_api
+
+    with sync_api.sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
+            args=CHROME_FLAGS, viewport={"width": 1280, "height": height})
+        try:
+            page = ctx.pages[0] if ctx.pages else ctx.new_page()
+            page.set_default_timeout(30_000)
+            yield page
+        finally:
+            ctx.close()
+
 NB7_OWN_ERROR = "pageerror: Cannot read properties of undefined (reading 'schema')"
 DOCS = REPO / "docs"
 
@@ -188,7 +208,7 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} not found (Debian: apt-get install chromium "
                     "fonts-dejavu-core); this test never downloads a browser")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
     if app == "notebook":
         pytest.importorskip("notebook", reason="pip install notebook (Notebook 7)")
@@ -210,157 +230,149 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
 
     with jupyter_lab(root, tmp_path / "jupyter", app=app,
                      settings=DARK_THEME if dark else None) as (base, token):
-        with sync_api.sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(
-                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
-                args=CHROME_FLAGS, viewport={"width": 1280, "height": 1100})
-            try:
-                page = ctx.pages[0] if ctx.pages else ctx.new_page()
-                page.set_default_timeout(30_000)
-                live_phase = [True]
-                later: list = []  # errors after the reopen, printed only
-                page.on("console", lambda m: (errors if live_phase[0] else later).append(
-                    f"console: {m.text}") if m.type == "error" else None)
-                page.on("pageerror", lambda e: (errors if live_phase[0] else later).append(
-                    f"pageerror: {e}"))
-                _open(page, base, token, app, left)
-                print(f"\n[{app}] kernel ready {time.monotonic() - t_start:.1f} s into the test")
+        with chromium_page(tmp_path, height=1100) as page:
+            live_phase = [True]
+            later: list = []  # errors after the reopen, printed only
+            page.on("console", lambda m: (errors if live_phase[0] else later).append(
+                f"console: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: (errors if live_phase[0] else later).append(
+                f"pageerror: {e}"))
+            _open(page, base, token, app, left)
+            print(f"\n[{app}] kernel ready {time.monotonic() - t_start:.1f} s into the test")
 
-                page.locator(".lm-MenuBar-item", has_text="Run").first.click()
-                # "Run All Cells" (the main menu's own command id, or the notebook's)
-                page.locator("li.lm-Menu-item[data-command='runmenu:run-all'], "
-                             "li.lm-Menu-item[data-command='notebook:run-all-cells']").first.click()
-                t_run = time.monotonic()
+            page.locator(".lm-MenuBar-item", has_text="Run").first.click()
+            # "Run All Cells" (the main menu's own command id, or the notebook's)
+            page.locator("li.lm-Menu-item[data-command='runmenu:run-all'], "
+                         "li.lm-Menu-item[data-command='notebook:run-all-cells']").first.click()
+            t_run = time.monotonic()
 
-                def snap():
-                    s = page.evaluate(SNAPSHOT_JS)
-                    if s["kernel"] is None:  # no indicator in the DOM: ask the server
-                        s["kernel"] = "idle" if kernel_idle(base, token) else "busy"
-                    s["rows"] = [r for w in s["widgets"] for r in w["rows"]]
-                    snaps.append(s)
-                    return s
+            def snap():
+                s = page.evaluate(SNAPSHOT_JS)
+                if s["kernel"] is None:  # no indicator in the DOM: ask the server
+                    s["kernel"] = "idle" if kernel_idle(base, token) else "busy"
+                s["rows"] = [r for w in s["widgets"] for r in w["rows"]]
+                snaps.append(s)
+                return s
 
-                def all_ran(s):  # every cell has an execution count, b's rows are shown
-                    return (len(s["widgets"]) == 3 and len(s["widgets"][2]["rows"]) == 2
-                            and all(p.strip("[]: ").isdigit() for p in s["prompts"]))
+            def all_ran(s):  # every cell has an execution count, b's rows are shown
+                return (len(s["widgets"]) == 3 and len(s["widgets"][2]["rows"]) == 2
+                        and all(p.strip("[]: ").isdigit() for p in s["prompts"]))
 
-                # (a) streaming while the kernel is idle
-                streaming = []
-                while True:
-                    assert left() > 60, f"rows did not stream while idle; last: {snaps[-1:]}"
-                    s = snap()
-                    if all_ran(s) and s["kernel"] == "idle":
-                        # rows still running that have started to stream
-                        if not all(st == "done" for st, _ in s["rows"]) and \
-                                sum(n for _, n in s["rows"]):
-                            streaming.append(s)
-                            if len(streaming) == 2:
-                                shots["streaming"] = tmp_path / "streaming.png"
-                                page.screenshot(path=str(shots["streaming"]))
-                        if len(streaming) >= 4 or all(st == "done" for st, _ in s["rows"]):
-                            break
-                    page.wait_for_timeout(300 if E2E_MODEL == "tiny" else 700)
-                totals = [sum(n for _, n in s["rows"]) for s in streaming]
-                print(f"[{app}] while idle, total tokens in the DOM: {totals} over "
-                      f"{streaming[-1]['t'] - streaming[0]['t']:.1f} s" if streaming else "")
-                assert len(streaming) >= 3, (
-                    f"too few idle snapshots with rows still running (raise max-tokens?): "
-                    f"{[(s['kernel'], s['rows']) for s in snaps[-3:]]}")
-                assert all(b >= a for a, b in zip(totals, totals[1:])), totals
-                assert sum(b > a for a, b in zip(totals, totals[1:])) >= 2, totals
-
-                # (b) every row finishes; charts drew; badges readable on this theme
-                while True:
-                    assert left() > 45, f"rows never all finished: {snaps[-1]['rows']}"
-                    s = snap()
-                    if s["rows"] and all(st == "done" for st, _ in s["rows"]):
-                        break
-                    page.wait_for_timeout(300)
-                page.wait_for_timeout(700)  # final trait sync and one more frame
+            # (a) streaming while the kernel is idle
+            streaming = []
+            while True:
+                assert left() > 60, f"rows did not stream while idle; last: {snaps[-1:]}"
                 s = snap()
-                print(f"[{app}] all rows done {time.monotonic() - t_run:.1f} s after Run All")
-                assert len(s["rows"]) == 8 + 6 + 2  # dashboard + a + b
-                bad = [(i, w["rows"]) for i, w in enumerate(s["widgets"])
-                       if not all(st == "done" and n > 0 for st, n in w["rows"])]
-                assert not bad, f"(widget, rows) not done or empty: {bad}"
-                assert s["kernel"] == "idle"
-                for i, w in enumerate(s["widgets"]):
-                    assert w["kv"] > 0 and w["step"] > 0 and w["timeline"] > 0, (i, w)
-                    assert w["live"] == "0", (i, w)
-                done = page.evaluate(DONE_JS)
-                assert [w["theme"] for w in done] == ["dark" if dark else "light"] * 3
-                assert min(w["contrast"] for w in done) >= 4.5, done
-                # each widget's results output is there, hidden beside the live widget
-                assert [w["results"] for w in done] == [0, 0, 0], done
-                texts = [_clean(t)[:60] for w in done[1:] for _, t in w["rows"]]
-                assert len(texts) == 8 and all(texts), texts
-                dash = page.locator(".mlxnb-widget").first
-                dash.scroll_into_view_if_needed()
-                shots["widget"] = tmp_path / "widget.png"
-                dash.screenshot(path=str(shots["widget"]))
+                if all_ran(s) and s["kernel"] == "idle":
+                    # rows still running that have started to stream
+                    if not all(st == "done" for st, _ in s["rows"]) and \
+                            sum(n for _, n in s["rows"]):
+                        streaming.append(s)
+                        if len(streaming) == 2:
+                            shots["streaming"] = tmp_path / "streaming.png"
+                            page.screenshot(path=str(shots["streaming"]))
+                    if len(streaming) >= 4 or all(st == "done" for st, _ in s["rows"]):
+                        break
+                page.wait_for_timeout(300 if E2E_MODEL == "tiny" else 700)
+            totals = [sum(n for _, n in s["rows"]) for s in streaming]
+            print(f"[{app}] while idle, total tokens in the DOM: {totals} over "
+                  f"{streaming[-1]['t'] - streaming[0]['t']:.1f} s" if streaming else "")
+            assert len(streaming) >= 3, (
+                f"too few idle snapshots with rows still running (raise max-tokens?): "
+                f"{[(s['kernel'], s['rows']) for s in snaps[-3:]]}")
+            assert all(b >= a for a, b in zip(totals, totals[1:])), totals
+            assert sum(b > a for a, b in zip(totals, totals[1:])) >= 2, totals
 
-                # (c) a 600 px widget: the text column keeps >= 40 %, numbers under it
-                lay, vw = page.evaluate(LAYOUT_JS), 1280
-                for _ in range(4):  # the page's margins need not scale linearly
-                    if abs(lay["widget"] - 600) <= 20:
-                        break
-                    vw = round(vw + 600 - lay["widget"])
-                    page.set_viewport_size({"width": vw, "height": 1100})
-                    page.wait_for_timeout(500)
-                    lay = page.evaluate(LAYOUT_JS)
-                print(f"[{app}] layout with a {vw} px viewport: {lay}")
-                assert abs(lay["widget"] - 600) <= 40, lay
-                assert lay["layout"] == "medium" and lay["text"] >= 0.4 * lay["widget"], lay
-                assert lay["ntokTop"] >= lay["textBottom"] - 1, lay  # numbers under the text
-                shots["narrow"] = tmp_path / "widget-600px.png"
-                dash.screenshot(path=str(shots["narrow"]))
-                page.set_viewport_size({"width": 1280, "height": 1100})
-                live_phase[0] = False
-
-                # (d) save (default settings: no widget state), shut down, reopen
-                page.locator(".jp-Notebook").first.click()
-                page.keyboard.press("Control+s")
-                saved = None
-                for _ in range(40):
-                    page.wait_for_timeout(250)
-                    on_disk = _saved(root / "e2e.ipynb")
-                    outs = [o for c in on_disk.get("cells", []) for o in c.get("outputs", [])]
-                    saved = [o["data"]["text/html"] for o in outs
-                             if "mlxnb-results" in "".join(o.get("data", {}).get("text/html", ""))]
-                    if len(saved) == 3:
-                        break
-                assert saved and len(saved) == 3, "the saved notebook lacks results outputs"
-                assert "widgets" not in on_disk["metadata"] or not on_disk["metadata"][
-                    "widgets"].get("application/vnd.jupyter.widget-state+json", {}).get("state")
-                for sess in _sessions(base, token):
-                    req = urllib.request.Request(
-                        f"{base}/api/sessions/{sess['id']}?token={token}", method="DELETE")
-                    urllib.request.urlopen(req, timeout=10).close()
-                _open(page, base, token, app, left)
-                for _ in range(40):
-                    re_ = page.evaluate(REOPENED_JS)
-                    if len(re_["results"]) == 3 and re_["errors"] == 3:
-                        break
-                    page.wait_for_timeout(250)
-                print(f"[{app}] reopened, the widget outputs read: {re_['first']}")
-                print(f"[{app}] reopened: {re_['widgets']} widgets, {re_['errors']} "
-                      f"'Error displaying widget' outputs, results "
-                      f"{[(r['done'], r['rows'], round(r['h'])) for r in re_['results']]}")
-                assert re_["widgets"] == 0 and len(re_["results"]) == 3, re_
-                assert all(r["h"] > 20 and r["done"] == r["rows"] for r in re_["results"])
-                shown = _clean(" ".join(r["text"] for r in re_["results"][1:]))
-                missing = [t for t in texts if t not in shown]
-                assert not missing, (missing, shown[:2000])
-                cell = page.locator(".jp-CodeCell").nth(3)  # the `a` cell
-                cell.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+            # (b) every row finishes; charts drew; badges readable on this theme
+            while True:
+                assert left() > 45, f"rows never all finished: {snaps[-1]['rows']}"
+                s = snap()
+                if s["rows"] and all(st == "done" for st, _ in s["rows"]):
+                    break
                 page.wait_for_timeout(300)
-                box = cell.bounding_box()
-                shots["reopened"] = tmp_path / "reopened.png"
-                page.screenshot(path=str(shots["reopened"]), clip={
-                    "x": box["x"], "y": max(0, box["y"]), "width": box["width"],
-                    "height": min(box["height"], 560)})
-            finally:
-                ctx.close()
+            page.wait_for_timeout(700)  # final trait sync and one more frame
+            s = snap()
+            print(f"[{app}] all rows done {time.monotonic() - t_run:.1f} s after Run All")
+            assert len(s["rows"]) == 8 + 6 + 2  # dashboard + a + b
+            bad = [(i, w["rows"]) for i, w in enumerate(s["widgets"])
+                   if not all(st == "done" and n > 0 for st, n in w["rows"])]
+            assert not bad, f"(widget, rows) not done or empty: {bad}"
+            assert s["kernel"] == "idle"
+            for i, w in enumerate(s["widgets"]):
+                assert w["kv"] > 0 and w["step"] > 0 and w["timeline"] > 0, (i, w)
+                assert w["live"] == "0", (i, w)
+            done = page.evaluate(DONE_JS)
+            assert [w["theme"] for w in done] == ["dark" if dark else "light"] * 3
+            assert min(w["contrast"] for w in done) >= 4.5, done
+            # each widget's results output is there, hidden beside the live widget
+            assert [w["results"] for w in done] == [0, 0, 0], done
+            texts = [_clean(t)[:60] for w in done[1:] for _, t in w["rows"]]
+            assert len(texts) == 8 and all(texts), texts
+            dash = page.locator(".mlxnb-widget").first
+            dash.scroll_into_view_if_needed()
+            shots["widget"] = tmp_path / "widget.png"
+            dash.screenshot(path=str(shots["widget"]))
+
+            # (c) a 600 px widget: the text column keeps >= 40 %, numbers under it
+            lay, vw = page.evaluate(LAYOUT_JS), 1280
+            for _ in range(4):  # the page's margins need not scale linearly
+                if abs(lay["widget"] - 600) <= 20:
+                    break
+                vw = round(vw + 600 - lay["widget"])
+                page.set_viewport_size({"width": vw, "height": 1100})
+                page.wait_for_timeout(500)
+                lay = page.evaluate(LAYOUT_JS)
+            print(f"[{app}] layout with a {vw} px viewport: {lay}")
+            assert abs(lay["widget"] - 600) <= 40, lay
+            assert lay["layout"] == "medium" and lay["text"] >= 0.4 * lay["widget"], lay
+            assert lay["ntokTop"] >= lay["textBottom"] - 1, lay  # numbers under the text
+            shots["narrow"] = tmp_path / "widget-600px.png"
+            dash.screenshot(path=str(shots["narrow"]))
+            page.set_viewport_size({"width": 1280, "height": 1100})
+            live_phase[0] = False
+
+            # (d) save (default settings: no widget state), shut down, reopen
+            page.locator(".jp-Notebook").first.click()
+            page.keyboard.press("Control+s")
+            saved = None
+            for _ in range(40):
+                page.wait_for_timeout(250)
+                on_disk = _saved(root / "e2e.ipynb")
+                outs = [o for c in on_disk.get("cells", []) for o in c.get("outputs", [])]
+                saved = [o["data"]["text/html"] for o in outs
+                         if "mlxnb-results" in "".join(o.get("data", {}).get("text/html", ""))]
+                if len(saved) == 3:
+                    break
+            assert saved and len(saved) == 3, "the saved notebook lacks results outputs"
+            assert "widgets" not in on_disk["metadata"] or not on_disk["metadata"][
+                "widgets"].get("application/vnd.jupyter.widget-state+json", {}).get("state")
+            for sess in _sessions(base, token):
+                req = urllib.request.Request(
+                    f"{base}/api/sessions/{sess['id']}?token={token}", method="DELETE")
+                urllib.request.urlopen(req, timeout=10).close()
+            _open(page, base, token, app, left)
+            for _ in range(40):
+                re_ = page.evaluate(REOPENED_JS)
+                if len(re_["results"]) == 3 and re_["errors"] == 3:
+                    break
+                page.wait_for_timeout(250)
+            print(f"[{app}] reopened, the widget outputs read: {re_['first']}")
+            print(f"[{app}] reopened: {re_['widgets']} widgets, {re_['errors']} "
+                  f"'Error displaying widget' outputs, results "
+                  f"{[(r['done'], r['rows'], round(r['h'])) for r in re_['results']]}")
+            assert re_["widgets"] == 0 and len(re_["results"]) == 3, re_
+            assert all(r["h"] > 20 and r["done"] == r["rows"] for r in re_["results"])
+            shown = _clean(" ".join(r["text"] for r in re_["results"][1:]))
+            missing = [t for t in texts if t not in shown]
+            assert not missing, (missing, shown[:2000])
+            cell = page.locator(".jp-CodeCell").nth(3)  # the `a` cell
+            cell.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+            page.wait_for_timeout(300)
+            box = cell.bounding_box()
+            shots["reopened"] = tmp_path / "reopened.png"
+            page.screenshot(path=str(shots["reopened"]), clip={
+                "x": box["x"], "y": max(0, box["y"]), "width": box["width"],
+                "height": min(box["height"], 560)})
 
     # (e) no console errors while live (after reopening, the widget manager logs
     # "model not found" for each widget output: expected)
@@ -403,7 +415,7 @@ def test_saved_widget_state_of_an_unfinished_run_reads_not_live(tmp_path):
     no stop buttons."""
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
@@ -425,55 +437,47 @@ def test_saved_widget_state_of_an_unfinished_run_reads_not_live(tmp_path):
                                  "language": "python"}
     nbformat.write(nb, root / "e2e.ipynb")
     with jupyter_lab(root, tmp_path / "jupyter", settings=SAVE_WIDGET_STATE) as (base, token):
-        with sync_api.sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(
-                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
-                args=CHROME_FLAGS, viewport={"width": 1280, "height": 900})
-            try:
-                page = ctx.pages[0] if ctx.pages else ctx.new_page()
-                page.set_default_timeout(30_000)
-                _open(page, base, token, "lab", left)
-                page.locator(".lm-MenuBar-item", has_text="Run").first.click()
-                page.locator("li.lm-Menu-item[data-command='runmenu:run-all'], "
-                             "li.lm-Menu-item[data-command='notebook:run-all-cells']").first.click()
-                while True:  # rows decoding: save now
-                    assert left() > 40, "rows never started decoding"
-                    w = page.evaluate(STALE_JS)
-                    if w and w[0]["badges"] == ["decoding", "decoding"]:
-                        break
-                    page.wait_for_timeout(250)
-                assert w[0]["live"] == "1" and w[0]["stopAll"] != "none", w
-                page.locator(".jp-Notebook").first.click()
-                page.keyboard.press("Control+s")
-                for _ in range(40):
-                    page.wait_for_timeout(250)
-                    meta = _saved(root / "e2e.ipynb").get("metadata", {})
-                    if meta.get("widgets"):
-                        break
-                assert meta.get("widgets"), "widget state was not saved"
-                for sess in _sessions(base, token):
-                    req = urllib.request.Request(
-                        f"{base}/api/sessions/{sess['id']}?token={token}", method="DELETE")
-                    urllib.request.urlopen(req, timeout=10).close()
-                _open(page, base, token, "lab", left)
-                seen = []
-                while True:
-                    assert left() > 5, f"the restored widget never read not live: {seen[-1:]}"
-                    w = page.evaluate(STALE_JS)
-                    seen.append(w)
-                    if w and w[0]["live"] == "stale":
-                        break
-                    page.wait_for_timeout(500)
-                print(f"\nrestored widget, first: {seen[0]}\nthen: {w}")
-                assert seen[0] and seen[0][0]["live"] == "1"  # the saved state said live
-                [v] = w
-                assert v["badges"] == ["unfinished", "unfinished"], v
-                assert "not live" in v["stats"] and "running" not in v["stats"], v
-                assert v["stops"] == ["hidden", "hidden"] and v["stopAll"] == "none", v
-                shot = tmp_path / "not-live.png"
-                page.locator(".mlxnb-widget").first.screenshot(path=str(shot))
-            finally:
-                ctx.close()
+        with chromium_page(tmp_path, height=900) as page:
+            _open(page, base, token, "lab", left)
+            page.locator(".lm-MenuBar-item", has_text="Run").first.click()
+            page.locator("li.lm-Menu-item[data-command='runmenu:run-all'], "
+                         "li.lm-Menu-item[data-command='notebook:run-all-cells']").first.click()
+            while True:  # rows decoding: save now
+                assert left() > 40, "rows never started decoding"
+                w = page.evaluate(STALE_JS)
+                if w and w[0]["badges"] == ["decoding", "decoding"]:
+                    break
+                page.wait_for_timeout(250)
+            assert w[0]["live"] == "1" and w[0]["stopAll"] != "none", w
+            page.locator(".jp-Notebook").first.click()
+            page.keyboard.press("Control+s")
+            for _ in range(40):
+                page.wait_for_timeout(250)
+                meta = _saved(root / "e2e.ipynb").get("metadata", {})
+                if meta.get("widgets"):
+                    break
+            assert meta.get("widgets"), "widget state was not saved"
+            for sess in _sessions(base, token):
+                req = urllib.request.Request(
+                    f"{base}/api/sessions/{sess['id']}?token={token}", method="DELETE")
+                urllib.request.urlopen(req, timeout=10).close()
+            _open(page, base, token, "lab", left)
+            seen = []
+            while True:
+                assert left() > 5, f"the restored widget never read not live: {seen[-1:]}"
+                w = page.evaluate(STALE_JS)
+                seen.append(w)
+                if w and w[0]["live"] == "stale":
+                    break
+                page.wait_for_timeout(500)
+            print(f"\nrestored widget, first: {seen[0]}\nthen: {w}")
+            assert seen[0] and seen[0][0]["live"] == "1"  # the saved state said live
+            [v] = w
+            assert v["badges"] == ["unfinished", "unfinished"], v
+            assert "not live" in v["stats"] and "running" not in v["stats"], v
+            assert v["stops"] == ["hidden", "hidden"] and v["stopAll"] == "none", v
+            shot = tmp_path / "not-live.png"
+            page.locator(".mlxnb-widget").first.screenshot(path=str(shot))
     dest = DOCS / "not-live.png"
     if not dest.exists() or os.environ.get("MLXNB_UPDATE_DOCS") == "1":
         shutil.copy(shot, dest)

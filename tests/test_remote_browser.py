@@ -11,7 +11,7 @@ import time
 import pytest
 
 from _jupyter import jupyter_lab
-from test_browser_e2e import CHROME_FLAGS, CHROMIUM, kernel_idle
+from test_browser_e2e import CHROMIUM, chromium_page, kernel_idle
 from test_remote_server import mlx_lm_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.server]
@@ -28,7 +28,7 @@ SNAPSHOT_JS = """() => [...document.querySelectorAll('.mlxnb-widget')].map((w) =
 def test_widget_on_server_rows_in_jupyterlab(tmp_path):
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
 
@@ -48,40 +48,32 @@ def test_widget_on_server_rows_in_jupyterlab(tmp_path):
                                      "language": "python"}
         nbformat.write(nb, root / "e2e.ipynb")  # the name kernel_idle() looks for
         with jupyter_lab(root, tmp_path / "jupyter") as (base, token):
-            with sync_api.sync_playwright() as pw:
-                ctx = pw.chromium.launch_persistent_context(
-                    str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
-                    args=CHROME_FLAGS, viewport={"width": 1280, "height": 900})
-                try:
-                    page = ctx.pages[0] if ctx.pages else ctx.new_page()
-                    page.set_default_timeout(30_000)
-                    page.on("console", lambda m: errors.append(m.text)
-                            if m.type == "error" else None)
-                    page.on("pageerror", lambda e: errors.append(str(e)))
-                    page.goto(f"{base}/lab/tree/e2e.ipynb?token={token}")
-                    idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-                    select = page.locator(".jp-Dialog button", has_text="Select")
-                    while not (kernel_idle(base, token) and idle.count()):
-                        assert time.monotonic() - t0 < 60, "the kernel never became idle"
-                        if select.count():
-                            select.first.click()
-                        page.wait_for_timeout(250)
-                    page.wait_for_timeout(500)
-                    page.locator(".lm-MenuBar-item", has_text="Run").first.click()
-                    page.locator("li.lm-Menu-item[data-command='runmenu:run-all'], "
-                                 "li.lm-Menu-item[data-command='notebook:run-all-cells']"
-                                 ).first.click()
-                    while True:
-                        w = page.evaluate(SNAPSHOT_JS)
-                        if w and w[0]["rows"] and all(s == "done" for s in w[0]["rows"]):
-                            break
-                        assert time.monotonic() - t0 < 120, f"rows not done: {w}"
-                        page.wait_for_timeout(300)
-                    page.wait_for_timeout(800)  # the final trait sync and a frame
-                    w = page.evaluate(SNAPSHOT_JS)[0]
-                    page.locator(".mlxnb-widget").first.screenshot(path=str(tmp_path / "w.png"))
-                finally:
-                    ctx.close()
+            with chromium_page(tmp_path, height=900) as page:
+                page.on("console", lambda m: errors.append(m.text)
+                        if m.type == "error" else None)
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.goto(f"{base}/lab/tree/e2e.ipynb?token={token}")
+                idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+                select = page.locator(".jp-Dialog button", has_text="Select")
+                while not (kernel_idle(base, token) and idle.count()):
+                    assert time.monotonic() - t0 < 60, "the kernel never became idle"
+                    if select.count():
+                        select.first.click()
+                    page.wait_for_timeout(250)
+                page.wait_for_timeout(500)
+                page.locator(".lm-MenuBar-item", has_text="Run").first.click()
+                page.locator("li.lm-Menu-item[data-command='runmenu:run-all'], "
+                             "li.lm-Menu-item[data-command='notebook:run-all-cells']"
+                             ).first.click()
+                while True:
+                    w = page.evaluate(SNAPSHOT_JS)
+                    if w and w[0]["rows"] and all(s == "done" for s in w[0]["rows"]):
+                        break
+                    assert time.monotonic() - t0 < 120, f"rows not done: {w}"
+                    page.wait_for_timeout(300)
+                page.wait_for_timeout(800)  # the final trait sync and a frame
+                w = page.evaluate(SNAPSHOT_JS)[0]
+                page.locator(".mlxnb-widget").first.screenshot(path=str(tmp_path / "w.png"))
     assert not errors, errors
     assert w["rows"] == ["done"] * 3
     assert w["kv"] == "0" and w["batch"] == "0"

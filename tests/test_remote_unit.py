@@ -156,6 +156,17 @@ def engine(server, **kw):
     return eng
 
 
+def one_row(arun, server, **kw):
+    """The result of one row "p" on a fresh engine against `server`."""
+    async def main():
+        eng = engine(server, **kw)
+        r = await eng.submit("p")
+        await eng.aclose()
+        return r
+
+    return arun(main)
+
+
 def test_rows_stream_text_counts_and_usage(arun):
     ok = lambda req, n: httpx.Response(200, content=sse(  # noqa: E731
         *chat_chunks(["Hel", "lo", " there"], usage={"prompt_tokens": 11, "completion_tokens": 4}),
@@ -219,13 +230,7 @@ def test_429_and_503_are_retried_then_served(arun):
 
     srv = Server(script)
 
-    async def main():
-        eng = engine(srv)
-        r = await eng.submit("p")
-        await eng.aclose()
-        return r
-
-    r = arun(main)
+    r = one_row(arun, srv)
     assert r.finish_reason == "length" and r.text == "x" and len(srv.bodies) == 3
 
 
@@ -236,13 +241,7 @@ def test_connection_failures_are_retried_then_end_the_row_with_a_reason(arun):
         calls.append(n)
         raise httpx.ConnectError("connection refused")
 
-    async def main():
-        eng = engine(Server(script), retries=2)
-        r = await eng.submit("p")
-        await eng.aclose()
-        return r
-
-    r = arun(main)
+    r = one_row(arun, Server(script), retries=2)
     assert r.finish_reason == "error" and len(calls) == 3
     assert "after 3 attempts" in r.error and "check that it is running" in r.error
 
@@ -255,13 +254,7 @@ def test_a_stream_broken_after_tokens_is_not_retried(arun):
 
     srv = Server(lambda req, n: httpx.Response(200, stream=Broken()))
 
-    async def main():
-        eng = engine(srv)
-        r = await eng.submit("p")
-        await eng.aclose()
-        return r
-
-    r = arun(main)
+    r = one_row(arun, srv)
     assert r.finish_reason == "error" and r.text == "onetwo" and len(srv.bodies) == 1
     assert "broke mid-stream" in r.error
 
@@ -292,13 +285,7 @@ def test_an_error_event_mid_stream_ends_the_row(arun):
     ev = chat_chunks(["a"])[:1] + [{"error": {"message": "engine dead", "code": 500}}]
     srv = Server(lambda req, n: httpx.Response(200, content=sse(*ev)))
 
-    async def main():
-        eng = engine(srv)
-        r = await eng.submit("p")
-        await eng.aclose()
-        return r
-
-    r = arun(main)
+    r = one_row(arun, srv)
     assert r.finish_reason == "error" and "engine dead" in r.error and r.text == "a"
 
 
