@@ -12,8 +12,7 @@ same batch size, and the per-step mask time at several batch sizes.
            free, constrained (--repeat rounds); the best of each and the median
            per-round ratio are printed.
   mask     per decode step at batch B, outside the engine: llguidance filling the
-           bitmask for B matchers (as the engine does: its thread pool with >= 8
-           CPU cores, else the calling thread), consuming one token per row,
+           bitmask for B matchers (as the engine's fill thread does), consuming one token per row,
            and applying the mask to [B, V] logits on the device (mlxnb.constrain.masked,
            timed to mx.eval). Rows advance by a random allowed token; a finished
            grammar restarts. mean / p50 / p90 ms per step.
@@ -27,6 +26,7 @@ back to "synthetic".
 Needs only mlx, mlx-lm and llguidance (plus this checkout's mlxnb). Plain numbers out:
   python bench/constrained_bench.py                     # B=32, mask at B=32,128
   python bench/constrained_bench.py --batch 32 --new 128 --repeat 3 --dtype bfloat16
+  python bench/constrained_bench.py --profile          # where each step's time goes
 """
 
 from __future__ import annotations
@@ -180,6 +180,36 @@ async def one_pass(eng, B: int, new: int, constrained: bool, seed: int) -> dict:
                 ms_step=1000 * secs / max(len(steps), 1), finish=fin)
 
 
+class Parts:
+    """Host ms per decode step by part (Engine.trace), for --profile. A tick runs
+    several steps (a streak); "tick" is its whole time, spread over its steps."""
+
+    def __init__(self):
+        self.sums, self.steps = {}, 0
+
+    def __call__(self, name, value):
+        if name == "launch":
+            self.steps += 1
+        if not name.startswith("n."):
+            self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def line(self) -> str:
+        n = max(self.steps, 1)
+        return "  ".join(f"{k} {1000 * v / n:.2f}" for k, v in sorted(self.sums.items()))
+
+
+async def profiled(eng, profile: bool, *a, **k) -> dict:
+    parts = Parts() if profile else None
+    eng.trace(parts)
+    try:
+        res = await one_pass(eng, *a, **k)
+    finally:
+        eng.trace(None)
+    if parts is not None:
+        res["parts"] = parts.line()
+    return res
+
+
 async def decode(model, tok, args) -> dict:
     B = args.batch
     eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None)
@@ -187,8 +217,8 @@ async def decode(model, tok, args) -> dict:
         await one_pass(eng, B, min(args.new, 16), c, seed=99)
     free, cons, ratios = [], [], []
     for k in range(args.repeat):
-        f = await one_pass(eng, B, args.new, False, seed=k)
-        c = await one_pass(eng, B, args.new, True, seed=k)
+        f = await profiled(eng, args.profile, B, args.new, False, seed=k)
+        c = await profiled(eng, args.profile, B, args.new, True, seed=k)
         free.append(f)
         cons.append(c)
         ratios.append(c["tok_s"] / f["tok_s"])
@@ -196,6 +226,9 @@ async def decode(model, tok, args) -> dict:
             f"{f['steps']} steps)   constrained {c['tok_s']:8.1f} tok/s "
             f"({c['ms_step']:.2f} ms/step, {c['steps']} steps, {c['finish']})  "
             f"ratio {ratios[-1]:.3f}")
+        if args.profile:
+            log(f"    free ms/step:        {f['parts']}\n"
+                f"    constrained ms/step: {c['parts']}")
     await eng.aclose()
     best_f, best_c = max(x["tok_s"] for x in free), max(x["tok_s"] for x in cons)
     return dict(B=B, free_tok_s=best_f, constrained_tok_s=best_c,
@@ -220,7 +253,7 @@ def mask_time(tok, B: int, steps: int, V: int) -> dict:
     fill, consume, apply = [], [], []
     for step in range(steps + 3):  # 3 warm-up steps
         t0 = pc()
-        buf = cons.fill(ms)  # as the engine fills them (thread pool or this thread)
+        buf = cons.fill(ms)  # as the engine fills them (llguidance's pool)
         t1 = pc()
         out = masked(logits, mx.array(buf), shifts)
         mx.eval(out)
@@ -260,17 +293,16 @@ def main():
     ap.add_argument("--tokenizer", default="default",
                     help="tokenizer.json | model directory | default | synthetic")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="print host ms per decode step by part (Engine.trace) for each pass")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
     import llguidance
 
-    from mlxnb import constrain
-
     log(f"device {mx.default_device()} | mlx {mx.__version__} | llguidance "
         f"{llguidance.__version__} | {platform.machine()} | python {platform.python_version()}"
-        f" | masks filled {'in parallel' if constrain._PARALLEL else 'on one thread'}"
-        f" ({os.cpu_count()} CPUs)")
+        f" | {os.cpu_count()} CPUs")
     tok, what = load_tokenizer(args.tokenizer)
     V = len(tok._tokenizer)
     log(f"tokenizer: {what}, {V} tokens")

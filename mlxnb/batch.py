@@ -38,6 +38,7 @@ from .prefix import PrefixStore
 from .rows import SamplingParams
 from .sampling import BatchSampler, top_logprobs
 
+
 @dataclass
 class Admit:
     row_id: int
@@ -114,7 +115,7 @@ class BatchExecutor:
 
     def trace(self, tracer) -> None:
         """Report each tick's parts to `tracer(name, seconds)` (_trace.py); None: off."""
-        self.tracer = self.prefill.tracer = tracer
+        self.tracer = self.prefill.tracer = self.constraints.tracer = tracer
 
     def _probe_ids(self) -> List[int]:
         """Token ids of ordinary text, for probe forwards (any ids if the tokenizer
@@ -365,13 +366,15 @@ class BatchExecutor:
         rows, want, procs = self._batch_rows, self._want_lp, self._any_procs
         tr = self.tracer
         t = pc() if tr else 0.0
+        con = self.constraints if self._any_constrained else None
         logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
         if want or procs or self.sampler.needs_float32:
             logits = logits.astype(mx.float32)
         if procs:
             logits = self._process(rows, logits, u)
-        if self._any_constrained:  # reads the step in flight; masks while the forward runs
-            logits = self.constraints.apply(logits, rows, self.inflight, self.rows)
+        if con is not None:  # constrain.py: masks fill while the forward launches
+            con.start(self.inflight, self.rows, rows)
+            logits = con.apply(logits)
         if tr:
             t = lap(tr, "launch.fwd_build", t)
         tokens = self.sampler.sample(logits)  # [B]
@@ -485,6 +488,7 @@ class BatchExecutor:
     def close(self, clear_cache: bool = True):
         self.prefill.clear()
         self._reset_batch()
+        self.constraints.close()
         if self.prefix is not None:
             self.prefix.clear()
         if clear_cache:

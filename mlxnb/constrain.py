@@ -1,18 +1,20 @@
 """Structured rows: a JSON schema, a regex, a list of choices or a grammar per row.
 
 llguidance (Rust; a structured-output backend of vLLM and llama.cpp) compiles each
-constraint into a matcher over the model's tokenizer and fills the token bitmasks of
-all constrained rows in one call (on its thread pool where cores are to spare).
-Constrained rows and free rows share the batch; only constrained rows pay for masks.
+constraint into a matcher over the model's tokenizer and fills each constrained
+row's token bitmask for the next step. Constrained rows and free rows share the
+batch; only constrained rows pay for masks.
 
 The decode pipeline launches step N+1 before the host has read step N's tokens, but
 a row's mask for step N+1 depends on the token it took at step N. So for a batch
-that holds constrained rows, `_launch` queues the forward pass, then (`apply`) reads
-step N's tokens (ready before the forward starts), advances the matchers and fills
-the masks while the device runs the forward pass, and only then masks the logits and
-samples. Masking sets disallowed logits to -inf before the shared sampler, so greedy,
-temperature, top-k/p, min-p and the per-row seeded noise work unchanged, and a seeded
-constrained row draws the same tokens alone or in any batch.
+that holds constrained rows, `_launch` builds step N+1's forward pass, reads step
+N's tokens (done by then: that step was launched a whole step ago), and hands them
+to the fill thread, which feeds each matcher its token and fills the next masks
+while the worker launches the forward's kernels (`mx.async_eval` drops the GIL).
+Then the worker masks the logits and samples. Masking sets disallowed logits to
+-inf before the shared sampler, so greedy, temperature, top-k/p, min-p and the
+per-row seeded noise work unchanged, and a seeded constrained row draws the same
+tokens alone or in any batch.
 
 A row whose grammar is complete (nothing may follow) ends with `stop` at once, as if
 it had sampled the end-of-sequence token; one cut by max_tokens ends with `length`.
@@ -21,21 +23,19 @@ it had sampled the end-of-sequence token; one cut by max_tokens ends with `lengt
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Dict, List, Optional, Tuple
+
+from ._trace import lap, pc
 
 KINDS = ("json_schema", "regex", "choices", "grammar")
 # Whitespace inside JSON is fixed (", " and ": ", none elsewhere): with flexible
 # whitespace a model can spend its whole token budget on spaces and newlines.
 _JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE = 256  # compiled constraints kept per engine
-# llguidance's thread pool pays a hand-off per call: on 2 busy CPU cores it took 4x
-# longer than filling on the calling thread (32 rows: 2.3 vs 0.54 ms; 128: 6.4 vs
-# 1.9 ms, SmolLM2's vocab), so it is used only where cores are to spare.
-_PARALLEL = (os.cpu_count() or 1) >= 8
 
 
 def _short(v: Any, n: int = 60) -> str:
@@ -159,12 +159,14 @@ class Constraints:
         self._lock = threading.Lock()
         self._llt = None
         self._cache: "OrderedDict[tuple, Any]" = OrderedDict()
-        self._executor = None
+        self._filler = None  # the fill thread: the worker launches the forward meanwhile
+        self._pending: Optional[Future] = None  # the masks being filled for this launch
         self._advanced = None  # the in-flight step whose tokens the matchers consumed
         self._pos_for = None  # batch rows list -> positions of its constrained rows
         self._pos: List[int] = []
         self._idx = None
         self._shifts = None
+        self.tracer = None  # _trace.py: set by BatchExecutor.trace
 
     def lltokenizer(self):
         """llguidance's view of the tokenizer (built once: ~0.4 s for 49k tokens)."""
@@ -229,60 +231,88 @@ class Constraints:
         return m
 
     # -- the batch (worker thread only) --------------------------------------------
-    def advance(self, inflight, rows: Dict[int, Any]) -> None:
-        """Feed the tokens of the step in flight to its constrained rows' matchers
-        (once per step, whichever of launch and read comes first)."""
+    def _read_tokens(self, inflight, rows: Dict[int, Any]) -> list:
+        """[(matcher, token)] of the step in flight's constrained rows, each step once
+        (whichever of launch and read comes first); [] when already taken."""
         if inflight is None or inflight is self._advanced:
-            return
+            return []
         self._advanced = inflight
         ids, tokens, _ = inflight
         pairs = [(i, r.matcher) for i, rid in enumerate(ids)
                  if (r := rows.get(rid)) is not None and r.matcher is not None]
         if not pairs:
-            return
-        toks = tokens.tolist()
-        for i, m in pairs:
-            if not m.is_stopped():
-                m.consume_token(toks[i])  # a refused token leaves m in its error state
+            return []
+        tr = self.tracer
+        t = pc() if tr else 0.0
+        toks = tokens.tolist()  # the step in flight: done by now (module docstring)
+        if tr:
+            lap(tr, "mask.wait", t)
+        return [(m, toks[i]) for i, m in pairs]
 
-    def apply(self, logits, batch_rows, inflight, rows):
-        """Mask the constrained rows' logits [B, V] (see the module docstring)."""
-        import mlx.core as mx
+    def advance(self, inflight, rows: Dict[int, Any]) -> None:
+        """Feed the step in flight's tokens to its constrained rows' matchers now."""
+        _feed(self._read_tokens(inflight, rows))
 
-        mx.async_eval(logits)  # the forward pass runs while the host fills the masks
-        self.advance(inflight, rows)
+    def start(self, inflight, rows: Dict[int, Any], batch_rows: list) -> None:
+        """Hand the step in flight's tokens to the fill thread, which feeds them to
+        the matchers and fills the next masks; `apply` collects them."""
+        tr = self.tracer
+        t = pc() if tr else 0.0
+        feed = self._read_tokens(inflight, rows)
         if self._pos_for is not batch_rows:
+            import mlx.core as mx
+
             self._pos_for = batch_rows
             self._pos = [i for i, r in enumerate(batch_rows) if r.matcher is not None]
             self._idx = mx.array(self._pos) if self._pos else None
-        pos = self._pos
-        if not pos:
+        if not self._pos:
+            _feed(feed)  # rows in flight that have left the batch still finish
+        else:
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="mlxnb-masks")
+            ms = [batch_rows[i].matcher for i in self._pos]
+            self._pending = self._filler.submit(self._feed_and_fill, feed, ms)
+        if tr:
+            lap(tr, "mask.start", t)
+
+    def _feed_and_fill(self, feed: list, matchers: list):
+        _feed(feed)
+        return self.fill(matchers)
+
+    def apply(self, logits):
+        """The batch's logits [B, V] with the constrained rows' masks applied. The
+        forward's kernels are launched first, while the fill thread works."""
+        import mlx.core as mx
+
+        tr = self.tracer
+        t = pc() if tr else 0.0
+        mx.async_eval(logits)  # releases the GIL: the fill thread runs meanwhile
+        if tr:
+            t = lap(tr, "mask.launch", t)
+        pending, self._pending = self._pending, None
+        if pending is None:
             return logits
-        buf = self.fill([batch_rows[i].matcher for i in pos])
+        buf = pending.result()
+        if tr:
+            t = lap(tr, "mask.join", t)
         if self._shifts is None:
             self._shifts = mx.arange(32, dtype=mx.uint32)
-        B, V = logits.shape
-        if len(pos) == B:
+        if len(self._pos) == logits.shape[0]:
             return masked(logits, mx.array(buf), self._shifts)
-        sub = masked(logits[self._idx], mx.array(buf), self._shifts)
-        logits[self._idx] = sub
+        logits[self._idx] = masked(logits[self._idx], mx.array(buf), self._shifts)
         return logits
 
     def fill(self, matchers: list):
-        """The next-token bitmasks [len(matchers), ceil(vocab / 32)] int32."""
+        """The next-token bitmasks [len(matchers), ceil(vocab / 32)] int32.
+
+        One matcher at a time: each call drops the GIL while it works. llguidance's
+        thread pool (LLExecutor) costs more in hand-offs than the masks themselves
+        at these sizes (32 rows mid-output: 5 ms against 0.4 ms one by one)."""
         import llguidance.numpy as lln
 
         buf = lln.allocate_token_bitmask(len(matchers), self.lltokenizer().vocab_size)
-        if _PARALLEL:
-            if self._executor is None:
-                import llguidance as llg
-
-                self._executor = llg.LLExecutor()
-            lln.fill_next_token_bitmask_par(
-                self._executor, [(m, j) for j, m in enumerate(matchers)], buf)
-        else:
-            for j, m in enumerate(matchers):
-                lln.fill_next_token_bitmask(m, buf, j)
+        for j, m in enumerate(matchers):
+            lln.fill_next_token_bitmask(m, buf, j)
         return buf
 
     def finish(self, r, emit, eos: set, finish: Optional[tuple]) -> Optional[tuple]:
@@ -299,8 +329,25 @@ class Constraints:
         return ("stop", None) if finish == ("length", None) else finish
 
     def reset(self) -> None:
+        """Forget the batch (its rows left or failed); a fill still running is
+        waited for, so no matcher is read after its row is gone."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            wait([pending])
         self._advanced = self._pos_for = self._idx = None
         self._pos = []
+
+    def close(self) -> None:
+        self.reset()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
+            self._filler = None
+
+
+def _feed(pairs: list) -> None:
+    for m, tok in pairs:
+        if not m.is_stopped():
+            m.consume_token(tok)  # a refused token leaves m in its error state
 
 
 def masked(logits, words, shifts):

@@ -290,7 +290,9 @@ def test_top_k_min_p_and_logprobs_see_only_allowed_tokens(tiny, arun):
         assert all(lp > -1e9 for _, lp in first["top"]) and first["logprob"] <= 0
 
 
-def test_thread_pool_and_calling_thread_fill_the_same_masks(tiny, monkeypatch):
+def test_the_pool_fills_the_masks_each_matcher_gives_alone(tiny):
+    import llguidance.numpy as lln
+
     from mlxnb import constrain
     from mlxnb.rows import SamplingParams
 
@@ -300,12 +302,12 @@ def test_thread_pool_and_calling_thread_fill_the_same_masks(tiny, monkeypatch):
     ms = [cons.compile(SamplingParams(**k)) for k in kinds * 3]
     for m, t in zip(ms[4:], b'{Ay({Bm('):
         assert m.consume_token(t)  # some rows a token in (the byte vocab: id == byte)
-    masks = {}
-    for par in (True, False):
-        monkeypatch.setattr(constrain, "_PARALLEL", par)
-        masks[par] = cons.fill(ms)
-    np.testing.assert_array_equal(masks[True], masks[False])
-    first = np.unpackbits(masks[False][0].view(np.uint8), bitorder="little")
+    pooled = cons.fill(ms)
+    alone = lln.allocate_token_bitmask(len(ms), cons.lltokenizer().vocab_size)
+    for j, m in enumerate(ms):
+        lln.fill_next_token_bitmask(m, alone, j)
+    np.testing.assert_array_equal(pooled, alone)
+    first = np.unpackbits(alone[0].view(np.uint8), bitorder="little")
     assert np.flatnonzero(first).tolist() == [ord("{")]  # a JSON object starts with {
 
 
