@@ -290,25 +290,43 @@ def test_top_k_min_p_and_logprobs_see_only_allowed_tokens(tiny, arun):
         assert all(lp > -1e9 for _, lp in first["top"]) and first["logprob"] <= 0
 
 
-def test_the_pool_fills_the_masks_each_matcher_gives_alone(tiny):
+def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch):
+    from types import SimpleNamespace
+
     import llguidance.numpy as lln
+    import mlx.core as mx
 
     from mlxnb import constrain
     from mlxnb.rows import SamplingParams
 
+    monkeypatch.setattr(constrain, "_FILL_THREADS", 3)  # 12 rows: 4 per thread
     cons = constrain.Constraints(tiny[1])
     kinds = [dict(json_schema=PERSON), dict(regex=REGEX), dict(choices=CHOICES),
              dict(grammar=LARK)]
     ms = [cons.compile(SamplingParams(**k)) for k in kinds * 3]
-    for m, t in zip(ms[4:], b'{Ay({Bm('):
-        assert m.consume_token(t)  # some rows a token in (the byte vocab: id == byte)
-    pooled = cons.fill(ms)
+    rows = [SimpleNamespace(matcher=m) for m in ms]
+    rows.insert(5, SimpleNamespace(matcher=None))  # a free row between them
+    # the step in flight: one token for each of the last 8 constrained rows
+    ids = list(range(len(rows)))
+    toks = [0] * len(rows)
+    fed = [i for i in ids if rows[i].matcher is not None][4:]
+    for i, t in zip(fed, b'{Ay({Bm('):
+        toks[i] = t
+    by_id = {i: rows[i] for i in fed}  # rows the step in flight feeds
+    cons.start((ids, mx.array(toks), None), by_id, rows)
+    logits = cons.apply(mx.zeros((len(rows), cons.lltokenizer().vocab_size)))
     alone = lln.allocate_token_bitmask(len(ms), cons.lltokenizer().vocab_size)
     for j, m in enumerate(ms):
+        assert not m.is_error()
         lln.fill_next_token_bitmask(m, alone, j)
-    np.testing.assert_array_equal(pooled, alone)
+    np.testing.assert_array_equal(cons._buf, alone)
+    assert (alone[4] != alone[0]).any()  # the fill threads fed '{' to row 4 first
+    allowed = np.isfinite(np.array(logits))
+    assert allowed[5].all()  # the free row is not masked
     first = np.unpackbits(alone[0].view(np.uint8), bitorder="little")
     assert np.flatnonzero(first).tolist() == [ord("{")]  # a JSON object starts with {
+    assert np.flatnonzero(allowed[0]).tolist() == [ord("{")]
+    cons.close()
 
 
 def test_a_remote_engine_refuses_constraints_instead_of_dropping_them(arun):
