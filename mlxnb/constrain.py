@@ -9,8 +9,8 @@ The decode pipeline launches step N+1 before the host has read step N's tokens, 
 a row's mask for step N+1 depends on the token it took at step N. So for a batch
 that holds constrained rows, `_launch` builds step N+1's forward pass, reads step
 N's tokens (done by then: that step was launched a whole step ago), and hands them
-to the fill thread, which feeds each matcher its token and fills the next masks
-while the worker launches the forward's kernels (`mx.async_eval` drops the GIL).
+to fill threads, which feed each matcher its token and fill the next masks while
+the worker launches the forward's kernels (`mx.async_eval` drops the GIL).
 Then the worker masks the logits and samples. Masking sets disallowed logits to
 -inf before the shared sampler, so greedy, temperature, top-k/p, min-p and the
 per-row seeded noise work unchanged, and a seeded constrained row draws the same
@@ -163,7 +163,7 @@ class Constraints:
         self._lock = threading.Lock()
         self._llt = None
         self._cache: "OrderedDict[tuple, Any]" = OrderedDict()
-        self._filler = None  # the fill thread: the worker launches the forward meanwhile
+        self._filler = None  # fill threads: the worker launches the forward meanwhile
         self._pending: Optional[List[Future]] = None  # fills of this launch's masks
         self._buf = None  # the bitmask they fill
         self._advanced = None  # the in-flight step whose tokens the matchers consumed
@@ -205,6 +205,24 @@ class Constraints:
     def validate(self, p) -> None:
         """Compile `p`'s constraint (cached) or raise a one-line ValueError."""
         self._template(p)
+
+    def check(self, p, text: str) -> Optional[str]:
+        """Why `text` does not satisfy `p`'s constraint, or None when it does. A
+        fresh matcher reads the text as the tokenizer spells it, so this holds for
+        any ending: the grammar's own, max_tokens, or a stop string that cut it."""
+        m = self.compile(p)
+        if m is None:
+            return None
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        n = m.try_consume_tokens(ids)
+        what = {"json_schema": "its schema", "regex": "its regex", "choices": "its choices",
+                "grammar": "its grammar"}[kind_of(p)]
+        if n < len(ids):
+            at = len(self._tokenizer.decode(ids[:n]))
+            return f"breaks {what} at character {at}: {_short(text[at:], 24)}"
+        if not m.is_accepting():
+            return f"incomplete: {what} needs more"
+        return None
 
     def _template(self, p):
         key = _key(p)
@@ -259,8 +277,8 @@ class Constraints:
         _feed(self._read_tokens(inflight, rows))
 
     def start(self, inflight, rows: Dict[int, Any], batch_rows: list) -> None:
-        """Hand the step in flight's tokens to the fill thread, which feeds them to
-        the matchers and fills the next masks; `apply` collects them."""
+        """Hand the step in flight's tokens to the fill threads, each of which feeds
+        its share of the matchers and fills their next masks; `apply` collects them."""
         tr = self.tracer
         t = pc() if tr else 0.0
         feed = self._read_tokens(inflight, rows)
@@ -274,16 +292,17 @@ class Constraints:
             _feed(feed)  # rows in flight that have left the batch still finish
         else:
             if self._filler is None:
-                self._filler = ThreadPoolExecutor(_FILL_THREADS, thread_name_prefix="mlxnb-masks")
+                self._filler = ThreadPoolExecutor(_FILL_THREADS, "mlxnb-masks")
             ms = [batch_rows[i].matcher for i in self._pos]
-            tok = {id(m): t for m, t in feed}
-            buf = self.bitmask(len(ms))
+            token = {id(m): tk for m, tk in feed}
+            self._buf = buf = self.bitmask(len(ms))
             n = -(-len(ms) // _FILL_THREADS)  # rows per fill thread
-            self._pending = [self._filler.submit(
-                self._feed_and_fill, [(m, tok.pop(id(m))) for m in ms[j:j + n] if id(m) in tok],
-                ms[j:j + n], buf, j) for j in range(0, len(ms), n)]
-            _feed([(m, t) for m, t in feed if id(m) in tok])  # rows that left the batch
-            self._buf = buf
+            self._pending = [
+                self._filler.submit(self._feed_and_fill,
+                                    [(m, token.pop(id(m))) for m in part if id(m) in token],
+                                    part, buf, j)
+                for j in range(0, len(ms), n) for part in [ms[j:j + n]]]
+            _feed([(m, tk) for m, tk in feed if id(m) in token])  # rows that left the batch
         if tr:
             lap(tr, "mask.start", t)
 
@@ -293,12 +312,12 @@ class Constraints:
 
     def apply(self, logits):
         """The batch's logits [B, V] with the constrained rows' masks applied. The
-        forward's kernels are launched first, while the fill thread works."""
+        forward's kernels are launched first, while the fill threads work."""
         import mlx.core as mx
 
         tr = self.tracer
         t = pc() if tr else 0.0
-        mx.async_eval(logits)  # releases the GIL: the fill thread runs meanwhile
+        mx.async_eval(logits)  # releases the GIL: the fill threads run meanwhile
         if tr:
             t = lap(tr, "mask.launch", t)
         pending, self._pending = self._pending, None
@@ -426,16 +445,20 @@ def _parse(row) -> Tuple[Any, Optional[str]]:
     except ValueError as e:
         cut = " (cut by max_tokens: raise --max-tokens)" if row.finish_reason == "length" else ""
         return None, f"not valid JSON: {e}{cut}"
+    err = getattr(row, "constraint_error", None)
+    if err is not None:  # JSON, but a stop string cut it before the schema was met
+        return None, err
     return value, None
 
 
 def record_fields(row) -> dict:
-    """Columns a constrained row adds to `Run.records()`: `constraint`, `json_error`
-    and `json.<field>` per top-level field of a JSON object."""
+    """Columns a constrained row adds to `Run.records()`: `constraint`, `valid`
+    (its output satisfies the constraint), `json_error` and `json.<field>` per
+    top-level field of a JSON object."""
     kind = kind_of(row.params)
     if kind is None:
         return {}
-    out = {"constraint": kind}
+    out = {"constraint": kind, "valid": row.valid}
     if kind == "json_schema":
         value, err = parse_json(row)
         out["json_error"] = err
@@ -463,6 +486,6 @@ def _status(row, kind) -> str:
         return "pending"
     if kind == "json_schema":
         return parse_json(row)[1] or "ok"
-    if row.finish_reason == "stop":
-        return "ok"
-    return f"incomplete ({row.finish_reason})"
+    if row.finish_reason in ("error", "cancelled"):
+        return f"incomplete ({row.finish_reason})"
+    return row.constraint_error or "ok"

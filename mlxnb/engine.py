@@ -36,7 +36,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import _aio, progress
 from .batch import Admit, BatchExecutor
-from .constrain import normalize as normalize_constraint
+from .constrain import kind_of, normalize as normalize_constraint
 from .caches import KV_BITS, KV_GROUP_SIZES
 from .protocol import Listeners
 from .rows import PREFILL, Row, SamplingParams, StepRecord
@@ -604,6 +604,11 @@ class Engine(Listeners):
         self._live.pop(row.id, None)
         self._finished[row.id] = row
         self.finished[reason] += 1
+        if reason in ("stop", "length") and kind_of(row.params) is not None:
+            try:
+                row.constraint_error = self._exec.constraints.check(row.params, row.text)
+            except Exception as e:  # the row's result stands; the check says it failed
+                row.constraint_error = f"could not be checked: {type(e).__name__}: {e}"
         row._finish(reason, error)
         self._notify("finish", row)
 

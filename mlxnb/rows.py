@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional
 from ._aio import awaitable_on
 from ._log import swallowed
 from ._text import RANGES, one_line
-from .constrain import check_params as check_constraint, parse_json
+from .constrain import check_params as check_constraint, kind_of, parse_json
 
 
 QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
@@ -96,6 +96,7 @@ class RowResult:
     params: dict
     json: Any = None  # the text parsed as JSON (see Row.json)
     json_error: Optional[str] = None
+    valid: Optional[bool] = None  # a constrained row's text satisfies its constraint
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,6 +131,9 @@ class Row:
         self.cached_tokens = 0
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
+        # a constrained row that ended stop/length: why its text breaks its
+        # constraint (None: it satisfies it); set by the engine as the row ends
+        self.constraint_error: Optional[str] = None
         self._t0 = t0  # the engine clock's origin (perf_counter)
         self.t_submit = time.perf_counter() - t0
         self.t_admit: Optional[float] = None
@@ -162,6 +166,15 @@ class Row:
         return parse_json(self)[1]
 
     @property
+    def valid(self) -> Optional[bool]:
+        """A finished constrained row: does its text satisfy its constraint? (None
+        for free rows, unfinished rows, and rows that ended in error or cancelled.)"""
+        if (not self.done or kind_of(self.params) is None
+                or self.finish_reason not in ("stop", "length")):
+            return None
+        return self.constraint_error is None
+
+    @property
     def ttft_s(self) -> Optional[float]:
         return None if self.t_first is None else self.t_first - self.t_submit
 
@@ -183,7 +196,7 @@ class Row:
             cached_tokens=self.cached_tokens, ttft_s=self.ttft_s, tok_s=self.tok_s,
             logprobs=self.logprobs, error=self.error, seed=p.seed,
             params={k: v for k, v in asdict(p).items() if k != "logits_processors"},
-            json=self.json, json_error=self.json_error,
+            json=self.json, json_error=self.json_error, valid=self.valid,
         )
 
     def __await__(self):

@@ -94,6 +94,8 @@ def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun):
             assert valid(r), (r.params, r.text)
         else:
             assert r.ntok == r.params.max_tokens
+        # the engine's own check of the finished text agrees with jsonschema / re
+        assert r.valid == (valid(r) if kind_of(r.params) else None), (r.params, r.text)
     # The constraints are what end these rows: each kind stops (valid) before its cap.
     for kind in ("json_schema", "regex", "choices"):
         assert all(r.finish_reason == "stop" for r in by[kind]), kind
@@ -151,6 +153,43 @@ def test_complete_grammar_stops_without_waiting_for_eos(tiny, arun):
     r = arun(main)
     # the byte model never samples eos; the finished grammar ends the row
     assert (r.finish_reason, r.text, r.ntok) == ("stop", "abc", 3)
+
+
+def test_a_stop_string_that_cuts_a_constrained_row_leaves_it_not_valid(tiny, arun):
+    from mlxnb.constrain import widget_fields
+
+    async def main():
+        eng = make(tiny)
+        cut = eng.submit("pick", chat=False, choices=["abc"], max_tokens=50, stop=["b"])
+        js = eng.submit("pick", chat=False, json_schema={"enum": [123]}, max_tokens=9,
+                        stop=["3"])
+        whole = eng.submit("pick", chat=False, choices=["abc"], max_tokens=50)
+        await eng.wait()
+        await eng.aclose()
+        return cut, js, whole
+
+    cut, js, whole = arun(main)
+    assert (cut.finish_reason, cut.text, cut.valid) == ("stop", "a", False)
+    assert cut.constraint_error == "incomplete: its choices needs more"
+    assert widget_fields(cut) == {"con": "choice", "parse": cut.constraint_error}
+    assert (whole.finish_reason, whole.valid, widget_fields(whole)["parse"]) == (
+        "stop", True, "ok")
+    # JSON that parses, but the stop string cut it from the only value allowed
+    assert (js.text, js.finish_reason, js.valid, js.json) == ("12", "stop", False, None)
+    assert js.json_error == "incomplete: its schema needs more"
+    assert whole.result().valid is True and cut.result().valid is False
+
+
+def test_check_names_where_a_text_breaks_its_constraint(tiny):
+    from mlxnb.constrain import Constraints
+    from mlxnb.rows import SamplingParams
+
+    cons = Constraints(tiny[1])
+    p = SamplingParams(regex=REGEX)
+    assert cons.check(p, "AB-123") is None
+    assert cons.check(p, "AB-12") == "incomplete: its regex needs more"
+    assert cons.check(p, "AB-1x3").startswith("breaks its regex at character 4: 'x3'")
+    assert cons.check(SamplingParams(), "anything") is None
 
 
 def test_schema_forms_gbnf_and_pandas_columns(tiny, arun):
