@@ -1053,7 +1053,7 @@ async def do_profile(model, tok, rng, args, B, vocab, results):
         run_raw(model, p1, args.new, prof=raw_prof)
         raw_prof.update(run_raw_sync(model, p1, min(args.new, 32)))
         # the same loop on the engine's cache views, on the engine's own MLX thread
-        from mlxnb.engine import _mlx_worker
+        from mlxnb._threads import mlx_worker
 
         views_prof = {}
 
@@ -1062,7 +1062,7 @@ async def do_profile(model, tok, rng, args, B, vocab, results):
             with GcTimer() as g:
                 run_raw(model, p1, args.new, prof=views_prof, views=True)
             views_prof["gc_ms"] = g.ms
-        _mlx_worker().submit(on_worker).result()
+        mlx_worker().submit(on_worker).result()
         raw_prof["views_on_worker"] = views_prof
         prof = EngineProfiler()
         p2 = make_prompts(rng, B, args.prompt, vocab)

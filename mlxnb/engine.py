@@ -19,19 +19,14 @@ worker, one small job at a time, between other engines' ticks.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import concurrent.futures
-import ctypes
 import dataclasses
 import gc
 import itertools
-import os
 import secrets
 import threading
 import time
 import weakref
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import _aio, progress
@@ -42,6 +37,7 @@ from .protocol import Listeners
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
 from ._log import log
+from ._threads import TemplateTimeout, bounded, load_bounded, mlx_worker, release_heap
 from ._text import fmt_bytes, parse_bytes
 from ._trace import timed
 from .scheduler import Scheduler
@@ -56,10 +52,6 @@ class _WontFit(ValueError):
     "context" or "KV cache" (submit(context=1)) must still raise."""
 
 
-class _TemplateTimeout(Exception):
-    """Raised inside a chat-template render that ran past its time bound."""
-
-
 # Longest run of decode steps the worker takes without the loop. Each round trip
 # costs ~0.4 ms of host time the device waits for
 # (bench/results/2026-11-29-h200-before-fusion.md); new rows and cancels end a streak
@@ -71,126 +63,6 @@ _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped fir
 # is stopped and the prompt refused, so running rows stall no longer than this.
 _TEMPLATE_S = 2.0
 _LOAD_TIMEOUT_S = 900.0  # default bound on reading a model (a download included)
-_WORKER_TIDS: set = set()
-_WORKER: Optional[ThreadPoolExecutor] = None
-_WORKER_LOCK = threading.Lock()
-
-
-def _mlx_worker() -> ThreadPoolExecutor:
-    """The process's one MLX thread, shared by every Engine.
-
-    MLX keeps streams and, on CUDA, its per-shape kernel state (cuDNN attention
-    graphs, CUDA graphs, library handles) in thread-locals (`thread_local` across
-    mlx/backend/cuda). With a thread per Engine every new Engine -- a re-run cell,
-    `%mlxnb load` -- started cold: each prefill shape paid its 50-300 ms setup again
-    (bench/results/2026-11-29-h200-diagnostics.md)."""
-    global _WORKER
-    with _WORKER_LOCK:
-        if _WORKER is None:
-            _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxnb-mlx")
-            _WORKER_TIDS.add(_WORKER.submit(threading.get_native_id).result())
-        return _WORKER
-
-
-def _forget_worker():
-    # A forked child inherits _WORKER but not its thread: without this, Engine()
-    # there would hang on the first submit.
-    global _WORKER
-    _WORKER = None
-    _WORKER_TIDS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_worker)
-
-
-@atexit.register
-def _await_worker_exit():
-    # MLX's thread-local destructors take the GIL as a thread exits; a worker still
-    # exiting while the interpreter finalizes aborts the process ("terminate called
-    # without an active exception", rc 134, ~10% of script runs). atexit runs after
-    # the pool threads are joined, so wait (bounded) until their OS threads are gone.
-    deadline = time.monotonic() + 2.0
-    for tid in list(_WORKER_TIDS):
-        while os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
-            time.sleep(0.001)
-
-
-def _bounded(fn, timeout: float):
-    """fn() on a helper thread, waited for at most `timeout` s; past that the thread is
-    stopped with an exception raised inside it (it runs Python code: a template render)
-    and _TemplateTimeout raised here."""
-    box = {}
-
-    def work():
-        try:
-            box["ok"] = fn()
-        except BaseException as e:
-            box["err"] = e
-
-    t = threading.Thread(target=work, daemon=True, name="mlxnb-template")
-    t.start()
-    try:
-        t.join(timeout)
-    finally:
-        if t.is_alive():  # timed out or interrupted: do not leave it spinning
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident),
-                                                       ctypes.py_object(_TemplateTimeout))
-    if t.is_alive():
-        raise _TemplateTimeout()
-    if "err" in box:
-        raise box["err"]
-    return box["ok"]
-
-
-def _load_bounded(name, timeout: Optional[float]):
-    """`models.load_model(name)` on a thread of its own, waited for at most `timeout`
-    seconds (None: no limit); an interrupt (KeyboardInterrupt) ends the wait at once.
-
-    Reading weights, a download or a hung file system may block for good; off the
-    caller's thread and off the MLX worker that steps running batches, the cost is one
-    abandoned thread, whose result is dropped if it ever comes. mlx-lm evaluates the
-    weights it loads, so the worker uses them as plain buffers."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-
-    def work():
-        _WORKER_TIDS.add(threading.get_native_id())  # it runs MLX: see _await_worker_exit
-        try:
-            from .models import load_model
-
-            fut.set_result(load_model(name))
-        except BaseException as e:  # handed to the waiting thread
-            fut.set_exception(e)
-
-    threading.Thread(target=work, daemon=True, name="mlxnb-load").start()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    # Short waits: a pending interrupt is raised between them (one untimed wait sleeps
-    # through an interrupt that arrives as a flag, not as a signal to this thread).
-    while True:
-        left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
-        try:
-            return fut.result(max(left, 0.0))
-        except concurrent.futures.TimeoutError:
-            if deadline is None or time.monotonic() < deadline:
-                continue
-        from .models import ModelLoadError
-
-        raise ModelLoadError(
-            f"loading {str(name)!r} took longer than {timeout:g} s (a stalled download or "
-            "file system?); check the network or the path, or pass load_timeout=None "
-            "to wait without a limit") from None
-
-
-def _release_heap() -> None:
-    """Hand freed heap memory back to the system. glibc keeps what a thread freed in
-    that thread's arena; weights read on a loader thread and freed at close left
-    ~500 MB of RSS per kernel behind (bench/reliability.py cycles) until trimmed."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
 def _longest_token(tok) -> int:
     """Most characters one token can stand for (its vocabulary string is at least as
     long as its decoded text: byte-level and SentencePiece pieces map 1:1 or more)."""
@@ -262,7 +134,7 @@ class Engine(Listeners):
         # thread) serves on the loop of the code that first submits to it.
         self.loop = _aio.engine_loop(loop, required=False)
         self._t0 = time.perf_counter()
-        self._pool = _mlx_worker()
+        self._pool = mlx_worker()
         prefix_bytes = parse_bytes(prefix_cache) or 0 if prefix_cache else 0
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
@@ -270,7 +142,7 @@ class Engine(Listeners):
             if isinstance(model, (tuple, list)):
                 m, tok = model
             else:
-                m, tok = _load_bounded(model, load_timeout)
+                m, tok = load_bounded(model, load_timeout)
             on_worker = self._on_worker
             self._exec = on_worker(BatchExecutor, m, tok, prefill_chunk, prefix_bytes,
                                    fuse, kv_bits, kv_group_size)
@@ -372,9 +244,9 @@ class Engine(Listeners):
             msgs = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}]
             try:
-                return list(_bounded(lambda: tok.apply_chat_template(
+                return list(bounded(lambda: tok.apply_chat_template(
                     msgs, add_generation_prompt=True), _TEMPLATE_S))
-            except _TemplateTimeout:
+            except TemplateTimeout:
                 raise ValueError(f"the model's chat template ran longer than "
                                  f"{_TEMPLATE_S:g} s on this prompt and was stopped (a "
                                  "runaway loop in the template?); send the prompt as is "
@@ -652,7 +524,7 @@ class Engine(Listeners):
                 del ex
                 await self.loop.run_in_executor(self._pool, int)
                 gc.collect()
-                _release_heap()
+                release_heap()
             except RuntimeError:  # interpreter shutdown already stopped the worker
                 pass
 
@@ -665,7 +537,7 @@ class Engine(Listeners):
         if ex is not None:
             try:  # after any tick in flight: the worker runs one thing at a time
                 self._pool.submit(ex.close)
-                self._pool.submit(_release_heap)
+                self._pool.submit(release_heap)
             except RuntimeError:  # interpreter shutdown already stopped the worker
                 pass
 
