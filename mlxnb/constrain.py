@@ -164,12 +164,13 @@ class Constraints:
         self._llt = None
         self._cache: "OrderedDict[tuple, Any]" = OrderedDict()
         self._filler = None  # fill threads: the worker launches the forward meanwhile
-        self._pending: Optional[List[Future]] = None  # fills of this launch's masks
-        self._buf = None  # the bitmask they fill
+        # this launch's masks: (bitmask [rows, words], the fills writing into it)
+        self._pending: Optional[Tuple[Any, List[Future]]] = None
         self._advanced = None  # the in-flight step whose tokens the matchers consumed
         self._pos_for = None  # batch rows list -> positions of its constrained rows
         self._pos: List[int] = []
         self._idx = None
+        self._shares: List[tuple] = []  # (first row, matchers) per fill thread
         self._shifts = None
         self.tracer = None  # _trace.py: set by BatchExecutor.trace
 
@@ -288,20 +289,21 @@ class Constraints:
             self._pos_for = batch_rows
             self._pos = [i for i, r in enumerate(batch_rows) if r.matcher is not None]
             self._idx = mx.array(self._pos) if self._pos else None
+            ms = [batch_rows[i].matcher for i in self._pos]
+            n = -(-len(ms) // _FILL_THREADS)  # rows per fill thread
+            self._shares = [(j, ms[j:j + n]) for j in range(0, len(ms), n)]
         if not self._pos:
             _feed(feed)  # rows in flight that have left the batch still finish
         else:
             if self._filler is None:
                 self._filler = ThreadPoolExecutor(_FILL_THREADS, "mlxnb-masks")
-            ms = [batch_rows[i].matcher for i in self._pos]
             token = {id(m): tk for m, tk in feed}
-            self._buf = buf = self.bitmask(len(ms))
-            n = -(-len(ms) // _FILL_THREADS)  # rows per fill thread
-            self._pending = [
+            buf = self.bitmask(len(self._pos))
+            self._pending = (buf, [
                 self._filler.submit(self._feed_and_fill,
                                     [(m, token.pop(id(m))) for m in part if id(m) in token],
                                     part, buf, j)
-                for j in range(0, len(ms), n) for part in [ms[j:j + n]]]
+                for j, part in self._shares])
             _feed([(m, tk) for m, tk in feed if id(m) in token])  # rows that left the batch
         if tr:
             lap(tr, "mask.start", t)
@@ -323,9 +325,9 @@ class Constraints:
         pending, self._pending = self._pending, None
         if pending is None:
             return logits
-        for f in pending:
+        buf, fills = pending
+        for f in fills:
             f.result()
-        buf = self._buf
         if tr:
             t = lap(tr, "mask.join", t)
         if self._shifts is None:
@@ -375,9 +377,9 @@ class Constraints:
         waited for, so no matcher is read after its row is gone."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            wait(pending)
+            wait(pending[1])
         self._advanced = self._pos_for = self._idx = None
-        self._pos = []
+        self._pos, self._shares = [], []
 
     def close(self) -> None:
         self.reset()
@@ -445,9 +447,8 @@ def _parse(row) -> Tuple[Any, Optional[str]]:
     except ValueError as e:
         cut = " (cut by max_tokens: raise --max-tokens)" if row.finish_reason == "length" else ""
         return None, f"not valid JSON: {e}{cut}"
-    err = getattr(row, "constraint_error", None)
-    if err is not None:  # JSON, but a stop string cut it before the schema was met
-        return None, err
+    if row.constraint_error is not None:  # JSON, cut by a stop string before the schema was met
+        return None, row.constraint_error
     return value, None
 
 
