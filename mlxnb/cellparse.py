@@ -84,14 +84,15 @@ def _fields(template: str, where: str) -> List[Tuple[str, Optional[str], Optiona
 
 
 def _lookup(field_name: str, ns: dict, where: str) -> Any:
+    shown = "{" + field_name.encode("unicode_escape").decode("ascii") + "}"  # one line
     try:
         first, rest = formatter_field_name_split(field_name)
     except ValueError as e:
-        raise UsageError(f"{where}: bad field {{{field_name}}} ({e}); "
+        raise UsageError(f"{where}: bad field {shown} ({e}); "
                          "write {{ and }} for literal braces") from None
     if isinstance(first, int) or first == "" or not str(first).isidentifier():
         raise UsageError(
-            f"{where}: {{{field_name}}} is not a variable name; name a notebook "
+            f"{where}: {shown} is not a variable name; name a notebook "
             "variable like {topic}, or write {{ and }} for literal braces")
     if first not in ns:
         raise UsageError(
