@@ -3,16 +3,18 @@ same batch size, and the per-step mask time at several batch sizes.
 
   decode   mlxnb.Engine(max_batch=B) on a random-weight model of the chosen shape
            (default SmolLM2-135M's, with the tokenizer's vocabulary). Each pass
-           submits B rows of one kind at once: free rows, or rows constrained by a
-           JSON schema (an array of 32 small objects: strings, bounded integers,
-           enums, booleans) and a regex (capitalized words), half each; neither
-           needs to end within max_tokens, so the rows run to it as free rows do. tok/s = tokens read /
-           summed step time over the decode-only steps with all B rows in the batch
-           (`eng.steps`: batch_size == B, prefill_tokens == 0). Passes alternate
-           free, constrained (--repeat rounds); the best of each and the median
-           per-round ratio are printed.
+           submits B rows of one kind at once: free rows, or constrained rows. With
+           --mix json+regex (default) half take a JSON schema (an array of 32 small
+           objects: strings, bounded integers, enums, booleans) and half a regex
+           (capitalized words); --mix json or regex gives all rows one of them.
+           Neither needs to end within max_tokens, so the rows run to it as free
+           rows do. tok/s = tokens read / summed step time over the decode-only
+           steps with all B rows in the batch (`eng.steps`: batch_size == B,
+           prefill_tokens == 0). Passes alternate free, constrained (--repeat
+           rounds); the best of each and the median per-round ratio are printed.
+           --fill-threads 1,4 repeats it all per fill-thread count.
   mask     per decode step at batch B, outside the engine: llguidance filling the
-           bitmask for B matchers (as the engine's fill thread does), consuming one token per row,
+           bitmask for B matchers on one thread, consuming one token per row,
            and applying the mask to [B, V] logits on the device (mlxnb.constrain.masked,
            timed to mx.eval). Rows advance by a random allowed token; a finished
            grammar restarts. mean / p50 / p90 ms per step.
@@ -52,6 +54,7 @@ import mlxnb  # noqa: E402  (first: it puts OpenBLAS under MLX on Linux CPU)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from mlxnb import constrain  # noqa: E402
 from mlxnb.constrain import Constraints, masked  # noqa: E402
 from mlxnb.rows import SamplingParams  # noqa: E402
 
@@ -77,6 +80,9 @@ ITEM = {"type": "object", "properties": {
 SCHEMA = {"type": "array", "items": ITEM, "minItems": 32, "maxItems": 32}
 REGEX = r"([A-Z][a-z]{2,8} )+"
 CONSTRAINTS = [dict(json_schema=SCHEMA), dict(regex=REGEX)]
+# --mix: which constraints the constrained rows take, in turn. A regex of words allows
+# most of a vocabulary at most steps, so its masks cost ~10x a JSON row's.
+MIXES = {"json+regex": CONSTRAINTS, "json": CONSTRAINTS[:1], "regex": CONSTRAINTS[1:]}
 MASK_KINDS = CONSTRAINTS + [
     dict(json_schema=ITEM), dict(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
     dict(choices=("alpha", "beta", "gamma")),
@@ -162,12 +168,14 @@ def build_model(shape: str, dtype: str, vocab: int):
 
 
 # -- decode tok/s --------------------------------------------------------------------
-async def one_pass(eng, B: int, new: int, constrained: bool, seed: int) -> dict:
+async def one_pass(eng, B: int, new: int, constrained: bool, seed: int,
+                   mix: str = "json+regex") -> dict:
     rng = random.Random(seed)
     words = ["river", "stone", "quiet", "orange", "market", "seven", "cloud", "paper"]
     rows, steps0 = [], len(eng.steps)
     for i in range(B):
-        kw = CONSTRAINTS[i % 2] if constrained else {}
+        kinds = MIXES[mix]
+        kw = kinds[i % len(kinds)] if constrained else {}
         text = f"Record {i}: " + " ".join(rng.choices(words, k=40))
         rows.append(eng.submit(text, chat=False, max_tokens=new, **kw))
     await eng.wait()
@@ -214,11 +222,11 @@ async def decode(model, tok, args) -> dict:
     B = args.batch
     eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None)
     for c in (False, True):  # warm-up: kernels and shapes of both kinds
-        await one_pass(eng, B, min(args.new, 16), c, seed=99)
+        await one_pass(eng, B, min(args.new, 16), c, seed=99, mix=args.mix)
     free, cons, ratios = [], [], []
     for k in range(args.repeat):
         f = await profiled(eng, args.profile, B, args.new, False, seed=k)
-        c = await profiled(eng, args.profile, B, args.new, True, seed=k)
+        c = await profiled(eng, args.profile, B, args.new, True, seed=k, mix=args.mix)
         free.append(f)
         cons.append(c)
         ratios.append(c["tok_s"] / f["tok_s"])
@@ -253,7 +261,7 @@ def mask_time(tok, B: int, steps: int, V: int) -> dict:
     fill, consume, apply = [], [], []
     for step in range(steps + 3):  # 3 warm-up steps
         t0 = pc()
-        buf = cons.fill(ms)  # as the engine fills them (llguidance's pool)
+        buf = cons.fill(ms)  # one thread, one matcher at a time, as a fill thread does
         t1 = pc()
         out = masked(logits, mx.array(buf), shifts)
         mx.eval(out)
@@ -295,6 +303,11 @@ def main():
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="print host ms per decode step by part (Engine.trace) for each pass")
+    ap.add_argument("--mix", default="json+regex", choices=list(MIXES),
+                    help="the constrained rows' constraints, in turn")
+    ap.add_argument("--fill-threads", default=None,
+                    help="comma list of fill-thread counts to compare (default: the "
+                         "engine's own, a quarter of the CPUs, 1 to 4)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
@@ -309,12 +322,19 @@ def main():
     out = dict(device=str(mx.default_device()), tokenizer=what, vocab=V)
     if not args.skip_decode:
         model = build_model(args.shape, args.dtype, V)
-        log(f"\n## decode: {args.shape} {args.dtype}, B={args.batch}, max_tokens={args.new}")
-        d = asyncio.run(decode(model, tok, args))
-        out["decode"] = d
-        log(f"decode tok/s at B={d['B']}: free {d['free_tok_s']:.1f}  constrained "
-            f"{d['constrained_tok_s']:.1f}  ratio (best) {d['ratio_best']:.3f}  "
-            f"ratio (median of rounds) {d['ratio_median']:.3f}")
+        counts = ([int(n) for n in args.fill_threads.split(",")] if args.fill_threads
+                  else [constrain._FILL_THREADS])
+        out["decode"] = []
+        for n in counts:
+            constrain._FILL_THREADS = n  # read as each engine's Constraints starts
+            log(f"\n## decode: {args.shape} {args.dtype}, B={args.batch}, "
+                f"max_tokens={args.new}, {args.mix} rows, {n} fill thread(s)")
+            d = asyncio.run(decode(model, tok, args))
+            d.update(fill_threads=n, mix=args.mix)
+            out["decode"].append(d)
+            log(f"decode tok/s at B={d['B']}: free {d['free_tok_s']:.1f}  constrained "
+                f"{d['constrained_tok_s']:.1f}  ratio (best) {d['ratio_best']:.3f}  "
+                f"ratio (median of rounds) {d['ratio_median']:.3f}")
     log(f"\n## mask time per step (ms; {args.mask_steps} steps; rows cycle through: "
         f"array-of-objects schema, words regex, object schema, date regex, choices, "
         f"Lark grammar)")

@@ -332,7 +332,7 @@ class BatchExecutor:
                         repetition_penalty=a.params.repetition_penalty)
                 # every row's text is decoded here, as its tokens are read (decoding.py)
                 self.rows[a.row_id] = RowDecoder(a, self.tokenizer.detokenizer, procs)
-                self.rows[a.row_id].matcher = self.constraints.compile(a.params)
+                self.constraints.attach(self.rows[a.row_id])
                 self.ids.append(a.row_id)
                 u(a.row_id).state = "decode"
             self.sampler.extend([a.params.temperature for a in admits],

@@ -16,6 +16,12 @@ Then the worker masks the logits and samples. Masking sets disallowed logits to
 per-row seeded noise work unchanged, and a seeded constrained row draws the same
 tokens alone or in any batch.
 
+Copies of one compiled matcher share its lexer behind one lock (llguidance's
+`deep_copy` is shallow there), so rows with one schema would fill their masks one
+at a time whatever the thread count. So each row joins a lane, and each lane has
+its own compile of every constraint; a step hands whole lanes to as few fill
+threads as finish within the launch.
+
 A row whose grammar is complete (nothing may follow) ends with `stop` at once, as if
 it had sampled the end-of-sequence token; one cut by max_tokens ends with `length`.
 """
@@ -23,6 +29,7 @@ it had sampled the end-of-sequence token; one cut by max_tokens ends with `lengt
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -153,16 +160,18 @@ def _grammar(kind: str, value) -> str:
 class Constraints:
     """The engine's constraint compiler and the batch's mask filler.
 
-    `compile` runs on the loop (validation before submitting) and on the worker (a
-    row joining the batch); compiled matchers are cached per constraint and each row
-    gets a copy, so 500 rows with one schema compile it once.
+    `validate` runs on the loop (before submitting), `attach` on the worker (a row
+    joining the batch). Compiled matchers are cached per constraint and lane, and
+    each row gets a copy, so 500 rows with one schema compile it once per lane.
     """
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._llt = None
-        self._cache: "OrderedDict[tuple, Any]" = OrderedDict()
+        # constraint -> (grammar, {lane: compiled matcher}); lane "check" is the loop's
+        self._cache: "OrderedDict[tuple, Tuple[str, Dict[Any, Any]]]" = OrderedDict()
+        self._next_lane = 0
         self._filler = None  # fill threads: the worker launches the forward meanwhile
         # this launch's masks: (bitmask [rows, words], the fills writing into it)
         self._pending: Optional[Tuple[Any, List[Future]]] = None
@@ -170,7 +179,8 @@ class Constraints:
         self._pos_for = None  # batch rows list -> positions of its constrained rows
         self._pos: List[int] = []
         self._idx = None
-        self._shares: List[tuple] = []  # (first row, matchers) per fill thread
+        self._lanes: List[list] = []  # per lane: [(row in the bitmask, matcher)]
+        self._tasks = _FILL_THREADS  # fill tasks per step: as few as keep up (apply)
         self._shifts = None
         self.tracer = None  # _trace.py: set by BatchExecutor.trace
 
@@ -197,11 +207,20 @@ class Constraints:
                                      f"tokenizer ({e})") from None
             return self._llt
 
-    def compile(self, p):
-        """A fresh matcher for `p`'s constraint (None for a free row). ValueError with
-        one line naming what is wrong in the schema / regex / grammar."""
-        m = self._template(p)
+    def compile(self, p, lane: Any = 0):
+        """A fresh matcher for `p`'s constraint (None for a free row), sharing its
+        lexer with the lane's other rows. ValueError with one line naming what is
+        wrong in the schema / regex / grammar."""
+        m = self._template(p, lane)
         return None if m is None else m.deep_copy()
+
+    def attach(self, r) -> None:
+        """Give a row joining the batch its matcher and lane (rows take the fill
+        threads' lanes in turn)."""
+        if kind_of(r.params) is None:
+            return
+        r.lane, self._next_lane = self._next_lane, (self._next_lane + 1) % _FILL_THREADS
+        r.matcher = self.compile(r.params, r.lane)
 
     def validate(self, p) -> None:
         """Compile `p`'s constraint (cached) or raise a one-line ValueError."""
@@ -211,7 +230,7 @@ class Constraints:
         """Why `text` does not satisfy `p`'s constraint, or None when it does. A
         fresh matcher reads the text as the tokenizer spells it, so this holds for
         any ending: the grammar's own, max_tokens, or a stop string that cut it."""
-        m = self.compile(p)
+        m = self.compile(p, "check")  # its own lexer: no fill thread waits for it
         if m is None:
             return None
         ids = list(self._tokenizer.encode(text, add_special_tokens=False))
@@ -225,34 +244,44 @@ class Constraints:
             return f"incomplete: {what} needs more"
         return None
 
-    def _template(self, p):
+    def _template(self, p, lane: Any = 0):
         key = _key(p)
         if key is None:
             return None
         import llguidance as llg
 
         with self._lock:
-            m = self._cache.get(key)
-            if m is not None:
+            hit = self._cache.get(key)
+            if hit is not None:
                 self._cache.move_to_end(key)
-                return m
-        kind = what = key[0]
-        llt = self.lltokenizer()
-        try:
-            g = _grammar(kind, getattr(p, kind))
-        except ValueError as e:
-            raise ValueError(f"{what} is invalid: {_one_line(e)}") from None
-        err = llg.LLMatcher.validate_grammar(g, llt)
-        if err:
-            raise ValueError(f"{what} is invalid: {_one_line(err)}")
-        m = llg.LLMatcher(llt, g, log_level=0)
+                if lane in hit[1]:
+                    return hit[1][lane]
+        if hit is None:
+            g = self._grammar(key[0], getattr(p, key[0]))
+        else:
+            g = hit[0]
+        m = llg.LLMatcher(self.lltokenizer(), g, log_level=0)
         if m.is_error():
-            raise ValueError(f"{what} is invalid: {_one_line(m.get_error())}")
+            raise ValueError(f"{key[0]} is invalid: {_one_line(m.get_error())}")
         with self._lock:
-            self._cache[key] = m
+            hit = self._cache.setdefault(key, (g, {}))
+            m = hit[1].setdefault(lane, m)
+            self._cache.move_to_end(key)
             while len(self._cache) > _CACHE:
                 self._cache.popitem(last=False)
         return m
+
+    def _grammar(self, what: str, value) -> str:
+        import llguidance as llg
+
+        try:
+            g = _grammar(what, value)
+        except ValueError as e:
+            raise ValueError(f"{what} is invalid: {_one_line(e)}") from None
+        err = llg.LLMatcher.validate_grammar(g, self.lltokenizer())
+        if err:
+            raise ValueError(f"{what} is invalid: {_one_line(err)}")
+        return g
 
     # -- the batch (worker thread only) --------------------------------------------
     def _read_tokens(self, inflight, rows: Dict[int, Any]) -> list:
@@ -289,9 +318,11 @@ class Constraints:
             self._pos_for = batch_rows
             self._pos = [i for i, r in enumerate(batch_rows) if r.matcher is not None]
             self._idx = mx.array(self._pos) if self._pos else None
-            ms = [batch_rows[i].matcher for i in self._pos]
-            n = -(-len(ms) // _FILL_THREADS)  # rows per fill thread
-            self._shares = [(j, ms[j:j + n]) for j in range(0, len(ms), n)]
+            lanes: Dict[Any, list] = {}
+            for k, i in enumerate(self._pos):
+                r = batch_rows[i]
+                lanes.setdefault(r.lane, []).append((k, r.matcher))
+            self._lanes = list(lanes.values())
         if not self._pos:
             _feed(feed)  # rows in flight that have left the batch still finish
         else:
@@ -299,18 +330,16 @@ class Constraints:
                 self._filler = ThreadPoolExecutor(_FILL_THREADS, "mlxnb-masks")
             token = {id(m): tk for m, tk in feed}
             buf = self.bitmask(len(self._pos))
+            n = min(self._tasks, len(self._lanes))  # a task fills whole lanes, in turn
+            shares = [[x for lane in self._lanes[j::n] for x in lane] for j in range(n)]
             self._pending = (buf, [
-                self._filler.submit(self._feed_and_fill,
-                                    [(m, token.pop(id(m))) for m in part if id(m) in token],
-                                    part, buf, j)
-                for j, part in self._shares])
+                self._filler.submit(_feed_and_fill,
+                                    [(m, token.pop(id(m))) for _, m in share if id(m) in token],
+                                    share, buf)
+                for share in shares])
             _feed([(m, tk) for m, tk in feed if id(m) in token])  # rows that left the batch
         if tr:
             lap(tr, "mask.start", t)
-
-    def _feed_and_fill(self, feed: list, matchers: list, buf, first: int) -> None:
-        _feed(feed)
-        self.fill(matchers, buf, first)
 
     def apply(self, logits):
         """The batch's logits [B, V] with the constrained rows' masks applied. The
@@ -318,16 +347,20 @@ class Constraints:
         import mlx.core as mx
 
         tr = self.tracer
-        t = pc() if tr else 0.0
+        t = t0 = pc()
         mx.async_eval(logits)  # releases the GIL: the fill threads run meanwhile
+        launch = pc() - t0
         if tr:
             t = lap(tr, "mask.launch", t)
         pending, self._pending = self._pending, None
         if pending is None:
             return logits
         buf, fills = pending
-        for f in fills:
-            f.result()
+        busy = sum(f.result() for f in fills)
+        # Next step: the fewest fill threads that finish within the launch. Each
+        # busy core beside the worker slows its launch (~10-20% on an H200 host),
+        # so threads that would only wait cost time.
+        self._tasks = max(1, min(_FILL_THREADS, math.ceil(1.25 * busy / max(launch, 1e-4))))
         if tr:
             t = lap(tr, "mask.join", t)
         if self._shifts is None:
@@ -343,20 +376,10 @@ class Constraints:
 
         return lln.allocate_token_bitmask(rows, self.lltokenizer().vocab_size)
 
-    def fill(self, matchers: list, buf=None, first: int = 0):
-        """The next-token bitmasks of `matchers`, into rows first.. of `buf` (a new
-        bitmask when None); returns buf.
-
-        One matcher at a time: each call drops the GIL while it works, so fill
-        threads run in parallel. llguidance's own thread pool (LLExecutor) cost more
-        in hand-offs than the masks themselves at these sizes (32 rows mid-output,
-        2 CPU cores: 5 ms against 0.4 ms one by one)."""
-        import llguidance.numpy as lln
-
-        if buf is None:
-            buf = self.bitmask(len(matchers))
-        for j, m in enumerate(matchers, first):
-            lln.fill_next_token_bitmask(m, buf, j)
+    def fill(self, matchers: list):
+        """The next-token bitmasks of `matchers` [len(matchers), words], one thread."""
+        buf = self.bitmask(len(matchers))
+        _fill(list(enumerate(matchers)), buf)
         return buf
 
     def finish(self, r, emit, eos: set, finish: Optional[tuple]) -> Optional[tuple]:
@@ -379,13 +402,34 @@ class Constraints:
         if pending is not None:
             wait(pending[1])
         self._advanced = self._pos_for = self._idx = None
-        self._pos, self._shares = [], []
+        self._pos, self._lanes = [], []
 
     def close(self) -> None:
         self.reset()
         if self._filler is not None:
             self._filler.shutdown(wait=True)
             self._filler = None
+
+
+def _fill(share: list, buf) -> None:
+    """Each (row, matcher)'s next-token bitmask into that row of `buf`.
+
+    One matcher at a time: each call drops the GIL while it works, so fill threads
+    run in parallel. llguidance's own thread pool (LLExecutor) cost more in
+    hand-offs than the masks themselves at these sizes (32 rows mid-output, 2 CPU
+    cores: 5 ms against 0.4 ms one by one)."""
+    import llguidance.numpy as lln
+
+    for k, m in share:
+        lln.fill_next_token_bitmask(m, buf, k)
+
+
+def _feed_and_fill(feed: list, share: list, buf) -> float:
+    """Feed, then fill; returns the seconds it took."""
+    t = pc()
+    _feed(feed)
+    _fill(share, buf)
+    return pc() - t
 
 
 def _feed(pairs: list) -> None:

@@ -342,9 +342,15 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch)
     cons = constrain.Constraints(tiny[1])
     kinds = [dict(json_schema=PERSON), dict(regex=REGEX), dict(choices=CHOICES),
              dict(grammar=LARK)]
-    ms = [cons.compile(SamplingParams(**k)) for k in kinds * 3]
-    rows = [SimpleNamespace(matcher=m) for m in ms]
-    rows.insert(5, SimpleNamespace(matcher=None))  # a free row between them
+    rows = [SimpleNamespace(params=SamplingParams(**k), matcher=None) for k in kinds * 3]
+    for r in rows:
+        cons.attach(r)
+    ms = [r.matcher for r in rows]
+    # rows take the lanes in turn; each lane compiles each constraint on its own, so
+    # no two fill threads wait on one shared lexer
+    assert [r.lane for r in rows] == [0, 1, 2] * 4
+    assert len({id(cons._template(rows[0].params, lane)) for lane in range(3)}) == 3
+    rows.insert(5, SimpleNamespace(params=SamplingParams(), matcher=None))  # a free row
     # the step in flight: one token for each of the last 8 constrained rows
     ids = list(range(len(rows)))
     toks = [0] * len(rows)
