@@ -15,7 +15,7 @@ same batch size, and the per-step mask time at several batch sizes.
            --fill-threads 1,4 repeats it all per fill-thread count.
   mask     per decode step at batch B, outside the engine: llguidance filling the
            bitmask for B matchers on one thread, consuming one token per row,
-           and applying the mask to [B, V] logits on the device (mlxnb.constrain.masked,
+           and applying the mask to [B, V] logits on the device (mlxnb.masks.masked,
            timed to mx.eval). Rows advance by a random allowed token; a finished
            grammar restarts. mean / p50 / p90 ms per step.
 
@@ -54,8 +54,9 @@ import mlxnb  # noqa: E402  (first: it puts OpenBLAS under MLX on Linux CPU)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlxnb import constrain  # noqa: E402
-from mlxnb.constrain import Constraints, masked  # noqa: E402
+from mlxnb import masks  # noqa: E402
+from mlxnb.constrain import Constraints  # noqa: E402
+from mlxnb.masks import masked  # noqa: E402
 from mlxnb.rows import SamplingParams  # noqa: E402
 
 pc = time.perf_counter
@@ -323,10 +324,10 @@ def main():
     if not args.skip_decode:
         model = build_model(args.shape, args.dtype, V)
         counts = ([int(n) for n in args.fill_threads.split(",")] if args.fill_threads
-                  else [constrain._FILL_THREADS])
+                  else [masks.FILL_THREADS])
         out["decode"] = []
         for n in counts:
-            constrain._FILL_THREADS = n  # read as each engine's Constraints starts
+            masks.FILL_THREADS = n  # read as each engine's masks start
             log(f"\n## decode: {args.shape} {args.dtype}, B={args.batch}, "
                 f"max_tokens={args.new}, {args.mix} rows, {n} fill thread(s)")
             d = asyncio.run(decode(model, tok, args))

@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from .constrain import Constraints
+from .masks import MaskFiller
 from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
 from . import caches
@@ -110,12 +111,13 @@ class BatchExecutor:
         self.prefill.pad_safe = pad_safe
         self._cold_launch = False  # a new decode batch shape (set by _align), this tick
         self.constraints = Constraints(tokenizer)  # constrain.py: per-row grammars
+        self.masks = MaskFiller(self.constraints)  # masks.py: their masks each step
         self._reset_batch()
         self.nsteps = 0
 
     def trace(self, tracer) -> None:
         """Report each tick's parts to `tracer(name, seconds)` (_trace.py); None: off."""
-        self.tracer = self.prefill.tracer = self.constraints.tracer = tracer
+        self.tracer = self.prefill.tracer = self.masks.tracer = tracer
 
     def _probe_ids(self) -> List[int]:
         """Token ids of ordinary text, for probe forwards (any ids if the tokenizer
@@ -184,7 +186,7 @@ class BatchExecutor:
         self._batch_rows, self._want_lp, self._any_procs, self._headroom = [], [], False, 0
         self._ids_tuple: tuple = ()  # self.ids, shared by step records until it changes
         self._any_constrained = False
-        self.constraints.reset()
+        self.masks.reset()
 
     @property
     def busy(self) -> bool:
@@ -332,7 +334,7 @@ class BatchExecutor:
                         repetition_penalty=a.params.repetition_penalty)
                 # every row's text is decoded here, as its tokens are read (decoding.py)
                 self.rows[a.row_id] = RowDecoder(a, self.tokenizer.detokenizer, procs)
-                self.constraints.attach(self.rows[a.row_id])
+                self.masks.attach(self.rows[a.row_id])
                 self.ids.append(a.row_id)
                 u(a.row_id).state = "decode"
             self.sampler.extend([a.params.temperature for a in admits],
@@ -366,15 +368,15 @@ class BatchExecutor:
         rows, want, procs = self._batch_rows, self._want_lp, self._any_procs
         tr = self.tracer
         t = pc() if tr else 0.0
-        con = self.constraints if self._any_constrained else None
+        masks = self.masks if self._any_constrained else None
         logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
         if want or procs or self.sampler.needs_float32:
             logits = logits.astype(mx.float32)
         if procs:
             logits = self._process(rows, logits, u)
-        if con is not None:  # constrain.py: masks fill while the forward launches
-            con.start(self.inflight, self.rows, rows)
-            logits = con.apply(logits)
+        if masks is not None:  # masks.py: they fill while the forward launches
+            masks.start(self.inflight, self.rows, rows)
+            logits = masks.apply(logits)
         if tr:
             t = lap(tr, "launch.fwd_build", t)
         tokens = self.sampler.sample(logits)  # [B]
@@ -439,8 +441,8 @@ class BatchExecutor:
                 continue
             finish = r.accept(toks[i], None if lps is None else lps.get(i), emitted, self.eos)
             if r.matcher is not None:
-                self.constraints.advance(inflight, rows)  # once per step
-                finish = self.constraints.finish(
+                self.masks.advance(inflight, rows)  # once per step
+                finish = self.masks.finish(
                     r, lambda t, e: r.accept(t, None, emitted, e), self.eos, finish)
             if finish is not None:
                 up = u(rid)
@@ -488,7 +490,7 @@ class BatchExecutor:
     def close(self, clear_cache: bool = True):
         self.prefill.clear()
         self._reset_batch()
-        self.constraints.close()
+        self.masks.close()
         if self.prefix is not None:
             self.prefix.clear()
         if clear_cache:

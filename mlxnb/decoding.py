@@ -20,7 +20,7 @@ class RowDecoder:
     """Host-side state of one decoding row: counts, text, stop strings."""
 
     matcher = None  # a constrained row's grammar matcher (constrain.py)
-    lane = 0  # its fill thread's lane (constrain.py)
+    lane = 0  # its fill lane (masks.py)
 
     def __init__(self, a, detok, processors):
         self.id = a.row_id

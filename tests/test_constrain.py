@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mlxnb import Engine
-from mlxnb.constrain import kind_of, masked
+from mlxnb.constrain import kind_of
+from mlxnb.masks import masked
 
 PERSON = {
     "type": "object",
@@ -335,16 +336,18 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch)
     import llguidance.numpy as lln
     import mlx.core as mx
 
-    from mlxnb import constrain
+    from mlxnb import masks as masks_mod
+    from mlxnb.constrain import Constraints
     from mlxnb.rows import SamplingParams
 
-    monkeypatch.setattr(constrain, "_FILL_THREADS", 3)  # 12 rows: 4 per thread
-    cons = constrain.Constraints(tiny[1])
+    monkeypatch.setattr(masks_mod, "FILL_THREADS", 3)  # 12 rows: 4 per thread
+    cons = Constraints(tiny[1])
+    masks = masks_mod.MaskFiller(cons)
     kinds = [dict(json_schema=PERSON), dict(regex=REGEX), dict(choices=CHOICES),
              dict(grammar=LARK)]
     rows = [SimpleNamespace(params=SamplingParams(**k), matcher=None) for k in kinds * 3]
     for r in rows:
-        cons.attach(r)
+        masks.attach(r)
     ms = [r.matcher for r in rows]
     # rows take the lanes in turn; each lane compiles each constraint on its own, so
     # no two fill threads wait on one shared lexer
@@ -358,8 +361,8 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch)
     for i, t in zip(fed, b'{Ay({Bm('):
         toks[i] = t
     by_id = {i: rows[i] for i in fed}  # rows the step in flight feeds
-    cons.start((ids, mx.array(toks), None), by_id, rows)
-    logits = cons.apply(mx.zeros((len(rows), cons.lltokenizer().vocab_size)))
+    masks.start((ids, mx.array(toks), None), by_id, rows)
+    logits = masks.apply(mx.zeros((len(rows), cons.lltokenizer().vocab_size)))
     alone = lln.allocate_token_bitmask(len(ms), cons.lltokenizer().vocab_size)
     for j, m in enumerate(ms):
         assert not m.is_error()
@@ -373,7 +376,7 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch)
     first = np.unpackbits(alone[0].view(np.uint8), bitorder="little")
     assert np.flatnonzero(first).tolist() == [ord("{")]  # a JSON object starts with {
     assert np.flatnonzero(allowed[0]).tolist() == [ord("{")]
-    cons.close()
+    masks.close()
 
 
 def test_a_remote_engine_refuses_constraints_instead_of_dropping_them(arun):
