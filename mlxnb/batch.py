@@ -205,10 +205,10 @@ class BatchExecutor:
         def u(rid) -> RowUpdate:
             return up.setdefault(rid, RowUpdate(rid))
 
-        for rid in cancels:
-            self._cancel(rid, u)
-        self.prefill.waiting.extend(admits)
         emitted: List[tuple] = []
+        for rid in cancels:
+            self._cancel(rid, u, emitted)
+        self.prefill.waiting.extend(admits)
         steps: List[StepStat] = []
         t0 = t = time.perf_counter()
         while True:
@@ -256,10 +256,13 @@ class BatchExecutor:
             tr("tick", pc() - t0)
         return TickReport(up, emitted, steps, self.busy)
 
-    def _cancel(self, rid, u):
+    def _cancel(self, rid, u, emitted: List[tuple]):
         if not self.prefill.cancel(rid):
-            if rid not in self.rows:
+            r = self.rows.get(rid)
+            if r is None:
                 return
+            if rid not in self.drop:  # a row that already ended has shown its text
+                r.flush(emitted)
             self.drop.add(rid)
         u(rid).finish = "cancelled"
 

@@ -40,9 +40,7 @@ class RowDecoder:
         `emitted`; return (finish_reason, error) when the row ends here."""
         detok = self.detok
         if tok in eos:
-            detok.finalize()
-            self.text += detok.last_segment
-            emitted.append((self.id, None, self._visible(True), None))
+            self.flush(emitted)
             return ("stop", None)
         self.ntok += 1
         final = self.ntok >= self.params.max_tokens
@@ -67,6 +65,14 @@ class RowDecoder:
             return ("stop", None)
         emitted.append((self.id, tok, self._visible(final), lp))
         return ("length", None) if final else None
+
+    def flush(self, emitted: list) -> None:
+        """The row ends here (end of sequence, or cancelled): show everything
+        decoded so far, the detokenizer's held text and any tail held back for a
+        stop string that can no longer complete."""
+        self.detok.finalize()
+        self.text += self.detok.last_segment
+        emitted.append((self.id, None, self._visible(True), None))
 
     def _find_stop(self) -> Optional[int]:
         start = max(0, self.shown - self.hold)

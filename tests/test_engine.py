@@ -436,6 +436,25 @@ def test_text_matches_tokens_streamed_or_not(tiny, arun):
     assert all(plain.text.startswith(s) for s in seen)
 
 
+def test_a_cancelled_row_keeps_every_character_it_decoded(tiny, arun):
+    _, tok = tiny
+
+    async def main():
+        eng = make(tiny)
+        # a long stop string holds a tail of the text back until it cannot start one
+        row = eng.submit("hello there", chat=False, max_tokens=400, stop=["never-there-at-all"])
+        while len(row.tokens) < 12 and not row.done:
+            await asyncio.sleep(0)
+        row.cancel()
+        await row
+        await eng.aclose()
+        return row
+
+    row = arun(main)
+    assert row.finish_reason == "cancelled" and len(row.tokens) >= 12
+    assert row.text == tok.decode(row.tokens)
+
+
 def test_step_history_is_bounded_and_numbered_on(tiny, arun, monkeypatch):
     import mlxnb.engine as me
 
