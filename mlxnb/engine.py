@@ -31,26 +31,18 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import _aio, progress
 from .batch import Admit, BatchExecutor
-from .constrain import kind_of, normalize as normalize_constraint
+from .constrain import kind_of
 from .caches import KV_BITS, KV_GROUP_SIZES
+from .prompts import PARAM_NAMES, WontFit, encode, longest_token, sampling_params
 from .protocol import Listeners
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
 from ._log import log
-from ._threads import TemplateTimeout, bounded, load_bounded, mlx_worker, release_heap
+from ._threads import load_bounded, mlx_worker, release_heap
 from ._text import fmt_bytes, parse_bytes
 from ._trace import timed
 from .scheduler import Scheduler
 from .warmup import warm_up
-
-_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-class _WontFit(ValueError):
-    """A valid row that exceeds the context or KV budget; submit() returns it as an
-    errored row. A type of its own, not a message match: other bad input naming
-    "context" or "KV cache" (submit(context=1)) must still raise."""
-
 
 # Longest run of decode steps the worker takes without the loop. Each round trip
 # costs ~0.4 ms of host time the device waits for
@@ -58,18 +50,7 @@ class _WontFit(ValueError):
 # at once (`_interrupt`), so it bounds only how often tokens reach the widget.
 _STREAK_S = 0.050
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
-# Chat templates are code from the model directory (sandboxed Jinja, which bounds
-# ranges but not nested loops). A render normally takes milliseconds; past this it
-# is stopped and the prompt refused, so running rows stall no longer than this.
-_TEMPLATE_S = 2.0
 _LOAD_TIMEOUT_S = 900.0  # default bound on reading a model (a download included)
-def _longest_token(tok) -> int:
-    """Most characters one token can stand for (its vocabulary string is at least as
-    long as its decoded text: byte-level and SentencePiece pieces map 1:1 or more)."""
-    try:
-        return max(1, max(map(len, tok.get_vocab())))
-    except Exception:
-        return 0  # unknown: no character limit
 
 
 class Engine(Listeners):
@@ -155,7 +136,7 @@ class Engine(Listeners):
                                       "max_position_embeddings", None)
         # Prompts longer than this many characters cannot fit the context in any
         # tokenization, so they are refused before tokenizing (seconds for megabytes).
-        longest = _longest_token(tok)
+        longest = longest_token(tok)
         self.max_prompt_chars = (self.context_length * longest
                                  if self.context_length and longest else None)
         self.scheduler = Scheduler(max_batch, self.kv_budget, self._kv_bytes_for)
@@ -220,68 +201,17 @@ class Engine(Listeners):
 
     # -- submitting ----------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True, system: Optional[str] = None) -> List[int]:
+        """The prompt's token ids as the model will see them (prompts.py)."""
         self._check_open()
-        if not isinstance(prompt, str):
-            raise ValueError(f"a prompt must be a string, got {type(prompt).__name__}")
-        if not prompt.strip():
-            raise ValueError("the prompt is empty; write some text to generate from")
-        try:
-            prompt.encode("utf-8")
-            # the system prompt too (tokenizers raise a TypeError on surrogates)
-            if isinstance(system, str):
-                system.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("the prompt holds invalid unicode (lone surrogates); "
-                             "clean the text before submitting") from None
-        limit = self.max_prompt_chars
-        n = len(prompt) + (len(system) if isinstance(system, str) else 0)
-        if limit and n > limit:
-            raise _WontFit(f"the prompt has {n:,} characters, more than the model's context "
-                           f"of {self.context_length} tokens can hold in any tokenization "
-                           f"(at most {limit:,}); shorten it")
-        tok = self.tokenizer
-        if chat and getattr(tok, "chat_template", None):
-            msgs = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}]
-            try:
-                return list(bounded(lambda: tok.apply_chat_template(
-                    msgs, add_generation_prompt=True), _TEMPLATE_S))
-            except TemplateTimeout:
-                raise ValueError(f"the model's chat template ran longer than "
-                                 f"{_TEMPLATE_S:g} s on this prompt and was stopped (a "
-                                 "runaway loop in the template?); send the prompt as is "
-                                 "with chat=False (%%generate --raw)") from None
-            except Exception as e:  # Jinja errors: SecurityError, UndefinedError, ...
-                msg = " ".join(str(e).split())[:200] or "no message"
-                raise ValueError(f"the model's chat template failed on this prompt "
-                                 f"({type(e).__name__}: {msg}); send the prompt as is "
-                                 "with chat=False (%%generate --raw)") from None
-        text = f"{system}\n\n{prompt}" if system else prompt
-        return list(tok.encode(text))
+        return encode(self.tokenizer, prompt, chat, system, self.context_length,
+                      self.max_prompt_chars)
 
     def prepare(self, prompt: str, *, chat: bool = True, system: Optional[str] = None,
                 **params):
         """Validate and tokenize without submitting: (ids, SamplingParams). Raises
         ValueError with a one-line message for anything that cannot run."""
         self._check_open()
-        unknown = set(params) - _PARAM_NAMES
-        if unknown:
-            raise ValueError(f"unknown parameter(s): {', '.join(sorted(unknown))}")
-        if params.get("stop") is None:
-            params["stop"] = ()
-        elif isinstance(params["stop"], str):
-            params["stop"] = (params["stop"],)
-        try:  # a non-iterable (stop=5) must give the message below, not a bare TypeError
-            if not isinstance(params["stop"], tuple):
-                params["stop"] = tuple(params["stop"])
-            params["logits_processors"] = tuple(params.get("logits_processors") or ())
-        except TypeError:
-            raise ValueError("stop and logits_processors take a list (stop: strings or "
-                             "callables text -> bool)") from None
-        try:
-            sp = SamplingParams(**normalize_constraint(params)).check()
-        except TypeError as e:
-            raise ValueError(str(e)) from None
+        sp = sampling_params(params)
         self._exec.constraints.validate(sp)  # a bad schema/regex/grammar raises here
         ids = self.encode(prompt, chat, system)
         if not ids:  # a row with no tokens would sit in 'prefill' forever
@@ -289,11 +219,11 @@ class Engine(Listeners):
                              "its characters); write some text to generate from")
         ctx = self.context_length
         if ctx and len(ids) + sp.max_tokens > ctx:
-            raise _WontFit(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "
-                           f"exceeds the model's context of {ctx}; shorten one of them")
+            raise WontFit(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "
+                          f"exceeds the model's context of {ctx}; shorten one of them")
         msg = self.scheduler.never_fits(len(ids), sp.max_tokens)
         if msg:
-            raise _WontFit(msg)
+            raise WontFit(msg)
         if sp.seed is None and sp.temperature > 0:
             sp = dataclasses.replace(sp, seed=secrets.randbits(31))
         return ids, sp
@@ -309,10 +239,10 @@ class Engine(Listeners):
         try:
             ids, sp = self.prepare(prompt, chat=chat, system=system, **params)
             err = None
-        except _WontFit as e:
+        except WontFit as e:
             err = str(e)
             ids, sp = [], SamplingParams(**{k: v for k, v in params.items()
-                                            if k in _PARAM_NAMES and k != "stop"})
+                                            if k in PARAM_NAMES and k != "stop"})
         return self.submit_prepared(prompt, ids, sp, tag, err)
 
     def submit_prepared(self, prompt, ids, sp, tag=None, err=None) -> Row:

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import time
 import weakref
 from collections import Counter, deque
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from .. import _aio
-from ..rows import DECODE, PREFILL, Row, SamplingParams, StepRecord
+from ..rows import DECODE, PREFILL, Row, StepRecord
+from ..prompts import check_text, sampling_params
 from ..protocol import Listeners
 from ..run import Run
 from . import wire
@@ -32,7 +32,6 @@ from .client import Client, ServerError, model_list_text
 from .metrics import ServerLoad, server_load
 from .wire import Request
 
-_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 _KEEP_STEPS = 200_000
 
 
@@ -151,43 +150,18 @@ class RemoteEngine(Listeners):
                 **params):
         """Validate without submitting: (Request, SamplingParams). ValueError (one
         line) for anything that cannot be sent."""
-        unknown = set(params) - _PARAM_NAMES
-        if unknown:
-            raise ValueError(f"unknown parameter(s): {', '.join(sorted(unknown))}")
         if params.get("logits_processors"):
             raise ValueError("logits_processors run on the model in this process; a "
                              "remote server cannot take them (use `%mlxnb load` for that)")
-        params.pop("logits_processors", None)
         given = [k for k in ("json_schema", "regex", "choices", "grammar")
                  if params.get(k) is not None]
         if given:  # sent nowhere, they would leave the rows unconstrained without a word
             raise ValueError(f"{given[0]}= constrains tokens on a model in this process; a "
                              "remote server does not take it here (use `%mlxnb load`)")
-        stop = params.get("stop")
-        stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
-        try:
-            stop = tuple(stop)
-        except TypeError:
-            raise ValueError("stop takes a string or a list of strings") from None
-        if any(callable(s) for s in stop):
+        sp = sampling_params(params)
+        if any(callable(s) for s in sp.stop):
             raise ValueError("a remote server takes stop strings only, not callables")
-        params["stop"] = stop
-        try:
-            sp = SamplingParams(**params).check()
-        except TypeError as e:
-            raise ValueError(str(e)) from None
-        for name, text in (("prompt", prompt), ("system prompt", system)):
-            if text is None and name != "prompt":
-                continue
-            if not isinstance(text, str):
-                raise ValueError(f"a {name} must be a string, got {type(text).__name__}")
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"the {name} holds invalid unicode (lone surrogates); "
-                                 "clean the text before submitting") from None
-        if not prompt.strip():
-            raise ValueError("the prompt is empty; write some text to generate from")
+        check_text(prompt, system)
         return Request(bool(chat), system or None), sp
 
     def submit(self, prompt: str, *, chat: bool = True, system: Optional[str] = None,
