@@ -60,7 +60,18 @@ def valid(r) -> bool:
     return True
 
 
-def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun):
+@pytest.fixture(params=[None, 3], ids=["default-lanes", "3-lanes"])
+def lanes(request, monkeypatch):
+    """The engine's fill lanes: this machine's default, and three (rows spread over
+    three compiles and up to three fill threads, as on a machine of 12+ CPUs)."""
+    if request.param is not None:
+        from mlxnb import masks
+
+        monkeypatch.setattr(masks, "FILL_THREADS", request.param)
+    return request.param
+
+
+def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun, lanes):
     async def main():
         eng = make(tiny, max_batch=64)
         rows = []
@@ -107,7 +118,7 @@ def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun):
     assert all(r.finish_reason == "length" for r in by[None] if r.params.temperature == 0)
 
 
-def test_seeded_constrained_row_is_the_same_alone_and_batched(tiny, arun):
+def test_seeded_constrained_row_is_the_same_alone_and_batched(tiny, arun, lanes):
     async def main():
         eng = make(tiny, max_batch=16)
         kw = dict(json_schema=PERSON, max_tokens=80, temperature=0.9, top_p=0.95, seed=7)
