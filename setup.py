@@ -1,5 +1,5 @@
 """Ship the widget's front end inside the package: js/ is where it is developed,
-mlxnb/static/ is where an installed mlxnb finds it (see mlxnb/widget.py)."""
+mlxnb/static/ is where an installed mlxnb finds it (see mlxnb/_frontend.py)."""
 
 import shutil
 from pathlib import Path

@@ -29,100 +29,36 @@ import asyncio
 import bisect
 import contextvars
 import os
-import re
 import time
 import uuid
 import weakref
 from collections import deque
-from pathlib import Path
 
 import anywidget
 import traitlets as t
 
-from . import results
-from ._text import fmt_bytes, one_line
-from . import _aio
+from . import _aio, _stepchart, _textview, results
+from ._frontend import asset, bundle
+from ._gone_engine import GoneEngine
+from ._stepchart import MAX_STEP_POINTS, STEP_KEYS
 from .constrain import widget_fields as constraint_fields
 
 FLUSH_HZ = 15
-MAX_STEP_POINTS = 2000  # per history array, in traits and in a view
-MAX_SNAP_NUMBERS = 20000  # bound on per-row KV numbers kept in traits (lib.js: same)
 STEPS_PER_FLUSH = 32  # steps beyond this in one flush are averaged into buckets
-SNAPS_PER_FLUSH = 4
 PROMPT_CHARS = 200
 RESULTS_INTERVAL_S = 5.0  # traits + results output refresh while rows run (results.py)
-STEP_KEYS = ("s", "t", "dt", "b", "pf", "kv")
-
-
-def _asset(name: str) -> Path:
-    # A wheel ships the front end in mlxnb/static; a source checkout has it in js/.
-    here = Path(__file__).resolve().parent
-    for p in (here / "static" / name, here.parent / "js" / name):
-        if p.exists():
-            return p
-    return here.parent / "js" / name
-
-
-def _bundle() -> str:
-    """widget.js with its `import ... from "./lib.js"` replaced by lib.js itself:
-    anywidget loads `_esm` as one module (a blob), so relative imports cannot resolve."""
-    lib = _asset("lib.js").read_text(encoding="utf-8")
-    src = _asset("widget.js").read_text(encoding="utf-8")
-    return re.sub(r'^import\s*\{[^}]*\}\s*from\s*"\./lib\.js";?\s*$', lambda m: lib,
-                  src, count=1, flags=re.M)
 
 
 def _r(x, nd):
     return None if x is None else round(float(x), nd)
 
 
-def _halve(h: dict) -> None:
-    """Merge neighbouring pairs in place: keep the later step; dt = max (prefill spikes
-    stay visible), prefill tokens summed. Same rule as lib.js `halveSteps`."""
-    n = len(h["s"]) // 2 * 2
-    for k in STEP_KEYS:
-        a = h[k]
-        if k == "dt":
-            m = [max(a[i], a[i + 1]) for i in range(0, n, 2)]
-        elif k == "pf":
-            m = [a[i] + a[i + 1] for i in range(0, n, 2)]
-        else:
-            m = a[1:n:2]
-        h[k] = m + a[n:]
-
-
-def _row_line(r, width: int) -> str:
-    """`[done:stop]   12 tok  34.1 tok/s  ttft 0.12s  "prompt..." -> "text..."`"""
-    if r.done:
-        badge = f"done:{r.finish_reason}"
-    elif r.state == "prefill":
-        pt = r.prompt_tokens or 1
-        badge = f"prefill {min(100, int(100 * r.prefill_done / pt))}%"
-    else:
-        badge = {"decode": "decoding"}.get(r.state, r.state)
-    stats = f"{r.ntok:>5} tok"
-    stats += f" {r.tok_s:6.1f} tok/s" if r.tok_s is not None else " " * 12
-    stats += f"  ttft {r.ttft_s:.2f}s" if r.ttft_s is not None else " " * 12
-    con = constraint_fields(r)
-    if con:  # a constrained row: its kind and whether its output parses
-        badge += f" {con['con']}" + {"ok": " ok", "pending": ""}.get(con["parse"], " invalid")
-    line = f"[{badge}]".ljust(15) + stats
-    out = f"error: {r.error}" if r.error else r.text
-    p, txt = " ".join(r.prompt.split()), " ".join(out.split())
-    room = max(24, width - len(line) - 10)  # quotes, arrow
-    pn = min(len(p), max(12, room - min(len(txt), int(room * 0.6))))  # short text: long prompt
-    line += f'  "{one_line(p, pn)}"'
-    if txt:
-        line += f' -> "{one_line(txt, max(8, room - pn))}"'
-    return line
-
-
 class GenerationWidget(anywidget.AnyWidget):
     """Live view of an engine's rows. `rows=None`: dashboard of every row, present and
     future; otherwise the given rows only (one `%%generate` cell)."""
 
-    _esm = _bundle()
-    _css = _asset("widget.css")
+    _esm = bundle()
+    _css = asset("widget.css")
 
     rows = t.List(t.Dict()).tag(sync=True)  # full row dicts: every delta field + "text"
     steps = t.Dict().tag(sync=True)  # compact step history, see module docstring
@@ -133,7 +69,7 @@ class GenerationWidget(anywidget.AnyWidget):
                  flush_hz: float = FLUSH_HZ, **kwargs):
         super().__init__(**kwargs)
         # Weak: a widget shows rows, it must not keep a closed engine's model alive.
-        self._engine_ref, self._gone = weakref.ref(engine), _GoneEngine(engine)
+        self._engine_ref, self._gone = weakref.ref(engine), GoneEngine(engine)
         self.dashboard = rows is None
         self.title = title
         self.max_rows = max_rows if self.dashboard else None
@@ -313,38 +249,11 @@ class GenerationWidget(anywidget.AnyWidget):
             return None
         for rec in recs:
             self._rate.append((rec.t, rec.tokens or rec.batch_size))
-        # Buckets of consecutive steps: the last step's values, mean dt, summed prefill.
-        k = -(-len(recs) // max_points)
-        new = {key: [] for key in STEP_KEYS}
-        for i in range(0, len(recs), k):
-            grp = recs[i:i + k]
-            last = grp[-1]
-            new["s"].append(last.step)
-            new["t"].append(round(last.t, 3))
-            new["dt"].append(round(1000 * sum(g.dt_s for g in grp) / len(grp), 2))
-            new["b"].append(last.batch_size)
-            new["pf"].append(sum(g.prefill_tokens for g in grp))
-            new["kv"].append(last.kv_bytes)
-        # Per-row KV snapshots are the bulky part: a few per flush, fewer as rows grow.
-        mine = self._rows
-        nsnap = max(1, min(SNAPS_PER_FLUSH, 128 // max(1, len(self._live))))
-        stride = -(-len(recs) // nsnap)
-        snaps = []
-        for rec in recs[len(recs) - 1::-stride][::-1]:
-            flat = []
-            for rid, b in rec.row_kv_bytes.items():
-                if rid in mine:
-                    flat += (rid, int(b))
-            snaps.append([rec.step, rec.kv_bytes, flat])
-        new["snap"] = snaps
-        for key in STEP_KEYS:
-            self._hist[key] += new[key]
-        while len(self._hist["s"]) > MAX_STEP_POINTS:
-            _halve(self._hist)
+        new = _stepchart.points(recs, max_points)
+        new["snap"] = snaps = _stepchart.kv_snapshots(recs, self._rows, len(self._live))
+        _stepchart.extend(self._hist, new)
         self._snaps += snaps
-        while len(self._snaps) > MAX_STEP_POINTS or (
-                len(self._snaps) > 2 and sum(len(s[2]) for s in self._snaps) > MAX_SNAP_NUMBERS):
-            self._snaps = self._snaps[1::2] + ([self._snaps[-1]] if len(self._snaps) % 2 else [])
+        self._snaps = _stepchart.thin_snapshots(self._snaps)
         return new
 
     def _header(self) -> dict:
@@ -434,30 +343,7 @@ class GenerationWidget(anywidget.AnyWidget):
     # -- text fallback ---------------------------------------------------------------------
     def summary_text(self, max_rows: int = 20, width: int = 120) -> str:
         """A compact tqdm-like text view (terminal IPython, nbconvert, text/plain)."""
-        h = self._header()
-        rows = list(self._rows.values())
-        counts = {}
-        for r in rows:
-            k = "done" if r.done else r.state
-            counts[k] = counts.get(k, 0) + 1
-        parts = [f"mlxnb {h['model']}".rstrip(), f"{len(rows)} rows"
-                 + (" (" + ", ".join(f"{v} {k}" for k, v in counts.items()) + ")" if rows else "")]
-        if h["tok_s"]:
-            parts.append(f"{h['tok_s']:.0f} tok/s")
-        if h["kv_budget"]:
-            parts.append(f"KV {fmt_bytes(h['kv'])} / {fmt_bytes(h['kv_budget'])}")
-        elif h["kv_unit"] == "fraction":
-            parts.append(f"server KV {100 * h['kv']:.0f}%")
-        elif h["kv_unit"] is None:
-            parts.append("KV not reported by this server")
-        lines = [" | ".join(parts)]
-        shown = rows[-max_rows:]
-        if len(rows) > len(shown):
-            lines.append(f"  ... {len(rows) - len(shown)} earlier rows")
-        lines += [_row_line(r, width) for r in shown]
-        if any(not r.done for r in rows):
-            lines.append("(a snapshot: the live widget shows progress; display it again for now)")
-        return "\n".join(lines)
+        return _textview.summary_text(self._header(), self._rows.values(), max_rows, width)
 
     def results_bundle(self) -> dict:
         """text/plain + text/html of every row as it stands (results.py)."""
@@ -504,36 +390,6 @@ class GenerationWidget(anywidget.AnyWidget):
 
     def __repr__(self):
         return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"
-
-
-class _GoneEngine:
-    """What a widget reads of an engine that no longer exists: its fixed figures, no
-    rows running, nothing to listen to or cancel."""
-
-    running = queued = 0
-    steps = rows = ()
-
-    def __init__(self, engine):
-        self.model_name = getattr(engine, "model_name", "")
-        self.kv_budget = getattr(engine, "kv_budget", None)
-        self.max_batch = getattr(engine, "max_batch", None)
-        self.kv_unit = getattr(engine, "kv_unit", "bytes")
-        self.batch_reported = getattr(engine, "batch_reported", True)
-        self.cache_kinds = getattr(engine, "cache_kinds", None)
-        self.loop = engine.loop
-        self._t0 = time.perf_counter() - engine.clock()
-
-    def clock(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def add_listener(self, fn):
-        pass
-
-    def remove_listener(self, fn):
-        pass
-
-    def cancel(self, rows):
-        pass
 
 
 def _short_model_name(name: str) -> str:
