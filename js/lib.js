@@ -1,8 +1,9 @@
 // Pure helpers for the mlxnb widget: state from traits, delta messages, step history,
 // chart scaling, formatting. No DOM here, so `node --test` can exercise all of it.
-// widget.py inlines this file into the widget's ESM bundle (anywidget loads one module).
+// mlxnb/_frontend.py inlines this file into the widget's ESM bundle (anywidget loads
+// one module).
 
-export const MAX_POINTS = 2000; // per step-history array (same bound as widget.py)
+export const MAX_POINTS = 2000; // per step-history array (same bound as mlxnb/_stepchart.py)
 export const MAX_SNAP_NUMBERS = 20000;
 export const STEP_KEYS = ["s", "t", "dt", "b", "pf", "kv"];
 
@@ -100,7 +101,7 @@ export function snapNumbers(snaps) {
   return n;
 }
 
-/** Every second snapshot (keeping the latest), the same rule as widget.py. */
+/** Every second snapshot (keeping the latest), the same rule as mlxnb/_stepchart.py. */
 export function halveSnaps(snaps) {
   const out = [];
   for (let i = 1; i < snaps.length; i += 2) out.push(snaps[i]);
