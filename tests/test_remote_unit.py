@@ -196,6 +196,31 @@ def test_rows_stream_text_counts_and_usage(arun):
     assert run.records()[0]["tokens"] == 4
 
 
+def test_finished_rows_are_not_kept_by_the_remote_engine(arun):
+    """As a local engine: unfinished rows are the engine's, finished ones live as
+    long as the user's handles."""
+    import gc
+
+    srv = Server(lambda req, n: httpx.Response(200, content=sse(*chat_chunks(["x"]))))
+
+    async def main():
+        eng = engine(srv, max_concurrency=4)
+        for _ in range(3):
+            await eng.generate([f"p{i}" for i in range(10)], max_tokens=2)
+        gc.collect()
+        dropped = len(eng.rows)
+        kept = eng.generate(["kept"], max_tokens=2)
+        await kept
+        out = (dropped, len(eng.rows), kept.rows[0] in eng.rows, eng.submitted,
+               dict(eng.finished), eng.status())
+        await eng.aclose()
+        return out
+
+    dropped, n, held, submitted, finished, status = arun(main)
+    assert dropped == 0 and n == 1 and held
+    assert submitted == 31 and finished == {"length": 31} and "done 31" in status
+
+
 def test_raw_rows_use_completions_and_logprobs(arun):
     ev = [{"choices": [{"index": 0, "text": "ab", "finish_reason": None,
                         "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],

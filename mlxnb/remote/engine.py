@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import time
 import weakref
 from collections import Counter, deque
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from .. import _aio
 from ..rows import DECODE, PREFILL, Row, StepRecord
@@ -106,7 +107,11 @@ class RemoteEngine(Listeners):
         self.sample_s = sample_s
         self.loop = _aio.engine_loop(loop)
         self._t0 = time.perf_counter()
-        self.rows: List[Row] = []
+        self._ids = itertools.count()
+        self._live: Dict[int, Row] = {}  # unfinished rows, by id
+        self._finished = weakref.WeakValueDictionary()  # finished rows someone holds
+        self.finished = Counter()  # finish reason -> rows ended with it
+        self._nsubmitted = 0
         self.steps: List[StepRecord] = []
         self._queue: deque = deque()
         self._tasks = {}  # row id -> task streaming it
@@ -122,12 +127,17 @@ class RemoteEngine(Listeners):
         return time.perf_counter() - self._t0
 
     @property
-    def submitted(self) -> int:
-        return len(self.rows)
+    def rows(self) -> List[Row]:
+        """Rows in submission order: every unfinished one, and finished ones while
+        something else (a Run, a widget, a variable) still holds them."""
+        rows = list(self._live.values())
+        rows += [r for r in (ref() for ref in self._finished.valuerefs()) if r is not None]
+        rows.sort(key=lambda r: r.id)
+        return rows
 
     @property
-    def finished(self) -> Counter:
-        return Counter(r.finish_reason for r in self.rows if r.done)
+    def submitted(self) -> int:
+        return self._nsubmitted
 
     @property
     def running(self) -> int:
@@ -173,8 +183,9 @@ class RemoteEngine(Listeners):
 
     def submit_prepared(self, prompt, prepared, sp, tag=None, err=None) -> Row:
         self._check_open()
-        row = RemoteRow(self, len(self.rows), prompt, prepared, sp, tag)
-        self.rows.append(row)
+        row = RemoteRow(self, next(self._ids), prompt, prepared, sp, tag)
+        self._live[row.id] = row
+        self._nsubmitted += 1
         if err:
             self._notify("submit", row)
             self._end(row, "error", err)
@@ -267,6 +278,9 @@ class RemoteEngine(Listeners):
     def _end(self, row: Row, reason: str, error: Optional[str] = None):
         if row.done:
             return
+        self._live.pop(row.id, None)
+        self._finished[row.id] = row
+        self.finished[reason] += 1
         row._finish(reason, error)
         self._notify("finish", row)
 
@@ -306,7 +320,7 @@ class RemoteEngine(Listeners):
         self._call_on_loop(self._cancel, list(rows))
 
     def cancel_all(self) -> None:
-        self.cancel([r for r in self.rows if not r.done])
+        self.cancel(list(self._live.values()))
 
     def _cancel(self, rows):
         for row in rows:
@@ -323,7 +337,7 @@ class RemoteEngine(Listeners):
                 self._end(row, "cancelled")
 
     async def wait(self) -> None:
-        pending = [r._future for r in self.rows if not r.done]
+        pending = [r._future for r in self._live.values()]
         if pending:
             await asyncio.shield(asyncio.gather(*pending))
 
@@ -353,12 +367,11 @@ class RemoteEngine(Listeners):
         self._queue.clear()
         if self._sampler_task is not None:
             self._sampler_task.cancel()
-        for row in self.rows:  # nothing is ever left without a finish reason
-            if not row.done:
-                self._end(row, "cancelled")
+        for row in list(self._live.values()):  # nothing is left without a finish reason
+            self._end(row, "cancelled")
 
     def status(self) -> str:
-        done = sum(r.done for r in self.rows)
+        done = sum(self.finished.values())
         ld = self.load
         if ld.reported:
             parts = [f"{n} {v:g}" for n, v in (("running", ld.running), ("waiting", ld.waiting))
