@@ -100,10 +100,10 @@ class BatchExecutor:
             mx.array([[0]]), cache=self.make_cache())) if fuse else 0
         pad_safe = padding_stays_out(model, self.make_cache, self._probe_ids())
         self.cache_kinds = caches.describe(probe, kv_bits, self.quantized_attention)
-        # prefix entries are plain KV slices: recurrent states and quantized or
-        # windowed KV would need a snapshot at the prefix boundary instead
+        # prefix entries are slices of full-attention KV (quantized or not): windows
+        # and recurrent states would need a snapshot at the prefix boundary instead
         self.prefix_bytes = prefix_bytes
-        self.prefix = PrefixStore(prefix_bytes) if (
+        self.prefix = PrefixStore(prefix_bytes, self.make_cache) if (
             prefix_bytes and PrefixStore.supports(probe)) else None
         self.shapes = ShapeMemory()
         self.policy = PrefillPolicy(prefill_chunk)

@@ -354,6 +354,20 @@ class BatchQuantizedKVCache(_Quantized):
         self.left_padding = mx.concatenate([pa, pb])
         self._idx = idx
 
+    def load(self, keys, values):
+        """Hold these triplets ([1, H, n, *]: one row, no padding) as its first n
+        positions; a later write grows into new arrays, never into these."""
+        self.keys, self.values = keys, values
+        self._idx = keys[0].shape[2]
+
+    @classmethod
+    def merge(cls, rows: list) -> "BatchQuantizedKVCache":
+        """One batch of these caches' rows (each right-justified, as `extend` does)."""
+        out = rows[0]
+        for r in rows[1:]:
+            out.extend(r)
+        return out
+
     def size(self):
         return self._idx
 

@@ -2,11 +2,13 @@
 `--n` samples of one prompt) copy its KV instead of prefilling it again.
 
 Entries are whole prefilled prompts, copied out of the prefill's KV arrays (a row of
-a batch, from `start` for `n` tokens). A lookup takes the longest common prefix with
-any entry and hands out slices of it (new arrays: the row's in-place cache updates
-never reach the entry).
-Only models whose caches are all plain, trimmable `KVCache`s take part (rotating
-windows would need the evicted tokens back).
+a batch, from `start` for `n` tokens; quantized KV as its mx.quantize triplets,
+whose groups run along the head dimension, so a slice of positions is exact). A
+lookup takes the longest common prefix with any entry and hands out slices of it
+(new arrays: the row's in-place cache updates never reach the entry).
+Only models whose layers are all full-attention KV take part: rotating windows
+would need the evicted tokens back, and a recurrent state holds no per-position
+history to cut at a prefix.
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ from collections import OrderedDict
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
+
+from .caches import BatchQuantizedKVCache
+
+_KINDS = (KVCache, BatchQuantizedKVCache)
+
+
+def _slice(x, sl):
+    """x[sl] for an array, or for each array of a quantized triplet."""
+    return tuple(t[sl] for t in x) if isinstance(x, tuple) else x[sl]
 
 
 def _common_prefix(a: tuple, b: List[int]) -> int:
@@ -27,17 +39,22 @@ def _common_prefix(a: tuple, b: List[int]) -> int:
 
 
 class PrefixStore:
-    def __init__(self, max_bytes: int, max_entries: int = 64, min_tokens: int = 8):
+    """`make_cache()` gives a fresh single-row cache of the engine's kinds, which a
+    lookup fills with the prefix."""
+
+    def __init__(self, max_bytes: int, make_cache, max_entries: int = 64,
+                 min_tokens: int = 8):
         self.max_bytes = max_bytes
+        self.make_cache = make_cache
         self.max_entries = max_entries
         self.min_tokens = min_tokens
-        # key tokens -> (per-layer [(keys, values)] sliced to [1, H, n, D], bytes)
+        # key tokens -> (per-layer [(keys, values)] sliced to [1, H, n, *], bytes)
         self._entries: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.nbytes = 0
 
     @staticmethod
     def supports(cache: list) -> bool:
-        return all(type(c) is KVCache for c in cache)
+        return all(type(c) in _KINDS for c in cache)
 
     def lookup(self, ids: List[int]) -> Tuple[int, Optional[list]]:
         """(n, cache): a fresh single-row cache holding the first n tokens of `ids`."""
@@ -50,12 +67,13 @@ class PrefixStore:
         if best < self.min_tokens or best_key is None:
             return 0, None
         self._entries.move_to_end(best_key)
-        cache = []
-        for keys, values in self._entries[best_key][0]:
-            c = KVCache()
-            c.keys, c.values = keys[..., :best, :], values[..., :best, :]
-            c.offset = best
-            cache.append(c)
+        cache = self.make_cache()
+        upto = (Ellipsis, slice(None, best), slice(None))
+        for c, (keys, values) in zip(cache, self._entries[best_key][0]):
+            if type(c) is KVCache:
+                c.keys, c.values, c.offset = _slice(keys, upto), _slice(values, upto), best
+            else:
+                c.load(_slice(keys, upto), _slice(values, upto))
         return best, cache
 
     def add(self, ids: List[int], layers: list, row: int, start: int) -> None:
@@ -70,10 +88,15 @@ class PrefixStore:
             return
         # A copy: a view would keep the whole prefill group's buffer (every row, all
         # padding) alive, several times what the entry accounts for.
-        sliced = [(mx.contiguous(k[row:row + 1, :, start:start + n, :]),
-                   mx.contiguous(v[row:row + 1, :, start:start + n, :])) for k, v in layers]
+        sl = (slice(row, row + 1), slice(None), slice(start, start + n), slice(None))
+
+        def copy(x):
+            x = _slice(x, sl)
+            return tuple(map(mx.contiguous, x)) if isinstance(x, tuple) else mx.contiguous(x)
+
+        sliced = [(copy(k), copy(v)) for k, v in layers]
         mx.eval(sliced)
-        size = sum(k.nbytes + v.nbytes for k, v in sliced)
+        size = sum(a.nbytes for _, a in tree_flatten(sliced))
         if size > self.max_bytes:
             return
         self._entries[key] = (sliced, size)

@@ -183,6 +183,39 @@ def test_budget_counts_recurrent_state_and_quantized_bytes(family, kv, arun):
     assert max(s.kv_bytes for s in steps) <= budget
 
 
+def test_prefix_reuse_of_quantized_kv_keeps_outputs(arun):
+    """A reused prefix of quantized KV is the same triplets the prompt would
+    quantize again, so rows read the same logprobs as on an engine without reuse."""
+    header = "You are a helpful assistant. Answer briefly. " * 2
+    kv = dict(kv_bits=8, kv_group_size=32)
+
+    async def one(eng, prompt):
+        return await eng.submit(header + prompt, chat=False, max_tokens=10, logprobs=1)
+
+    async def main():
+        eng = engine("llama", **kv)
+        cold = engine("llama", prefix_cache=None, **kv)
+        a = await one(eng, "first")
+        b = await one(eng, "second")
+        busy = eng.generate(["x", "yy"], max_tokens=40, chat=False)  # a hit beside these
+        c = await one(eng, "second!")
+        await busy
+        refs = [await one(cold, p) for p in ("second", "second!")]
+        status = eng.status()
+        await eng.aclose()
+        await cold.aclose()
+        return a, b, c, refs, status
+
+    a, b, c, (ref_b, ref_c), status = arun(main)
+    assert "prefix reuse on" in status
+    assert a.cached_tokens == 0 and b.cached_tokens >= len(header)
+    assert c.cached_tokens >= len(header) + len("second") - 1
+    for got, ref in ((b, ref_b), (c, ref_c)):
+        assert got.tokens == ref.tokens
+        assert all(abs(x["logprob"] - y["logprob"]) < 1e-3
+                   for x, y in zip(got.logprobs, ref.logprobs))
+
+
 def test_quantized_kv_holds_fewer_bytes_than_full():
     full = engine("llama", kv_budget=None)
     q4 = engine("llama", kv_budget=None, kv_bits=4, kv_group_size=32)
