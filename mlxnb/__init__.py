@@ -38,7 +38,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": ".engine", "Row": ".rows", "RowResult": ".rows", "Run": ".run",
     "SamplingParams": ".rows", "StepRecord": ".rows", "GenerationWidget": ".widget",
-    "load_model": ".models", "ModelLoadError": ".models", "wait": ".magics",
+    "load_model": ".models", "ModelLoadError": ".models", "wait": ".session",
     "connect": ".remote", "RemoteEngine": ".remote", "EngineLike": ".protocol",
 }
 

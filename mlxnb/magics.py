@@ -4,10 +4,9 @@ Loading the extension is cheap: it registers the magics, the ``MLXNB`` configura
 (``%config MLXNB.max_tokens = 128``) and a display hook for `Run`; the engine (the
 model and its scheduler) starts lazily on the first ``%%generate`` or ``%mlxnb load``.
 
-One engine per kernel, kept in this module's session registry ``_S``. Unloading the
-extension (``%unload_ext mlxnb``) unregisters the magics but leaves the engine and its
-running rows alone, so ``%reload_ext mlxnb`` picks the same engine up again (never a
-second scheduler). ``%mlxnb unload`` (or ``await mlxnb.magics.shutdown()``) frees it.
+The kernel's one engine and the ``%config`` values live in session.py, so unloading
+the extension (``%unload_ext mlxnb``) leaves them alone: ``%reload_ext mlxnb`` finds
+the same engine and its running rows. The option lines are read with magicargs.py.
 
 A cell magic cannot block on the loop it runs on, so ``%%generate`` returns a `Run` at
 once; wait with ``await run`` or ``await mlxnb.wait()`` in a later cell.
@@ -15,282 +14,25 @@ once; wait with ``await run`` or ``await mlxnb.wait()`` in a later cell.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import functools
 import keyword
 import os
-import shlex
 import sys
 import time
-import weakref
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import (MagicArgumentParser, argument,
-                                          magic_arguments)
-from traitlets import Bool, Float, Int, List, Unicode, Union
-from traitlets.config import Configurable
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from . import _aio
 from . import cellparse as cp
-from ._log import swallowed
 from ._text import one_line
+from .magicargs import (_CONNECT, _HELP, _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved,
+                        _sendable)
 from .run import Run
+from .session import MLXNB, _S, _close, _same_model, get_engine, shutdown, use, wait
 
 __all__ = ["MLXNB", "MLXNBMagics", "load_ipython_extension", "unload_ipython_extension",
            "wait", "shutdown", "use", "get_engine"]
-
-
-class MLXNB(Configurable):
-    """Defaults for ``%%generate`` and the engine: ``%config MLXNB.<name> = value``."""
-
-    model = Unicode("default", help="Model loaded on first use: 'default', an mlx-lm "
-                    "hub id or a local mlx-lm directory.").tag(config=True)
-    kv_budget = Union([Int(), Unicode()], default_value="2GB", allow_none=True,
-                      help="KV-cache byte budget: '2GB', bytes, or None for no limit."
-                      ).tag(config=True)
-    max_batch = Int(32, min=1, help="Most rows decoded together.").tag(config=True)
-    prefill_chunk = Int(None, min=1, allow_none=True,
-                        help="Prompt tokens prefilled per step beside running rows; "
-                        "None = auto (about 50 ms of prefill per step).").tag(config=True)
-    kv_bits = Int(None, allow_none=True,
-                  help="Quantize the KV cache to this many bits (4 or 8; None = full "
-                  "precision).").tag(config=True)
-    kv_group_size = Int(64, help="Head dims per quantization group of the KV cache "
-                        "(32, 64 or 128).").tag(config=True)
-    max_tokens = Int(64, min=1, help="Default --max-tokens.").tag(config=True)
-    temperature = Float(0.0, min=0.0, help="Default --temp (0 = greedy).").tag(config=True)
-    top_p = Float(1.0, help="Default --top-p.").tag(config=True)
-    top_k = Int(0, min=0, help="Default --top-k (0 = off).").tag(config=True)
-    min_p = Float(0.0, help="Default --min-p.").tag(config=True)
-    repetition_penalty = Float(None, allow_none=True,
-                               help="Default --repetition-penalty.").tag(config=True)
-    seed = Int(None, allow_none=True, help="Default --seed.").tag(config=True)
-    stop = List(Unicode(), help="Default stop strings.").tag(config=True)
-    system = Unicode(None, allow_none=True, help="Default --system prompt.").tag(config=True)
-    chat = Bool(True, help="Apply the chat template (False = --raw).").tag(config=True)
-    logprobs = Int(0, min=0, max=20, help="Default --logprobs K.").tag(config=True)
-    quiet = Bool(False, help="Default --quiet (no widget).").tag(config=True)
-    max_rows = Int(1024, min=1, help="Most rows one cell may expand to.").tag(config=True)
-
-
-class _Session:
-    """Module-level registry: survives %reload_ext (and a reload of this module)."""
-
-    def __init__(self):
-        self.engine = None
-        self.model_spec = None  # what the user asked for ("default", hub id, dir)
-        self.config = None
-        self.shell = None
-        self.widgets = weakref.WeakSet()  # every widget we showed, for wait()'s sync
-        self.closing = set()  # aclose() tasks in flight
-
-
-_S = globals().get("_S") or _Session()
-
-
-def get_engine():
-    """The kernel's engine, or None before the first %%generate / %mlxnb load."""
-    eng = _S.engine
-    if eng is not None and getattr(eng, "closed", getattr(eng, "_closed", False)):
-        _S.engine = eng = None
-    return eng
-
-
-def use(engine, name=None):
-    """Make an `Engine` built in Python (e.g. from an in-memory model) the one the
-    magics use. The previous engine, if any, is closed."""
-    if _S.engine is not None and _S.engine is not engine:
-        _close(_S.engine)
-    _S.engine, _S.model_spec = engine, name or getattr(engine, "model_name", None)
-    return engine
-
-
-def _close(eng):
-    if _S.engine is eng:
-        _S.engine, _S.model_spec = None, None
-    loop = eng.loop
-    # on the loop: free the caches in the background, rows end 'cancelled'
-    if loop is not None and _aio.running_loop() is loop:
-        task = loop.create_task(eng.aclose())
-        _S.closing.add(task)
-        task.add_done_callback(_S.closing.discard)
-    else:
-        eng.close()
-
-
-async def shutdown():
-    """Close the kernel's engine (its unfinished rows end 'cancelled') and forget it."""
-    eng = _S.engine
-    _S.engine, _S.model_spec = None, None
-    if eng is not None:
-        await eng.aclose()
-    if _S.closing:
-        await asyncio.gather(*list(_S.closing), return_exceptions=True)
-
-
-async def wait():
-    """Wait until every row of the kernel's engine has finished (``await mlxnb.wait()``),
-    then bring every widget the magics showed fully up to date (for saved notebooks).
-    Interrupting the awaiting cell leaves the rows running."""
-    eng = get_engine()
-    if eng is None:
-        return None
-
-    async def on_loop():
-        while any(not r.done for r in list(eng.rows)):  # rows submitted meanwhile too
-            await eng.wait()
-        for w in list(_S.widgets):
-            try:
-                w.sync_now()
-            except Exception:
-                swallowed("widget sync", w.sync_now)
-
-    await _aio.awaitable_on(eng.loop, on_loop)  # a subshell's loop hops over
-    return None
-
-
-# -- helpers -------------------------------------------------------------------------
-def _split(line: str) -> list:
-    try:
-        return shlex.split(line or "")
-    except ValueError as e:
-        raise UsageError(f"could not read the options ({e}); close your quotes") from None
-
-
-class _Uses(argparse.Namespace):
-    """Counts each option's uses so `_parse` can refuse a repeat: argparse keeps only
-    the last of a repeated option (`--n 2 --n 3`, `--raw --chat`, `-o a -o b`), and
-    the extend actions would make `--temp 0.2 --temp 0.7` a sweep. Defaults are
-    preset, so every later set is a use on the command line."""
-
-    def __init__(self, parser):
-        super().__init__()
-        d = self.__dict__
-        d["_preset"], d["_uses"] = {}, {}
-        for a in parser._actions:
-            if a.dest != argparse.SUPPRESS and a.dest not in d:
-                d[a.dest] = d["_preset"][a.dest] = a.default
-
-    def __setattr__(self, name, value):
-        if name not in self._preset or value is not self._preset[name]:
-            self._uses[name] = self._uses.get(name, 0) + 1
-        super().__setattr__(name, value)
-
-
-_REPEATABLE = {"stop"}  # --stop A --stop B: documented as repeatable
-
-
-def _parse(parser, line: str, what: str, hint: str):
-    ns = _Uses(parser)
-    try:
-        a = parser.parse_args(_split(line), namespace=ns)
-    except UsageError as e:
-        msg = " ".join(str(e).split())
-        raise UsageError(f"{what}: {msg}; {hint}") from None
-    for dest, n in ns._uses.items():
-        acts = [x for x in parser._actions if x.dest == dest and x.option_strings]
-        if n > 1 and acts and dest not in _REPEATABLE:
-            flags = "/".join(dict.fromkeys(o for x in acts for o in x.option_strings))
-            sweep = cp.SWEEPABLE.get(dest)
-            how = (f"; to sweep, give one comma list, e.g. --{dest.replace('_', '-')} "
-                   f"{'1,2' if sweep[1] is int else '0.2,0.7'}" if sweep else "")
-            raise UsageError(f"{what}: {flags} given more than once; give it once{how}")
-    return a
-
-
-def _sendable(magic):
-    """A UsageError echoing user text (an option, a {field}, a model name) may hold
-    lone surrogates (chr(0xd800)); ipykernel then fails to serialize the error and the
-    cell gets no execute_reply at all (it looks hung). So they are escaped (as \\ud800)
-    and the message kept on one line."""
-
-    @functools.wraps(magic)
-    def wrapper(*args, **kwargs):
-        try:
-            return magic(*args, **kwargs)
-        except UsageError as e:
-            msg = " ".join(str(e).split())
-            safe = msg.encode("utf-8", "backslashreplace").decode("utf-8")
-            if safe == str(e):
-                raise
-            raise UsageError(safe) from None
-
-    return wrapper
-
-
-def _reserved(shell, name: str) -> bool:
-    """Names a run must not be bound to: builtins (exit, print, ...), dunders
-    (__builtins__), and what IPython keeps in the namespace for itself (In, Out,
-    get_ipython, _oh, _ih, _dh, _, _i, _5, _i5, ...)."""
-    import builtins
-    import re
-
-    hidden = getattr(shell, "user_ns_hidden", {}) or {}
-    return (hasattr(builtins, name) or name in hidden
-            or (name.startswith("__") and name.endswith("__"))
-            or re.fullmatch(r"_+|_i+|_i?\d+|_[oid]h", name) is not None)
-
-
-def _norm(spec) -> str:
-    s = str(spec).strip().rstrip("/")
-    p = os.path.expanduser(s)
-    return os.path.abspath(p) if os.path.isdir(p) else s
-
-
-def _same_model(eng, want: str) -> bool:
-    have = {_norm(x) for x in (_S.model_spec, getattr(eng, "model_name", None)) if x}
-    return _norm(want) in have
-
-
-def _run_display(run):
-    """Display a `Run` as its widget and the widget's results output (widget.py);
-    a run without a widget as its repr."""
-    w = getattr(run, "widget", None)
-    if w is not None:
-        w._ipython_display_()
-    else:
-        from IPython.display import display
-
-        display({"text/plain": repr(run)}, raw=True)
-
-
-def _int_or_word(opt: str, raw, word: str):
-    """An integer option that also takes one word (`--prefill-chunk auto`)."""
-    if (raw or "").strip().lower() == word:
-        return word
-    try:
-        return cp.parse_values(opt, raw, int, sweep=False)[0]
-    except UsageError as e:
-        raise UsageError(f"{e} (or --{opt.replace('_', '-')} {word})") from None
-
-
-_LOAD = MagicArgumentParser(prog="%mlxnb load", add_help=False)
-_LOAD.add_argument("model", nargs="?", default=None)
-_LOAD.add_argument("--kv-budget", default=None)
-_LOAD.add_argument("--max-batch", default=None)
-_LOAD.add_argument("--prefill-chunk", default=None)
-_LOAD.add_argument("--kv-bits", default=None)
-_LOAD.add_argument("--kv-group-size", default=None)
-
-_CONNECT = MagicArgumentParser(prog="%mlxnb connect", add_help=False)
-_CONNECT.add_argument("url")
-_CONNECT.add_argument("--model", default=None)
-_CONNECT.add_argument("--api-key-env", default=None)
-_CONNECT.add_argument("--max-concurrency", default=None)
-
-_HELP = """%mlxnb subcommands:
-  %mlxnb load [MODEL] [--kv-budget 2GB|none] [--max-batch N] [--prefill-chunk N|auto]
-               [--kv-bits 4|8|none] [--kv-group-size 64]
-  %mlxnb connect URL [--model NAME] [--api-key-env VAR] [--max-concurrency N]
-                           an OpenAI-compatible server (vLLM, mlx_lm.server ...)
-  %mlxnb status            model, rows running / queued / done, KV memory
-  %mlxnb stop [all|NAME]   cancel every unfinished row (or one Run/Row variable)
-  %mlxnb dashboard         a live widget of every row of every cell
-  %mlxnb wait              how to wait (await mlxnb.wait() in a cell)
-  %mlxnb unload            close the engine and free the model"""
-_NO_ARGS = ("status", "dashboard", "wait", "unload", "help")
 
 
 @magics_class
@@ -587,6 +329,18 @@ class MLXNBMagics(Magics):
 
 
 # -- the extension -------------------------------------------------------------------------
+def _run_display(run):
+    """Display a `Run` as its widget and the widget's results output (widget.py);
+    a run without a widget as its repr."""
+    w = getattr(run, "widget", None)
+    if w is not None:
+        w._ipython_display_()
+    else:
+        from IPython.display import display
+
+        display({"text/plain": repr(run)}, raw=True)
+
+
 def load_ipython_extension(ip):
     """``%load_ext mlxnb``: register the magics and ``%config MLXNB``; loads no model."""
     cfg = _S.config if (_S.config is not None and _S.shell is ip) else MLXNB(parent=ip)
