@@ -15,6 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+LOAD_TIMEOUT_S = 900.0  # default bound on reading a model (a download included)
+
 
 class TemplateTimeout(Exception):
     """Raised inside a chat-template render that ran past its time bound."""
@@ -127,7 +129,7 @@ def load_bounded(name, timeout: Optional[float]):
         raise ModelLoadError(
             f"loading {str(name)!r} took longer than {timeout:g} s (a stalled download or "
             "file system?); check the network or the path, or pass load_timeout=None "
-            "to wait without a limit") from None
+            "(%config MLXNB.load_timeout = None) to wait without a limit") from None
 
 
 def release_heap() -> None:

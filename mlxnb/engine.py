@@ -38,7 +38,7 @@ from .protocol import Listeners
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
 from ._log import log
-from ._threads import load_bounded, mlx_worker, release_heap
+from ._threads import LOAD_TIMEOUT_S, load_bounded, mlx_worker, release_heap
 from ._text import fmt_bytes, parse_bytes
 from ._trace import timed
 from .scheduler import Scheduler
@@ -50,7 +50,6 @@ from .warmup import warm_up
 # at once (`_interrupt`), so it bounds only how often tokens reach the widget.
 _STREAK_S = 0.050
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
-_LOAD_TIMEOUT_S = 900.0  # default bound on reading a model (a download included)
 
 
 class Engine(Listeners):
@@ -89,7 +88,7 @@ class Engine(Listeners):
                  prefix_cache: Union[str, int, None] = "256MB", warmup: bool = True,
                  fuse: bool = True, kv_bits: Optional[int] = None,
                  kv_group_size: int = 64,
-                 load_timeout: Optional[float] = _LOAD_TIMEOUT_S, loop=None):
+                 load_timeout: Optional[float] = LOAD_TIMEOUT_S, loop=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int)

@@ -54,7 +54,7 @@ class MLXNBMagics(Magics):
                   kv_budget=c.kv_budget if kv_budget is None else kv_budget,
                   prefill_chunk=(c.prefill_chunk if prefill_chunk is None else
                                  None if prefill_chunk == "auto" else prefill_chunk),
-                  loop=_aio.shell_loop())
+                  load_timeout=c.load_timeout, loop=_aio.shell_loop())
         if isinstance(kw["kv_budget"], str) and kw["kv_budget"].strip().isdigit():
             kw["kv_budget"] = int(kw["kv_budget"])
         if not quiet:

@@ -16,11 +16,12 @@ import asyncio
 import os
 import weakref
 
-from traitlets import Bool, Float, Int, List, Unicode, Union
+from traitlets import Bool, Float, Int, List, TraitError, Unicode, Union, validate
 from traitlets.config import Configurable
 
 from . import _aio
 from ._log import swallowed
+from ._threads import LOAD_TIMEOUT_S
 
 __all__ = ["MLXNB", "get_engine", "use", "wait", "shutdown"]
 
@@ -56,6 +57,17 @@ class MLXNB(Configurable):
     logprobs = Int(0, min=0, max=20, help="Default --logprobs K.").tag(config=True)
     quiet = Bool(False, help="Default --quiet (no widget).").tag(config=True)
     max_rows = Int(1024, min=1, help="Most rows one cell may expand to.").tag(config=True)
+    load_timeout = Float(LOAD_TIMEOUT_S, allow_none=True,
+                         help="Most seconds reading a model may take (a download "
+                         "included); None = no limit.").tag(config=True)
+
+    @validate("load_timeout")
+    def _positive(self, proposal):
+        v = proposal["value"]
+        if v is not None and not v > 0:
+            raise TraitError(f"load_timeout must be a positive number of seconds or None "
+                             f"(no limit), got {v!r}")
+        return v
 
 
 class _Session:

@@ -189,6 +189,27 @@ def test_config_defaults_and_options_override(ip, tiny, arun_shut):
     arun_shut(main)
 
 
+def test_load_timeout_is_a_config_setting(ip, monkeypatch, caplog):
+    import mlxnb.engine
+
+    seen = {}
+
+    def fake_engine(spec, **kw):
+        seen.update(kw)
+        raise ValueError("no model here")
+
+    monkeypatch.setattr(mlxnb.engine, "Engine", fake_engine)
+    ip.run_line_magic("load_ext", "mlxnb")
+    for value, want in (("30", 30.0), ("None", None)):
+        ip.run_line_magic("config", f"MLXNB.load_timeout = {value}")
+        with pytest.raises(UsageError, match="no model here"):
+            ip.run_line_magic("mlxnb", "load some/model")
+        assert seen["load_timeout"] == want
+    ip.run_line_magic("config", "MLXNB.load_timeout = 0")  # %config logs the refusal
+    assert "load_timeout must be a positive number" in caplog.text
+    assert magics._S.config.load_timeout is None  # the bad value was not taken
+
+
 def test_sweep_from_a_variable_in_the_options_line(ip, tiny, arun_shut):
     async def main():
         attach(tiny)
