@@ -201,16 +201,21 @@ def test_prefix_reuse_of_quantized_kv_keeps_outputs(arun):
         c = await one(eng, "second!")
         await busy
         refs = [await one(cold, p) for p in ("second", "second!")]
+        several = ["a", "bb", "ccc"]  # hits that join the batch together
+        together = await eng.generate([header + p for p in several], chat=False,
+                                      max_tokens=10, logprobs=1)
+        together_refs = [await one(cold, p) for p in several]
         status = eng.status()
         await eng.aclose()
         await cold.aclose()
-        return a, b, c, refs, status
+        return a, b, c, refs, status, together, together_refs
 
-    a, b, c, (ref_b, ref_c), status = arun(main)
+    a, b, c, (ref_b, ref_c), status, together, together_refs = arun(main)
+    assert all(r.cached_tokens >= len(header) for r in together)
     assert "prefix reuse on" in status
     assert a.cached_tokens == 0 and b.cached_tokens >= len(header)
     assert c.cached_tokens >= len(header) + len("second") - 1
-    for got, ref in ((b, ref_b), (c, ref_c)):
+    for got, ref in [(b, ref_b), (c, ref_c)] + list(zip(together, together_refs)):
         assert got.tokens == ref.tokens
         assert all(abs(x["logprob"] - y["logprob"]) < 1e-3
                    for x, y in zip(got.logprobs, ref.logprobs))

@@ -273,6 +273,28 @@ def test_prefix_reuse_reports_cached_tokens_and_keeps_outputs(tiny, arun):
     assert same_logprobs(b, ref_b) and same_logprobs(c, ref_c)
 
 
+def test_prefix_hits_join_the_batch_together_and_keep_outputs(tiny, arun):
+    header = "You are a helpful assistant. Answer briefly. " * 2
+    prompts = [header + f"question {i}" + "?" * i for i in range(6)]  # unequal lengths
+
+    async def main():
+        eng = make(tiny)
+        cold = Engine(tiny, kv_budget=None, prefix_cache=None)
+        await alone(eng, prompts[0], max_tokens=2)  # the header's KV, stored
+        s0 = len(eng.steps)
+        res = await eng.generate(prompts, chat=False, max_tokens=8, logprobs=1)
+        sizes = [s.batch_size for s in eng.steps[s0:]]
+        refs = [await alone(cold, p, max_tokens=8, logprobs=1) for p in prompts]
+        await eng.aclose()
+        await cold.aclose()
+        return res, refs, sizes
+
+    res, refs, sizes = arun(main)
+    assert all(r.cached_tokens >= len(header) for r in res)
+    assert next(b for b in sizes if b) == len(prompts)  # every hit joined in one step
+    assert all(same_logprobs(r, ref) for r, ref in zip(res, refs))
+
+
 @pytest.mark.parametrize("stage", ["queued", "prefill", "decode"])
 def test_cancel_at_every_stage(tiny, arun, stage):
     async def main():
