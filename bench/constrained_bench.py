@@ -221,9 +221,9 @@ async def profiled(eng, profile: bool, *a, **k) -> dict:
 
 async def decode(model, tok, args) -> dict:
     B = args.batch
-    # No prefix reuse: a constrained pass would reuse the KV of the free pass before it
-    # (the same prompts), its rows would join the batch one by one, and its steps
-    # would run on a more padded batch than the free pass's.
+    # No prefix reuse: a constrained pass would reuse the prompt KV of the free pass
+    # before it (the same prompts) and join its rows in a step with no prompt tokens,
+    # which counts as a decode step here; both passes must prefill the same way.
     eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, prefix_cache=None)
     for c in (False, True):  # warm-up: kernels and shapes of both kinds
         await one_pass(eng, B, min(args.new, 16), c, seed=99, mix=args.mix)
