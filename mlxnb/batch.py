@@ -32,7 +32,7 @@ from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
 from . import caches
 from ._trace import lap, pc, timed
-from .caches import aligned_views, left_padded, merge_lean
+from .caches import aligned_views, left_padded
 from .prefill import (AUTO_MAX, IDLE_PREFILL, Prefill, PrefillPolicy, ShapeMemory,
                       padding_stays_out)
 from .prefix import PrefixStore
@@ -314,7 +314,7 @@ class BatchExecutor:
             return
         # Groups stay in self.prefill.ready until joined: if merging raises, tick's
         # _fail_batch must still find their rows to end them (else they sit in 'prefill').
-        for cache, admits in _joining(self.prefill.ready):
+        for cache, admits in self.prefill.joining():
             if self.caches is None:
                 self.caches = cache
             else:
@@ -491,33 +491,3 @@ class BatchExecutor:
         if clear_cache:
             mx.clear_cache()
 
-
-def _joining(ready: list):
-    """(batch cache, admits) for each piece of `ready` to join, in order, cancelled
-    rows left out. Rows that prefilled alone (prefix hits) merge into one batch
-    first: each extend copies the whole running batch, so 32 hits joined one by one
-    cost 285 ms on 2 CPU cores, one merge and one extend 47 ms."""
-    alone: list = []
-
-    def merged():
-        cache = merge_lean([[g.cache[i] for g in alone] for i in range(len(alone[0].cache))])
-        out = (cache, [g.admits[0] for g in alone])
-        alone.clear()
-        return out
-
-    for g in ready:
-        if not g.batched:
-            if g.admits[0].row_id not in g.cancelled:
-                alone.append(g)
-            continue
-        if alone:
-            yield merged()
-        keep = [i for i, a in enumerate(g.admits) if a.row_id not in g.cancelled]
-        if not keep:
-            continue
-        if len(keep) < len(g.admits):
-            for c in g.cache:
-                c.filter(mx.array(keep))
-        yield g.cache, [g.admits[i] for i in keep]
-    if alone:
-        yield merged()

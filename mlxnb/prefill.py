@@ -23,7 +23,7 @@ from typing import Callable, Deque, List, Optional, Tuple
 import mlx.core as mx
 
 from ._trace import lap, pc, timed
-from .caches import aligned_views, empty_batch, round_up
+from .caches import aligned_views, empty_batch, merge_lean, round_up
 
 IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
 IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate
@@ -308,6 +308,37 @@ class Prefill:
             self.policy.observe_prefill(done, time.perf_counter() - t0, decoding,
                                         self.cold_chunk or (decoding and cold_launch))
         return done
+
+    def joining(self):
+        """(batch cache, admits) for each piece of `ready` to join, in order, cancelled
+        rows left out. Rows that prefilled alone (prefix hits) merge into one batch
+        first: each extend copies the whole running batch, so 32 hits joined one by one
+        cost 285 ms on 2 CPU cores, one merge and one extend 47 ms."""
+        alone: list = []
+
+        def merged():
+            layers = range(len(alone[0].cache))
+            cache = merge_lean([[g.cache[i] for g in alone] for i in layers])
+            out = (cache, [g.admits[0] for g in alone])
+            alone.clear()
+            return out
+
+        for g in self.ready:
+            if not g.batched:
+                if g.admits[0].row_id not in g.cancelled:
+                    alone.append(g)
+                continue
+            if alone:
+                yield merged()
+            keep = [i for i, a in enumerate(g.admits) if a.row_id not in g.cancelled]
+            if not keep:
+                continue
+            if len(keep) < len(g.admits):
+                for c in g.cache:
+                    c.filter(mx.array(keep))
+            yield g.cache, [g.admits[i] for i in keep]
+        if alone:
+            yield merged()
 
     def next_group(self, budget: int, step_budget: int,
                    decoding: bool) -> Optional[PrefillGroup]:
