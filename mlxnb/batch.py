@@ -39,7 +39,6 @@ from .prefix import PrefixStore
 from .rows import SamplingParams
 from .sampling import BatchSampler, top_logprobs
 
-
 @dataclass
 class Admit:
     row_id: int
@@ -363,15 +362,14 @@ class BatchExecutor:
         rows, want, procs = self._batch_rows, self._want_lp, self._any_procs
         tr = self.tracer
         t = pc() if tr else 0.0
-        masks = self.masks if self._any_constrained else None
         logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
         if want or procs or self.sampler.needs_float32:
             logits = logits.astype(mx.float32)
         if procs:
             logits = self._process(rows, logits, u)
-        if masks is not None:  # masks.py: they fill while the forward launches
-            masks.start(self.inflight, self.rows, rows)
-            logits = masks.apply(logits)
+        if self._any_constrained:  # masks.py: they fill while the forward launches
+            self.masks.start(self.inflight, self.rows, rows)
+            logits = self.masks.apply(logits)
         if tr:
             t = lap(tr, "launch.fwd_build", t)
         tokens = self.sampler.sample(logits)  # [B]
@@ -490,4 +488,3 @@ class BatchExecutor:
             self.prefix.clear()
         if clear_cache:
             mx.clear_cache()
-

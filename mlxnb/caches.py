@@ -320,13 +320,18 @@ class BatchQuantizedKVCache(_Quantized):
 
     def extend(self, other: "BatchQuantizedKVCache"):
         """Append `other`'s rows, both right-justified at the longer one's length."""
-        if self.keys is None and other.keys is None:
-            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+        self._gather([self, other])
+
+    def _gather(self, parts: list):
+        """Become the rows of `parts` in order (self among them), each right-justified
+        at the longest one's length: one concatenation, however many parts."""
+        if all(c.keys is None for c in parts):
+            self.left_padding = mx.concatenate([c.left_padding for c in parts])
             return
-        idx = max(self._idx, other._idx)
-        ref = self.keys if self.keys is not None else other.keys
-        refv = self.values if self.values is not None else other.values
-        size = max(x.keys[0].shape[2] for x in (self, other) if x.keys is not None)
+        idx = max(c._idx for c in parts)
+        held = [c for c in parts if c.keys is not None]
+        ref, refv = held[0].keys, held[0].values
+        size = max(c.keys[0].shape[2] for c in held)
 
         def pad(c):
             k, v = c.keys, c.values
@@ -348,10 +353,10 @@ class BatchQuantizedKVCache(_Quantized):
                 v = tuple(mx.pad(x, widths) for x in v)
             return k, v, c.left_padding + left
 
-        (ka, va, pa), (kb, vb, pb) = pad(self), pad(other)
-        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(ka, kb))
-        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(va, vb))
-        self.left_padding = mx.concatenate([pa, pb])
+        ks, vs, pads = zip(*(pad(c) for c in parts))
+        self.keys = tuple(mx.concatenate(list(x)) for x in zip(*ks))
+        self.values = tuple(mx.concatenate(list(x)) for x in zip(*vs))
+        self.left_padding = mx.concatenate(list(pads))
         self._idx = idx
 
     def load(self, keys, values):
@@ -363,10 +368,8 @@ class BatchQuantizedKVCache(_Quantized):
     @classmethod
     def merge(cls, rows: list) -> "BatchQuantizedKVCache":
         """One batch of these caches' rows (each right-justified, as `extend` does)."""
-        out = rows[0]
-        for r in rows[1:]:
-            out.extend(r)
-        return out
+        rows[0]._gather(rows)
+        return rows[0]
 
     def size(self):
         return self._idx

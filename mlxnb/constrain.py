@@ -246,15 +246,6 @@ class Constraints:
 
         return lln.allocate_token_bitmask(rows, self.lltokenizer().vocab_size)
 
-    def fill(self, matchers: list):
-        """The next-token bitmasks of `matchers` [len(matchers), words], one by one."""
-        import llguidance.numpy as lln
-
-        buf = self.bitmask(len(matchers))
-        for j, m in enumerate(matchers):
-            lln.fill_next_token_bitmask(m, buf, j)
-        return buf
-
 
 # -- results (loop side) ------------------------------------------------------------
 def parse_json(row) -> Tuple[Any, Optional[str]]:

@@ -176,7 +176,7 @@ class MaskFiller:
             self._filler = None
 
 
-def _fill(share: list, buf) -> None:
+def fill(share: list, buf) -> None:
     """Each (row, matcher)'s next-token bitmask into that row of `buf`.
 
     One matcher at a time: each call drops the GIL while it works, so fill threads
@@ -193,7 +193,7 @@ def _feed_and_fill(feed: list, share: list, buf) -> float:
     """Feed, then fill; returns the seconds it took."""
     t = pc()
     _feed(feed)
-    _fill(share, buf)
+    fill(share, buf)
     return pc() - t
 
 
