@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from .constrain import Constraints
+from .constrain import Constraints, verdict
 from .masks import MaskFiller
 from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
@@ -54,6 +54,10 @@ class RowUpdate:
     cached_tokens: Optional[int] = None
     finish: Optional[str] = None
     error: Optional[str] = None
+    # A constrained row's output judged here from its matcher (checked): why it falls
+    # short of the constraint, or None. Unchecked: the loop checks the text itself.
+    checked: bool = False
+    constraint_error: Optional[str] = None
 
 
 @dataclass
@@ -440,6 +444,9 @@ class BatchExecutor:
             if finish is not None:
                 up = u(rid)
                 up.finish, up.error = finish
+                if r.matcher is not None and not r.params.stop and up.finish != "error":
+                    # its matcher read exactly the tokens its text decodes from
+                    up.checked, up.constraint_error = True, verdict(r.params, r.matcher)
                 drop.add(rid)
                 if rid not in self.ids:
                     rows.pop(rid, None)

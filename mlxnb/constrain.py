@@ -87,6 +87,18 @@ def check_params(p) -> None:
                              f"{_short(p.choices)}")
 
 
+_WHAT = {"json_schema": "its schema", "regex": "its regex", "choices": "its choices",
+         "grammar": "its grammar"}
+
+
+def verdict(p, m) -> Optional[str]:
+    """Why the output a matcher `m` of `p` has read so far (all of it accepted) is not
+    yet whole, or None when the constraint is met."""
+    if m.is_stopped() or m.is_accepting():
+        return None
+    return f"incomplete: {_WHAT[kind_of(p)]} needs more"
+
+
 def kind_of(p) -> Optional[str]:
     """Which constraint a row's params carry ('json_schema', ...), or None."""
     for k in KINDS:
@@ -192,14 +204,10 @@ class Constraints:
             return None
         ids = list(self._tokenizer.encode(text, add_special_tokens=False))
         n = m.try_consume_tokens(ids)
-        what = {"json_schema": "its schema", "regex": "its regex", "choices": "its choices",
-                "grammar": "its grammar"}[kind_of(p)]
         if n < len(ids):
             at = len(self._tokenizer.decode(ids[:n]))
-            return f"breaks {what} at character {at}: {_short(text[at:], 24)}"
-        if not m.is_accepting():
-            return f"incomplete: {what} needs more"
-        return None
+            return f"breaks {_WHAT[kind_of(p)]} at character {at}: {_short(text[at:], 24)}"
+        return verdict(p, m)
 
     def _template(self, p, lane: Any = 0):
         key = _key(p)

@@ -381,7 +381,9 @@ class Engine(Listeners):
             if up.finish:
                 if row.t_first is None and up.finish == "stop":
                     row.t_first = now
-                self._end(row, up.finish, up.error)
+                if up.checked:
+                    row.constraint_error = up.constraint_error
+                self._end(row, up.finish, up.error, checked=up.checked)
         # The first step also carries the loop's share of the round trip.
         worker = sum(st.seconds for st in report.steps)
         t = now - dt
@@ -397,15 +399,16 @@ class Engine(Listeners):
         if len(self.steps) > _KEEP_STEPS + _KEEP_STEPS // 16:  # a kernel may run for days
             del self.steps[:len(self.steps) - _KEEP_STEPS]
 
-    def _end(self, row: Row, reason: str, error: Optional[str] = None):
-        """Finish a row (on the loop): its last fields, its future, its callbacks."""
+    def _end(self, row: Row, reason: str, error: Optional[str] = None, checked: bool = False):
+        """Finish a row (on the loop): its last fields, its future, its callbacks.
+        A constrained row's text is checked here unless the worker `checked` it."""
         self.scheduler.release(row.id)
         if row.done:
             return
         self._live.pop(row.id, None)
         self._finished[row.id] = row
         self.finished[reason] += 1
-        if reason in ("stop", "length") and kind_of(row.params) is not None:
+        if reason in ("stop", "length") and kind_of(row.params) is not None and not checked:
             try:
                 row.constraint_error = self._exec.constraints.check(row.params, row.text)
             except Exception as e:  # the row's result stands; the check says it failed

@@ -50,9 +50,12 @@ class MaskFiller:
         self._pending: Optional[Tuple[Any, List[Future]]] = None
         self._advanced = None  # the in-flight step whose tokens the matchers consumed
         self._pos_for = None  # batch rows list -> positions of its constrained rows
-        self._pos: List[int] = []
+        self._pos: List[int] = []  # batch positions of the constrained rows
+        self._ids: List[int] = []  # the batch's row ids
         self._idx = None
-        self._lanes: List[list] = []  # per lane: [(row in the bitmask, matcher)]
+        self._lanes: List[list] = []  # per lane: [(row in the bitmask, matcher, position)]
+        self._shares_by_n: Dict[int, list] = {}  # fill tasks -> their shares (_split)
+        self._buf = None  # the bitmask [constrained rows, words] the fills write
         self._tasks = FILL_THREADS  # fill tasks per step: as few as keep up (apply)
         self._shifts = None
         self.tracer = None  # _trace.py: set by BatchExecutor.trace
@@ -76,12 +79,16 @@ class MaskFiller:
                  if (r := rows.get(rid)) is not None and r.matcher is not None]
         if not pairs:
             return []
+        toks = self._tolist(tokens)
+        return [(m, toks[i]) for i, m in pairs]
+
+    def _tolist(self, tokens) -> list:
         tr = self.tracer
         t = pc() if tr else 0.0
         toks = tokens.tolist()  # the step in flight: done by now (module docstring)
         if tr:
             lap(tr, "mask.wait", t)
-        return [(m, toks[i]) for i, m in pairs]
+        return toks
 
     def advance(self, inflight, rows: Dict[int, Any]) -> None:
         """Feed the step in flight's tokens to its constrained rows' matchers now."""
@@ -92,33 +99,55 @@ class MaskFiller:
         its share of the matchers and fills their next masks; `apply` collects them."""
         tr = self.tracer
         t = pc() if tr else 0.0
-        feed = self._read_tokens(inflight, rows)
         if self._pos_for is not batch_rows:
-            self._pos_for = batch_rows
-            self._pos = [i for i, r in enumerate(batch_rows) if r.matcher is not None]
-            self._idx = mx.array(self._pos) if self._pos else None
-            lanes: Dict[Any, list] = {}
-            for k, i in enumerate(self._pos):
-                r = batch_rows[i]
-                lanes.setdefault(r.lane, []).append((k, r.matcher))
-            self._lanes = list(lanes.values())
+            self._join(batch_rows)
         if not self._pos:
-            _feed(feed)  # rows in flight that have left the batch still finish
+            _feed(self._read_tokens(inflight, rows))  # rows in flight that left still finish
         else:
+            n = min(self._tasks, len(self._lanes))
+            if (inflight is not None and inflight is not self._advanced
+                    and inflight[0] == self._ids):
+                # The step in flight holds exactly this batch (most steps): a row's
+                # token sits at its batch position, and each task feeds its own rows.
+                self._advanced = inflight
+                toks, shares = self._tolist(inflight[1]), self._shares_by_n.get(n)
+                if shares is None:
+                    shares = self._shares_by_n[n] = self._split(n, lambda k, m, i: i)
+            else:  # rows joined or left since it launched
+                feed = self._read_tokens(inflight, rows)
+                toks = [tk for _, tk in feed]
+                at = {id(m): j for j, (m, _) in enumerate(feed)}
+                shares = self._split(n, lambda k, m, i: at.pop(id(m), -1))
+                _feed([feed[j] for j in at.values()])  # rows that left the batch
             if self._filler is None:
                 self._filler = ThreadPoolExecutor(FILL_THREADS, "mlxnb-masks")
-            token = {id(m): tk for m, tk in feed}
-            buf = self.constraints.bitmask(len(self._pos))
-            n = min(self._tasks, len(self._lanes))  # a task fills whole lanes, in turn
-            shares = [[x for lane in self._lanes[j::n] for x in lane] for j in range(n)]
-            self._pending = (buf, [
-                self._filler.submit(_feed_and_fill,
-                                    [(m, token.pop(id(m))) for _, m in share if id(m) in token],
-                                    share, buf)
-                for share in shares])
-            _feed([(m, tk) for m, tk in feed if id(m) in token])  # rows that left the batch
+            buf = self._buf
+            self._pending = (buf, [self._filler.submit(_feed_and_fill, share, toks, buf)
+                                   for share in shares])
         if tr:
             lap(tr, "mask.start", t)
+
+    def _join(self, batch_rows: list) -> None:
+        """A new batch membership: where its constrained rows sit, and their lanes."""
+        self._pos_for = batch_rows
+        self._pos = [i for i, r in enumerate(batch_rows) if r.matcher is not None]
+        self._ids = [r.id for r in batch_rows]
+        self._idx = mx.array(self._pos) if self._pos else None
+        lanes: Dict[Any, list] = {}
+        for k, i in enumerate(self._pos):
+            r = batch_rows[i]
+            lanes.setdefault(r.lane, []).append((k, r.matcher, i))
+        self._lanes = list(lanes.values())
+        self._shares_by_n = {}
+        # one bitmask per membership: fills write every word of their rows, and
+        # `apply` copies it to the device before the next step's fills begin
+        self._buf = self.constraints.bitmask(len(self._pos)) if self._pos else None
+
+    def _split(self, n: int, token_at) -> list:
+        """n fill tasks, each whole lanes in turn: [(bitmask row, matcher, index of
+        its token or -1)] per task."""
+        return [[(k, m, token_at(k, m, i)) for lane in self._lanes[j::n] for k, m, i in lane]
+                for j in range(n)]
 
     def apply(self, logits):
         """The batch's logits [B, V] with the constrained rows' masks applied. The
@@ -166,8 +195,8 @@ class MaskFiller:
         pending, self._pending = self._pending, None
         if pending is not None:
             wait(pending[1])
-        self._advanced = self._pos_for = self._idx = None
-        self._pos, self._lanes = [], []
+        self._advanced = self._pos_for = self._idx = self._buf = None
+        self._pos, self._ids, self._lanes, self._shares_by_n = [], [], [], {}
 
     def close(self) -> None:
         self.reset()
@@ -189,11 +218,16 @@ def fill(share: list, buf) -> None:
         lln.fill_next_token_bitmask(m, buf, k)
 
 
-def _feed_and_fill(feed: list, share: list, buf) -> float:
-    """Feed, then fill; returns the seconds it took."""
+def _feed_and_fill(share: list, toks: list, buf) -> float:
+    """Feed each (row, matcher, token index)'s token (none at -1), then fill its
+    mask; returns the seconds it took."""
+    import llguidance.numpy as lln
+
     t = pc()
-    _feed(feed)
-    fill(share, buf)
+    for k, m, i in share:
+        if i >= 0 and not m.is_stopped():
+            m.consume_token(toks[i])  # a refused token leaves m in its error state
+        lln.fill_next_token_bitmask(m, buf, k)
     return pc() - t
 
 

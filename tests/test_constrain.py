@@ -93,6 +93,10 @@ def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun, lanes
             rows.append(eng.submit(f"row {i}: say something", chat=False, **kw))
         await eng.wait()
         steps = [s.batch_size for s in eng.steps]
+        # the verdicts the worker read off each row's matcher, against a fresh
+        # matcher reading the finished text
+        assert [r.constraint_error for r in rows] == [
+            eng._exec.constraints.check(r.params, r.text) for r in rows]
         await eng.aclose()
         return rows, steps
 
@@ -365,28 +369,42 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch)
     assert [r.lane for r in rows] == [0, 1, 2] * 4
     assert len({id(cons._template(rows[0].params, lane)) for lane in range(3)}) == 3
     rows.insert(5, SimpleNamespace(params=SamplingParams(), matcher=None))  # a free row
-    # the step in flight: one token for each of the last 8 constrained rows
-    ids = list(range(len(rows)))
-    toks = [0] * len(rows)
-    fed = [i for i in ids if rows[i].matcher is not None][4:]
-    for i, t in zip(fed, b'{Ay({Bm('):
-        toks[i] = t
-    by_id = {i: rows[i] for i in fed}  # rows the step in flight feeds
-    masks.start((ids, mx.array(toks), None), by_id, rows)
-    logits = masks.apply(mx.zeros((len(rows), cons.lltokenizer().vocab_size)))
-    alone = lln.allocate_token_bitmask(len(ms), cons.lltokenizer().vocab_size)
-    for j, m in enumerate(ms):
-        assert not m.is_error()
-        lln.fill_next_token_bitmask(m, alone, j)
-    assert (alone[4] != alone[0]).any()  # the fill threads fed '{' to row 4 first
-    allowed = np.isfinite(np.array(logits))
-    bits = np.unpackbits(alone.view(np.uint8), axis=1, bitorder="little")
+    for i, r in enumerate(rows):
+        r.id = i
+    by_id = {r.id: r for r in rows}
+    V = cons.lltokenizer().vocab_size
     constrained = [i for i in range(len(rows)) if i != 5]
-    np.testing.assert_array_equal(allowed[constrained], bits[:, :allowed.shape[1]] == 1)
-    assert allowed[5].all()  # the free row is not masked
-    first = np.unpackbits(alone[0].view(np.uint8), bitorder="little")
-    assert np.flatnonzero(first).tolist() == [ord("{")]  # a JSON object starts with {
-    assert np.flatnonzero(allowed[0]).tolist() == [ord("{")]
+
+    # the same constraints compiled apart, fed the same tokens here, one by one
+    refs = {i: cons.compile(rows[i].params, "reference") for i in constrained}
+
+    def step(ids, toks):
+        masks.start((ids, mx.array(toks), None), by_id, rows)
+        logits = masks.apply(mx.zeros((len(rows), V)))
+        allowed = np.isfinite(np.array(logits))
+        alone = lln.allocate_token_bitmask(len(constrained), V)
+        for j, i in enumerate(constrained):
+            if i in ids:
+                refs[i].consume_token(toks[ids.index(i)])
+            assert not ms[j].is_error() and not refs[i].is_error()
+            lln.fill_next_token_bitmask(refs[i], alone, j)
+        alone = np.unpackbits(alone.view(np.uint8), axis=1, bitorder="little")[:, :V] == 1
+        np.testing.assert_array_equal(allowed[constrained], alone)
+        assert allowed[5].all()  # the free row is not masked
+        return allowed
+
+    # The step in flight holds the last 8 constrained rows only (the first four
+    # joined after it launched): the fill threads feed those, then fill all masks.
+    fed = [i for i in constrained][4:]
+    allowed = step(fed, list(b'{Ay({Bm('))
+    assert np.flatnonzero(allowed[0]).tolist() == [ord("{")]  # a JSON object starts with {
+    assert (allowed[4] != allowed[0]).any()  # row 4 read '{' first
+    # A step in flight that holds exactly this batch: every row's token at its place.
+    toks = [int(np.flatnonzero(allowed[i])[0]) if i != 5 else 7 for i in range(len(rows))]
+    before = allowed
+    allowed = step(list(range(len(rows))), toks)
+    assert (allowed[0] != before[0]).any()  # row 0 read its '{'
+    assert masks._shares_by_n  # (that step took the path for an unchanged batch)
     masks.close()
 
 
