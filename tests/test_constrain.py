@@ -404,7 +404,7 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch)
     before = allowed
     allowed = step(list(range(len(rows))), toks)
     assert (allowed[0] != before[0]).any()  # row 0 read its '{'
-    assert masks._shares_by_n  # (that step took the path for an unchanged batch)
+    assert masks._plans  # (that step took the path for an unchanged batch)
     masks.close()
 
 
