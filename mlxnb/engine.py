@@ -381,9 +381,8 @@ class Engine(Listeners):
             if up.finish:
                 if row.t_first is None and up.finish == "stop":
                     row.t_first = now
-                if up.checked:
-                    row.constraint_error = up.constraint_error
-                self._end(row, up.finish, up.error, checked=up.checked)
+                self._end(row, up.finish, up.error, checked=up.checked,
+                          constraint_error=up.constraint_error)
         # The first step also carries the loop's share of the round trip.
         worker = sum(st.seconds for st in report.steps)
         t = now - dt
@@ -399,7 +398,8 @@ class Engine(Listeners):
         if len(self.steps) > _KEEP_STEPS + _KEEP_STEPS // 16:  # a kernel may run for days
             del self.steps[:len(self.steps) - _KEEP_STEPS]
 
-    def _end(self, row: Row, reason: str, error: Optional[str] = None, checked: bool = False):
+    def _end(self, row: Row, reason: str, error: Optional[str] = None, *,
+             checked: bool = False, constraint_error: Optional[str] = None):
         """Finish a row (on the loop): its last fields, its future, its callbacks.
         A constrained row's text is checked here unless the worker `checked` it."""
         self.scheduler.release(row.id)
@@ -408,7 +408,9 @@ class Engine(Listeners):
         self._live.pop(row.id, None)
         self._finished[row.id] = row
         self.finished[reason] += 1
-        if reason in ("stop", "length") and kind_of(row.params) is not None and not checked:
+        if checked:
+            row.constraint_error = constraint_error
+        elif reason in ("stop", "length") and kind_of(row.params) is not None:
             try:
                 row.constraint_error = self._exec.constraints.check(row.params, row.text)
             except Exception as e:  # the row's result stands; the check says it failed
