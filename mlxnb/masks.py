@@ -54,7 +54,7 @@ class MaskFiller:
         self._pos: List[int] = []  # batch positions of the constrained rows
         self._ids: List[int] = []  # the batch's row ids
         self._idx = None
-        self._lanes: List[list] = []  # per lane: [(row in the bitmask, matcher, position)]
+        self._lanes: List[list] = []  # per lane: [(constrained row k, matcher, batch position)]
         self._plans: Dict[int, tuple] = {}  # fill tasks -> their plan (_plan)
         self._tasks = FILL_THREADS  # fill tasks per step: as few as keep up (apply)
         self._shifts = None
