@@ -266,7 +266,7 @@ def mask_time(tok, B: int, steps: int, V: int) -> dict:
     for step in range(steps + 3):  # 3 warm-up steps
         t0 = pc()
         buf = cons.bitmask(B)
-        fill_masks(list(enumerate(ms)), buf)  # one thread, one matcher at a time
+        fill_masks([(k, m, -1) for k, m in enumerate(ms)], buf)  # one thread, one at a time
         t1 = pc()
         out = masked(logits, mx.array(buf), shifts)
         mx.eval(out)
