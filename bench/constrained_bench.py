@@ -15,7 +15,7 @@ same batch size, and the per-step mask time at several batch sizes.
            --fill-threads 1,4 repeats it all per fill-thread count.
   mask     per decode step at batch B, outside the engine: llguidance filling the
            bitmask for B matchers on one thread, consuming one token per row,
-           and applying the mask to [B, V] logits on the device (mlxnb.masks.masked,
+           and applying the mask to [B, V] logits on the device (mlxnb.core.worker.masks.masked,
            timed to mx.eval). Rows advance by a random allowed token; a finished
            grammar restarts. mean / p50 / p90 ms per step.
 
@@ -54,10 +54,10 @@ import mlxnb  # noqa: E402  (first: it puts OpenBLAS under MLX on Linux CPU)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlxnb import masks  # noqa: E402
-from mlxnb.constrain import Constraints  # noqa: E402
-from mlxnb.masks import fill as fill_masks, masked  # noqa: E402
-from mlxnb.rows import SamplingParams  # noqa: E402
+from mlxnb.core.worker import masks  # noqa: E402
+from mlxnb.core.constrain import Constraints  # noqa: E402
+from mlxnb.core.worker.masks import fill as fill_masks, masked  # noqa: E402
+from mlxnb.core.rows import SamplingParams  # noqa: E402
 
 pc = time.perf_counter
 SHAPES = {
@@ -126,7 +126,7 @@ def load_tokenizer(spec: str):
 
     if spec == "default":
         try:
-            from mlxnb.models import default_model_path
+            from mlxnb.models.loading import default_model_path
             from mlx_lm.utils import load_tokenizer as mlx_load
 
             path = default_model_path()

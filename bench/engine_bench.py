@@ -191,7 +191,7 @@ def run_raw(model, prompts, n, prof=None, batch_cache=False, views=False):
     if batch_cache:  # mlx-lm's BatchKVCache (no padding here): array mask, offsets [B]
         cache = [BatchKVCache([0] * B) for _ in model.layers]
     elif views:  # what the engine decodes on when no row is padded
-        from mlxnb.caches import AlignedView, LeanBatchKVCache
+        from mlxnb.core.worker.caches import AlignedView, LeanBatchKVCache
 
         cache = [AlignedView(LeanBatchKVCache([0] * B)) for _ in model.layers]
     else:
@@ -393,7 +393,7 @@ class EngineProfiler:
 
     def attach(self, eng):
         """Take the engine's timing hooks (Engine.trace); one decode step per tick."""
-        import mlxnb.engine as me
+        import mlxnb.core.engine as me
 
         self._streak, me._STREAK_S = me._STREAK_S, 0.0
         self.cur = {}
@@ -411,7 +411,7 @@ class EngineProfiler:
             self.add(name, value)
 
     def detach(self, eng):
-        import mlxnb.engine as me
+        import mlxnb.core.engine as me
 
         me._STREAK_S = self._streak
         eng.trace(None)
@@ -865,7 +865,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny shape, seconds")
     ap.add_argument("--no-long", action="store_true", help="skip the engine's eng-long run")
     ap.add_argument("--streak-s", type=float, default=None,
-                    help="override mlxnb.engine._STREAK_S (decode streak per tick)")
+                    help="override mlxnb.core.engine._STREAK_S (decode streak per tick)")
     ap.add_argument("--out", default=None, help="folder for results.json and results.md")
     args = ap.parse_args()
     if args.quick:
@@ -887,7 +887,7 @@ async def amain(args):
     if args.no_fuse:
         ENGINE_KW["fuse"] = False
     if args.streak_s is not None:
-        from mlxnb import engine as engine_mod
+        from mlxnb.core import engine as engine_mod
 
         engine_mod._STREAK_S = args.streak_s
     plan = parse_plan(args)
@@ -1029,7 +1029,7 @@ async def measure(meth, rep, model, tok, args, B, warm, p1, p2):
             run_bg(model, warm, args.warm_new, defaults=meth == "bgd")
         return run_bg(model, p1, args.new, defaults=meth == "bgd")
     if meth in ("engine", "engine0", "enginenf"):
-        from mlxnb import engine as engine_mod
+        from mlxnb.core import engine as engine_mod
 
         keep = engine_mod._STREAK_S
         if meth == "engine0":  # diagnostic: no decode streaks
@@ -1053,7 +1053,7 @@ async def do_profile(model, tok, rng, args, B, vocab, results):
         run_raw(model, p1, args.new, prof=raw_prof)
         raw_prof.update(run_raw_sync(model, p1, min(args.new, 32)))
         # the same loop on the engine's cache views, on the engine's own MLX thread
-        from mlxnb._threads import mlx_worker
+        from mlxnb.core._threads import mlx_worker
 
         views_prof = {}
 

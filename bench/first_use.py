@@ -19,7 +19,7 @@ from engine_bench import build_model  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p,  # noqa: E402
                                  make_logits_processors)
-from mlxnb.sampling import (_M2, BatchSampler, _gumbel_argmax, _u32,  # noqa: E402
+from mlxnb.core.worker.sampling import (_M2, BatchSampler, _gumbel_argmax, _u32,  # noqa: E402
                             gumbel_noise, top_logprobs)
 
 

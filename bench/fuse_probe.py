@@ -17,7 +17,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from engine_bench import build_model, make_prompts, run_raw  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from mlxnb.fuse import fuse_projections  # noqa: E402
+from mlxnb.core.worker.fuse import fuse_projections  # noqa: E402
 
 
 def main():

@@ -146,12 +146,12 @@ def cycles(args):
                 "Name three colours.\nCount to five.\nSay hello.")
             run(f"_ = await run{i}")
             run("%mlxnb unload")
-            run("import mlxnb.magics; await mlxnb.magics.shutdown()")  # its aclose done
+            run("import mlxnb.notebook.magics; await mlxnb.notebook.magics.shutdown()")  # its aclose done
             out["after_cycle"].append(round(float(run(rss).split()[-1]), 1))
             # what of it is freed memory glibc has not handed back to the system
             run("import ctypes; ctypes.CDLL('libc.so.6').malloc_trim(0)")
             out["after_cycle_malloc_trim"].append(round(float(run(rss).split()[-1]), 1))
-        run("import mlxnb.engine as _e, gc as _g; gc_eng = sum(isinstance(o, _e.Engine) "
+        run("import mlxnb.core.engine as _e, gc as _g; gc_eng = sum(isinstance(o, _e.Engine) "
             "for o in _g.get_objects()); print('ENGINES', gc_eng)")
         out["engines_alive"] = int(said[-1].split()[-1]) if said else None
         out["growth_after_first"] = round(out["after_cycle"][-1] - out["after_cycle"][0], 1)
@@ -165,7 +165,7 @@ async def rows(args):
     import tracemalloc
 
     from mlxnb import Engine
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     eng = Engine(tiny_model(), kv_budget=None, max_batch=64)
     await eng.generate(["warm"] * 64, chat=False, max_tokens=4)
@@ -194,7 +194,7 @@ async def rows(args):
 
 async def detok(args):
     from mlxnb import Engine
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     eng = Engine(tiny_model(vocab="smollm2"), kv_budget=None, max_batch=args.batch)
     prompts = [f"prompt number {i}" for i in range(args.batch)]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 import mlxnb  # noqa: E402
-from mlxnb._blas import blas_env  # noqa: E402
+from mlxnb.models.blas import blas_env  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -150,12 +150,12 @@ def main():
             url, model = a.url, None
         else:
             if a.model == "tiny":
-                from mlxnb.tiny import save_tiny_model
+                from mlxnb.models.tiny import save_tiny_model
 
                 d = str(save_tiny_model(stack.enter_context(tempfile.TemporaryDirectory())
                                         + "/tiny"))
             elif a.model == "default":
-                from mlxnb.models import default_model_path
+                from mlxnb.models.loading import default_model_path
 
                 d = str(default_model_path())
             else:

@@ -6,7 +6,7 @@ message the widget would put on the wire (custom deltas and trait updates, JSON-
 as ipykernel would serialize them) and times the widget's own code on the loop.
 
   python bench/widget_traffic.py                 # fake engine, 10 ms steps
-  python bench/widget_traffic.py --real          # also mlxnb.Engine on mlxnb.tiny (if present):
+  python bench/widget_traffic.py --real          # also mlxnb.Engine on mlxnb.models.tiny (if present):
                                                  # aggregate tok/s with vs without a widget
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from mlxnb.widget import GenerationWidget  # noqa: E402
+from mlxnb.notebook.widget import GenerationWidget  # noqa: E402
 
 
 class TimedWidget(GenerationWidget):
@@ -92,7 +92,7 @@ def report(name, sent, ntok, wall, busy, nsteps):
 
 async def real_case(nrows, ntok, with_widget):
     from mlxnb import Engine
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     eng = Engine(tiny_model(), max_batch=max(nrows, 1), kv_budget=None)
     warm = eng.generate(["warm up"], max_tokens=4)

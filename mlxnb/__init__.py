@@ -11,19 +11,19 @@ message; a row that fails ends with finish_reason 'error' and `row.error` set:
                           or a server's refusal with mlxnb.connect)
 """
 
-from ._blas import preload_openblas as _preload_openblas
+from .models.blas import preload_openblas as _preload_openblas
 
-_preload_openblas()  # before anything imports mlx: see _blas.py for why
+_preload_openblas()  # before anything imports mlx: see models/blas.py for why
 
 
 def load_ipython_extension(ip):  # `%load_ext mlxnb`
-    from .magics import load_ipython_extension as load
+    from .notebook.magics import load_ipython_extension as load
 
     load(ip)
 
 
 def unload_ipython_extension(ip):
-    from .magics import unload_ipython_extension as unload
+    from .notebook.magics import unload_ipython_extension as unload
 
     unload(ip)
 
@@ -36,10 +36,11 @@ __version__ = "0.1.0"
 # `%load_ext mlxnb` must stay cheap: mlx-lm (and transformers under it) load on
 # first use of these names, not at import.
 _LAZY = {
-    "Engine": ".engine", "Row": ".rows", "RowResult": ".rows", "Run": ".run",
-    "SamplingParams": ".rows", "StepRecord": ".rows", "GenerationWidget": ".widget",
-    "load_model": ".models", "ModelLoadError": ".models", "wait": ".session",
-    "connect": ".remote", "RemoteEngine": ".remote", "EngineLike": ".protocol",
+    "Engine": ".core.engine", "Row": ".core.rows", "RowResult": ".core.rows",
+    "Run": ".core.run", "SamplingParams": ".core.rows", "StepRecord": ".core.rows",
+    "GenerationWidget": ".notebook.widget", "load_model": ".models.loading",
+    "ModelLoadError": ".models.loading", "wait": ".notebook.session",
+    "connect": ".remote", "RemoteEngine": ".remote", "EngineLike": ".core.protocol",
 }
 
 

@@ -33,7 +33,7 @@ STATE_LEGEND = ("queu = queued (waiting for room in the batch), pref = prefill (
 
 
 async def demo(args) -> int:
-    from . import _blas
+    from .models import blas as _blas
 
     print(f"mlxnb {mlxnb.__version__} | BLAS: {_blas.status}")
     print(f"loading {args.model} (the first load converts and warms up: up to a minute)")
@@ -79,7 +79,7 @@ def install_kernel(args) -> int:
 
     from jupyter_client.kernelspec import KernelSpecManager
 
-    from ._blas import blas_env
+    from .models.blas import blas_env
 
     spec = {
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],

@@ -6,7 +6,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny():
     """A random-weight 2-layer llama with a byte-level tokenizer (milliseconds)."""
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     return tiny_model()
 
@@ -14,7 +14,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def tiny_swa():
     """The same shape with sliding-window (rotating) caches of 16 tokens."""
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     return tiny_model(sliding_window=16)
 

@@ -212,7 +212,7 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
     pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
     if app == "notebook":
         pytest.importorskip("notebook", reason="pip install notebook (Notebook 7)")
-    from mlxnb.tiny import save_tiny_model
+    from mlxnb.models.tiny import save_tiny_model
 
     t_start = time.monotonic()
 
@@ -420,7 +420,7 @@ def test_saved_widget_state_of_an_unfinished_run_reads_not_live(tmp_path):
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
 
-    from mlxnb.tiny import save_tiny_model
+    from mlxnb.models.tiny import save_tiny_model
 
     t_start = time.monotonic()
 

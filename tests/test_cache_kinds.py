@@ -13,8 +13,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache
 
 from mlxnb import Engine
-from mlxnb.caches import make_row_cache
-from mlxnb.tiny import byte_tokenizer
+from mlxnb.core.worker.caches import make_row_cache
+from mlxnb.models.tiny import byte_tokenizer
 
 PROMPTS = ["hello there", "a much longer prompt about the sea, the sky and the rain",
            "x", "a medium length one"]
@@ -242,7 +242,7 @@ def test_bad_kv_options_are_one_line_errors():
         with pytest.raises(ValueError, match=word) as e:
             engine("llama", **kw)
         assert "\n" not in str(e.value)
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     with pytest.raises(ValueError, match="kv_group_size=128") as e:  # head dim 16
         Engine(tiny_model(), warmup=False, kv_bits=4, kv_group_size=128)
@@ -256,11 +256,11 @@ def test_mlxnb_load_kv_bits_and_config(monkeypatch, arun, capsys):
     from IPython.core.error import UsageError
     from IPython.core.interactiveshell import InteractiveShell
 
-    from mlxnb import magics
-    from mlxnb.tiny import tiny_model
+    from mlxnb.notebook import magics
+    from mlxnb.models.tiny import tiny_model
 
     pair = tiny_model(hidden=128)  # head dim 32
-    monkeypatch.setitem(sys.modules, "mlxnb.models",
+    monkeypatch.setitem(sys.modules, "mlxnb.models.loading",
                         types.SimpleNamespace(load_model=lambda name: pair))
     ip = InteractiveShell.instance()
     magics.load_ipython_extension(ip)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
-from mlxnb.cellparse import (build_grid, derive_seed, interpolate, parse_values,
+from mlxnb.notebook.cellparse import (build_grid, derive_seed, interpolate, parse_values,
                              split_body, unescape)
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mlxnb import Engine
-from mlxnb.constrain import kind_of
-from mlxnb.masks import masked
+from mlxnb.core.constrain import kind_of
+from mlxnb.core.worker.masks import masked
 
 PERSON = {
     "type": "object",
@@ -65,7 +65,7 @@ def lanes(request, monkeypatch):
     """The engine's fill lanes: this machine's default, and three (rows spread over
     three compiles and up to three fill threads, as on a machine of 12+ CPUs)."""
     if request.param is not None:
-        from mlxnb import masks
+        from mlxnb.core.worker import masks
 
         monkeypatch.setattr(masks, "FILL_THREADS", request.param)
     return request.param
@@ -172,7 +172,7 @@ def test_complete_grammar_stops_without_waiting_for_eos(tiny, arun):
 
 
 def test_a_stop_string_that_cuts_a_constrained_row_leaves_it_not_valid(tiny, arun):
-    from mlxnb.constrain import widget_fields
+    from mlxnb.core.constrain import widget_fields
 
     async def main():
         eng = make(tiny)
@@ -197,8 +197,8 @@ def test_a_stop_string_that_cuts_a_constrained_row_leaves_it_not_valid(tiny, aru
 
 
 def test_check_names_where_a_text_breaks_its_constraint(tiny):
-    from mlxnb.constrain import Constraints
-    from mlxnb.rows import SamplingParams
+    from mlxnb.core.constrain import Constraints
+    from mlxnb.core.rows import SamplingParams
 
     cons = Constraints(tiny[1])
     p = SamplingParams(regex=REGEX)
@@ -308,7 +308,7 @@ def test_mask_matches_a_numpy_reference_including_padded_vocab():
 
 
 def test_the_default_models_tokenizer_works(arun):
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     tiny = tiny_model(vocab="smollm2")  # the real 49152-token tokenizer, random weights
 
@@ -351,9 +351,9 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch)
     import llguidance.numpy as lln
     import mlx.core as mx
 
-    from mlxnb import masks as masks_mod
-    from mlxnb.constrain import Constraints
-    from mlxnb.rows import SamplingParams
+    from mlxnb.core.worker import masks as masks_mod
+    from mlxnb.core.constrain import Constraints
+    from mlxnb.core.rows import SamplingParams
 
     monkeypatch.setattr(masks_mod, "FILL_THREADS", 3)  # 12 rows: 4 per thread
     cons = Constraints(tiny[1])

@@ -7,8 +7,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxnb import Engine
-from mlxnb.fuse import fuse_projections
-from mlxnb.tiny import tiny_model
+from mlxnb.core.worker.fuse import fuse_projections
+from mlxnb.models.tiny import tiny_model
 
 
 def _probe(model):

@@ -226,7 +226,7 @@ def test_long_prompt_within_context_but_over_budget(tiny):
 @pytest.mark.integration
 def test_prompt_encoding_to_nothing_with_the_smollm2_tokenizer():
     """The real SmolLM2 tokenizer encodes some control characters to no ids."""
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     try:
         pair = tiny_model(vocab="smollm2")

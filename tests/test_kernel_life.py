@@ -156,7 +156,7 @@ def errors(cell: dict) -> list:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from mlxnb.tiny import save_tiny_model
+    from mlxnb.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
@@ -215,7 +215,7 @@ def test_interrupt_while_idle_is_ignored_and_stop_all_ends_the_rows(kernel):
     after = kernel.rows("idle_run")
     assert all(r[0] == "decode" and r[1] is None for r in after), after
     assert min(a[2] for a in after) > max(b[2] for b in before), (before, after)
-    kernel.run("import mlxnb.magics as _m\n"
+    kernel.run("import mlxnb.notebook.magics as _m\n"
                "assert not _m.get_engine()._task.done(), 'the serving task died'")
 
     out = kernel.run("%mlxnb stop all")["stdout"]

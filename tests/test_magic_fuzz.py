@@ -34,9 +34,9 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from mlxnb import magics
-from mlxnb.engine import Engine
-from mlxnb.run import Run
+from mlxnb.notebook import magics
+from mlxnb.core.engine import Engine
+from mlxnb.core.run import Run
 
 VICTIM_TOKENS = 400
 VICTIM_LINE = f"--quiet --raw --max-tokens {VICTIM_TOKENS}"
@@ -392,7 +392,7 @@ def test_odd_but_valid_cells_generate(world):
 @pytest.fixture(scope="module")
 def bad_model_dirs(tmp_path_factory):
     """Broken copies of a good tiny model directory, by what is wrong with them."""
-    from mlxnb.tiny import save_tiny_model
+    from mlxnb.models.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("bad_models")
     good = save_tiny_model(root / "good")

@@ -9,9 +9,9 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-from mlxnb import magics
-from mlxnb.engine import Engine
-from mlxnb.run import Run
+from mlxnb.notebook import magics
+from mlxnb.core.engine import Engine
+from mlxnb.core.run import Run
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -39,7 +39,7 @@ def models(monkeypatch, tiny):
             return tiny
         raise FileNotFoundError(f"No such model: {name}\n(long details)")
 
-    monkeypatch.setitem(sys.modules, "mlxnb.models",
+    monkeypatch.setitem(sys.modules, "mlxnb.models.loading",
                         types.SimpleNamespace(load_model=load_model))
     return calls
 
@@ -87,7 +87,7 @@ def test_load_is_cheap_and_registers_magics_and_config(ip):
 def test_extension_manager_load_reload_unload(ip, tiny, arun_shut):
     async def main():
         name = "mlxnb" if hasattr(sys.modules["mlxnb"], "load_ipython_extension") \
-            else "mlxnb.magics"
+            else "mlxnb.notebook.magics"
         em = ip.extension_manager
         em.load_extension(name)
         eng = attach(tiny)
@@ -190,7 +190,7 @@ def test_config_defaults_and_options_override(ip, tiny, arun_shut):
 
 
 def test_load_timeout_is_a_config_setting(ip, monkeypatch, caplog):
-    import mlxnb.engine
+    import mlxnb.core.engine
 
     seen = {}
 
@@ -198,7 +198,7 @@ def test_load_timeout_is_a_config_setting(ip, monkeypatch, caplog):
         seen.update(kw)
         raise ValueError("no model here")
 
-    monkeypatch.setattr(mlxnb.engine, "Engine", fake_engine)
+    monkeypatch.setattr(mlxnb.core.engine, "Engine", fake_engine)
     ip.run_line_magic("load_ext", "mlxnb")
     for value, want in (("30", 30.0), ("None", None)):
         ip.run_line_magic("config", f"MLXNB.load_timeout = {value}")

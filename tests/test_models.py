@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxnb import _blas, _gguf
-from mlxnb.models import ModelLoadError, default_model_path, load_model
+from mlxnb.models import blas as _blas, gguf as _gguf
+from mlxnb.models.loading import ModelLoadError, default_model_path, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -126,7 +126,7 @@ def test_concurrent_conversion_into_empty_cache(tmp_path):
     (cache / name).mkdir()
     (cache / name / "model.safetensors").write_bytes(b"half")
     code = """
-        from mlxnb import _gguf
+        from mlxnb.models import gguf as _gguf
         print(_gguf.ensure_converted(dtype="float32"))
     """
     env = {"MLXNB_CACHE": str(cache), "MLXNB_OPENBLAS": "0"}
@@ -243,7 +243,7 @@ def test_trust_remote_code_refused(default_dir):
 def test_tiny_model_bytes():
     import mlx_lm
 
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     t = time.perf_counter()
     model, tok = tiny_model()
@@ -273,7 +273,7 @@ def test_tiny_model_sliding_window():
     import mlx_lm
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     model, tok = tiny_model(sliding_window=8, layers=3)
     caches = model.make_cache()
@@ -289,7 +289,7 @@ def test_tiny_model_save_roundtrip(tmp_path):
     import mlx.core as mx
     import mlx_lm
 
-    from mlxnb.tiny import save_tiny_model, tiny_model
+    from mlxnb.models.tiny import save_tiny_model, tiny_model
 
     kw = dict(seed=3, sliding_window=8, layer_types=["sliding_attention",
                                                      "full_attention"])
@@ -310,7 +310,7 @@ def test_tiny_model_save_roundtrip(tmp_path):
 
 @pytest.mark.integration
 def test_tiny_model_smollm2_vocab(default_dir):
-    from mlxnb.tiny import tiny_model
+    from mlxnb.models.tiny import tiny_model
 
     model, tok = tiny_model(vocab="smollm2")
     assert tok.encode("Hello world") == [19556, 905]
@@ -335,7 +335,7 @@ _MATMUL = """
 @pytest.mark.integration
 @pytest.mark.skipif(_blas.openblas_path() is None, reason="no system OpenBLAS")
 def test_openblas_preload_speeds_up_matmul():
-    pre = "from mlxnb import _blas; path = _blas.preload_openblas()"
+    pre = "from mlxnb.models import blas; path = blas.preload_openblas()"
     fast = _run_py(_MATMUL.format(pre=pre, ret="path"), {"MLXNB_OPENBLAS": ""})
     slow = _run_py(_MATMUL.format(pre="", ret="None"), {"MLXNB_OPENBLAS": "0"})
     assert fast.returncode == 0 and slow.returncode == 0, fast.stderr + slow.stderr
@@ -352,7 +352,7 @@ def test_openblas_too_late_and_env():
     r = _run_py("""
         import mlx.core, sys
         sys.path.insert(0, '.')
-        import mlxnb._blas as b
+        import mlxnb.models.blas as b
         b._loaded = None  # whatever mlxnb/__init__ did, ask again
         print(b.preload_openblas(), '|', b.status)
     """, {"MLXNB_OPENBLAS": "", "LD_PRELOAD": ""})
@@ -366,7 +366,7 @@ def test_hub_id_from_local_hf_cache(tmp_path, monkeypatch):
     """A hub id already in the HF cache loads without touching the network."""
     from huggingface_hub import constants
 
-    from mlxnb.tiny import save_tiny_model
+    from mlxnb.models.tiny import save_tiny_model
 
     repo = tmp_path / "models--someone--tiny"
     rev = "0" * 40

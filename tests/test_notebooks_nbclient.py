@@ -33,7 +33,7 @@ TIMEOUT_S = 120  # per cell; a cell that hangs fails the test instead of CI
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """The tiny byte-vocab llama as an ordinary mlx-lm directory (`%mlxnb load DIR`)."""
-    from mlxnb.tiny import save_tiny_model
+    from mlxnb.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
@@ -96,7 +96,7 @@ MAX_TOKENS = 600
 
 SUMMARY = r"""
 import json
-from mlxnb.magics import get_engine
+from mlxnb.notebook.magics import get_engine
 eng = get_engine()
 def rec(run, r):
     return {"run": run, "finish": r.finish_reason, "ntok": r.ntok, "state": r.state,
@@ -173,7 +173,7 @@ def test_kernel_stays_responsive_while_32_rows_decode(tiny_dir, tmp_path):
     nb = make_nb(
         "%load_ext mlxnb",
         f"%mlxnb load {tiny_dir} --max-batch {RESPONSIVE_ROWS}",
-        "import mlxnb.magics\n_e = mlxnb.magics.get_engine()\n"
+        "import mlxnb.notebook.magics\n_e = mlxnb.notebook.magics.get_engine()\n"
         "prompts = [f'Row number {i}: tell a story.' for i in range(32)]",
         "%%generate --max-tokens 1500 -o big\n{prompts}",
         *([trivial] * TRIVIAL_CELLS),

@@ -7,9 +7,9 @@ import mlx.core as mx
 import pytest
 
 from mlxnb import Engine
-from mlxnb.batch import BatchExecutor
-from mlxnb.prefill import AUTO_MAX, AUTO_MIN, STALL_S, PrefillPolicy, pow2_floor
-from mlxnb.caches import LeanBatchKVCache
+from mlxnb.core.worker.batch import BatchExecutor
+from mlxnb.core.worker.prefill import AUTO_MAX, AUTO_MIN, STALL_S, PrefillPolicy, pow2_floor
+from mlxnb.core.worker.caches import LeanBatchKVCache
 
 
 def test_pow2_floor():
@@ -61,8 +61,8 @@ def test_a_cold_tick_raises_the_rate_but_never_lowers_it(tiny):
     """A tick with a new shape under-reports the prefill rate (one-off setup), so it
     counts as a lower bound: a fresh engine, whose shapes are mostly new, must not sit
     at AUTO_MIN (on CUDA its joiners then waited many ticks each)."""
-    from mlxnb.batch import Admit
-    from mlxnb.rows import SamplingParams
+    from mlxnb.core.worker.batch import Admit
+    from mlxnb.core.rows import SamplingParams
 
     model, tok = tiny
     ex = BatchExecutor(model, tok, prefill_chunk=None)
@@ -164,8 +164,8 @@ def test_auto_prefill_beside_decode_stays_within_the_step_budget(tiny, arun, mon
 def test_kv_bound_holds_when_idle_chunks_change_size(tiny):
     """The idle budget follows a measured rate, so chunk sizes change between ticks;
     the buffers must still fit kv_bytes_for (the admission bound)."""
-    from mlxnb.batch import Admit
-    from mlxnb.rows import SamplingParams
+    from mlxnb.core.worker.batch import Admit
+    from mlxnb.core.rows import SamplingParams
 
     model, tok = tiny
     for chunk in (512, None):
@@ -194,7 +194,7 @@ def test_a_forked_child_can_make_an_engine(tmp_path):
     script = tmp_path / "fork.py"
     script.write_text(
         "import asyncio, os, signal, mlxnb\n"
-        "from mlxnb.tiny import tiny_model\n"
+        "from mlxnb.models.tiny import tiny_model\n"
         "tiny = tiny_model()\n"
         "mlxnb.Engine(tiny, kv_budget=None, loop=asyncio.new_event_loop())\n"
         "pid = os.fork()\n"

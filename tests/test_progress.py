@@ -3,7 +3,7 @@
 import threading
 import time
 
-from mlxnb import progress
+from mlxnb.models import progress
 
 
 def test_slow_load_shows_its_stages_and_quick_load_is_silent(capsys, monkeypatch):

@@ -687,7 +687,7 @@ SAFETY_CASES = {
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from mlxnb.tiny import save_tiny_model
+    from mlxnb.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

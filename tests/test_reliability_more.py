@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from mlxnb import Engine, Run
-from mlxnb.models import ModelLoadError
-from mlxnb.tiny import save_tiny_model, tiny_model
+from mlxnb.models.loading import ModelLoadError
+from mlxnb.models.tiny import save_tiny_model, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -167,7 +167,7 @@ def test_closed_engines_release_their_models(arun):
     dropping the engine then frees it whole (widgets hold what they show)."""
     import mlx.core as mx
 
-    from mlxnb.widget import GenerationWidget
+    from mlxnb.notebook.widget import GenerationWidget
 
     kept, refs = [], []
 
@@ -503,7 +503,7 @@ def test_a_stop_message_with_an_odd_row_id_is_ignored(tiny, arun, caplog):
     and raises nothing (in a kernel, a raise is a traceback on iopub)."""
     import logging
 
-    from mlxnb.widget import GenerationWidget
+    from mlxnb.notebook.widget import GenerationWidget
 
     caplog.set_level(logging.DEBUG)
 
@@ -531,7 +531,7 @@ def test_a_stop_message_with_an_odd_row_id_is_ignored(tiny, arun, caplog):
 def shell(tiny):
     from IPython.core.interactiveshell import InteractiveShell
 
-    from mlxnb import magics
+    from mlxnb.notebook import magics
 
     ip = InteractiveShell.instance()
     magics.load_ipython_extension(ip)
@@ -563,7 +563,7 @@ def test_run_names_that_python_or_ipython_rely_on_are_refused(shell, name):
 def test_magic_errors_for_templates_and_huge_prompts_are_one_line(shell, tiny):
     from IPython.core.error import UsageError
 
-    from mlxnb import magics
+    from mlxnb.notebook import magics
 
     magics.use(make(templated("{{ messages[0].nope.deeper }}"),
                     loop=asyncio.new_event_loop()), "tiny")
@@ -619,7 +619,7 @@ def test_in_a_kernel_a_thread_built_engine_serves_and_reserved_names_are_refused
         """))
         assert status == "ok" and "FINISH length" in out, out
         run("%load_ext mlxnb")
-        run("import mlxnb.magics as _m; _m.use(box[0], 'tiny')")
+        run("import mlxnb.notebook.magics as _m; _m.use(box[0], 'tiny')")
         status, out = run("%%generate -o __builtins__ --quiet --max-tokens 2\nhi")
         assert status == "error" and "UsageError" in out and "__builtins__" in out, out
         status, out = run("print('alive', len([1, 2]))")

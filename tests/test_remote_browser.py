@@ -32,7 +32,7 @@ def test_widget_on_server_rows_in_jupyterlab(tmp_path):
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
 
-    from mlxnb.tiny import save_tiny_model
+    from mlxnb.models.tiny import save_tiny_model
 
     t0 = time.monotonic()
     tiny = save_tiny_model(tmp_path / "tiny")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from _jupyter import free_port, kernel_env  # tests/ is on sys.path under pytest
-from mlxnb._blas import blas_env
+from mlxnb.models.blas import blas_env
 from mlxnb.remote import connect
 
 pytestmark = [pytest.mark.server, pytest.mark.integration]  # real server subprocesses
@@ -74,7 +74,7 @@ def cpu_seconds(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from mlxnb.tiny import save_tiny_model
+    from mlxnb.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
@@ -237,7 +237,7 @@ def test_generate_cell_through_a_kernel_against_the_server(server, tiny_dir, tmp
         # back to a local model: the same cell runs in this process
         outs.append(execute(kc, f"%mlxnb load {tiny_dir}"))
         outs.append(execute(kc, "%%generate --max-tokens 4 --quiet -o loc\nlocal row"))
-        outs.append(execute(kc, "r = await loc\nimport mlxnb.magics as m\n"
+        outs.append(execute(kc, "r = await loc\nimport mlxnb.notebook.magics as m\n"
                                 "print('LOCAL', r[0].finish_reason, "
                                 "type(m.get_engine()).__name__)"))
         assert "LOCAL length Engine" in outs[-1]
@@ -252,7 +252,7 @@ def test_generate_cell_through_a_kernel_against_the_server(server, tiny_dir, tmp
 # -- the default model ------------------------------------------------------------------
 @pytest.mark.e2e
 def test_default_model_server(tmp_path):
-    from mlxnb.models import default_model_path
+    from mlxnb.models.loading import default_model_path
 
     with mlx_lm_server(default_model_path(), tmp_path / "server.log") as (url, _):
 

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from mlxnb.protocol import EngineLike
+from mlxnb.core.protocol import EngineLike
 from mlxnb.remote import RemoteEngine
 from mlxnb.remote.client import ServerError, error_text, normalize_url
 from mlxnb.remote.metrics import parse_prometheus, server_load
@@ -321,7 +321,7 @@ def test_the_api_key_is_sent_but_never_shown_or_saved(arun, tmp_path):
         eng = engine(srv, api_key=KEY)
         run = eng.generate(["a"])
         await run
-        from mlxnb.widget import GenerationWidget
+        from mlxnb.notebook.widget import GenerationWidget
 
         w = GenerationWidget(eng, run.rows)
         state = json.dumps([w.rows, w.header, w.steps]) + w.summary_text()
@@ -418,7 +418,7 @@ def ip(monkeypatch):
     from IPython.core.interactiveshell import InteractiveShell
 
     import mlxnb.remote
-    from mlxnb import magics
+    from mlxnb.notebook import magics
 
     srv = Server(lambda req, n: httpx.Response(200, content=sse(
         *chat_chunks(["hi"], usage={"prompt_tokens": 3, "completion_tokens": 1}))),
@@ -452,7 +452,7 @@ def test_connect_mistakes_are_one_line_usage_errors(ip, line, msg):
 
 
 def test_connect_then_generate_status_and_stop(ip, arun, capsys, monkeypatch):
-    from mlxnb import magics
+    from mlxnb.notebook import magics
 
     monkeypatch.setenv("MLXNB_TEST_KEY", KEY)
 
@@ -480,7 +480,7 @@ def test_connect_then_generate_status_and_stop(ip, arun, capsys, monkeypatch):
 
 
 def test_both_engines_satisfy_the_protocol(tiny, arun):
-    from mlxnb.engine import Engine
+    from mlxnb.core.engine import Engine
 
     async def main():
         eng = Engine(tiny, warmup=False)

@@ -4,7 +4,7 @@ but new rows, cancels and a joined row's first token end a streak at once."""
 import asyncio
 import time
 
-import mlxnb.engine as engine_mod
+import mlxnb.core.engine as engine_mod
 from mlxnb import Engine
 
 

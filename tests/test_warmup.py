@@ -2,8 +2,8 @@
 trace of it but the shapes it has seen."""
 
 from mlxnb import Engine
-from mlxnb.batch import BatchExecutor
-from mlxnb.warmup import _ids, warm_up
+from mlxnb.core.worker.batch import BatchExecutor
+from mlxnb.core.worker.warmup import _ids, warm_up
 
 
 def test_warm_up_runs_every_path_and_leaves_no_trace(tiny):

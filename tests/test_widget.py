@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxnb.rows import DECODE, DONE, PREFILL, Row, SamplingParams, StepRecord
-from mlxnb.widget import MAX_STEP_POINTS, GenerationWidget
+from mlxnb.core.rows import DECODE, DONE, PREFILL, Row, SamplingParams, StepRecord
+from mlxnb.notebook.widget import MAX_STEP_POINTS, GenerationWidget
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -383,7 +383,7 @@ console.log(JSON.stringify({{ gaps, seq: st.seq, rows: [...st.rows.values()],
 
 def test_real_engine_streams_into_the_widget():
     """The real Engine on the tiny random model: deltas and traits match the rows."""
-    tiny = pytest.importorskip("mlxnb.tiny")
+    tiny = pytest.importorskip("mlxnb.models.tiny")
     from mlxnb import Engine
 
     model = tiny.tiny_model()
@@ -460,7 +460,7 @@ def test_results_output_follows_the_widget_and_is_kept_current(monkeypatch):
 
 
 def test_results_html_is_bounded_and_escaped():
-    from mlxnb import results
+    from mlxnb.notebook import results
 
     class R:  # the Row fields results.py reads
         def __init__(self, i, text):

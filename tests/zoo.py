@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 
 import mlxnb  # noqa: F401  (first: it puts OpenBLAS under MLX on Linux CPU)
 
-VOCAB = 259  # mlxnb.tiny's byte tokenizer: 256 bytes + <bos>/<eos>/<pad>
+VOCAB = 259  # mlxnb.models.tiny's byte tokenizer: 256 bytes + <bos>/<eos>/<pad>
 # Rows kept in [vocab, d] matrices: printable ASCII, newline, and id 0 -- the engine
 # pads prefill groups with token 0, so its embedding must be a real one (a zero
 # vector would hide padding that leaks into a recurrent state)
@@ -365,7 +365,7 @@ def _first_diff(a, b):
 def engine(model, **kw):
     """An mlxnb Engine on (model, byte tokenizer) as the zoo runs it."""
     import mlxnb
-    from mlxnb.tiny import byte_tokenizer
+    from mlxnb.models.tiny import byte_tokenizer
 
     kw = dict(dict(warmup=False, kv_budget=None, max_batch=8), **kw)
     return mlxnb.Engine((model, byte_tokenizer()), **kw)
@@ -400,15 +400,15 @@ async def _batched(model, prompts, n, kw):
 
 def reference_tokens(model, prompt, n, kv_bits=None, kv_group_size=64):
     """Greedy tokens from mlx-lm's own generation loop; with kv_bits, on a cache
-    quantized from the first token, as the engine's (mlxnb.caches.make_row_cache)."""
+    quantized from the first token, as the engine's (mlxnb.core.worker.caches.make_row_cache)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from mlxnb.tiny import byte_tokenizer
+    from mlxnb.models.tiny import byte_tokenizer
 
     ids = byte_tokenizer().encode(prompt)
     out = []
-    from mlxnb.caches import make_row_cache
+    from mlxnb.core.worker.caches import make_row_cache
 
     try:  # attention on the quantized KV where mlx-lm can, else dequantized
         cache = make_row_cache(model, kv_bits, kv_group_size)

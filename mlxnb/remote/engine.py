@@ -24,10 +24,10 @@ from collections import Counter, deque
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from .. import _aio
-from ..rows import DECODE, PREFILL, Row, StepRecord
-from ..prompts import check_text, sampling_params
-from ..protocol import Listeners
-from ..run import Run
+from ..core.rows import DECODE, PREFILL, Row, StepRecord
+from ..core.prompts import check_text, sampling_params
+from ..core.protocol import Listeners
+from ..core.run import Run
 from . import wire
 from .client import Client, ServerError, model_list_text
 from .metrics import ServerLoad, server_load

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .._text import one_line
-from ..rows import SamplingParams
+from ..core.rows import SamplingParams
 from .client import ServerError
 
 # the server's finish_reason -> ours (anything else it may say counts as "stop")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Iterable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
-from ._log import swallowed
+from .._log import swallowed
 from .rows import Row, SamplingParams, StepRecord
 from .run import Run
 

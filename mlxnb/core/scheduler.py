@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Deque, Dict, Optional
 
-from ._text import fmt_bytes
+from .._text import fmt_bytes
 
 
 def _length(row) -> int:

@@ -29,20 +29,21 @@ import weakref
 from collections import Counter
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
-from . import _aio, progress
-from .batch import Admit, BatchExecutor
+from .. import _aio
+from ..models import progress
+from .worker.batch import Admit, BatchExecutor
 from .constrain import kind_of
-from .caches import KV_BITS, KV_GROUP_SIZES
+from .worker.caches import KV_BITS, KV_GROUP_SIZES
 from .prompts import PARAM_NAMES, WontFit, encode, longest_token, sampling_params
 from .protocol import Listeners
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
-from ._log import log
+from .._log import log
 from ._threads import LOAD_TIMEOUT_S, load_bounded, mlx_worker, release_heap
-from ._text import fmt_bytes, parse_bytes
+from .._text import fmt_bytes, parse_bytes
 from ._trace import timed
 from .scheduler import Scheduler
-from .warmup import warm_up
+from .worker.warmup import warm_up
 
 # Longest run of decode steps the worker takes without the loop. Each round trip
 # costs ~0.4 ms of host time the device waits for

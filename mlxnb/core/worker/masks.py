@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ._trace import lap, pc
-from .constrain import Constraints, kind_of, one_line
+from .._trace import lap, pc
+from ..constrain import Constraints, kind_of, one_line
 
 # Fill threads (and lanes): a mask costs 0.01-0.3 ms of one core, a batch's masks
 # several ms, and the worker needs a core of its own to launch the forward meanwhile.

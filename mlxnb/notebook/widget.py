@@ -37,11 +37,14 @@ from collections import deque
 import anywidget
 import traitlets as t
 
-from . import _aio, _stepchart, _textview, results
-from ._frontend import asset, bundle
-from ._gone_engine import GoneEngine
-from ._stepchart import MAX_STEP_POINTS, STEP_KEYS
-from .constrain import widget_fields as constraint_fields
+from .. import _aio
+from . import stepchart as _stepchart
+from . import textview as _textview
+from . import results
+from .frontend import asset, bundle
+from .gone_engine import GoneEngine
+from .stepchart import MAX_STEP_POINTS, STEP_KEYS
+from ..core.constrain import widget_fields as constraint_fields
 
 FLUSH_HZ = 15
 STEPS_PER_FLUSH = 32  # steps beyond this in one flush are averaged into buckets

@@ -14,9 +14,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, List, Optional
 
-from ._aio import awaitable_on
-from ._log import swallowed
-from ._text import RANGES, one_line
+from .._aio import awaitable_on
+from .._log import swallowed
+from .._text import RANGES, one_line
 from .constrain import check_params as check_constraint, kind_of, parse_json
 
 

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from _string import formatter_field_name_split
 from IPython.core.error import UsageError
 
-from ._text import RANGES, one_line
+from .._text import RANGES, one_line
 
 __all__ = [
     "split_body", "interpolate", "parse_values", "unescape", "derive_seed",

@@ -3,7 +3,7 @@
 Both live in the registry ``_S`` here rather than on the magics, so they outlive the
 extension: ``%unload_ext mlxnb`` leaves the engine and its running rows alone and
 ``%reload_ext mlxnb`` picks the same engine (never a second scheduler) and the same
-``%config`` values up again. ``%mlxnb unload`` (or ``await mlxnb.magics.shutdown()``)
+``%config`` values up again. ``%mlxnb unload`` (or ``await mlxnb.notebook.magics.shutdown()``)
 frees the engine.
 
 A cell magic cannot block on the loop it runs on, so waiting is ``await mlxnb.wait()``
@@ -19,9 +19,9 @@ import weakref
 from traitlets import Bool, Float, Int, List, TraitError, Unicode, Union, validate
 from traitlets.config import Configurable
 
-from . import _aio
-from ._log import swallowed
-from ._threads import LOAD_TIMEOUT_S
+from .. import _aio
+from .._log import swallowed
+from ..core._threads import LOAD_TIMEOUT_S
 
 __all__ = ["MLXNB", "get_engine", "use", "wait", "shutdown"]
 

@@ -66,7 +66,7 @@ def smollm2_tokenizer():
     """The real SmolLM2 tokenizer, from the converted default model directory."""
     from mlx_lm.utils import load_tokenizer
 
-    from .models import default_model_path
+    from .loading import default_model_path
 
     return load_tokenizer(default_model_path())
 
@@ -186,12 +186,12 @@ def save_tiny_model(path, vocab: str = "bytes", seed: int = 0, **kwargs) -> Path
                         dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
     if vocab == "bytes":
-        from ._gguf import write_tokenizer
+        from .gguf import write_tokenizer
 
         write_tokenizer(out, byte_tokenizer_object(), "<bos>", "<eos>", None, "<pad>",
                         BYTE_CHAT_TEMPLATE, list(BYTE_SPECIALS))
     else:
-        from .models import default_model_path
+        from .loading import default_model_path
 
         src = default_model_path()
         for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):

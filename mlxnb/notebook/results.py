@@ -18,7 +18,7 @@ from __future__ import annotations
 import html
 import time
 
-from ._text import one_line
+from .._text import one_line
 
 TOTAL_CHARS = 200_000  # all rows' text together, in one rendering
 ROW_CHARS = 8_000  # most text of one row (fewer when many rows share the budget)

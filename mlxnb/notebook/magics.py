@@ -23,12 +23,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import _aio
+from .. import _aio
 from . import cellparse as cp
-from ._text import one_line
+from .._text import one_line
 from .magicargs import (_CONNECT, _HELP, _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved,
                         _sendable)
-from .run import Run
+from ..core.run import Run
 from .session import MLXNB, _S, _close, _same_model, get_engine, shutdown, use, wait
 
 __all__ = ["MLXNB", "MLXNBMagics", "load_ipython_extension", "unload_ipython_extension",
@@ -44,7 +44,7 @@ class MLXNBMagics(Magics):
     # -- the engine ------------------------------------------------------------------
     def _load(self, spec, kv_budget=None, max_batch=None, prefill_chunk=None, quiet=False,
               kv_bits=None, kv_group_size=None):
-        from .engine import Engine
+        from ..core.engine import Engine
 
         c = self.cfg
         kw = dict(kv_bits=c.kv_bits if kv_bits is None else (
@@ -152,7 +152,7 @@ class MLXNBMagics(Magics):
         if eng is not None and eng.running + eng.queued:
             raise UsageError(f"{eng.running + eng.queued} rows are still running or queued; "
                              "`%mlxnb stop` them (or `await mlxnb.wait()`) before connecting")
-        from .remote import connect
+        from ..remote import connect
 
         try:
             new = connect(a.url, model=a.model, api_key=key, max_concurrency=mc or 64,

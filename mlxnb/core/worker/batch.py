@@ -26,17 +26,17 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from .constrain import Constraints, verdict
+from ..constrain import Constraints, verdict
 from .masks import MaskFiller
 from .decoding import HISTORY, RowDecoder
 from .fuse import fuse_projections
 from . import caches
-from ._trace import lap, pc, timed
+from .._trace import lap, pc, timed
 from .caches import aligned_views, left_padded
 from .prefill import (AUTO_MAX, IDLE_PREFILL, Prefill, PrefillPolicy, ShapeMemory,
                       padding_stays_out)
 from .prefix import PrefixStore
-from .rows import SamplingParams
+from ..rows import SamplingParams
 from .sampling import BatchSampler, top_logprobs
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Callable, Deque, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ._trace import lap, pc, timed
+from .._trace import lap, pc, timed
 from .caches import aligned_views, empty_batch, merge_lean, round_up
 
 IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)

@@ -3,8 +3,8 @@ line, then one line per row (its state, counts, prompt and text, cut to a width)
 
 from __future__ import annotations
 
-from ._text import fmt_bytes, one_line
-from .constrain import widget_fields as constraint_fields
+from .._text import fmt_bytes, one_line
+from ..core.constrain import widget_fields as constraint_fields
 
 
 def summary_text(header: dict, rows, max_rows: int = 20, width: int = 120) -> str:

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path, PurePath
 from typing import List
 
-from ._aio import awaitable_on
+from .._aio import awaitable_on
 from .constrain import record_fields as constraint_fields
 from .rows import Row, RowResult
 

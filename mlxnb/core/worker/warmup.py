@@ -26,9 +26,9 @@ import time
 
 import mlx.core as mx
 
-from ._log import swallowed
+from ..._log import swallowed
 from .batch import Admit, BatchExecutor
-from .rows import SamplingParams
+from ..rows import SamplingParams
 
 
 def _ids(n: int, salt: int):

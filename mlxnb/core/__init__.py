@@ -1,0 +1,1 @@
+"""The continuous-batching engine: the loop side here, the MLX side in `worker/`."""

@@ -1,0 +1,1 @@
+"""MLX batch execution: everything in this package runs on the engine's worker thread."""
