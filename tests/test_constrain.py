@@ -61,19 +61,15 @@ def valid(r) -> bool:
 
 
 @pytest.fixture(params=[None, 3], ids=["default-lanes", "3-lanes"])
-def lanes(request, monkeypatch):
+def lanes(request):
     """The engine's fill lanes: this machine's default, and three (rows spread over
     three compiles and up to three fill threads, as on a machine of 12+ CPUs)."""
-    if request.param is not None:
-        from mlxnb.core.worker import masks
-
-        monkeypatch.setattr(masks, "FILL_THREADS", request.param)
     return request.param
 
 
 def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun, lanes):
     async def main():
-        eng = make(tiny, max_batch=64)
+        eng = make(tiny, max_batch=64, fill_threads=lanes)
         rows = []
         for i in range(64):
             kw = dict(max_tokens=96, temperature=(0.0, 0.7, 1.0, 1.3)[i % 4], seed=i,
@@ -124,7 +120,7 @@ def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun, lanes
 
 def test_seeded_constrained_row_is_the_same_alone_and_batched(tiny, arun, lanes):
     async def main():
-        eng = make(tiny, max_batch=16)
+        eng = make(tiny, max_batch=16, fill_threads=lanes)
         kw = dict(json_schema=PERSON, max_tokens=80, temperature=0.9, top_p=0.95, seed=7)
         alone = await eng.submit("the same row", chat=False, **kw)
         greedy = await eng.submit("greedy", chat=False, regex=REGEX, max_tokens=20)
@@ -345,7 +341,7 @@ def test_top_k_min_p_and_logprobs_see_only_allowed_tokens(tiny, arun):
         assert all(lp > -1e9 for _, lp in first["top"]) and first["logprob"] <= 0
 
 
-def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch):
+def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny):
     from types import SimpleNamespace
 
     import llguidance.numpy as lln
@@ -355,9 +351,8 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny, monkeypatch)
     from mlxnb.core.constrain import Constraints
     from mlxnb.core.rows import SamplingParams
 
-    monkeypatch.setattr(masks_mod, "FILL_THREADS", 3)  # 12 rows: 4 per thread
     cons = Constraints(tiny[1])
-    masks = masks_mod.MaskFiller(cons)
+    masks = masks_mod.MaskFiller(cons, threads=3)  # 12 rows: 4 per thread
     kinds = [dict(json_schema=PERSON), dict(regex=REGEX), dict(choices=CHOICES),
              dict(grammar=LARK)]
     rows = [SimpleNamespace(params=SamplingParams(**k), matcher=None) for k in kinds * 3]

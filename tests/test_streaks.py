@@ -4,15 +4,13 @@ but new rows, cancels and a joined row's first token end a streak at once."""
 import asyncio
 import time
 
-import mlxnb.core.engine as engine_mod
 from mlxnb import Engine
 
 
-def test_a_long_streak_does_not_delay_joiners_or_cancels(tiny, arun, monkeypatch):
-    monkeypatch.setattr(engine_mod, "_STREAK_S", 30.0)  # only an interrupt ends one
-
+def test_a_long_streak_does_not_delay_joiners_or_cancels(tiny, arun):
     async def main():
-        eng = Engine(tiny, kv_budget=None, warmup=False)
+        # streaks of up to 30 s: only an interrupt ends one
+        eng = Engine(tiny, kv_budget=None, warmup=False, streak_s=30.0)
         long = eng.submit("abc", chat=False, max_tokens=4000)
         while not long.tokens and not long.done:
             await asyncio.sleep(0.001)

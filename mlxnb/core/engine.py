@@ -45,11 +45,6 @@ from ._trace import timed
 from .scheduler import Scheduler
 from .worker.warmup import warm_up
 
-# Longest run of decode steps the worker takes without the loop. Each round trip
-# costs ~0.4 ms of host time the device waits for
-# (bench/results/2026-11-29-h200-before-fusion.md); new rows and cancels end a streak
-# at once (`_interrupt`), so it bounds only how often tokens reach the widget.
-_STREAK_S = 0.050
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
 
 
@@ -73,6 +68,12 @@ class Engine(Listeners):
     an H200; quantized layers are left alone, where it measured no gain). It changes
     the model in place: a model you pass in then shows `q_k_v_fused` /
     `gate_up_fused` in its parameters; fuse=False leaves it as is.
+    `streak_s`: the longest run of decode steps the worker takes without the loop
+    (each round trip costs ~0.4 ms of host time the device waits for; new rows and
+    cancels end a streak at once, so it bounds only how often tokens reach the
+    widget; 0: one step per round trip). `fill_threads`: threads that fill
+    structured rows' token masks while the forward launches (None: a quarter of the
+    cores, 1 to 4).
     `loop`: the event loop rows are served on; by default the running one, else the
     IPython kernel's (from any thread), else the one running where rows are first
     submitted; a submit with no running loop to serve on is refused.
@@ -89,7 +90,8 @@ class Engine(Listeners):
                  prefix_cache: Union[str, int, None] = "256MB", warmup: bool = True,
                  fuse: bool = True, kv_bits: Optional[int] = None,
                  kv_group_size: int = 64,
-                 load_timeout: Optional[float] = LOAD_TIMEOUT_S, loop=None):
+                 load_timeout: Optional[float] = LOAD_TIMEOUT_S,
+                 streak_s: float = 0.050, fill_threads: Optional[int] = None, loop=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int)
@@ -108,6 +110,13 @@ class Engine(Listeners):
                                              and load_timeout > 0):
             raise ValueError(f"load_timeout must be a positive number of seconds or None "
                              f"(no limit), got {load_timeout!r}")
+        if not (isinstance(streak_s, (int, float)) and streak_s >= 0):
+            raise ValueError(f"streak_s must be a number of seconds >= 0, got {streak_s!r}")
+        if fill_threads is not None and not (isinstance(fill_threads, int)
+                                             and fill_threads >= 1):
+            raise ValueError(f"fill_threads must be a positive integer or None (auto), "
+                             f"got {fill_threads!r}")
+        self.streak_s = streak_s
         self.kv_budget = parse_bytes(kv_budget)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
@@ -126,7 +135,7 @@ class Engine(Listeners):
                 m, tok = load_bounded(model, load_timeout)
             on_worker = self._on_worker
             self._exec = on_worker(BatchExecutor, m, tok, prefill_chunk, prefix_bytes,
-                                   fuse, kv_bits, kv_group_size)
+                                   fuse, kv_bits, kv_group_size, fill_threads)
             if warmup:
                 progress.stage("warming up")
             self.warmup_s = warm_up(self._exec, run=on_worker) if warmup else 0.0
@@ -335,7 +344,7 @@ class Engine(Listeners):
                 report = await self.loop.run_in_executor(
                     self._pool, ex.tick,
                     [Admit(r.id, r.prompt_ids, r.params) for r in admits], cancels,
-                    _STREAK_S, self._interrupt)
+                    self.streak_s, self._interrupt)
             except Exception as e:  # the executor itself broke: fail what it held
                 for rid in list(self.scheduler.active):
                     row = self._live.get(rid)

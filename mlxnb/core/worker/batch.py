@@ -83,7 +83,8 @@ class StepStat:
 class BatchExecutor:
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None,
                  prefix_bytes: int = 0, fuse: bool = False,
-                 kv_bits: Optional[int] = None, kv_group_size: int = 64):
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                 fill_threads: Optional[int] = None):
         self.model, self.tokenizer = model, tokenizer
         self.tracer = None  # see trace()
         self.prefill_chunk = prefill_chunk  # None: auto (PrefillPolicy)
@@ -114,7 +115,7 @@ class BatchExecutor:
         self.prefill.pad_safe = pad_safe
         self._cold_launch = False  # a new decode batch shape (set by _align), this tick
         self.constraints = Constraints(tokenizer)  # constrain.py: per-row grammars
-        self.masks = MaskFiller(self.constraints)  # masks.py: their masks each step
+        self.masks = MaskFiller(self.constraints, fill_threads)  # masks.py
         self._reset_batch()
         self.nsteps = 0
 

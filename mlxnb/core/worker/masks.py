@@ -34,17 +34,22 @@ import mlx.core as mx
 from .._trace import lap, pc
 from ..constrain import Constraints, kind_of, one_line
 
-# Fill threads (and lanes): a mask costs 0.01-0.3 ms of one core, a batch's masks
-# several ms, and the worker needs a core of its own to launch the forward meanwhile.
-FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def default_fill_threads() -> int:
+    """Fill threads (and lanes): a mask costs 0.01-0.3 ms of one core, a batch's
+    masks several ms, and the worker needs a core of its own to launch the forward
+    meanwhile: a quarter of the cores, 1 to 4."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 class MaskFiller:
     """The batch's masks, on the worker thread: which lane each constrained row
     takes, the fills of the step being launched, and the masking of its logits."""
 
-    def __init__(self, constraints: Constraints):
+    def __init__(self, constraints: Constraints, threads: Optional[int] = None):
         self.constraints = constraints
+        self.threads = threads or default_fill_threads()
         self._next_lane = 0
         self._filler = None  # fill threads: the worker launches the forward meanwhile
         # this launch's masks: (stacking order, the fill tasks making them)
@@ -56,7 +61,7 @@ class MaskFiller:
         self._idx = None
         self._lanes: List[list] = []  # per lane: [(constrained row k, matcher, batch position)]
         self._plans: Dict[int, tuple] = {}  # fill tasks -> their plan (_plan)
-        self._tasks = FILL_THREADS  # fill tasks per step: as few as keep up (apply)
+        self._tasks = self.threads  # fill tasks per step: as few as keep up (apply)
         self._shifts = None
         self.tracer = None  # _trace.py: set by BatchExecutor.trace
 
@@ -65,7 +70,7 @@ class MaskFiller:
         matcher, a copy of that lane's compile; a free row keeps None."""
         if kind_of(r.params) is None:
             return
-        r.lane, self._next_lane = self._next_lane, (self._next_lane + 1) % FILL_THREADS
+        r.lane, self._next_lane = self._next_lane, (self._next_lane + 1) % self.threads
         r.matcher = self.constraints.compile(r.params, r.lane)
 
     def _read_tokens(self, inflight, rows: Dict[int, Any]) -> list:
@@ -120,7 +125,7 @@ class MaskFiller:
                 plan = self._plan(n, lambda m, i: at.pop(id(m), -1))
                 _feed([feed[j] for j in at.values()])  # rows that left the batch
             if self._filler is None:
-                self._filler = ThreadPoolExecutor(FILL_THREADS, "mlxnb-masks")
+                self._filler = ThreadPoolExecutor(self.threads, "mlxnb-masks")
             shares, bitmasks, order = plan
             self._pending = (order, [self._filler.submit(_feed_and_fill, share, toks, bm)
                                      for share, bm in zip(shares, bitmasks)])
@@ -174,7 +179,7 @@ class MaskFiller:
         # Next step: the fewest fill threads that finish within the launch. Each
         # busy core beside the worker slows its launch (~10-20% on an H200 host),
         # so threads that would only wait cost time.
-        self._tasks = max(1, min(FILL_THREADS, math.ceil(1.25 * busy / max(launch, 1e-4))))
+        self._tasks = max(1, min(self.threads, math.ceil(1.25 * busy / max(launch, 1e-4))))
         if tr:
             t = lap(tr, "mask.join", t)
         if self._shifts is None:
