@@ -153,17 +153,17 @@ def test_cancel_mid_prefill_in_a_hybrid_batch_leaves_the_others(arun):
 @pytest.mark.parametrize("family,kv", [("qwen3_5", {}), ("llama", dict(kv_bits=4, kv_group_size=32))])
 def test_budget_counts_recurrent_state_and_quantized_bytes(family, kv, arun):
     eng0 = engine(family, **kv)
-    ex = eng0._exec
-    cache = ex.make_cache()
+    cache = make_row_cache(eng0.model, kv.get("kv_bits"), kv.get("kv_group_size", 64),
+                           eng0.quantized_attention)
     model_for(family)(mx.array([list(range(3, 40))]), cache=cache)
     mx.eval([c.state for c in cache])
     real = sum(c.nbytes for c in cache)
-    fixed = sum(f for _, _, f in ex.layer_costs)
+    fixed = sum(f for _, _, f in eng0.layer_costs)
     if family == "qwen3_5":
         assert fixed > 0 and fixed == sum(c.nbytes for c in cache if type(c) is ArraysCache)
-    assert real <= ex.kv_bytes_for(37)
+    assert real <= eng0.kv_bytes_for(37)
     eng0.close()
-    one_row = ex.kv_bytes_for(max(map(len, PROMPTS)) + 2 + 24)
+    one_row = eng0.kv_bytes_for(max(map(len, PROMPTS)) + 2 + 24)
     budget = int(2.5 * one_row)
 
     async def main():
@@ -224,7 +224,7 @@ def test_prefix_reuse_of_quantized_kv_keeps_outputs(arun):
 def test_quantized_kv_holds_fewer_bytes_than_full():
     full = engine("llama", kv_budget=None)
     q4 = engine("llama", kv_budget=None, kv_bits=4, kv_group_size=32)
-    ratio = full._exec.kv_bytes_for(2048) / q4._exec.kv_bytes_for(2048)
+    ratio = full.kv_bytes_for(2048) / q4.kv_bytes_for(2048)
     full.close(), q4.close()
     assert ratio > 3.5  # float32 KV here; 4-bit with group 32: 32 / 4.5 bits
 
@@ -307,7 +307,7 @@ def test_kv_dequantized_for_attention_where_quantized_matmul_is_missing(monkeypa
         eng = engine("gemma3_text", **kv)
         alone = [(await eng.submit(p, max_tokens=12, chat=False)).tokens for p in PROMPTS]
         batched = [r.tokens for r in await eng.generate(PROMPTS, max_tokens=12, chat=False)]
-        status, costs = eng.status(), eng._exec.layer_costs
+        status, costs = eng.status(), eng.layer_costs
         await eng.aclose()
         return alone, batched, status, costs
 
@@ -316,5 +316,5 @@ def test_kv_dequantized_for_attention_where_quantized_matmul_is_missing(monkeypa
     assert "KV 4-bit (dequantized for attention on this device)" in status
     monkeypatch.undo()
     q = engine("gemma3_text", **kv)
-    assert q._exec.quantized_attention and q._exec.layer_costs == costs
+    assert q.quantized_attention and q.layer_costs == costs
     q.close()

@@ -92,7 +92,7 @@ def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun, lanes
         # the verdicts the worker read off each row's matcher, against a fresh
         # matcher reading the finished text
         assert [r.constraint_error for r in rows] == [
-            eng._exec.constraints.check(r.params, r.text) for r in rows]
+            eng.constraints.check(r.params, r.text) for r in rows]
         await eng.aclose()
         return rows, steps
 
@@ -348,6 +348,7 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny):
     import mlx.core as mx
 
     from mlxnb.core.worker import masks as masks_mod
+    from mlxnb.core.worker.inflight import InFlight
     from mlxnb.core.constrain import Constraints
     from mlxnb.core.rows import SamplingParams
 
@@ -374,7 +375,7 @@ def test_fill_threads_fill_the_masks_each_matcher_gives_alone(tiny):
     refs = {i: cons.compile(rows[i].params, "reference") for i in constrained}
 
     def step(ids, toks):
-        masks.start((ids, mx.array(toks), None), by_id, rows)
+        masks.start(InFlight(ids, mx.array(toks)), by_id, rows)
         logits = masks.apply(mx.zeros((len(rows), V)))
         allowed = np.isfinite(np.array(logits))
         alone = lln.allocate_token_bitmask(len(constrained), V)

@@ -1,6 +1,7 @@
 """Engine behaviour on the tiny random-weight model, one behaviour per test."""
 
 import asyncio
+import copy
 import threading
 
 import pytest
@@ -174,8 +175,11 @@ def test_eos_ends_row_with_stop(tiny, arun):
     async def main():
         eng = make(tiny)
         base = await alone(eng, "abc", max_tokens=10)
-        # make the row's 4th generated token an end-of-sequence token
-        eng._exec.eos = {base.tokens[3]}
+        await eng.aclose()
+        # an engine whose tokenizer takes the row's 4th generated token for eos
+        eos = copy.copy(tok)
+        eos.eos_token_ids = {base.tokens[3]}
+        eng = make((model, eos))
         r = await alone(eng, "abc", max_tokens=10)
         await eng.aclose()
         return base, r

@@ -90,8 +90,8 @@ class Bench:
 
         self.run(canaries(), 30)
         self.keep_canaries(0)
-        ex, sch = self.eng._exec, self.eng.scheduler
-        assert not sch.active and not sch.queue and not ex.rows and not ex.prefill.prefilling
+        st, sch = self.eng.worker_state(), self.eng.scheduler
+        assert not sch.active and not sch.queue and not st.decoding and not st.prefilling
         self.run(self.eng.aclose())
         self.loop.close()
 

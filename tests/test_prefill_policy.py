@@ -61,7 +61,7 @@ def test_a_cold_tick_raises_the_rate_but_never_lowers_it(tiny):
     """A tick with a new shape under-reports the prefill rate (one-off setup), so it
     counts as a lower bound: a fresh engine, whose shapes are mostly new, must not sit
     at AUTO_MIN (on CUDA its joiners then waited many ticks each)."""
-    from mlxnb.core.worker.batch import Admit
+    from mlxnb.core.messages import Admit
     from mlxnb.core.rows import SamplingParams
 
     model, tok = tiny
@@ -81,24 +81,26 @@ def test_joiner_chunks_are_bucketed_beside_a_running_row(tiny, arun):
     from a reused prefix prefills its exact remainder; the prefix store is off here.)"""
     widths = []
 
+    inner, tok = tiny
+
+    class Spy:
+        on = False  # counts only once the first row decodes
+
+        def __call__(self, x, cache=None):
+            if self.on and x.shape[1] > 1:
+                widths.append(x.shape[1])
+            return inner(x, cache=cache)
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
     async def main():
-        eng = Engine(tiny, kv_budget=None, prefill_chunk=None, prefix_cache=None)
-        ex = eng._exec
-        inner = ex.model
-
-        class Spy:
-            def __call__(self, x, cache=None):
-                if x.shape[1] > 1:
-                    widths.append(x.shape[1])
-                return inner(x, cache=cache)
-
-            def __getattr__(self, name):
-                return getattr(inner, name)
-
+        spy = Spy()
+        eng = Engine((spy, tok), kv_budget=None, prefill_chunk=None, prefix_cache=None)
         a = eng.submit("abc", chat=False, max_tokens=200)
         while a.state != "decode":
             await asyncio.sleep(0.001)
-        ex.model = ex.prefill.model = Spy()
+        spy.on = True
         joiners = [eng.submit("j" * n, chat=False, max_tokens=3) for n in (5, 70, 130, 300)]
         for r in joiners:
             await r
@@ -164,7 +166,7 @@ def test_auto_prefill_beside_decode_stays_within_the_step_budget(tiny, arun, mon
 def test_kv_bound_holds_when_idle_chunks_change_size(tiny):
     """The idle budget follows a measured rate, so chunk sizes change between ticks;
     the buffers must still fit kv_bytes_for (the admission bound)."""
-    from mlxnb.core.worker.batch import Admit
+    from mlxnb.core.messages import Admit
     from mlxnb.core.rows import SamplingParams
 
     model, tok = tiny
@@ -172,13 +174,13 @@ def test_kv_bound_holds_when_idle_chunks_change_size(tiny):
         ex = BatchExecutor(model, tok, prefill_chunk=chunk)
         n = 1538
         admits = [Admit(i, [65 + i] * n, SamplingParams(max_tokens=1)) for i in range(8)]
-        per_token = sum(b for b, _, _ in ex.layer_costs)
+        per_token = sum(b for b, _, _ in ex.setup.layer_costs)
         for i, budget in enumerate([512, 8192, 512, 1024, 8192, 8192]):
             ex.policy.rate_last = budget / 0.25  # the idle tick's budget
             ex.tick(admits if i == 0 else [], [])
             for g in ex.prefill.groups():
                 slots = g.cache[0].keys.shape[2] if g.cache[0].keys is not None else 0
-                assert slots * per_token <= ex.kv_bytes_for(n + 1), (chunk, i, slots)
+                assert slots * per_token <= ex.setup.kv_bytes_for(n + 1), (chunk, i, slots)
         ex.close()
 
 
@@ -219,7 +221,7 @@ def test_status_shows_the_prefill_budget(tiny, arun):
     async def main():
         auto = Engine(tiny, kv_budget=None)
         fixed = Engine(tiny, kv_budget=None, prefill_chunk=96)
-        out = auto.status(), fixed.status(), auto._exec.policy.current
+        out = auto.status(), fixed.status(), auto.worker_state().prefill_chunk
         await auto.aclose()
         await fixed.aclose()
         return out

@@ -39,13 +39,13 @@ async def alone(eng, prompt, **kw):
 async def assert_idle(eng):
     """Nothing left inside the executor or the scheduler once every row is done (a
     cancelled row is done at once; the executor lets go of it at its next tick)."""
-    ex = eng._exec
     for _ in range(2000):
-        if not ex.busy:
+        st = eng.worker_state()
+        if not st.busy:
             break
         await asyncio.sleep(0.001)
-    assert ex.caches is None and not ex.ids and not ex.rows, (ex.ids, list(ex.rows))
-    assert not ex.prefill.prefilling and not ex.prefill.ready and ex.inflight is None and not ex.drop
+    assert not st.has_batch_cache and not st.batch and not st.decoding, st
+    assert not st.prefilling and not st.ready and not st.in_flight and not st.leaving, st
     assert not eng.scheduler.active and not eng.scheduler.queue
     assert all(r.done and r.finish_reason in REASONS for r in eng.rows)
     for r in eng.rows:
@@ -152,7 +152,7 @@ def test_load_1000_rows_in_bursts_under_a_tight_kv_budget(tiny, arun):
     assert len(admitted) >= len(rows) - reasons["cancelled"]
     stamps = [r.t_admit for r in admitted]
     assert stamps == sorted(stamps), "admission was not FIFO"
-    assert eng._exec is None and eng.model is None  # closing released them
+    assert eng.worker_state() is None and eng.model is None  # closing released them
     assert mem1 <= mem0 + (1 << 20), f"active memory {mem0} -> {mem1}"
 
 
@@ -174,7 +174,7 @@ def test_prefix_store_holds_no_more_memory_than_it_accounts(tiny, arun):
             await eng.generate(prompts, max_tokens=2, chat=False)
         gc.collect()
         mx.synchronize()
-        held, accounted = mx.get_active_memory() - mem0, eng._exec.prefix.nbytes
+        held, accounted = mx.get_active_memory() - mem0, eng.worker_state().prefix_bytes
         await eng.aclose()
         return held, accounted
 
@@ -400,7 +400,7 @@ def test_aclose_with_rows_in_flight_is_quick_and_final(tiny, arun):
     assert dt < 2.0, f"aclose took {dt:.2f}s"
     assert [r.finish_reason for r in rows] == ["cancelled"] * 6
     assert all(len(r.tokens) < 2000 for r in rows)
-    assert eng.closed and eng._exec is None and eng.model is None
+    assert eng.closed and eng.worker_state() is None and eng.model is None
     for msg in errors:
         assert "closed" in msg and "\n" not in msg
 

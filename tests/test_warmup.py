@@ -63,7 +63,7 @@ def test_a_failing_warm_up_does_not_stop_the_engine(tiny, arun):
 
     async def main():
         eng = Engine((_FailsBatched(model), tok), kv_budget=None)
-        assert eng.rows == [] and not eng._exec.busy
+        assert eng.rows == [] and not eng.worker_state().busy
         one = await eng.submit("abc", chat=False, max_tokens=3)
         rows = [eng.submit(p, chat=False, max_tokens=3) for p in ("ab", "cd", "ef")]
         two = [await r for r in rows]

@@ -16,6 +16,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
+from .states import Finish
+
 KINDS = ("json_schema", "regex", "choices", "grammar")
 # Whitespace inside JSON is fixed (", " and ": ", none elsewhere): with flexible
 # whitespace a model can spend its whole token budget on spaces and newlines.
@@ -267,14 +269,14 @@ def parse_json(row) -> Tuple[Any, Optional[str]]:
 
 
 def _parse(row) -> Tuple[Any, Optional[str]]:
-    if row.finish_reason in ("error", "cancelled"):
+    if row.finish_reason in (Finish.ERROR, Finish.CANCELLED):
         return None, f"the row ended with {row.finish_reason}" + (
             f": {row.error}" if row.error else "")
     text = row.text
     try:
         value = json.loads(text)
     except ValueError as e:
-        cut = " (cut by max_tokens: raise --max-tokens)" if row.finish_reason == "length" else ""
+        cut = " (cut by max_tokens: raise --max-tokens)" if row.finish_reason == Finish.LENGTH else ""
         return None, f"not valid JSON: {e}{cut}"
     if row.constraint_error is not None:  # JSON, cut by a stop string before the schema was met
         return None, row.constraint_error
@@ -316,6 +318,6 @@ def _status(row, kind) -> str:
         return "pending"
     if kind == "json_schema":
         return parse_json(row)[1] or "ok"
-    if row.finish_reason in ("error", "cancelled"):
+    if row.finish_reason in (Finish.ERROR, Finish.CANCELLED):
         return f"incomplete ({row.finish_reason})"
     return row.constraint_error or "ok"

@@ -7,9 +7,9 @@
               apply RowUpdates ◀─ report ──   (prefill chunk, decode N+1, read N)
               StepRecord, listeners
 
-mlx-lm's arrays live on thread-local streams, so one worker thread does the MLX
-work of every batch and the loop only ever sees plain Python values. The loop awaits
-each tick, so it stays free to run cells, widget messages and stop buttons meanwhile.
+The threading rule is core/__init__.py's: the loop reads only what the worker hands
+back (messages.py). The loop awaits each tick, so it stays free to run cells, widget
+messages and stop buttons meanwhile.
 Reading a model from disk or the hub never runs on that worker (it may block for
 good): it runs on a thread of its own, bounded by `load_timeout` and interruptible,
 and only the short set-up of the loaded arrays (fusing, warm-up) is queued on the
@@ -31,9 +31,12 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from .. import _aio
 from ..models import progress
-from .worker.batch import Admit, BatchExecutor
-from .constrain import kind_of
+from .constrain import Constraints, kind_of
+from .messages import Admit, TickReport, WorkerState
+from .states import Finish
+from .worker.batch import BatchExecutor
 from .worker.caches import KV_BITS, KV_GROUP_SIZES
+from .worker.setup import row_kv_bytes
 from .prompts import PARAM_NAMES, WontFit, encode, longest_token, sampling_params
 from .protocol import Listeners
 from .rows import PREFILL, Row, SamplingParams, StepRecord
@@ -134,13 +137,23 @@ class Engine(Listeners):
             else:
                 m, tok = load_bounded(model, load_timeout)
             on_worker = self._on_worker
+            # Validation and checks of finished texts run here; the worker compiles
+            # matchers. (Constraints holds no MLX arrays and locks its own state.)
+            self.constraints = Constraints(tok)
             self._exec = on_worker(BatchExecutor, m, tok, prefill_chunk, prefix_bytes,
-                                   fuse, kv_bits, kv_group_size, fill_threads)
+                                   fuse, kv_bits, kv_group_size, fill_threads,
+                                   self.constraints)
             if warmup:
                 progress.stage("warming up")
             self.warmup_s = warm_up(self._exec, run=on_worker) if warmup else 0.0
+            self._report = on_worker(self._exec.report)
         self.model, self.tokenizer = m, tok
-        self._kinds = self._exec.cache_kinds  # still named once the executor is gone
+        setup = self._exec.setup  # plain values measured at load, on the worker
+        self.cache_kinds: str = setup.cache_kinds
+        self.layer_costs: List[tuple] = list(setup.layer_costs)
+        self.quantized_attention: bool = setup.quantized_attention
+        self._prefix = "on" if self._exec.prefix is not None else (
+            "off for these cache kinds" if prefix_bytes else "off")
         self.context_length = getattr(getattr(m, "args", None),
                                       "max_position_embeddings", None)
         # Prompts longer than this many characters cannot fit the context in any
@@ -148,7 +161,7 @@ class Engine(Listeners):
         longest = longest_token(tok)
         self.max_prompt_chars = (self.context_length * longest
                                  if self.context_length and longest else None)
-        self.scheduler = Scheduler(max_batch, self.kv_budget, self._kv_bytes_for)
+        self.scheduler = Scheduler(max_batch, self.kv_budget, self.kv_bytes_for)
         self.steps: List[StepRecord] = []  # the latest _KEEP_STEPS steps
         self._nsteps = 0
         self._ids = itertools.count()
@@ -169,16 +182,18 @@ class Engine(Listeners):
         """fn(*args) as one job on the shared MLX thread, between other engines' ticks."""
         return self._pool.submit(fn, *args).result()
 
-    def _kv_bytes_for(self, length: int) -> int:
-        ex = self._exec
-        return ex.kv_bytes_for(length) if ex is not None else 0
+    def kv_bytes_for(self, length: int) -> int:
+        """Most KV bytes one row can hold at `length` tokens (what admission under
+        kv_budget counts). `cache_kinds` names the model's layer caches as batched,
+        e.g. '24 recurrent-state + 8 attention layers, KV 4-bit'; `layer_costs` has
+        each layer's (bytes per token, window or 0, fixed bytes)."""
+        return row_kv_bytes(self.layer_costs, self.prefill_chunk, length)
 
-    @property
-    def cache_kinds(self) -> str:
-        """The model's layer caches as batched, e.g. '24 recurrent-state + 8
-        attention layers, KV 4-bit'."""
+    def worker_state(self) -> Optional[WorkerState]:
+        """What the MLX worker holds for this engine now (None once closed); waits
+        for a tick in flight to end."""
         ex = self._exec
-        return ex.cache_kinds if ex is not None else self._kinds
+        return self._on_worker(ex.state) if ex is not None else None
 
     def clock(self) -> float:
         return time.perf_counter() - self._t0
@@ -221,7 +236,7 @@ class Engine(Listeners):
         ValueError with a one-line message for anything that cannot run."""
         self._check_open()
         sp = sampling_params(params)
-        self._exec.constraints.validate(sp)  # a bad schema/regex/grammar raises here
+        self.constraints.validate(sp)  # a bad schema/regex/grammar raises here
         ids = self.encode(prompt, chat, system)
         if not ids:  # a row with no tokens would sit in 'prefill' forever
             raise ValueError("the prompt encodes to no tokens (the tokenizer drops all of "
@@ -283,7 +298,7 @@ class Engine(Listeners):
             return
         if err or self._closed:
             self._notify("submit", row)
-            self._end(row, "error" if err else "cancelled", err)
+            self._end(row, Finish.ERROR if err else Finish.CANCELLED, err)
             return
         self.scheduler.enqueue(row)
         self._notify("submit", row)
@@ -304,7 +319,7 @@ class Engine(Listeners):
             if row.done or self._live.get(row.id) is not row:
                 continue
             if self.scheduler.dequeue(row):
-                self._end(row, "cancelled")
+                self._end(row, Finish.CANCELLED)
             else:
                 self._cancels.append(row.id)
         self._wake.set()
@@ -327,7 +342,7 @@ class Engine(Listeners):
                 break
             admits = self.scheduler.admit()
             cancels, self._cancels = self._cancels, []
-            if not (admits or cancels or ex.busy):
+            if not (admits or cancels or self._report.busy):
                 self._wake.clear()
                 if self._idle is not None and not self._idle.done():
                     self._idle.set_result(None)
@@ -349,9 +364,11 @@ class Engine(Listeners):
                 for rid in list(self.scheduler.active):
                     row = self._live.get(rid)
                     if row is not None:
-                        self._end(row, "error", f"engine step failed: {e}")
-                ex.close()
+                        self._end(row, Finish.ERROR, f"engine step failed: {e}")
+                await self.loop.run_in_executor(self._pool, ex.close)
+                self._report = dataclasses.replace(self._report, busy=False)
                 continue
+            self._report = report
             self._apply(report, time.perf_counter() - t0)
 
     def trace(self, tracer) -> None:
@@ -362,22 +379,22 @@ class Engine(Listeners):
             self._exec.trace(tracer)
 
     @timed("apply")
-    def _apply(self, report, dt):
+    def _apply(self, report: TickReport, dt: float):
         """The one place worker results reach rows: tokens, text deltas, states."""
         now = self.clock()
         live = self._live
-        for rid, tok, text, lp in report.emitted:
-            row = live.get(rid)
+        for e in report.emitted:
+            row = live.get(e.row_id)
             if row is None:  # ended on this side first (cancel, close)
                 continue
-            if tok is not None:
+            if e.token is not None:
                 if row.t_first is None:
                     row.t_first = now
-                row.tokens.append(tok)
-                if lp is not None:
-                    row.logprobs.append(lp)
-            if text:
-                row.text += text  # rebinds a new str: readers see old or new, whole
+                row.tokens.append(e.token)
+                if e.logprob is not None:
+                    row.logprobs.append(e.logprob)
+            if e.text:
+                row.text += e.text  # rebinds a new str: readers see old or new, whole
         for rid, up in report.updates.items():
             row = live.get(rid)
             if row is None:
@@ -389,7 +406,7 @@ class Engine(Listeners):
             if up.cached_tokens is not None:
                 row.cached_tokens = up.cached_tokens
             if up.finish:
-                if row.t_first is None and up.finish == "stop":
+                if row.t_first is None and up.finish == Finish.STOP:
                     row.t_first = now
                 self._end(row, up.finish, up.error, checked=up.checked,
                           constraint_error=up.constraint_error)
@@ -408,7 +425,7 @@ class Engine(Listeners):
         if len(self.steps) > _KEEP_STEPS + _KEEP_STEPS // 16:  # a kernel may run for days
             del self.steps[:len(self.steps) - _KEEP_STEPS]
 
-    def _end(self, row: Row, reason: str, error: Optional[str] = None, *,
+    def _end(self, row: Row, reason: Finish, error: Optional[str] = None, *,
              checked: bool = False, constraint_error: Optional[str] = None):
         """Finish a row (on the loop): its last fields, its future, its callbacks.
         A constrained row's text is checked here unless the worker `checked` it."""
@@ -420,9 +437,9 @@ class Engine(Listeners):
         self.finished[reason] += 1
         if checked:
             row.constraint_error = constraint_error
-        elif reason in ("stop", "length") and kind_of(row.params) is not None:
+        elif reason in (Finish.STOP, Finish.LENGTH) and kind_of(row.params) is not None:
             try:
-                row.constraint_error = self._exec.constraints.check(row.params, row.text)
+                row.constraint_error = self.constraints.check(row.params, row.text)
             except Exception as e:  # the row's result stands; the check says it failed
                 row.constraint_error = f"could not be checked: {type(e).__name__}: {e}"
         row._finish(reason, error)
@@ -506,10 +523,9 @@ class Engine(Listeners):
         except RuntimeError:  # the loop is closed: no serving task to wake
             pass
         for row in list(self._live.values()):  # nothing is left without a finish reason
-            self._end(row, "cancelled")
+            self._end(row, Finish.CANCELLED)
         self._cancels.clear()
-        self.scheduler.queue.clear()
-        self.scheduler.active.clear()
+        self.scheduler.clear()
         self._notify("close", self)
         self._listeners.clear()
 
@@ -525,18 +541,14 @@ class Engine(Listeners):
         kv = self.steps[-1].kv_bytes if self.steps else 0
         budget = fmt_bytes(self.kv_budget) if self.kv_budget else "no limit"
         done = sum(self.finished.values())
-        ex = self._exec
-        if ex is None:
+        if self._exec is None:
             return f"model {self.model_name} (closed) | done {done}"
-        # a plain number the worker writes; a read mid-tick is at most one tick old
-        chunk = ex.policy.current
+        chunk = self._report.prefill_chunk  # as the latest tick left it
         mode = "auto" if self.prefill_chunk is None else "fixed"
-        prefix = "on" if ex.prefix is not None else (
-            "off for these cache kinds" if ex.prefix_bytes else "off")
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
-                f"tokens/step ({mode}) | {ex.cache_kinds} | prefix reuse "
-                f"{prefix}")
+                f"tokens/step ({mode}) | {self.cache_kinds} | prefix reuse "
+                f"{self._prefix}")
 
     def __repr__(self):
         return f"<mlxnb.Engine {self.status()}>"

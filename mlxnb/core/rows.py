@@ -18,9 +18,9 @@ from .._aio import awaitable_on
 from .._log import swallowed
 from .._text import RANGES, one_line
 from .constrain import check_params as check_constraint, kind_of, parse_json
+from .states import Finish, RowState
 
-
-QUEUED, PREFILL, DECODE, DONE = "queued", "prefill", "decode", "done"
+QUEUED, PREFILL, DECODE, DONE = RowState
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ class Row:
         """A finished constrained row: does its text satisfy its constraint? (None
         for free rows, unfinished rows, and rows that ended in error or cancelled.)"""
         if (not self.done or kind_of(self.params) is None
-                or self.finish_reason not in ("stop", "length")):
+                or self.finish_reason not in (Finish.STOP, Finish.LENGTH)):
             return None
         return self.constraint_error is None
 
@@ -222,7 +222,7 @@ class Row:
         return f"<Row {self.id} {self.state}{extra} ntok={self.ntok} {self.prompt[:30]!r}>"
 
     # -- the engine's side (on its loop) ------------------------------------------
-    def _finish(self, reason: str, error: Optional[str] = None) -> None:
+    def _finish(self, reason: Finish, error: Optional[str] = None) -> None:
         """Record the end: the last fields, the awaited result, the callbacks."""
         if self.done:
             return

@@ -81,6 +81,11 @@ class Scheduler:
     def release(self, row_id: int) -> None:
         self.active.pop(row_id, None)
 
+    def clear(self) -> None:
+        """Forget every row (the engine has ended them all)."""
+        self.queue.clear()
+        self.active.clear()
+
     def dequeue(self, row) -> bool:
         try:
             self.queue.remove(row)

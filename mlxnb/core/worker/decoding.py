@@ -9,9 +9,12 @@ that could still become one is held back until it cannot.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
+
+from ..messages import Emitted, Ending
+from ..states import Finish
 
 HISTORY = 256  # tokens of context kept for logits processors (repetition penalty)
 
@@ -34,14 +37,14 @@ class RowDecoder:
         self.shown = 0  # chars of text already reported
         self.hold = max((len(s) for s in a.params.stop if isinstance(s, str)), default=0)
 
-    def accept(self, tok: int, lp: Optional[dict], emitted: list, eos: set
-               ) -> Optional[tuple]:
-        """Take one sampled token; append (row, token|None, new text, logprob) to
-        `emitted`; return (finish_reason, error) when the row ends here."""
+    def accept(self, tok: int, lp: Optional[dict], emitted: List[Emitted], eos: set
+               ) -> Optional[Ending]:
+        """Take one sampled token, append what it shows to `emitted`; returns the
+        row's Ending when it ends here."""
         detok = self.detok
         if tok in eos:
             self.flush(emitted)
-            return ("stop", None)
+            return Ending(Finish.STOP)
         self.ntok += 1
         final = self.ntok >= self.params.max_tokens
         if lp is not None:
@@ -51,28 +54,28 @@ class RowDecoder:
             detok.finalize()
         seg = detok.last_segment
         if not self.params.stop:  # nothing to search or hold back: pass it on
-            emitted.append((self.id, tok, seg, lp))
-            return ("length", None) if final else None
+            emitted.append(Emitted(self.id, tok, seg, lp))
+            return Ending(Finish.LENGTH) if final else None
         self.text += seg
         try:
             hit = self._find_stop()
         except Exception as e:  # a stop callback's failure ends its row only
-            emitted.append((self.id, tok, "", lp))
-            return ("error", f"stop callback failed: {type(e).__name__}: {e}")
+            emitted.append(Emitted(self.id, tok, "", lp))
+            return Ending(Finish.ERROR, f"stop callback failed: {type(e).__name__}: {e}")
         if hit is not None:
             self.text = self.text[:hit]
-            emitted.append((self.id, tok, self._visible(True), lp))
-            return ("stop", None)
-        emitted.append((self.id, tok, self._visible(final), lp))
-        return ("length", None) if final else None
+            emitted.append(Emitted(self.id, tok, self._visible(True), lp))
+            return Ending(Finish.STOP)
+        emitted.append(Emitted(self.id, tok, self._visible(final), lp))
+        return Ending(Finish.LENGTH) if final else None
 
-    def flush(self, emitted: list) -> None:
+    def flush(self, emitted: List[Emitted]) -> None:
         """The row ends here (end of sequence, or cancelled): show everything
         decoded so far, the detokenizer's held text and any tail held back for a
         stop string that can no longer complete."""
         self.detok.finalize()
         self.text += self.detok.last_segment
-        emitted.append((self.id, None, self._visible(True), None))
+        emitted.append(Emitted(self.id, None, self._visible(True)))
 
     def _find_stop(self) -> Optional[int]:
         start = max(0, self.shown - self.hold)

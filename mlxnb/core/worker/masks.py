@@ -33,6 +33,9 @@ import mlx.core as mx
 
 from .._trace import lap, pc
 from ..constrain import Constraints, kind_of, one_line
+from ..messages import Ending
+from ..states import Finish
+from .inflight import InFlight
 
 
 
@@ -73,18 +76,17 @@ class MaskFiller:
         r.lane, self._next_lane = self._next_lane, (self._next_lane + 1) % self.threads
         r.matcher = self.constraints.compile(r.params, r.lane)
 
-    def _read_tokens(self, inflight, rows: Dict[int, Any]) -> list:
+    def _read_tokens(self, inflight: Optional[InFlight], rows: Dict[int, Any]) -> list:
         """[(matcher, token)] of the step in flight's constrained rows, each step once
         (whichever of launch and read comes first); [] when already taken."""
         if inflight is None or inflight is self._advanced:
             return []
         self._advanced = inflight
-        ids, tokens, _ = inflight
-        pairs = [(i, r.matcher) for i, rid in enumerate(ids)
+        pairs = [(i, r.matcher) for i, rid in enumerate(inflight.row_ids)
                  if (r := rows.get(rid)) is not None and r.matcher is not None]
         if not pairs:
             return []
-        toks = self._tolist(tokens)
+        toks = self._tolist(inflight.tokens)
         return [(m, toks[i]) for i, m in pairs]
 
     def _tolist(self, tokens) -> list:
@@ -95,11 +97,12 @@ class MaskFiller:
             lap(tr, "mask.wait", t)
         return toks
 
-    def advance(self, inflight, rows: Dict[int, Any]) -> None:
+    def advance(self, inflight: InFlight, rows: Dict[int, Any]) -> None:
         """Feed the step in flight's tokens to its constrained rows' matchers now."""
         _feed(self._read_tokens(inflight, rows))
 
-    def start(self, inflight, rows: Dict[int, Any], batch_rows: list) -> None:
+    def start(self, inflight: Optional[InFlight], rows: Dict[int, Any],
+              batch_rows: list) -> None:
         """Hand the step in flight's tokens to the fill threads, each of which feeds
         its share of the matchers and fills their next masks; `apply` collects them."""
         tr = self.tracer
@@ -111,11 +114,11 @@ class MaskFiller:
         else:
             n = min(self._tasks, len(self._lanes))
             if (inflight is not None and inflight is not self._advanced
-                    and inflight[0] == self._ids):
+                    and inflight.row_ids == self._ids):
                 # The step in flight holds exactly this batch (most steps): a row's
                 # token sits at its batch position, and each task feeds its own rows.
                 self._advanced = inflight
-                toks, plan = self._tolist(inflight[1]), self._plans.get(n)
+                toks, plan = self._tolist(inflight.tokens), self._plans.get(n)
                 if plan is None:
                     plan = self._plans[n] = self._plan(n, lambda m, i: i)
             else:  # rows joined or left since it launched
@@ -192,18 +195,18 @@ class MaskFiller:
         logits[self._idx] = masked(logits[self._idx], words, self._shifts)
         return logits
 
-    def finish(self, r, emit, eos: set, finish: Optional[tuple]) -> Optional[tuple]:
-        """After a constrained row's token is read: its finish (reason, error), or None.
-        A complete grammar ends the row as its end-of-sequence token would."""
+    def finish(self, r, emit, eos: set, ending: Optional[Ending]) -> Optional[Ending]:
+        """After a constrained row's token is read: its Ending, or None. A complete
+        grammar ends the row as its end-of-sequence token would."""
         m = r.matcher
         if m.is_error():
-            return ("error", f"constraint failed: {one_line(m.get_error())}")
+            return Ending(Finish.ERROR, f"constraint failed: {one_line(m.get_error())}")
         if not m.is_stopped():
-            return finish
-        if finish is None:
+            return ending
+        if ending is None:
             e = min(eos) if eos else -1
             return emit(e, {e})
-        return ("stop", None) if finish == ("length", None) else finish
+        return Ending(Finish.STOP) if ending.reason == Finish.LENGTH else ending
 
     def reset(self) -> None:
         """Forget the batch (its rows left or failed); a fill still running is

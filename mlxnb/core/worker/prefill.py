@@ -9,20 +9,24 @@ nothing decoding, bigger ticks that still let cancels land. Shapes repeat from r
 to run (widths in multiples of PREFILL_BUCKET, power-of-two chunks, groups formed
 from what waits), because MLX's CUDA backend sets up kernels per new shape.
 
-The executor (batch.py) owns a `Prefill` and tells it each tick whether rows are
-decoding and whether this tick's decode launch was a new shape; it reads back the
-tokens prefilled. Nothing else crosses.
+The executor (batch.py) owns a `Prefill`: it hands over admitted rows (`admit`),
+says each step whether rows are decoding and whether this step's decode launch was
+a new shape (`run`, which returns the tokens prefilled), joins the ready groups
+(`joining`, then `take_ready`) and, if the batch fails, takes the rows it held
+(`fail`). Only `Prefill`'s own methods change its containers.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Deque, List, Optional, Tuple
+from typing import Callable, Deque, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 
 from .._trace import lap, pc, timed
+from ..messages import Updates
+from ..states import Finish
 from .caches import aligned_views, empty_batch, merge_lean, round_up
 
 IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
@@ -228,10 +232,10 @@ class Prefill:
     groups hold prompts of one length only, unbucketed, so none is padded."""
 
     def __init__(self, model, make_cache: Callable[[], list], policy: PrefillPolicy,
-                 shapes: ShapeMemory, prefix=None):
+                 shapes: ShapeMemory, prefix=None, pad_safe: bool = True):
         self.model, self.make_cache, self.policy = model, make_cache, policy
         self.shapes, self.prefix = shapes, prefix
-        self.pad_safe = True
+        self.pad_safe = pad_safe
         self.tracer = None  # BatchExecutor.trace
         self.waiting: Deque = deque()  # Admits, prefill not started
         self.current: Optional[PrefillGroup] = None  # the group being prefilled
@@ -266,13 +270,27 @@ class Prefill:
                 hit = True
         return hit
 
+    def admit(self, admits: Iterable) -> None:
+        """Rows the scheduler admitted, in order: they prefill from the next `run`."""
+        self.waiting.extend(admits)
+
+    def take_ready(self) -> None:
+        """The ready groups have joined the decode batch (after `joining`)."""
+        self.ready = []
+
+    def fail(self) -> List[int]:
+        """The batch failed: forget the ready groups; returns their live rows."""
+        rids = [rid for g in self.ready for rid in g.row_ids() if rid not in g.cancelled]
+        self.ready = []
+        return rids
+
     def clear(self):
         self.waiting.clear()
         self.current = None
         self.ready = []
 
     @timed("prefill")
-    def run(self, u, decoding: bool, cold_launch: bool) -> int:
+    def run(self, updates: Updates, decoding: bool, cold_launch: bool) -> int:
         """Prefill up to one step budget of tokens beside a running batch (its stall is
         bounded by that). With nothing decoding, group everything admitted (up to
         IDLE_PREFILL tokens) so the rows start decoding together, unpadded, but still
@@ -295,12 +313,12 @@ class Prefill:
             if done and g.pos == 0 and len(g.admits) * g.width > budget - done:
                 break
             try:
-                done += self.chunk(g, budget - done, u)
+                done += self.chunk(g, budget - done, updates)
             except Exception as e:
                 for rid in g.row_ids():
                     if rid not in g.cancelled:
-                        up = u(rid)
-                        up.finish, up.error = "error", f"prefill failed: {type(e).__name__}: {e}"
+                        updates.end(rid, Finish.ERROR,
+                                    f"prefill failed: {type(e).__name__}: {e}")
                 self.current = None
             if self.current is g:  # one chunk per group per tick (a power of two of
                 break  # the budget, not a string of ever smaller shapes)
@@ -388,7 +406,7 @@ class Prefill:
         g.cached, g.step = 0, step
         return g
 
-    def chunk(self, g: PrefillGroup, budget: int, u) -> int:
+    def chunk(self, g: PrefillGroup, budget: int, updates: Updates) -> int:
         k = len(g.admits)
         # Powers of two (multiples of the group's step): chunk shapes repeat from run
         # to run, and cache growth stays within kv_bytes_for's slack.
@@ -416,7 +434,7 @@ class Prefill:
             self.ready.append(g)
         for a, length in zip(g.admits, g.lengths):
             if a.row_id not in g.cancelled:
-                upd = u(a.row_id)
+                upd = updates.of(a.row_id)
                 upd.prefill_done = len(a.ids) if g.pos >= g.width else min(g.pos, length)
                 if g.cached:
                     upd.cached_tokens = g.cached

@@ -27,7 +27,8 @@ import time
 import mlx.core as mx
 
 from ..._log import swallowed
-from .batch import Admit, BatchExecutor
+from ..messages import Admit
+from .batch import BatchExecutor
 from ..rows import SamplingParams
 
 

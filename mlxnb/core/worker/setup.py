@@ -1,0 +1,103 @@
+"""The model as the batch runs it, measured once at load (on the worker): its cache
+recipe, the bytes each layer's cache takes, whether padding stays out of its rows,
+and fused projections."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import mlx.core as mx
+
+from . import caches
+from .fuse import fuse_projections
+from .prefill import AUTO_MAX, IDLE_PREFILL, padding_stays_out
+from .prefix import PrefixStore
+
+
+class BatchModel:
+    def __init__(self, model, tokenizer, *, fuse: bool = False,
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                 prefill_chunk: Optional[int] = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.prefill_chunk = prefill_chunk
+        # attention reads quantized KV directly unless _probe_costs finds it cannot
+        self.quantized_attention = True
+        probe = self.make_cache()
+        bad = caches.unsupported(probe)
+        if bad:
+            raise ValueError(
+                f"mlxnb cannot batch this model: its {', '.join(bad)} cache has no "
+                f"batched form (mlxnb batches KVCache, RotatingKVCache, ArraysCache, "
+                f"CacheList and quantized KV). Use mlx_lm.generate for it.")
+        self.layer_costs = self._probe_costs()
+        # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
+        self.fused = fuse_projections(model, lambda: model(
+            mx.array([[0]]), cache=self.make_cache())) if fuse else 0
+        self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
+        self.cache_kinds = caches.describe(probe, kv_bits, self.quantized_attention)
+        # prefix entries are slices of full-attention KV (quantized or not): windows
+        # and recurrent states would need a snapshot at the prefix boundary instead
+        self.prefix_reusable = PrefixStore.supports(probe)
+
+    def probe_ids(self) -> List[int]:
+        """Token ids of ordinary text, for probe forwards (any ids if the tokenizer
+        cannot encode it)."""
+        try:
+            return [int(t) for t in self.tokenizer.encode(
+                "The quick brown fox jumps over the lazy dog, again and again.")]
+        except Exception:
+            return []
+
+    def make_cache(self) -> list:
+        """A fresh single-row cache of this engine's kinds (KV quantized if asked)."""
+        return caches.make_row_cache(self.model, self.kv_bits, self.kv_group_size,
+                                     self.quantized_attention)
+
+    def _probe_costs(self) -> List[tuple]:
+        """caches.layer_costs of a real forward (a token, a chunk, a decode step).
+        With kv_bits, attention reads the quantized KV directly if the device can
+        (mx.quantized_matmul at these shapes), else dequantized."""
+        def run():
+            cache = self.make_cache()
+            for n in (1, 5, 1):
+                self.model(mx.zeros((1, n), mx.int32), cache=cache)
+            mx.eval([c.state for c in cache])
+            return cache
+
+        try:
+            return caches.layer_costs(run())
+        except Exception:
+            if self.kv_bits is None:
+                raise
+        self.quantized_attention = False
+        try:
+            return caches.layer_costs(run())
+        except Exception as e:
+            raise ValueError(
+                f"this model cannot run with a quantized KV cache (kv_bits="
+                f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "
+                f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides its "
+                f"head dim, or no kv_bits.") from None
+
+    def kv_bytes_for(self, length: int) -> int:
+        """Most bytes a row's caches can allocate while it holds `length` tokens."""
+        return row_kv_bytes(self.layer_costs, self.prefill_chunk, length)
+
+
+def row_kv_bytes(layer_costs: List[tuple], prefill_chunk: Optional[int],
+                 length: int) -> int:
+    """Most bytes a row's caches can allocate while it holds `length` tokens, from
+    the per-layer (bytes per token, window or 0, fixed bytes) a probe measured.
+    Plain arithmetic: the loop's scheduler asks it for every admission."""
+    # Caches grow in 255/256-token steps from wherever they stand; merges,
+    # prefix hits, batch filters and chunks that change size from tick to tick
+    # (the idle budget follows a measured rate) leave them at unaligned sizes.
+    # A growth that trims to the used length leaves < 256 spare slots, one that
+    # doesn't keeps those and adds < 256 more, so n tokens take < n + 512 slots.
+    # A sliding window holds window - 1 + chunk tokens while prefilling; a
+    # recurrent state is the same size at any length.
+    alloc = max(length, 1) + 512
+    win = max(prefill_chunk or 0, IDLE_PREFILL, AUTO_MAX)
+    return sum(fixed + per_tok * (min(alloc, w + win) if w else alloc)
+               for per_tok, w, fixed in layer_costs)
