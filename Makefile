@@ -46,7 +46,7 @@ test: system-deps browser-deps $(TEST_STAMP)
 	cd js && node --test test/
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q --nbval-lax notebooks/
-	$(BIN)/python bench/engine_bench.py --quick > /dev/null
+	$(BIN)/python -m bench decode --quick > /dev/null && $(BIN)/python -m bench mixed --quick > /dev/null
 
 # The unit tier: the tiny random-weight model, no kernels, subprocesses, servers or
 # bundled model (about a minute on 2 cores).

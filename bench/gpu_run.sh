@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The benchmarks on an NVIDIA GPU through MLX's CUDA backend (bench/README.md).
-#   bash bench/gpu_run.sh [engine_bench.py args...]     results -> $OUT
-#   bash bench/gpu_run.sh bench/other.py [args...]       its output -> $OUT/log.txt
+# A benchmark on an NVIDIA GPU through MLX's CUDA backend (bench/README.md).
+#   bash bench/gpu_run.sh <benchmark> [options...]    result files and log.txt -> $OUT
 # Runs the checkout's mlxnb/ (PYTHONPATH), with the python3 on PATH, which needs
 # `pip install 'mlx[cuda13]' mlx-lm` (mlx[cuda12] for CUDA 12 drivers).
 #   MLX_WHEELS=DIR   offline machine: install the mlx and mlx-lm wheels found in DIR
@@ -29,11 +28,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
   --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import mlx.core as mx, sys; print(mx.default_device(), mx.__version__); sys.exit(not mx.cuda.is_available())" || {
   echo "MLX sees no CUDA GPU: pip install 'mlx[cuda13]' mlx-lm (mlx[cuda12] for CUDA 12 drivers)"; exit 1; }
-if [[ "$1" == *.py ]]; then
-  python3 "$@" 2>&1 | tee "$OUT/log.txt"
-else
-  python3 bench/engine_bench.py "$@" --out "$OUT" 2>&1 | tee "$OUT/log.txt"
-fi
+python3 -m bench "$@" --out "$OUT" 2>&1 | tee "$OUT/log.txt"
 rc=$?
 if [ -n "$SAVE_PTX" ]; then
   (cd "$(dirname "$MLX_PTX_CACHE_DIR")" && tar czf "$OUT/ptx.tgz" "$(basename "$MLX_PTX_CACHE_DIR")")

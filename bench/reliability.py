@@ -1,17 +1,18 @@
 """Reliability figures: what a stalled load, repeated model loads and many finished
 rows cost the rows and the memory of a long-lived kernel.
 
-    python bench/reliability.py stall    # decode rate of a running engine during
-                                         # (a) a load stalled on the hub, (b) a second
-                                         # Engine('default') built beside it
-    python bench/reliability.py cycles   # RSS of a real kernel over 5 x (%mlxnb load ->
-                                         # %%generate -> await -> %mlxnb unload -> gc)
-    python bench/reliability.py rows     # bytes kept per finished row, handles dropped
-    python bench/reliability.py detok    # decode tok/s at B=32, tiny model with the
-                                         # SmolLM2 tokenizer (what detokenizing every
-                                         # row on the worker costs)
+  python -m bench reliability stall    # decode rate of a running engine during (a) a
+                                       # load stalled on the hub, (b) a second
+                                       # Engine('default') built beside it
+  python -m bench reliability cycles   # RSS of a real kernel over 5 x (%mlxnb load ->
+                                       # %%generate -> await -> %mlxnb unload -> gc)
+  python -m bench reliability rows     # bytes kept per finished row, handles dropped
+  python -m bench reliability detok    # decode tok/s at B=32, tiny model with the
+                                       # SmolLM2 tokenizer (what detokenizing every
+                                       # row on the worker costs)
 
-Prints one JSON line per figure. `stall` and `cycles` use the default model.
+Prints one JSON line per figure (--save: results/reliability-<figure>-<hardware>.md).
+`stall` and `cycles` use the default model.
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from . import common
+
+NAME, TITLE = "reliability", "Reliability figures"
+
+FIGURES = []  # the JSON lines printed, for the result file
+
+
+def figure(out: dict) -> None:
+    FIGURES.append(json.dumps(out))
+    print(FIGURES[-1], flush=True)
 
 
 def rss_mb() -> float:
@@ -109,17 +118,18 @@ async def stall(args):
     eng.cancel_all()
     await second.aclose()
     await eng.aclose()
-    print(json.dumps(out), flush=True)
+    figure(out)
 
 
 def cycles(args):
     from jupyter_client import KernelManager
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from _jupyter import kernel_env
-
+    # the kernel imports this checkout's mlxnb, installed or not
+    env = dict(os.environ, PYDEVD_DISABLE_FILE_VALIDATION="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(common.ROOT))
+                                        if p)
     km = KernelManager(kernel_name="python3")
-    km.start_kernel(env=kernel_env())
+    km.start_kernel(env=env)
     kc = km.client()
     kc.start_channels()
     kc.wait_for_ready(timeout=120)
@@ -155,7 +165,7 @@ def cycles(args):
             "for o in _g.get_objects()); print('ENGINES', gc_eng)")
         out["engines_alive"] = int(said[-1].split()[-1]) if said else None
         out["growth_after_first"] = round(out["after_cycle"][-1] - out["after_cycle"][0], 1)
-        print(json.dumps(out), flush=True)
+        figure(out)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
@@ -183,12 +193,11 @@ async def rows(args):
     tracemalloc.stop()
     heap = [b - a for (a, _, _), (b, _, _) in zip(points, points[1:])]
     steps = [b - a for (_, _, a), (_, _, b) in zip(points, points[1:])]
-    print(json.dumps({
+    figure({
         "figure": "memory kept per 1,000 finished rows, handles dropped",
         "heap_bytes_per_1000_rows": heap, "new_step_records_per_1000_rows": steps,
         "rss_mb": [round(r, 1) for _, r, _ in points], "rows_listed": len(eng.rows),
-        "note": "step records are kept up to Engine's _KEEP_STEPS (the step history)"}),
-        flush=True)
+        "note": "step records are kept up to the engine's step history length"})
     await eng.aclose()
 
 
@@ -204,15 +213,18 @@ async def detok(args):
         t = time.perf_counter()
         res = await eng.generate(prompts, chat=False, max_tokens=args.tokens)
         rates.append(sum(len(r.tokens) for r in res) / (time.perf_counter() - t))
-    print(json.dumps({"figure": f"decode tok/s, tiny model + SmolLM2 tokenizer, "
-                                f"B={args.batch}, {args.tokens} tokens",
-                      "tok_s_median": round(statistics.median(rates), 1),
-                      "tok_s_all": [round(r, 1) for r in rates]}), flush=True)
+    figure({"figure": f"decode tok/s, tiny model + SmolLM2 tokenizer, B={args.batch}, "
+                      f"{args.tokens} tokens",
+            "tok_s_median": round(statistics.median(rates), 1),
+            "tok_s_all": [round(r, 1) for r in rates]})
     await eng.aclose()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
     ap.add_argument("what", choices=["stall", "cycles", "rows", "detok"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--stall-s", type=float, default=10.0)
@@ -220,12 +232,12 @@ def main():
     ap.add_argument("--thousands", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
+    common.add_output_args(ap)
+    args = ap.parse_args(argv)
+    report = common.Report(NAME, f"reliability-{args.what}", TITLE, args, argv)
     if args.what == "cycles":
         cycles(args)
     else:
         asyncio.run({"stall": stall, "rows": rows, "detok": detok}[args.what](args))
-
-
-if __name__ == "__main__":
-    main()
+    report.write("```\n" + "\n".join(FIGURES) + "\n```")
+    return 0

@@ -1,29 +1,43 @@
 """Widget traffic: messages/s, bytes per streamed token, kernel time spent on the widget.
 
-Drives a GenerationWidget from the fake engine of tests/test_widget.py (same listener
-events and Row/StepRecord types as mlxnb.Engine, no model), captures every comm
-message the widget would put on the wire (custom deltas and trait updates, JSON-sized
-as ipykernel would serialize them) and times the widget's own code on the loop.
+Drives a GenerationWidget from the fake engine of tests/test_widget.py (the same
+listener events and Row/StepRecord types as mlxnb.Engine, no model), captures every
+comm message the widget would put on the wire (custom deltas and trait updates,
+JSON-sized as ipykernel would serialize them) and times the widget's own code on the
+loop. One JSON line per case.
 
-  python bench/widget_traffic.py                 # fake engine, 10 ms steps
-  python bench/widget_traffic.py --real          # also mlxnb.Engine on mlxnb.models.tiny (if present):
-                                                 # aggregate tok/s with vs without a widget
+  python -m bench widget-traffic              # fake engine, 10 ms steps
+  python -m bench widget-traffic --real       # also mlxnb.Engine on the tiny model:
+                                              # aggregate tok/s with vs without a widget
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from mlxnb.notebook.widget import GenerationWidget
 
-from mlxnb.notebook.widget import GenerationWidget  # noqa: E402
+from . import common
+
+NAME, RESULT, TITLE = "widget-traffic", "widget-traffic", "Widget traffic"
+
+
+def fake_engine_class():
+    """tests/test_widget.py's FakeEngine, loaded from its file (tests/ is no package)."""
+    path = common.ROOT / "tests" / "test_widget.py"
+    spec = importlib.util.spec_from_file_location("_bench_test_widget", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.FakeEngine
+
+
+LINES = []  # the JSON lines printed, for the result file
 
 
 class TimedWidget(GenerationWidget):
@@ -59,9 +73,7 @@ def capture(w):
 
 
 async def fake_case(nrows, ntok, step_s, max_batch):
-    from test_widget import FakeEngine
-
-    eng = FakeEngine(max_batch=max_batch, step_s=step_s, kv_budget=1 << 30)
+    eng = fake_engine_class()(max_batch=max_batch, step_s=step_s, kv_budget=1 << 30)
     rows = [eng.submit(f"prompt number {i}: tell me something", max_tokens=ntok,
                        prompt_len=64) for i in range(nrows)]
     w = TimedWidget(eng, rows)
@@ -86,7 +98,8 @@ def report(name, sent, ntok, wall, busy, nsteps):
         "trait_updates": len(upd), "trait_bytes": sum(upd), "max_trait_bytes": max(upd, default=0),
         "widget_cpu_pct": round(100 * busy / wall, 2),
     }
-    print(json.dumps(r))
+    LINES.append(json.dumps(r))
+    print(LINES[-1], flush=True)
     return r
 
 
@@ -115,13 +128,18 @@ async def real_case(nrows, ntok, with_widget):
     return toks / wall
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
     ap.add_argument("--real", action="store_true")
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--tokens", type=int, default=256, help="--real: tokens per row")
     ap.add_argument("--repeat", type=int, default=3, help="--real: plain/widget pairs")
-    a = ap.parse_args()
+    common.add_output_args(ap)
+    a = ap.parse_args(argv)
+    report = common.Report(NAME, RESULT, TITLE, a, argv)
     for nrows, ntok in [(1, 200), (8, 200), (32, 200), (64, 200)]:
         asyncio.run(fake_case(nrows, ntok, a.step_ms / 1000, 64))
     asyncio.run(fake_case(8, 2000, 0.001, 64))  # fast steps: bucketing in one flush
@@ -133,10 +151,13 @@ def main():
                 base = asyncio.run(real_case(nrows, a.tokens, False))
                 wid = asyncio.run(real_case(nrows, a.tokens, True))
                 ratios.append(wid / base)
-                print(json.dumps({"case": f"real tiny {nrows} rows", "tok_s_plain": round(base),
-                                  "tok_s_widget": round(wid), "ratio": round(wid / base, 3)}))
-            print(json.dumps({"case": f"real tiny {nrows} rows", "median_ratio":
-                              round(statistics.median(ratios), 3)}))
-
-if __name__ == "__main__":
-    main()
+                LINES.append(json.dumps({"case": f"real tiny {nrows} rows",
+                                         "tok_s_plain": round(base),
+                                         "tok_s_widget": round(wid),
+                                         "ratio": round(wid / base, 3)}))
+                print(LINES[-1], flush=True)
+            LINES.append(json.dumps({"case": f"real tiny {nrows} rows", "median_ratio":
+                                     round(statistics.median(ratios), 3)}))
+            print(LINES[-1], flush=True)
+    report.write("```\n" + "\n".join(LINES) + "\n```")
+    return 0

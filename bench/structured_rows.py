@@ -1,34 +1,29 @@
-"""Constrained decoding cost: decode tok/s of B constrained rows vs B free rows at the
-same batch size, and the per-step mask time at several batch sizes.
+"""Structured rows: decode tok/s of B constrained rows vs B free rows, and the mask time.
 
-  decode   mlxnb.Engine(max_batch=B) on a random-weight model of the chosen shape
-           (default SmolLM2-135M's, with the tokenizer's vocabulary). Each pass
-           submits B rows of one kind at once: free rows, or constrained rows. With
-           --mix json+regex (default) half take a JSON schema (an array of 32 small
-           objects: strings, bounded integers, enums, booleans) and half a regex
-           (capitalized words); --mix json or regex gives all rows one of them.
-           Neither needs to end within max_tokens, so the rows run to it as free
-           rows do. tok/s = tokens read / summed step time over the decode-only
-           steps with all B rows in the batch (`eng.steps`: batch_size == B,
-           prefill_tokens == 0). Passes alternate free, constrained (--repeat
-           rounds); the best of each and the median per-round ratio are printed.
-           --fill-threads 1,4 repeats it all per fill-thread count.
-  mask     per decode step at batch B, outside the engine: llguidance filling the
-           bitmask for B matchers on one thread, consuming one token per row,
-           and applying the mask to [B, V] logits on the device (mlxnb.core.worker.masks.masked,
-           timed to mx.eval). Rows advance by a random allowed token; a finished
-           grammar restarts. mean / p50 / p90 ms per step.
+  decode   mlxnb.Engine(max_batch=B, prefix_cache=None) on a random-weight model of the
+           chosen shape (default SmolLM2-135M's) with the tokenizer's vocabulary. Each
+           pass submits B rows of one kind at once: free rows, or constrained rows.
+           With --mix json+regex (default) half take a JSON schema (an array of 32
+           small objects) and half a regex (capitalized words); json or regex gives
+           all rows one of them. Neither needs to end within max_tokens, so the rows
+           run to it as free rows do. tok/s = tokens / summed step time over the
+           decode-only steps with all B rows in the batch. Passes alternate free,
+           constrained (--repeat rounds): the best of each and the median per-round
+           ratio. --fill-threads 1,4 repeats it per Engine(fill_threads=N).
+  mask     per step at batch B, outside the engine: llguidance filling B bitmasks one
+           matcher at a time on one thread, consuming one token per row, and masking
+           [B, V] logits on the device (timed to mx.eval). Rows advance by a random
+           allowed token; a finished grammar restarts. mean / p50 / p90 ms per step.
 
-The tokenizer (--tokenizer): a tokenizer.json file or an mlx-lm/HF directory,
-"default" (mlxnb's default model, when it is installed or converted), or "synthetic"
-(a byte-level BPE trained here on generated JSON-ish text: needs nothing but the
-`tokenizers` package mlx-lm already depends on; ~30 s). Default: "default", falling
-back to "synthetic".
+--profile adds the host ms per decode step of each part of the engine's tick
+(Engine.trace), the mask parts included: mask.wait (reading step N's tokens),
+mask.start (handing them to the fill threads), mask.launch (launching step N+1's
+forward while they fill), mask.join (waiting for the masks after that).
+--tokenizer: a tokenizer.json or model directory, "default" (the bundled model's,
+falling back to "synthetic"), or "synthetic" (a byte-level BPE trained here, ~30 s).
 
-Needs only mlx, mlx-lm and llguidance (plus this checkout's mlxnb). Plain numbers out:
-  python bench/constrained_bench.py                     # B=32, mask at B=32,128
-  python bench/constrained_bench.py --batch 32 --new 128 --repeat 3 --dtype bfloat16
-  python bench/constrained_bench.py --profile          # where each step's time goes
+  python -m bench structured-rows                   # B=32; masks at 32 and 128
+  python -m bench structured-rows --dtype float32 --repeat 3 --new 64 --save
 """
 
 from __future__ import annotations
@@ -41,34 +36,21 @@ import platform
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-try:  # an mlxnb on PYTHONPATH wins over this checkout
-    import mlxnb  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(_ROOT))
+import mlx.core as mx
+import numpy as np
 
-import mlxnb  # noqa: E402  (first: it puts OpenBLAS under MLX on Linux CPU)
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+import mlxnb
+from mlxnb.core.constrain import Constraints
+from mlxnb.core.rows import SamplingParams
+from mlxnb.core.worker.masks import default_fill_threads, fill as fill_masks, masked
 
-from mlxnb.core.worker import masks  # noqa: E402
-from mlxnb.core.constrain import Constraints  # noqa: E402
-from mlxnb.core.worker.masks import fill as fill_masks, masked  # noqa: E402
-from mlxnb.core.rows import SamplingParams  # noqa: E402
+from . import common
+from .common import log, pc
 
-pc = time.perf_counter
-SHAPES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "smollm2": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0),
-    "llama1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                    rope_theta=500000.0),
-}
+NAME, RESULT, TITLE = "structured-rows", "structured-rows", "Structured rows vs free rows"
+
 ITEM = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -88,10 +70,6 @@ MASK_KINDS = CONSTRAINTS + [
     dict(json_schema=ITEM), dict(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
     dict(choices=("alpha", "beta", "gamma")),
     dict(grammar='start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/\n')]
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 # -- tokenizer and model -------------------------------------------------------------
@@ -155,19 +133,6 @@ def load_tokenizer(spec: str):
     return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=ids), what
 
 
-def build_model(shape: str, dtype: str, vocab: int):
-    from mlx_lm.models.llama import Model, ModelArgs
-
-    args = ModelArgs(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=True,
-                     max_position_embeddings=16384, vocab_size=vocab, **SHAPES[shape])
-    mx.random.seed(0)
-    model = Model(args)
-    model.set_dtype(getattr(mx, dtype))
-    mx.eval(model.parameters())
-    model.eval()
-    return model
-
-
 # -- decode tok/s --------------------------------------------------------------------
 async def one_pass(eng, B: int, new: int, constrained: bool, seed: int,
                    mix: str = "json+regex") -> dict:
@@ -184,7 +149,8 @@ async def one_pass(eng, B: int, new: int, constrained: bool, seed: int,
     toks, secs = sum(s.tokens for s in steps), sum(s.dt_s for s in steps)
     fin = {}
     for r in rows:
-        fin[r.finish_reason] = fin.get(r.finish_reason, 0) + 1
+        why = getattr(r.finish_reason, "value", r.finish_reason)
+        fin[why] = fin.get(why, 0) + 1
     return dict(tok_s=toks / secs if secs else float("nan"), steps=len(steps),
                 ms_step=1000 * secs / max(len(steps), 1), finish=fin)
 
@@ -219,31 +185,33 @@ async def profiled(eng, profile: bool, *a, **k) -> dict:
     return res
 
 
-async def decode(model, tok, args) -> dict:
+async def decode(model, tok, args, fill_threads) -> dict:
     B = args.batch
     # No prefix reuse: a constrained pass would reuse the prompt KV of the free pass
     # before it (the same prompts) and join its rows in a step with no prompt tokens,
     # which counts as a decode step here; both passes must prefill the same way.
-    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, prefix_cache=None)
+    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, prefix_cache=None,
+                       fill_threads=fill_threads)
     for c in (False, True):  # warm-up: kernels and shapes of both kinds
         await one_pass(eng, B, min(args.new, 16), c, seed=99, mix=args.mix)
-    free, cons, ratios = [], [], []
+    free, cons, ratios, lines = [], [], [], []
     for k in range(args.repeat):
         f = await profiled(eng, args.profile, B, args.new, False, seed=k)
         c = await profiled(eng, args.profile, B, args.new, True, seed=k, mix=args.mix)
         free.append(f)
         cons.append(c)
         ratios.append(c["tok_s"] / f["tok_s"])
-        log(f"  round {k + 1}: free {f['tok_s']:8.1f} tok/s ({f['ms_step']:.2f} ms/step, "
-            f"{f['steps']} steps)   constrained {c['tok_s']:8.1f} tok/s "
-            f"({c['ms_step']:.2f} ms/step, {c['steps']} steps, {c['finish']})  "
-            f"ratio {ratios[-1]:.3f}")
+        lines.append(f"  round {k + 1}: free {f['tok_s']:8.1f} tok/s ({f['ms_step']:.2f} "
+                     f"ms/step, {f['steps']} steps)   constrained {c['tok_s']:8.1f} tok/s "
+                     f"({c['ms_step']:.2f} ms/step, {c['steps']} steps, {c['finish']})  "
+                     f"ratio {ratios[-1]:.3f}")
         if args.profile:
-            log(f"    free ms/step:        {f['parts']}\n"
-                f"    constrained ms/step: {c['parts']}")
+            lines.append(f"    free ms/step:        {f['parts']}\n"
+                         f"    constrained ms/step: {c['parts']}")
+        log("\n".join(lines[-2 if args.profile else -1:]))
     await eng.aclose()
     best_f, best_c = max(x["tok_s"] for x in free), max(x["tok_s"] for x in cons)
-    return dict(B=B, free_tok_s=best_f, constrained_tok_s=best_c,
+    return dict(B=B, free_tok_s=best_f, constrained_tok_s=best_c, lines=lines,
                 ratio_best=best_c / best_f, ratio_median=statistics.median(ratios))
 
 
@@ -294,68 +262,80 @@ def mask_time(tok, B: int, steps: int, V: int) -> dict:
                 matcher_errors=errors)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, prog=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
     ap.add_argument("--batch", type=int, default=32, help="decode batch size B")
     ap.add_argument("--new", type=int, default=128, help="max tokens per row")
     ap.add_argument("--repeat", type=int, default=2, help="free/constrained rounds")
     ap.add_argument("--mask-batches", default="32,128")
     ap.add_argument("--mask-steps", type=int, default=50)
-    ap.add_argument("--shape", default="smollm2", choices=list(SHAPES))
+    ap.add_argument("--shape", default="smollm2", choices=["tiny", "smollm2", "llama1b"])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--tokenizer", default="default",
                     help="tokenizer.json | model directory | default | synthetic")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--profile", action="store_true",
-                    help="print host ms per decode step by part (Engine.trace) for each pass")
+                    help="host ms per decode step by part (Engine.trace) for each pass")
     ap.add_argument("--mix", default="json+regex", choices=list(MIXES),
                     help="the constrained rows' constraints, in turn")
     ap.add_argument("--fill-threads", default=None,
-                    help="comma list of fill-thread counts to compare (default: the "
+                    help="comma list of Engine(fill_threads=N) to compare (default: the "
                          "engine's own, a quarter of the CPUs, 1 to 4)")
-    ap.add_argument("--json", default=None, help="also write the results here")
-    args = ap.parse_args()
+    ap.add_argument("--json", help="also write the numbers here")
+    common.add_output_args(ap)
+    args = ap.parse_args(argv)
 
     import llguidance
 
+    report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"device {mx.default_device()} | mlx {mx.__version__} | llguidance "
         f"{llguidance.__version__} | {platform.machine()} | python {platform.python_version()}"
         f" | {os.cpu_count()} CPUs")
     tok, what = load_tokenizer(args.tokenizer)
     V = len(tok._tokenizer)
-    log(f"tokenizer: {what}, {V} tokens")
+    text = [f"llguidance {llguidance.__version__}; tokenizer: {what}, {V} tokens"]
+    log(text[0])
     out = dict(device=str(mx.default_device()), tokenizer=what, vocab=V)
     if not args.skip_decode:
-        model = build_model(args.shape, args.dtype, V)
+        model = common.build_model(args.shape, args.dtype, vocab=V)[0]
         counts = ([int(n) for n in args.fill_threads.split(",")] if args.fill_threads
-                  else [masks.FILL_THREADS])
+                  else [None])  # None: the engine's own count
         out["decode"] = []
         for n in counts:
-            masks.FILL_THREADS = n  # read as each engine's masks start
-            log(f"\n## decode: {args.shape} {args.dtype}, B={args.batch}, "
-                f"max_tokens={args.new}, {args.mix} rows, {n} fill thread(s)")
-            d = asyncio.run(decode(model, tok, args))
-            d.update(fill_threads=n, mix=args.mix)
+            text.append(f"\n## decode: {args.shape} {args.dtype}, B={args.batch}, "
+                        f"max_tokens={args.new}, {args.mix} rows, "
+                        f"{n or default_fill_threads()} fill thread(s)\n")
+            log(text[-1])
+            d = asyncio.run(decode(model, tok, args, n))
+            d.update(fill_threads=n or default_fill_threads(), mix=args.mix)
             out["decode"].append(d)
-            log(f"decode tok/s at B={d['B']}: free {d['free_tok_s']:.1f}  constrained "
+            text += ["```"] + d.pop("lines") + ["```", "",
+                f"decode tok/s at B={d['B']}: free {d['free_tok_s']:.1f}  constrained "
                 f"{d['constrained_tok_s']:.1f}  ratio (best) {d['ratio_best']:.3f}  "
-                f"ratio (median of rounds) {d['ratio_median']:.3f}")
-    log(f"\n## mask time per step (ms; {args.mask_steps} steps; rows cycle through: "
-        f"array-of-objects schema, words regex, object schema, date regex, choices, "
-        f"Lark grammar)")
-    log(f"{'B':>5} {'fill mean':>10} {'p50':>7} {'p90':>7} | {'consume':>8} | "
-        f"{'apply mean':>10} {'p50':>7} {'p90':>7}")
+                f"ratio (median of rounds) {d['ratio_median']:.3f}"]
+            log(text[-1])
+            report.write("\n".join(text))
+    text += [f"\n## mask time per step (ms; {args.mask_steps} steps; rows cycle through: "
+             f"array-of-objects schema, words regex, object schema, date regex, choices, "
+             f"Lark grammar)\n", "```",
+             f"{'B':>5} {'fill mean':>10} {'p50':>7} {'p90':>7} | {'consume':>8} | "
+             f"{'apply mean':>10} {'p50':>7} {'p90':>7}"]
+    log("\n".join(text[-3:]))
     out["mask"] = []
     for B in (int(b) for b in args.mask_batches.split(",")):
         m = mask_time(tok, B, args.mask_steps, V)
         out["mask"].append(m)
         f, c, a = m["fill_ms"], m["consume_ms"], m["apply_ms"]
-        log(f"{B:>5} {f['mean']:>10.3f} {f['p50']:>7.3f} {f['p90']:>7.3f} | "
-            f"{c['mean']:>8.3f} | {a['mean']:>10.3f} {a['p50']:>7.3f} {a['p90']:>7.3f}"
-            + (f"  ({m['matcher_errors']} matcher errors)" if m["matcher_errors"] else ""))
+        text.append(f"{B:>5} {f['mean']:>10.3f} {f['p50']:>7.3f} {f['p90']:>7.3f} | "
+                    f"{c['mean']:>8.3f} | {a['mean']:>10.3f} {a['p50']:>7.3f} "
+                    f"{a['p90']:>7.3f}" + (f"  ({m['matcher_errors']} matcher errors)"
+                                            if m["matcher_errors"] else ""))
+        log(text[-1])
+    text.append("```")
+    report.write("\n".join(text), out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,30 +1,19 @@
-"""Hybrid-model decode and quantized-KV capacity: mlxnb Engine vs BatchGenerator vs raw.
+"""Every cache kind in one batch: hybrid-model decode and quantized-KV capacity.
 
-Part 1 (decode): random-weight models shaped like Qwen3.5-0.8B (gated delta-net +
-full attention, 3:1) and LFM2-1.2B (short conv + attention, 10:6), bf16. At each
-batch size B the three methods of engine_bench.py run on the same random prompts
-(prompt 64 tokens, 128 new, greedy, no EOS), interleaved per round (raw, BG, engine,
-raw, BG, engine, ...); each is warmed up once in round 0. Reported: decode tok/s
-(medians over rounds) and the medians of the per-round ratios engine/BG and
-engine/raw.
+Decode: random-weight models shaped like Qwen3.5-0.8B (gated delta-net + full
+attention, 3:1) and LFM2-1.2B (short conv + attention, 10:6). At each batch size B,
+`decode`'s raw, BG and engine methods run on the same random prompts (prompt 64,
+128 new, greedy, no EOS), interleaved per round, each warmed up once in round 0:
+decode tok/s (medians over rounds) and the medians of the per-round ratios.
 
-  raw     model forward on mlx-lm's own caches (make_prompt_cache, batch B, no
-          padding) + argmax, pipelined with mx.async_eval
-  BG      mlx_lm.generate.BatchGenerator, completion and prefill batch = B
-  engine  mlxnb.Engine(max_batch=B, kv_budget=None) on a twin of the model (same
-          weights; it fuses projections in place), tok/s over its steps with all B
-          rows decoding and no prefill
-
-Part 2 (quantized KV; --no-kv skips it): a Llama-3.2-1B-shaped model, bf16.
+Quantized KV (--no-kv skips it): a Llama-3.2-1B-shaped model.
   admitted  rows of a 2k-token context (prompt + new) that Engine(kv_budget=1GB)
-            admits at once with kv_bits None / 8 / 4 (rows submitted: more than fit)
-  decode    tok/s of B rows at that context, kv_bits 4 (and 8) vs bf16 KV, rounds
-            interleaved, median of per-round ratios
+            admits at once with kv_bits None / 8 / 4 (more rows submitted than fit)
+  decode    tok/s of B rows at that context, kv_bits 8 and 4 vs full-precision KV,
+            rounds interleaved, median of per-round ratios
 
-Examples:
-  python bench/hybrid_bench.py --quick          # CPU smoke test: tiny shapes, seconds
-  python bench/hybrid_bench.py                  # both parts, real shapes (GPU)
-  python bench/hybrid_bench.py --no-kv --batch 8,32 --rounds 5
+  python -m bench cache-kinds --quick       # tiny shapes, seconds
+  python -m bench cache-kinds --rounds 3 --save
 """
 
 from __future__ import annotations
@@ -32,24 +21,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import statistics
+import importlib
 import sys
-import time
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engine_bench as eb  # noqa: E402  (imports mlxnb first: OpenBLAS under MLX)
+import mlx.core as mx
+import numpy as np
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+import mlxnb
 
-import mlxnb  # noqa: E402
+from . import common
+from .common import fmt, log, median, pc
+from .decode import measure
 
-pc = time.perf_counter
-log = eb.log
+NAME, RESULT, TITLE = "cache-kinds", "cache-kinds", "Every cache kind in one batch"
 
-# Real configs' sizes (text model only); random weights.
+# The real configs' sizes (text model only); random weights.
 SHAPES = {
     # Qwen3.5-0.8B: 24 layers, every 4th full attention (18 gated delta-net + 6)
     "qwen3_5-0.8b": ("qwen3_5", dict(
@@ -83,15 +70,7 @@ QUICK = {
 }
 
 
-# --quick's llama for the KV part: head dim 64, so KV quantizes at group size 64
-eb.SHAPES.setdefault("tiny-kv", dict(hidden_size=128, num_hidden_layers=2,
-                                     intermediate_size=256, num_attention_heads=2,
-                                     num_key_value_heads=1, head_dim=64, vocab_size=512))
-
-
 def build_hybrid(name, dtype, quick, seed=0):
-    import importlib
-
     family, cfg = SHAPES[name]
     cfg = dict(cfg, model_type=family, **(QUICK[name] if quick else {}))
     mod = importlib.import_module(f"mlx_lm.models.{family}")
@@ -100,34 +79,29 @@ def build_hybrid(name, dtype, quick, seed=0):
     model.set_dtype(getattr(mx, dtype))
     model.eval()
     mx.eval(model.parameters())
-    return model, eb.IdTokenizer(cfg["vocab_size"]), cfg["vocab_size"]
+    return model, common.IdTokenizer(cfg["vocab_size"]), cfg["vocab_size"]
 
 
-def _med(xs):
-    xs = [x for x in xs if x]
-    return statistics.median(xs) if xs else None
-
-
-# -- part 1: decode, hybrid models ------------------------------------------------------
+# -- decode, hybrid models --------------------------------------------------------------
 async def decode_part(args, rng):
     methods = ("raw", "bg", "engine")
-    margs = SimpleNamespace(new=args.new, warm_new=args.warm_new, no_long=True)
+    margs = SimpleNamespace(new=args.new, warm_new=args.warm_new, no_long=True,
+                            no_warmup=False, no_fuse=False, streak_s=None)
     rows = []
     for name in args.shapes:
         t = pc()
         model, tok, vocab = build_hybrid(name, args.dtype, args.quick)
-        eb.TWINS.clear()
-        eb.TWINS[id(model)] = build_hybrid(name, args.dtype, args.quick)[0]
+        twin = build_hybrid(name, args.dtype, args.quick)[0]
         log(f"## {name} {args.dtype}: built twice in {pc() - t:.1f}s")
         for B in args.batch:
-            warm = eb.make_prompts(rng, B, args.prompt, vocab)
+            warm = common.make_prompts(rng, B, args.prompt, vocab)
             per = {m: [] for m in methods}
             for rep in range(args.rounds):
-                p1 = eb.make_prompts(rng, B, args.prompt, vocab)
-                p2 = eb.make_prompts(rng, B, args.prompt, vocab)
+                p1 = common.make_prompts(rng, B, args.prompt, vocab)
+                p2 = common.make_prompts(rng, B, args.prompt, vocab)
                 for meth in methods:
                     try:
-                        r = await eb.measure(meth, rep, model, tok, margs, B, warm, p1, p2)
+                        r = await measure(meth, rep, model, twin, tok, margs, B, warm, p1, p2)
                     except Exception as e:  # one method failing still reports the rest
                         r = dict(decode_tps=None, ok=False,
                                  error=f"{type(e).__name__}: {e}"[:200])
@@ -137,40 +111,42 @@ async def decode_part(args, rng):
                     per[meth].append(r.get("decode_tps"))
                     gc.collect()
                     mx.clear_cache()
-                log(f"  {name} B={B} round {rep}: " + ", ".join(
-                    f"{m} {eb.fmt(per[m][-1])}" for m in methods))
-            ratio = {o: _med([e / x for e, x in zip(per["engine"], per[o]) if e and x])
+                log(f"  {name} B={B} round {rep}: "
+                    + ", ".join(f"{m} {fmt(per[m][-1])}" for m in methods))
+            ratio = {o: median([e / x for e, x in zip(per["engine"], per[o]) if e and x])
                      for o in ("bg", "raw")}
-            rows.append(dict(shape=name, B=B, **{m: _med(per[m]) for m in methods},
-                             eng_bg=ratio["bg"], eng_raw=ratio["raw"]))
-        del model
-        eb.TWINS.clear()
+            rows.append(dict(shape=name, B=B, **{m: median(per[m]) for m in methods},
+                             rounds=per, eng_bg=ratio["bg"], eng_raw=ratio["raw"]))
+        del model, twin
         gc.collect()
         mx.clear_cache()
     return rows
 
 
 def decode_table(rows, args):
-    out = [f"Decode tok/s, {args.dtype}, prompt {args.prompt}, {args.new} new tokens, "
-           f"greedy; medians of {args.rounds} interleaved rounds",
-           "", "| shape | B | raw | BG | engine | engine/BG | engine/raw |",
+    out = [f"## Decode: hybrid models ({args.dtype}, prompt {args.prompt}, {args.new} new "
+           f"tokens, greedy; medians of {args.rounds} interleaved rounds)", "",
+           "| shape | B | raw | BG | engine | engine/BG | engine/raw |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['shape']} | {r['B']} | {eb.fmt(r['raw'])} | {eb.fmt(r['bg'])} | "
-                   f"{eb.fmt(r['engine'])} | {eb.fmt(r['eng_bg'], 2)} | "
-                   f"{eb.fmt(r['eng_raw'], 2)} |")
-    return "\n".join(out)
+        out.append(f"| {r['shape']} | {r['B']} | {fmt(r['raw'])} | {fmt(r['bg'])} | "
+                   f"{fmt(r['engine'])} | {fmt(r['eng_bg'], 2)} | {fmt(r['eng_raw'], 2)} |")
+    out += ["", "Per round (tok/s: raw / BG / engine):", "", "```"]
+    out += [f"{r['shape']} B={r['B']}: " + ", ".join(
+        " / ".join(fmt(r["rounds"][m][i]) for m in ("raw", "bg", "engine"))
+        for i in range(len(r["rounds"]["raw"]))) for r in rows]
+    return "\n".join(out + ["```"])
 
 
-# -- part 2: quantized KV ---------------------------------------------------------------
+# -- quantized KV -----------------------------------------------------------------------
 async def admitted(model, tok, vocab, rng, bits, budget, prompt, new, submit):
     """Rows of `prompt + new` tokens the Engine admits at once under `budget`."""
     eng = mlxnb.Engine((model, tok), max_batch=submit, kv_budget=budget,
                        kv_bits=bits, warmup=False)
     try:
         per_row = eng.scheduler.row_bytes(prompt, new)
-        rows = [eng.submit(eb._text(p), chat=False, max_tokens=new)
-                for p in eb.make_prompts(rng, submit, prompt, vocab)]
+        rows = [eng.submit(common.as_text(p), chat=False, max_tokens=new)
+                for p in common.make_prompts(rng, submit, prompt, vocab)]
         while eng.running == 0 and not all(r.done for r in rows):
             await asyncio.sleep(0.001)
         n = eng.running  # admission happens at once, before the first tick runs
@@ -187,9 +163,9 @@ async def kv_decode(model, tok, bits, prompts, new, warm):
     B = len(prompts)
     eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, kv_bits=bits)
     try:
-        await eb.engine_run(eng, warm, 4)
-        _, steps, wall, ok = await eb.engine_run(eng, prompts, new)
-        w = eb.decode_window(steps, B)
+        await common.engine_run(eng, warm, 4)
+        _, steps, _, ok = await common.engine_run(eng, prompts, new)
+        w = common.decode_window(steps, B)
         return (w["tps"] if w else None), ok
     finally:
         await eng.aclose()
@@ -197,23 +173,24 @@ async def kv_decode(model, tok, bits, prompts, new, warm):
 
 async def kv_part(args, rng):
     name = "tiny-kv" if args.quick else "llama1b"
-    model, tok, vocab = eb.build_model(name, "float32" if args.quick else "bfloat16")
+    model, tok, vocab = common.build_model(name, "float32" if args.quick else "bfloat16")
     ctx, new = args.kv_context, args.kv_new
     prompt = ctx - new
     bits_list = [None, 8, 4]
     full = "float32" if args.quick else "bf16"  # the unquantized KV's dtype
-    cap = []
+    cap, lines = [], []
     for bits in bits_list:
         n, per_row = await admitted(model, tok, vocab, rng, bits, args.kv_budget, prompt,
                                     new, args.kv_submit)
         cap.append(dict(bits=bits, rows=n, per_row=per_row))
-        log(f"  kv_bits={bits}: {n} rows admitted under {args.kv_budget} "
-            f"({per_row / 2**20:.1f} MiB per row)")
+        lines.append(f"kv_bits={bits}: {n} rows admitted under {args.kv_budget} "
+                     f"({per_row / 2**20:.1f} MiB per row)")
+        log("  " + lines[-1])
     B = args.kv_batch or max(1, cap[0]["rows"])
-    warm = eb.make_prompts(rng, B, prompt, vocab)
+    warm = common.make_prompts(rng, B, prompt, vocab)
     per = {b: [] for b in bits_list}
     for rep in range(args.rounds):
-        ps = eb.make_prompts(rng, B, prompt, vocab)
+        ps = common.make_prompts(rng, B, prompt, vocab)
         for bits in bits_list:
             tps, ok = await kv_decode(model, tok, bits, ps, new, warm)
             if not ok:
@@ -221,24 +198,26 @@ async def kv_part(args, rng):
             per[bits].append(tps)
             gc.collect()
             mx.clear_cache()
-        log(f"  kv decode B={B} round {rep}: " + ", ".join(
-            f"{b or full} {eb.fmt(per[b][-1])}" for b in bits_list))
+        lines.append(f"kv decode B={B} round {rep}: " + ", ".join(
+            f"{b or full} {fmt(per[b][-1])}" for b in bits_list))
+        log("  " + lines[-1])
     base = cap[0]["rows"]
-    out = [f"Quantized KV, {name} shape, context {ctx} tokens ({prompt} prompt + {new} "
-           f"new), kv_budget {args.kv_budget}, group size 64",
-           "", f"| KV | MiB/row (budget) | rows admitted | x {full} | decode tok/s "
-           f"(B={B}) | x {full} (median of rounds) |", "|---|---|---|---|---|---|"]
+    out = [f"## Quantized KV: {name} shape, context {ctx} tokens ({prompt} prompt + {new} "
+           f"new), kv_budget {args.kv_budget}, group size 64", "",
+           f"| KV | MiB/row (budget) | rows admitted | x {full} | decode tok/s (B={B}) | "
+           f"x {full} (median of rounds) |", "|---|---|---|---|---|---|"]
     for c in cap:
         b = c["bits"]
-        r = _med([x / y for x, y in zip(per[b], per[None]) if x and y])
+        r = median([x / y for x, y in zip(per[b], per[None]) if x and y])
         out.append(f"| {f'{b}-bit' if b else full} | {c['per_row'] / 2**20:.1f} | "
                    f"{c['rows']} | {c['rows'] / base if base else 0:.2f} | "
-                   f"{eb.fmt(_med(per[b]))} | {eb.fmt(r, 2)} |")
-    return "\n".join(out)
+                   f"{fmt(median(per[b]))} | {fmt(r, 2)} |")
+    return "\n".join(out + ["", "```"] + lines + ["```"])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+def main(argv=None, prog=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 1)[1])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -248,32 +227,33 @@ def main():
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--warm-new", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-decode", action="store_true", help="skip part 1")
-    ap.add_argument("--no-kv", action="store_true", help="skip part 2")
+    ap.add_argument("--no-decode", action="store_true", help="skip the hybrid decode part")
+    ap.add_argument("--no-kv", action="store_true", help="skip the quantized-KV part")
     ap.add_argument("--kv-budget", default="1GB")
     ap.add_argument("--kv-context", type=int, default=2048)
     ap.add_argument("--kv-new", type=int, default=64)
     ap.add_argument("--kv-submit", type=int, default=256, help="rows submitted at once")
     ap.add_argument("--kv-batch", type=int, default=0,
-                    help="rows in the kv decode runs (default: bf16's admitted rows)")
-    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny sizes")
-    args = ap.parse_args()
+                    help="rows in the kv decode runs (default: full precision's admitted rows)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds")
+    common.add_output_args(ap)
+    args = ap.parse_args(argv)
     if args.quick:
         args.dtype, args.batch, args.prompt, args.new = "float32", "1,4", 16, 16
         args.warm_new, args.rounds = 4, 2
         args.kv_budget, args.kv_context, args.kv_new, args.kv_submit = "4MB", 512, 16, 64
     args.shapes = args.shapes.split(",")
     args.batch = [int(b) for b in args.batch.split(",")]
-    log(f"# hybrid_bench  device {mx.default_device()}, mlx {mx.__version__}, "
-        f"argv {sys.argv[1:]}")
+    report = common.Report(NAME, RESULT, TITLE, args, argv)
+    log(f"# cache-kinds  {report.env}")
     rng = np.random.default_rng(1234)
     parts = []
     if not args.no_decode:
         parts.append(decode_table(asyncio.run(decode_part(args, rng)), args))
+        report.write("\n\n".join(parts))
     if not args.no_kv:
         parts.append(asyncio.run(kv_part(args, rng)))
-    log("\n" + "\n\n".join(parts))
-
-
-if __name__ == "__main__":
-    main()
+    text = "\n\n".join(parts)
+    log("\n" + text)
+    report.write(text)
+    return 0

@@ -6,12 +6,12 @@ max_tokens) with the same number of requests open at once, and count tokens the 
 way (the server's usage count). Aggregate tok/s = completion tokens / wall time from
 the first request to the last row's end. Passes alternate plain, mlxnb, plain, ...
 so machine drift hits both; the table gives each pass and the median ratio, and the
-client process's CPU time per 1000 tokens (the overhead itself, which the server's
-speed does not blur; the client's connection pool and the server share the machine).
+client process's CPU time per token (the overhead itself, which the server's speed
+does not blur; the client's connection pool and the server share the machine).
 
-    python bench/remote_bench.py                       # tiny random model, 256 rows
-    python bench/remote_bench.py --model default --rows 64 --max-tokens 64
-    python bench/remote_bench.py --url http://host:8000/v1   # a server already running
+  python -m bench remote                       # tiny random model, 256 rows
+  python -m bench remote --model default --rows 64 --max-tokens 64
+  python -m bench remote --url http://host:8000/v1   # a server already running
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import httpx
 
-import httpx  # noqa: E402
+import mlxnb
+from mlxnb.models.blas import blas_env
 
-import mlxnb  # noqa: E402
-from mlxnb.models.blas import blas_env  # noqa: E402
+from . import common
+
+NAME, RESULT, TITLE = "remote", "remote-client", "mlxnb.connect vs a plain httpx client"
 
 
 @contextlib.contextmanager
@@ -134,8 +135,11 @@ async def through_mlxnb(url, model, rows, max_tokens, concurrency):
     return n, wall
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, prog=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
     ap.add_argument("--url", help="an OpenAI-compatible server already running")
     ap.add_argument("--model", default="tiny",
                     help="tiny (random weights, built here), default, or an mlx-lm dir")
@@ -143,7 +147,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--passes", type=int, default=5, help="pairs of passes (plain, mlxnb)")
-    a = ap.parse_args()
+    common.add_output_args(ap)
+    a = ap.parse_args(argv)
+    report = common.Report(NAME, RESULT, TITLE, a, argv)
 
     with contextlib.ExitStack() as stack:
         if a.url:
@@ -174,16 +180,15 @@ def main():
                 print(f"{name:6s} {n:7d} tokens {wall:7.2f} s {n / wall:9.1f} tok/s, client CPU "
                       f"{1000 * cpu / n:.3f} ms per token", flush=True)
     ratios = [(m[0] / m[1]) / (p[0] / p[1]) for p, m in zip(res["plain"], res["mlxnb"])]
-    print(f"\nrows {a.rows}, max_tokens {a.max_tokens}, concurrency {a.concurrency}, "
-          f"model {a.model if not a.url else a.url}")
-    print("| pass | plain tok/s | mlxnb tok/s | mlxnb / plain | client CPU ms per token: "
-          "plain | mlxnb |\n|---|---|---|---|---|---|")
+    L = [f"rows {a.rows}, max_tokens {a.max_tokens}, concurrency {a.concurrency}, "
+         f"model {a.model if not a.url else a.url}", "",
+         "| pass | plain tok/s | mlxnb tok/s | mlxnb / plain | client CPU ms per token: "
+         "plain | mlxnb |", "|---|---|---|---|---|---|"]
     for i, (p, m, r) in enumerate(zip(res["plain"], res["mlxnb"], ratios)):
-        print(f"| {i + 1} | {p[0] / p[1]:.1f} | {m[0] / m[1]:.1f} | {r:.3f} | "
-              f"{1000 * p[2] / p[0]:.3f} | {1000 * m[2] / m[0]:.3f} |")
-    print(f"\nmedian mlxnb / plain: {statistics.median(ratios):.3f} (goal >= 0.95); "
-          f"connection retries: plain {RETRIES['plain']}, mlxnb {RETRIES['mlxnb']}")
-
-
-if __name__ == "__main__":
-    main()
+        L.append(f"| {i + 1} | {p[0] / p[1]:.1f} | {m[0] / m[1]:.1f} | {r:.3f} | "
+                 f"{1000 * p[2] / p[0]:.3f} | {1000 * m[2] / m[0]:.3f} |")
+    L += ["", f"median mlxnb / plain: {statistics.median(ratios):.3f} (goal >= 0.95); "
+          f"connection retries: plain {RETRIES['plain']}, mlxnb {RETRIES['mlxnb']}"]
+    print("\n" + "\n".join(L))
+    report.write("\n".join(L))
+    return 0

@@ -1,0 +1,338 @@
+"""What the benchmarks share: model shapes, a tokenizer of plain ids, the two baselines
+(a bare MLX decode loop and mlx-lm's BatchGenerator), the engine's decode window,
+small statistics, and result files."""
+
+from __future__ import annotations
+
+import mlxnb  # noqa: F401  (first: it puts OpenBLAS under MLX on Linux CPU)
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+pc = time.perf_counter
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    # SmolLM2-135M's depth at tiny width: on a CPU its steps are host-bound, as the
+    # real shapes' are on a GPU (a local proxy for per-step host overhead)
+    "thin": dict(hidden_size=64, num_hidden_layers=30, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    # head dim 64, so its KV quantizes at group size 64
+    "tiny-kv": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                    vocab_size=512),
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                    rope_theta=100000.0),
+    # Llama-3.2-1B (plain rope: the llama3 scaling changes no cost)
+    "llama1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                    head_dim=64, rope_theta=500000.0),
+}
+DTYPES = ["bfloat16", "float16", "float32", "4bit"]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def fmt(x, nd=0):
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def median(xs):
+    xs = [x for x in xs if x]
+    return statistics.median(xs) if xs else None
+
+
+def p90(xs):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
+
+
+# -- model and tokenizer ----------------------------------------------------------------
+class _IdDetok:
+    """Streaming detokenizer with the interface the engine uses; text is ' <id>'."""
+
+    def __init__(self):
+        self._seg = ""
+
+    def reset(self):
+        self._seg = ""
+
+    def add_token(self, tok):
+        self._seg += " " + str(tok)
+
+    def finalize(self):
+        pass
+
+    @property
+    def last_segment(self):
+        s, self._seg = self._seg, ""
+        return s
+
+
+class IdTokenizer:
+    """A prompt is its token ids written as decimal numbers. No EOS, so every row runs
+    to max_tokens and all methods do the same work; no chat template."""
+
+    chat_template = None
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = []
+
+    def encode(self, text, **_):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, **_):
+        return " ".join(map(str, ids))
+
+    @property
+    def detokenizer(self):
+        return _IdDetok()
+
+
+def build_model(shape, dtype, seed=0, vocab=None):
+    """(model, tokenizer, vocab size): random weights of a llama shape (`vocab`: a real
+    tokenizer's size instead of the shape's), or the bundled model's real weights for
+    shape "default". The same seed gives the same weights, so a second call makes a
+    twin for the engine, which fuses its projections in place."""
+    if shape == "default":
+        model, tok = mlxnb.load_model("default")
+        tok.eos_token_ids = []  # random prompts: no early stop (decode speed only)
+        return model, tok, model.args.vocab_size
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    args = ModelArgs(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=True,
+                     max_position_embeddings=16384,
+                     **dict(SHAPES[shape], **({"vocab_size": vocab} if vocab else {})))
+    mx.random.seed(seed)
+    model = Model(args)
+    if dtype == "4bit":
+        model.set_dtype(mx.bfloat16)
+        nn.quantize(model, group_size=64, bits=4)
+    else:
+        model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    model.eval()
+    return model, IdTokenizer(args.vocab_size), args.vocab_size
+
+
+def make_prompts(rng, n, length, vocab):
+    # ids >= 2 keep clear of 0/1 (BOS/EOS in many vocabularies)
+    return rng.integers(2, vocab, size=(n, length)).tolist()
+
+
+def as_text(ids):
+    return " ".join(map(str, ids))
+
+
+# -- baseline: a bare decode loop -------------------------------------------------------
+def run_raw(model, prompts, n, prof=None, batch_cache=False, views=False):
+    """Forward + argmax, step N+1 launched (mx.async_eval) before step N is read.
+    batch_cache: on mlx-lm's BatchKVCache (per-row offsets, an array mask) with no
+    padding; views: on the engine's unpadded cache views."""
+    B = len(prompts)
+    if batch_cache:
+        cache = [BatchKVCache([0] * B) for _ in model.layers]
+    elif views:
+        from mlxnb.core.worker.caches import AlignedView, LeanBatchKVCache
+
+        cache = [AlignedView(LeanBatchKVCache([0] * B)) for _ in model.layers]
+    else:
+        cache = make_prompt_cache(model)
+    ids = mx.array(prompts, dtype=mx.uint32)
+    t0 = pc()
+    model(ids[:, :-1], cache=cache)
+    mx.eval([(c.c if views else c).state for c in cache])
+    y = ids[:, -1]
+    mx.eval(y)
+    t1 = pc()
+    out, prev = [], None
+    tb = ta = tw = 0.0
+    for _ in range(n):
+        s = pc()
+        logits = model(y[:, None], cache=cache)
+        s1 = pc()
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.async_eval(y)
+        s2 = pc()
+        if prev is not None:
+            out.append(prev.tolist())
+        s3 = pc()
+        tb, ta, tw = tb + s1 - s, ta + s2 - s1, tw + s3 - s2
+        prev = y
+    out.append(prev.tolist())
+    t2 = pc()
+    assert len(out) == n and all(len(r) == B for r in out)
+    if prof is not None:
+        prof.update(step_ms=1e3 * (t2 - t1) / n, build_ms=1e3 * tb / n,
+                    argmax_async_eval_ms=1e3 * ta / n, wait_tolist_ms=1e3 * tw / n)
+    return dict(decode_tps=B * n / (t2 - t1), e2e_tps=B * n / (t2 - t0),
+                prefill_s=t1 - t0, decode_s=t2 - t1, tokens=B * n, ok=True)
+
+
+def run_raw_sync(model, prompts, n):
+    """The same loop with a full sync per step (no overlap): build + launch + device."""
+    cache = make_prompt_cache(model)
+    ids = mx.array(prompts, dtype=mx.uint32)
+    model(ids[:, :-1], cache=cache)
+    y = ids[:, -1]
+    mx.eval([c.state for c in cache], y)
+    tb = 0.0
+    t1 = pc()
+    for _ in range(n):
+        s = pc()
+        logits = model(y[:, None], cache=cache)
+        tb += pc() - s
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.eval(y)
+        y.tolist()
+    t2 = pc()
+    return dict(sync_step_ms=1e3 * (t2 - t1) / n, sync_build_ms=1e3 * tb / n)
+
+
+# -- baseline: mlx-lm's BatchGenerator --------------------------------------------------
+def run_bg(model, prompts, n, defaults=False):
+    """All prompts inserted at once, greedy. defaults: BatchGenerator's own batch sizes
+    (completion 32, prefill 8), what `BatchGenerator(model)` gives a user; else both B.
+    decode_tps is its own stats().generation_tps (wall minus prompt time)."""
+    B = len(prompts)
+    sizes = {} if defaults else dict(completion_batch_size=B, prefill_batch_size=B)
+    gen = BatchGenerator(model, max_tokens=n, stop_tokens=None, **sizes)
+    counts, reasons = {}, {}
+    try:
+        uids = gen.insert(prompts, [n] * B)
+        with gen.stats() as st:
+            while responses := gen.next_generated():
+                for r in responses:
+                    counts[r.uid] = counts.get(r.uid, 0) + 1
+                    if r.finish_reason is not None:
+                        reasons[r.uid] = r.finish_reason
+    finally:
+        gen.close()
+    ok = all(counts.get(u) == n and reasons.get(u) == "length" for u in uids)
+    return dict(decode_tps=st.generation_tps, decode_step_tps=st.decode_tps,
+                e2e_tps=st.generation_tokens / st.wall_time if st.wall_time else 0.0,
+                prefill_s=st.prompt_time, wall_s=st.wall_time,
+                tokens=st.generation_tokens, ok=ok)
+
+
+# -- the engine -------------------------------------------------------------------------
+async def engine_run(eng, prompts, n):
+    """All prompts at once, max_tokens=n each: (results, this run's steps, wall, ok)."""
+    s0 = len(eng.steps)
+    t0 = pc()
+    res = await eng.generate([as_text(p) for p in prompts], max_tokens=n, chat=False)
+    wall = pc() - t0
+    ok = all(r.finish_reason == "length" and len(r.tokens) == n for r in res)
+    return res, eng.steps[s0:], wall, ok
+
+
+def decode_window(steps, B):
+    """Over the steps with all B rows decoding and no prefill: tokens / summed step
+    time (tps), and the same tokens over the wall time between those steps' records
+    (span_tps, which adds the loop side of every step)."""
+    idx = [i for i, s in enumerate(steps) if s.prefill_tokens == 0 and s.batch_size == B]
+    if not idx:
+        return None
+    tok = sum(steps[i].tokens for i in idx)
+    dt = sum(steps[i].dt_s for i in idx)
+    i0, i1 = idx[0], idx[-1]
+    span_tok = sum(s.tokens for s in steps[i0 + 1:i1 + 1])
+    span_s = steps[i1].t - steps[i0].t
+    return dict(tokens=tok, dt_s=dt, tps=tok / dt if dt > 0 else 0.0,
+                span_tps=span_tok / span_s if span_s > 0 else 0.0, nsteps=len(idx))
+
+
+# -- result files -----------------------------------------------------------------------
+def hardware() -> str:
+    """The hardware part of a result file's name: h200, cpu-2core, apple-m2-max, ..."""
+    if mx.default_device() == mx.gpu:
+        name = ""
+        if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+            try:
+                name = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                    capture_output=True, text=True, timeout=10).stdout.splitlines()[0]
+            except (OSError, IndexError, subprocess.SubprocessError):
+                name = "cuda"
+            name = name.replace("NVIDIA", "")
+        elif getattr(mx, "metal", None) is not None and mx.metal.is_available():
+            name = mx.metal.device_info().get("device_name", "metal")
+        return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+    return f"cpu-{os.cpu_count()}core"
+
+
+def env_info() -> dict:
+    env = dict(device=str(mx.default_device()), mlx=mx.__version__,
+               python=platform.python_version(), machine=platform.machine(),
+               cpus=os.cpu_count())
+    try:
+        import mlx_lm
+
+        env["mlx_lm"] = mlx_lm.__version__
+    except Exception:
+        pass
+    try:
+        env["commit"] = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+            capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    return env
+
+
+def add_output_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("results")
+    g.add_argument("--save", action="store_true",
+                   help="write bench/results/<result>-<hardware>.md (a new run overwrites "
+                        "it; git keeps the history)")
+    g.add_argument("--out", metavar="DIR",
+                   help="write <result>-<hardware>.md and .json into DIR instead")
+    g.add_argument("--hardware", help="the file name's hardware part (default: detected)")
+
+
+class Report:
+    """One benchmark run's result file. `write` rewrites it whole each time, so a run
+    cut short (a device budget) still leaves what it had measured."""
+
+    def __init__(self, name: str, result: str, title: str, args, argv):
+        self.dir = Path(args.out) if args.out else (RESULTS if args.save else None)
+        self.hw = args.hardware or hardware()
+        self.env = env_info()
+        self.path = self.dir / f"{result}-{self.hw}.md" if self.dir else None
+        e = self.env
+        self.head = (
+            f"# {title} ({self.hw})\n\n"
+            f"Measured {datetime.date.today().isoformat()}: {e['device']}, mlx {e['mlx']}, "
+            f"mlx-lm {e.get('mlx_lm')}, python {e['python']}, {e['machine']}, "
+            f"{e['cpus']} CPUs; mlxnb at {e.get('commit') or 'an unknown commit'}.\n\n"
+            f"`python -m bench {' '.join([name] + list(argv))}`\n\n")
+
+    def write(self, text: str, data=None) -> None:
+        if self.path is None:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(self.head + text.rstrip() + "\n")
+        if data is not None and self.dir != RESULTS:
+            self.path.with_suffix(".json").write_text(
+                json.dumps(dict(env=self.env, **data), indent=1, default=str))
+
