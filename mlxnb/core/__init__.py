@@ -1,1 +1,39 @@
-"""The continuous-batching engine: the loop side here, the MLX side in `worker/`."""
+"""The continuous-batching engine: the loop side here, the MLX side in `worker/`.
+
+    core/                 loop side: plain Python, no MLX
+      engine.py           Engine: rows in, worker results applied, step records
+      scheduler.py        admission: FIFO under max_batch and the KV budget
+      rows.py  run.py     a row's record and the result handle over several rows
+      messages.py         what crosses to the worker and back (typed, plain values)
+      states.py           row states and finish reasons
+      constrain.py        structured rows: validation, checks, matchers (llguidance)
+      prompts.py  options.py  closing.py  protocol.py  _threads.py  _trace.py
+    core/worker/          the MLX worker thread: the model, caches, every array
+      batch.py            BatchExecutor.tick: join, launch, prefill, read back
+      prefill.py  caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
+      prefix.py  fuse.py  setup.py  inflight.py  warmup.py
+
+Threads. MLX keeps arrays on thread-local streams, so the rule is about threads:
+
+* The worker (`_threads.mlx_worker`: one thread per process, shared by every
+  engine) is the only thread that builds, evaluates or reads MLX arrays once a
+  model is loaded. Everything in `worker/` runs there, as jobs the loop queues:
+  a tick, a warm-up step, a close, `Engine.worker_state`.
+* The event loop (the kernel's) owns rows, the scheduler, runs and listeners. It
+  hands the worker `Admit`s and cancelled row ids and reads back only what a tick
+  returns (`messages.TickReport`) and the plain values measured at load
+  (`Engine.cache_kinds`, `layer_costs`); it never touches a worker object's fields.
+* Two other threads make MLX arrays, and hand them over whole:
+  the model loader (`_threads.load_bounded`) creates the weights with mlx_lm.load
+  before the worker first sees the model; and the mask fill threads
+  (`worker/masks.py`) each copy one host bitmask into an array (`mx.array`, no
+  graph, no other array read) that only the worker reads, after it has joined
+  their futures. They also advance llguidance matchers, which the worker reads
+  only after that join.
+* `constrain.Constraints` holds no MLX arrays and locks its own caches: the loop
+  validates parameters and checks finished texts with it, the worker compiles
+  matchers from it.
+
+tests/test_layout.py checks the import side of this: no loop-side module imports
+mlx, and nothing in `worker/` imports the loop side's engine.
+"""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import itertools
 import secrets
 import threading
@@ -32,17 +31,17 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 from .. import _aio
 from ..models import progress
 from .constrain import Constraints, kind_of
+from .closing import Closing
 from .messages import Admit, TickReport, WorkerState
+from .options import check_options
 from .states import Finish
 from .worker.batch import BatchExecutor
-from .worker.caches import KV_BITS, KV_GROUP_SIZES
 from .worker.setup import row_kv_bytes
 from .prompts import PARAM_NAMES, WontFit, encode, longest_token, sampling_params
 from .protocol import Listeners
 from .rows import PREFILL, Row, SamplingParams, StepRecord
 from .run import Run
-from .._log import log
-from ._threads import LOAD_TIMEOUT_S, load_bounded, mlx_worker, release_heap
+from ._threads import LOAD_TIMEOUT_S, load_bounded, mlx_worker
 from .._text import fmt_bytes, parse_bytes
 from ._trace import timed
 from .scheduler import Scheduler
@@ -51,7 +50,7 @@ from .worker.warmup import warm_up
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
 
 
-class Engine(Listeners):
+class Engine(Listeners, Closing):
     """Continuous-batching generation on one MLX model.
 
     `model`: "default" (bundled SmolLM2-135M-Instruct), an mlx-lm hub id, a local
@@ -95,30 +94,10 @@ class Engine(Listeners):
                  kv_group_size: int = 64,
                  load_timeout: Optional[float] = LOAD_TIMEOUT_S,
                  streak_s: float = 0.050, fill_threads: Optional[int] = None, loop=None):
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
-        if prefill_chunk is not None and (not isinstance(prefill_chunk, int)
-                                          or isinstance(prefill_chunk, bool)
-                                          or prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be a positive integer or None (auto), "
-                             f"got {prefill_chunk!r}")
-        if kv_bits is not None and kv_bits not in KV_BITS:
-            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} or "
-                             f"None (full-precision KV), got {kv_bits!r}")
-        if kv_group_size not in KV_GROUP_SIZES:
-            raise ValueError(f"kv_group_size must be one of "
-                             f"{', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
+        check_options(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_bits=kv_bits,
+                      kv_group_size=kv_group_size, load_timeout=load_timeout,
+                      streak_s=streak_s, fill_threads=fill_threads)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        if load_timeout is not None and not (isinstance(load_timeout, (int, float))
-                                             and load_timeout > 0):
-            raise ValueError(f"load_timeout must be a positive number of seconds or None "
-                             f"(no limit), got {load_timeout!r}")
-        if not (isinstance(streak_s, (int, float)) and streak_s >= 0):
-            raise ValueError(f"streak_s must be a number of seconds >= 0, got {streak_s!r}")
-        if fill_threads is not None and not (isinstance(fill_threads, int)
-                                             and fill_threads >= 1):
-            raise ValueError(f"fill_threads must be a positive integer or None (auto), "
-                             f"got {fill_threads!r}")
         self.streak_s = streak_s
         self.kv_budget = parse_bytes(kv_budget)
         self.max_batch = max_batch
@@ -147,13 +126,12 @@ class Engine(Listeners):
                 progress.stage("warming up")
             self.warmup_s = warm_up(self._exec, run=on_worker) if warmup else 0.0
             self._report = on_worker(self._exec.report)
+            facts = on_worker(self._exec.facts)
         self.model, self.tokenizer = m, tok
-        setup = self._exec.setup  # plain values measured at load, on the worker
-        self.cache_kinds: str = setup.cache_kinds
-        self.layer_costs: List[tuple] = list(setup.layer_costs)
-        self.quantized_attention: bool = setup.quantized_attention
-        self._prefix = "on" if self._exec.prefix is not None else (
-            "off for these cache kinds" if prefix_bytes else "off")
+        self.cache_kinds: str = facts.cache_kinds
+        self.layer_costs: List[tuple] = facts.layer_costs
+        self.quantized_attention: bool = facts.quantized_attention
+        self._prefix = facts.prefix_reuse
         self.context_length = getattr(getattr(m, "args", None),
                                       "max_position_embeddings", None)
         # Prompts longer than this many characters cannot fit the context in any
@@ -375,8 +353,9 @@ class Engine(Listeners):
         """Report each tick's parts, on the worker and here, to `tracer(name, seconds)`
         (mlxnb/_trace.py; bench/engine_bench.py's profiler); None turns it off."""
         self.tracer = tracer
-        if self._exec is not None:  # (a closed engine has no ticks to report)
-            self._exec.trace(tracer)
+        ex = self._exec
+        if ex is not None:  # (a closed engine has no ticks to report)
+            self._on_worker(ex.trace, tracer)
 
     @timed("apply")
     def _apply(self, report: TickReport, dt: float):
@@ -444,98 +423,6 @@ class Engine(Listeners):
                 row.constraint_error = f"could not be checked: {type(e).__name__}: {e}"
         row._finish(reason, error)
         self._notify("finish", row)
-
-    # -- waiting and closing ---------------------------------------------------------
-    async def wait(self) -> None:
-        """Wait until every submitted row has finished."""
-        async def on_loop():
-            while self._live:
-                await asyncio.shield(asyncio.gather(
-                    *[r._future for r in list(self._live.values())]))
-
-        if self.loop is not None:
-            await _aio.awaitable_on(self.loop, on_loop)
-
-    async def aclose(self) -> None:
-        """Cancel what is running, stop the scheduler and release the model, its caches
-        and the tokenizer (rows keep their results)."""
-        if self.loop is None:  # nothing was submitted: close on the caller's loop
-            self.loop = asyncio.get_running_loop()
-        await _aio.awaitable_on(self.loop, self._aclose)
-
-    async def _aclose(self):
-        if self._closed:
-            return
-        self.cancel_all()
-        if self._task is not None and not self._task.done():
-            self._idle = self.loop.create_future()
-            self._wake.set()
-            try:
-                await asyncio.wait_for(asyncio.shield(self._idle), timeout=10)
-            except asyncio.TimeoutError:
-                log.warning("aclose: the scheduler did not go idle within 10 s; closing anyway")
-        ex = self._shut()
-        if ex is not None:
-            try:
-                await self.loop.run_in_executor(self._pool, ex.close)
-                # The worker drops its reference to a finished job only after its
-                # result is delivered: one more job makes sure that it has, so the
-                # model is free when this returns (fused layers hold reference
-                # cycles: collect them now, not at some later allocation).
-                del ex
-                await self.loop.run_in_executor(self._pool, int)
-                gc.collect()
-                release_heap()
-            except RuntimeError:  # interpreter shutdown already stopped the worker
-                pass
-
-    def close(self) -> None:
-        """Synchronous close for scripts/atexit: cancel everything, release the model,
-        its caches and the tokenizer."""
-        if self._closed:
-            return
-        ex = self._shut()
-        if ex is not None:
-            try:  # after any tick in flight: the worker runs one thing at a time
-                self._pool.submit(ex.close)
-                self._pool.submit(release_heap)
-            except RuntimeError:  # interpreter shutdown already stopped the worker
-                pass
-
-    def _shut(self):
-        """Mark closed, end every row, let go of everything that holds device memory;
-        returns the executor for the caller to close on the worker."""
-        self._closed = True
-        self._interrupt.set()
-        try:  # asyncio objects belong to the loop's thread
-            if self.loop is None:
-                raise _aio.NoLoopError()
-            _aio.call_soon(self.loop, self._end_all)
-        except _aio.NoLoopError:  # no loop, or one that will not run again: end here
-            self._end_all()
-        ex, self._exec = self._exec, None
-        self.model = self.tokenizer = None
-        return ex
-
-    def _end_all(self):
-        try:
-            self._wake.set()
-        except RuntimeError:  # the loop is closed: no serving task to wake
-            pass
-        for row in list(self._live.values()):  # nothing is left without a finish reason
-            self._end(row, Finish.CANCELLED)
-        self._cancels.clear()
-        self.scheduler.clear()
-        self._notify("close", self)
-        self._listeners.clear()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self):
-        if self._closed:
-            raise RuntimeError("this Engine is closed; create a new one")
 
     def status(self) -> str:
         kv = self.steps[-1].kv_bytes if self.steps else 0

@@ -80,6 +80,16 @@ class TickReport:
 
 
 @dataclass
+class LoadFacts:
+    """What the worker measured as it set the model up (Engine keeps these)."""
+
+    cache_kinds: str  # e.g. '24 recurrent-state + 8 attention layers, KV 4-bit'
+    layer_costs: List[tuple]  # per layer: (bytes per token, window or 0, fixed bytes)
+    quantized_attention: bool  # attention reads quantized KV without dequantizing
+    prefix_reuse: str  # 'on', 'off', or 'off for these cache kinds'
+
+
+@dataclass
 class WorkerState:
     """What the worker holds right now (Engine.worker_state): for tests, the status
     line and teaching views."""

@@ -26,7 +26,8 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from .._trace import lap, pc, timed
 from ..constrain import Constraints, verdict
-from ..messages import Admit, Emitted, StepStat, TickReport, Updates, WorkerState
+from ..messages import (Admit, Emitted, LoadFacts, StepStat, TickReport, Updates,
+                        WorkerState)
 from ..states import Finish, RowState
 from .caches import aligned_views, left_padded
 from .decoding import HISTORY, RowDecoder
@@ -44,6 +45,7 @@ class BatchExecutor:
                  kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  fill_threads: Optional[int] = None,
                  constraints: Optional[Constraints] = None):
+        self.prefix_bytes = prefix_bytes
         self.setup = BatchModel(model, tokenizer, fuse=fuse, kv_bits=kv_bits,
                                 kv_group_size=kv_group_size, prefill_chunk=prefill_chunk)
         self.model, self.tokenizer = model, tokenizer
@@ -84,6 +86,12 @@ class BatchExecutor:
     @property
     def busy(self) -> bool:
         return bool(self.prefill.busy or self.ids or self.inflight)
+
+    def facts(self) -> LoadFacts:
+        s = self.setup
+        prefix = "on" if self.prefix is not None else (
+            "off for these cache kinds" if self.prefix_bytes else "off")
+        return LoadFacts(s.cache_kinds, list(s.layer_costs), s.quantized_attention, prefix)
 
     def report(self) -> TickReport:
         """What a tick would report, without taking a step."""

@@ -65,9 +65,13 @@ def warm_up(ex: BatchExecutor, max_ticks: int = 200, run=None) -> float:
     # What the workload measured was cold and tiny: the first prefills (beside
     # running rows, and idle ones until a tick has measured its own) are sized by a
     # rate measured for the purpose instead.
-    ex.policy.reset(run(prefill_rate, ex))
-    ex.nsteps = 0
+    run(_restart, ex)
     return time.perf_counter() - t0
+
+
+def _restart(ex: BatchExecutor) -> None:
+    ex.policy.reset(prefill_rate(ex))
+    ex.nsteps = 0
 
 
 def prefill_rate(ex: BatchExecutor, n: int = 256) -> float:

@@ -1,0 +1,41 @@
+"""The Engine's constructor arguments, checked before anything loads: each refusal is
+one line that names the argument and what it takes."""
+
+from __future__ import annotations
+
+from numbers import Real
+
+from .worker.caches import KV_BITS, KV_GROUP_SIZES
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _seconds(v) -> bool:
+    return isinstance(v, Real) and not isinstance(v, bool) and v == v
+
+
+def check_options(*, max_batch, prefill_chunk, kv_bits, kv_group_size, load_timeout,
+                  streak_s, fill_threads) -> None:
+    """Raise ValueError for the first argument an Engine cannot run with."""
+    checks = [
+        ("max_batch", max_batch, _positive_int(max_batch), "a positive integer"),
+        ("prefill_chunk", prefill_chunk,
+         prefill_chunk is None or _positive_int(prefill_chunk),
+         "a positive integer or None (auto)"),
+        ("kv_bits", kv_bits, kv_bits is None or kv_bits in KV_BITS,
+         f"one of {', '.join(map(str, KV_BITS))} or None (full-precision KV)"),
+        ("kv_group_size", kv_group_size, kv_group_size in KV_GROUP_SIZES,
+         f"one of {', '.join(map(str, KV_GROUP_SIZES))}"),
+        ("load_timeout", load_timeout,
+         load_timeout is None or (_seconds(load_timeout) and load_timeout > 0),
+         "a positive number of seconds or None (no limit)"),
+        ("streak_s", streak_s, _seconds(streak_s) and streak_s >= 0,
+         "a number of seconds >= 0"),
+        ("fill_threads", fill_threads, fill_threads is None or _positive_int(fill_threads),
+         "a positive integer or None (auto)"),
+    ]
+    for name, value, ok, what in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {what}, got {value!r}")
