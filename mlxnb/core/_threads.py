@@ -33,8 +33,7 @@ def mlx_worker() -> ThreadPoolExecutor:
     MLX keeps streams and, on CUDA, its per-shape kernel state (cuDNN attention
     graphs, CUDA graphs, library handles) in thread-locals (`thread_local` across
     mlx/backend/cuda). With a thread per Engine every new Engine -- a re-run cell,
-    `%mlxnb load` -- started cold: each prefill shape paid its 50-300 ms setup again
-    (bench/results/2026-11-29-h200-diagnostics.md)."""
+    `%mlxnb load` -- started cold: each prefill shape paid its 50-300 ms setup again."""
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None:
@@ -135,7 +134,7 @@ def load_bounded(name, timeout: Optional[float]):
 def release_heap() -> None:
     """Hand freed heap memory back to the system. glibc keeps what a thread freed in
     that thread's arena; weights read on a loader thread and freed at close left
-    ~500 MB of RSS per kernel behind (bench/reliability.py cycles) until trimmed."""
+    ~500 MB of RSS per kernel behind (`python -m bench reliability cycles`) until trimmed."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do

@@ -1,4 +1,4 @@
-"""Timing hooks for profilers (bench/engine_bench.py): a tracer is a callable
+"""Timing hooks for profilers (`python -m bench decode --profile`): a tracer is a callable
 `(name, value)` that the engine calls with the seconds each part of a tick took, and
 a few counts ("n.*"). Unset (None), a hook costs one attribute check."""
 

@@ -351,7 +351,7 @@ class Engine(Listeners, Closing):
 
     def trace(self, tracer) -> None:
         """Report each tick's parts, on the worker and here, to `tracer(name, seconds)`
-        (mlxnb/_trace.py; bench/engine_bench.py's profiler); None turns it off."""
+        (core/_trace.py; `python -m bench decode --profile`); None turns it off."""
         self.tracer = tracer
         ex = self._exec
         if ex is not None:  # (a closed engine has no ticks to report)

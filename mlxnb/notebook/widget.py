@@ -1,6 +1,6 @@
 """The live generation widget: rows streaming, KV memory, step timing, row timeline.
 
-Traffic design (measured with bench/widget_traffic.py): reassigning traits per
+Traffic design (measured with `python -m bench widget-traffic`): reassigning traits per
 token resends whole lists, so live progress travels as small custom messages
 (`widget.send`) batched at ~15 Hz by one flush task that runs only while rows are live.
 Custom messages never reach views created later, so the full state is also written

@@ -175,7 +175,7 @@ class LeanBatchKVCache(BatchKVCache):
     (mlx/backend/cuda/scaled_dot_product_attention.cpp, use_cudnn_for_decoding),
     which builds a graph per (batch size, buffer length): measured ~100 ms each time
     a row leaves or joins, and ~2 ms slower per step than the vector kernel at batch
-    64 (bench/shape_costs.py). Any other length keeps decode on the vector kernel;
+    64. Any other length keeps decode on the vector kernel;
     other backends don't care."""
 
     step = 255

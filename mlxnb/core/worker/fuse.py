@@ -2,7 +2,7 @@
 
 Attention blocks call `q_proj(x), k_proj(x), v_proj(x)` and MLPs `gate_proj(x)`,
 `up_proj(x)`: separate matmuls on one input. A decode step is host-bound on GPUs
-(MLX's per-node cost, bench/results/2026-11-29-h200-compile-probe.md), so fewer
+(MLX's per-node cost), so fewer
 nodes is faster steps; serving engines fuse these weights at load for the same reason (vLLM's
 QKVParallelLinear, MergedColumnParallelLinear). Here the weights of each such group
 are concatenated once and each old projection becomes a `_Part` returning its
@@ -12,7 +12,7 @@ it. The model code is mlx-lm's, untouched.
 Only plain `nn.Linear` groups are fused. Quantized matmuls cost more device time per
 node, so removing nodes saves little, and on the H200 the engine with fused 4-bit
 projections ran at 0.94 / 0.99 / 0.99 of the unfused one (medians at batch 8 / 32 /
-128, bench/results/2026-11-29-h200-4bit-unfused-tables.md): not worth a second
+128, bench/results/engine-decode-h200.md): not worth a second
 copy at load.
 
 A group is fused only if a probe forward shows its parts called on one input each
