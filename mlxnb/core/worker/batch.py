@@ -233,7 +233,8 @@ class BatchExecutor:
             return
         # Groups stay ready until all have joined: if merging raises, _fail_batch
         # must still find their rows to end them (else they sit in 'prefill').
-        for cache, admits in self.prefill.joining():
+        for piece in self.prefill.joining():
+            cache, admits = piece.cache, piece.admits
             if self.caches is None:
                 self.caches = cache
             else:

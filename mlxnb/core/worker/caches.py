@@ -19,7 +19,7 @@ name (`unsupported`).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache,
                                  CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
@@ -72,18 +72,24 @@ def unsupported(cache: list) -> List[str]:
     return sorted({type(c).__name__ for c in _leaves(cache) if type(c) not in _BATCHABLE})
 
 
-def layer_costs(cache: list) -> List[tuple]:
-    """[(bytes per token, window or None, fixed bytes)] per cache leaf, read off a
-    cache that has run a 1-token forward: KV layers grow per token (up to the window
-    of a sliding layer), recurrent layers hold a fixed state per row."""
+class LayerCost(NamedTuple):
+    per_token: int  # bytes one row's cache grows by per token
+    window: Optional[int]  # a sliding layer's window (None: grows with length)
+    fixed: int  # bytes one row holds at any length (a recurrent state)
+
+
+def layer_costs(cache: list) -> List[LayerCost]:
+    """Per cache leaf, read off a cache that has run a 1-token forward: KV layers
+    grow per token (up to the window of a sliding layer), recurrent layers hold a
+    fixed state per row."""
     out = []
     for c in _leaves(cache):
         if type(c) is ArraysCache:
-            out.append((0, None, c.nbytes))
+            out.append(LayerCost(0, None, c.nbytes))
             continue
         keys = c.keys[0] if isinstance(c.keys, (tuple, list)) else c.keys
         window = c.max_size if isinstance(c, RotatingKVCache) else None
-        out.append((c.nbytes // keys.shape[2], window, 0))
+        out.append(LayerCost(c.nbytes // keys.shape[2], window, 0))
     return out
 
 

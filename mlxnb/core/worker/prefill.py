@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Deque, Iterable, List, Optional, Tuple
+from typing import Callable, Deque, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -164,6 +164,11 @@ class PrefillGroup:
         return [a.row_id for a in self.admits]
 
 
+class Joining(NamedTuple):
+    cache: list  # a batch cache, one row per admit
+    admits: list  # the rows it holds, in batch order
+
+
 class Prefill:
     """Admitted rows from `waiting` through prefill groups to `ready`. With
     `pad_safe` False (the model lets padding into its state: padding_stays_out),
@@ -265,8 +270,8 @@ class Prefill:
                                         self.cold_chunk or (decoding and cold_launch))
         return done
 
-    def joining(self):
-        """(batch cache, admits) for each piece of `ready` to join, in order, cancelled
+    def joining(self) -> Iterator["Joining"]:
+        """A batch cache and its admits for each piece of `ready` to join, in order, cancelled
         rows left out. Rows that prefilled alone (prefix hits) merge into one batch
         first: each extend copies the whole running batch, so 32 hits joined one by one
         cost 285 ms on 2 CPU cores, one merge and one extend 47 ms."""
@@ -275,7 +280,7 @@ class Prefill:
         def merged():
             layers = range(len(alone[0].cache))
             cache = merge_lean([[g.cache[i] for g in alone] for i in layers])
-            out = (cache, [g.admits[0] for g in alone])
+            out = Joining(cache, [g.admits[0] for g in alone])
             alone.clear()
             return out
 
@@ -292,7 +297,7 @@ class Prefill:
             if len(keep) < len(g.admits):
                 for c in g.cache:
                     c.filter(mx.array(keep))
-            yield g.cache, [g.admits[i] for i in keep]
+            yield Joining(g.cache, [g.admits[i] for i in keep])
         if alone:
             yield merged()
 
@@ -316,10 +321,10 @@ class Prefill:
             return None
         head = self.waiting.popleft()
         if self.prefix is not None:
-            n, cache = self.prefix.lookup(head.ids)
-            if n:
-                g = PrefillGroup([head], cache, n, batched=False)
-                g.cached = n
+            hit = self.prefix.lookup(head.ids)
+            if hit.tokens:
+                g = PrefillGroup([head], hit.cache, hit.tokens, batched=False)
+                g.cached = hit.tokens
                 return g
         # Joiners of a running batch get padded to it anyway: round their widths up
         # so prefill shapes repeat (backends that prepare kernels per shape, e.g.
@@ -335,7 +340,7 @@ class Prefill:
             w = max(width, round_up(len(a.ids) - 1, step))
             if (len(group) + 1) * w > max(budget, width):
                 break
-            if self.prefix is not None and self.prefix.lookup(a.ids)[0]:
+            if self.prefix is not None and self.prefix.lookup(a.ids).tokens:
                 break  # it prefills faster on its own, from the reused prefix
             group.append(self.waiting.popleft())
             width = w

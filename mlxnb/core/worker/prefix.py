@@ -14,7 +14,7 @@ history to cut at a prefix.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -38,6 +38,11 @@ def _common_prefix(a: tuple, b: List[int]) -> int:
     return i
 
 
+class PrefixHit(NamedTuple):
+    tokens: int  # prompt tokens the cache already holds
+    cache: Optional[list]  # a fresh single-row cache, None when tokens == 0
+
+
 class PrefixStore:
     """`make_cache()` gives a fresh single-row cache of the engine's kinds, which a
     lookup fills with the prefix."""
@@ -56,8 +61,8 @@ class PrefixStore:
     def supports(cache: list) -> bool:
         return all(type(c) in _KINDS for c in cache)
 
-    def lookup(self, ids: List[int]) -> Tuple[int, Optional[list]]:
-        """(n, cache): a fresh single-row cache holding the first n tokens of `ids`."""
+    def lookup(self, ids: List[int]) -> "PrefixHit":
+        """A fresh single-row cache holding the first n tokens of `ids` (n = 0: none)."""
         best, best_key = 0, None
         for key in self._entries:
             n = _common_prefix(key, ids)
@@ -65,7 +70,7 @@ class PrefixStore:
                 best, best_key = n, key
         best = min(best, len(ids) - 1)
         if best < self.min_tokens or best_key is None:
-            return 0, None
+            return PrefixHit(0, None)
         self._entries.move_to_end(best_key)
         cache = self.make_cache()
         upto = (Ellipsis, slice(None, best), slice(None))
@@ -74,7 +79,7 @@ class PrefixStore:
                 c.keys, c.values, c.offset = _slice(keys, upto), _slice(values, upto), best
             else:
                 c.load(_slice(keys, upto), _slice(values, upto))
-        return best, cache
+        return PrefixHit(best, cache)
 
     def add(self, ids: List[int], layers: list, row: int, start: int) -> None:
         """Remember `ids` as held by `layers` ([(keys, values)] of a batch) at `row`,
