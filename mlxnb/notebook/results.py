@@ -19,6 +19,7 @@ import html
 import time
 
 from .._text import one_line
+from ..core.states import RowState
 
 TOTAL_CHARS = 200_000  # all rows' text together, in one rendering
 ROW_CHARS = 8_000  # most text of one row (fewer when many rows share the budget)
@@ -35,10 +36,10 @@ def state_label(r) -> str:
     rendering of a run whose kernel went away must not read as if it still runs."""
     if r.done:
         return f"done: {r.finish_reason}"
-    if r.state == "prefill":
+    if r.state == RowState.PREFILL:
         pt = r.prompt_tokens or 1
         return f"unfinished (prefill {min(100, int(100 * r.prefill_done / pt))}%)"
-    return "unfinished ({})".format({"decode": "decoding"}.get(r.state, r.state))
+    return "unfinished ({})".format({RowState.DECODE: "decoding"}.get(r.state, r.state))
 
 
 def _stats(r) -> list:

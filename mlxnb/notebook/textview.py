@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .._text import fmt_bytes, one_line
 from ..core.constrain import widget_fields as constraint_fields
+from ..core.states import RowState
 
 
 def summary_text(header: dict, rows, max_rows: int = 20, width: int = 120) -> str:
@@ -40,11 +41,11 @@ def row_line(r, width: int) -> str:
     """`[done:stop]   12 tok  34.1 tok/s  ttft 0.12s  "prompt..." -> "text..."`"""
     if r.done:
         badge = f"done:{r.finish_reason}"
-    elif r.state == "prefill":
+    elif r.state == RowState.PREFILL:
         pt = r.prompt_tokens or 1
         badge = f"prefill {min(100, int(100 * r.prefill_done / pt))}%"
     else:
-        badge = {"decode": "decoding"}.get(r.state, r.state)
+        badge = {RowState.DECODE: "decoding"}.get(r.state, r.state)
     stats = f"{r.ntok:>5} tok"
     stats += f" {r.tok_s:6.1f} tok/s" if r.tok_s is not None else " " * 12
     stats += f"  ttft {r.ttft_s:.2f}s" if r.ttft_s is not None else " " * 12

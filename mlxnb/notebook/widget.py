@@ -45,6 +45,7 @@ from .frontend import asset, bundle
 from .gone_engine import GoneEngine
 from .stepchart import MAX_STEP_POINTS, STEP_KEYS
 from ..core.constrain import widget_fields as constraint_fields
+from ..core.states import RowState
 
 FLUSH_HZ = 15
 STEPS_PER_FLUSH = 32  # steps beyond this in one flush are averaged into buckets
@@ -218,7 +219,7 @@ class GenerationWidget(anywidget.AnyWidget):
         pt = r.prompt_tokens
         return {
             "state": r.state, "ntok": r.ntok,
-            "pf": 100 if r.state in ("decode", "done") or not pt
+            "pf": 100 if r.state in (RowState.DECODE, RowState.DONE) or not pt
             else min(100, int(100 * r.prefill_done / pt)),
             "tok_s": _r(r.tok_s, 1), "ttft": _r(r.ttft_s, 3),
             "finish": r.finish_reason, "error": r.error and str(r.error)[:300],

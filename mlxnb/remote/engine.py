@@ -28,6 +28,7 @@ from ..core.rows import DECODE, PREFILL, Row, StepRecord
 from ..core.prompts import check_text, sampling_params
 from ..core.protocol import Listeners
 from ..core.run import Run
+from ..core.states import Finish
 from . import wire
 from .client import Client, ServerError, model_list_text
 from .metrics import ServerLoad, server_load
@@ -188,7 +189,7 @@ class RemoteEngine(Listeners):
         self._nsubmitted += 1
         if err:
             self._notify("submit", row)
-            self._end(row, "error", err)
+            self._end(row, Finish.ERROR, err)
             return row
         self._call_on_loop(self._enqueue, row)
         return row
@@ -235,11 +236,11 @@ class RemoteEngine(Listeners):
                                      lambda text: self._on_comment(row, text))
             self._end(row, *wire.finish(row._server_finish))
         except asyncio.CancelledError:
-            self._end(row, "cancelled")
+            self._end(row, Finish.CANCELLED)
         except ServerError as e:
-            self._end(row, "error", str(e))
+            self._end(row, Finish.ERROR, str(e))
         except Exception as e:  # a bug here must end this row only
-            self._end(row, "error", self.client.scrub(f"{type(e).__name__}: {e}"))
+            self._end(row, Finish.ERROR, self.client.scrub(f"{type(e).__name__}: {e}"))
         finally:
             self._tasks.pop(row.id, None)
             self._pump()
@@ -334,7 +335,7 @@ class RemoteEngine(Listeners):
                     self._queue.remove(row)
                 except ValueError:
                     pass
-                self._end(row, "cancelled")
+                self._end(row, Finish.CANCELLED)
 
     async def wait(self) -> None:
         pending = [r._future for r in self._live.values()]
@@ -368,7 +369,7 @@ class RemoteEngine(Listeners):
         if self._sampler_task is not None:
             self._sampler_task.cancel()
         for row in list(self._live.values()):  # nothing is left without a finish reason
-            self._end(row, "cancelled")
+            self._end(row, Finish.CANCELLED)
 
     def status(self) -> str:
         done = sum(self.finished.values())

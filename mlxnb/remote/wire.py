@@ -13,11 +13,13 @@ from typing import Optional, Tuple
 
 from .._text import one_line
 from ..core.rows import SamplingParams
+from ..core.states import Finish
 from .client import ServerError
 
 # the server's finish_reason -> ours (anything else it may say counts as "stop")
-FINISH = {"stop": "stop", "eos": "stop", "length": "length", "tool_calls": "stop",
-          "function_call": "stop", "content_filter": "stop"}
+FINISH = {"stop": Finish.STOP, "eos": Finish.STOP, "length": Finish.LENGTH,
+          "tool_calls": Finish.STOP, "function_call": Finish.STOP,
+          "content_filter": Finish.STOP}
 
 
 @dataclass(frozen=True)
@@ -114,11 +116,11 @@ def prefill_progress(comment: str) -> Optional[Tuple[int, int]]:
 def finish(server_reason: Optional[str]) -> Tuple[str, Optional[str]]:
     """(our finish reason, error) for the finish_reason a stream ended with."""
     if server_reason is None:
-        return "error", ("the server ended the stream without a finish reason (it may "
+        return Finish.ERROR, ("the server ended the stream without a finish reason (it may "
                          "have stopped or restarted)")
     if server_reason == "abort":
-        return "error", "the server aborted the request"
-    return FINISH.get(server_reason, "stop"), None
+        return Finish.ERROR, "the server aborted the request"
+    return FINISH.get(server_reason, Finish.STOP), None
 
 
 def _logprobs(lp, chat: bool) -> Optional[list]:
