@@ -297,3 +297,30 @@ def test_logprob_record_gets_its_token(stop):
     dec = decoder(max_tokens=3, stop=stop)
     emitted, _, _ = feed(dec, toks)
     assert all(e.logprob is None for e in emitted)
+
+
+@pytest.mark.parametrize("end", ["eos", "cancel"])
+def test_a_stop_completed_by_text_the_detokenizer_held_is_not_shown(end):
+    # the byte detokenizer holds a lone space until the next token: the row ends
+    # (eos, or a cancel's flush) before "b " is ever searched
+    dec = decoder(stop=("b ",))
+    emitted, ending, _ = feed(dec, ids("ab ") + ([EOS] if end == "eos" else []))
+    if end == "cancel":
+        assert ending is None
+        dec.flush(emitted)
+    assert text_of(emitted) == "a"
+
+
+def test_a_stop_string_before_a_callable_stop_on_the_same_token_is_cut():
+    for stops in (("END", lambda t: t.endswith("D")), (lambda t: t.endswith("D"), "END")):
+        emitted, ending, _ = feed(decoder(stop=stops), ids("xEND"))
+        assert ending == Ending(Finish.STOP) and text_of(emitted) == "x"
+
+
+def test_a_failing_callable_stop_reports_one_line():
+    def boom(text):
+        raise ValueError("line one\nline two")
+
+    _, ending, _ = feed(decoder(stop=(boom,)), ids("a"))
+    assert ending.reason == Finish.ERROR and "\n" not in ending.error
+    assert "line one line two" in ending.error

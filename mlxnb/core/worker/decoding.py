@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from ..._text import one_line
 from ..messages import Emitted, Ending
 from ..states import Finish
 
@@ -61,7 +62,7 @@ class RowDecoder:
             hit = self._find_stop()
         except Exception as e:  # a stop callback's failure ends its row only
             emitted.append(Emitted(self.id, tok, "", lp))
-            return Ending(Finish.ERROR, f"stop callback failed: {type(e).__name__}: {e}")
+            return Ending(Finish.ERROR, one_line(f"stop callback failed: {type(e).__name__}: {e}", 300))
         if hit is not None:
             self.text = self.text[:hit]
             emitted.append(Emitted(self.id, tok, self._visible(True), lp))
@@ -75,17 +76,22 @@ class RowDecoder:
         stop string that can no longer complete."""
         self.detok.finalize()
         self.text += self.detok.last_segment
+        if self.params.stop:  # the detokenizer's held text may complete a stop string
+            try:
+                hit = self._find_stop()
+            except Exception:  # the row ends here anyway; nothing to cut
+                hit = None
+            if hit is not None:
+                self.text = self.text[:hit]
         emitted.append(Emitted(self.id, None, self._visible(True)))
 
     def _find_stop(self) -> Optional[int]:
         start = max(0, self.shown - self.hold)
         best = None
         for s in self.params.stop:
-            if callable(s):
-                if s(self.text):
-                    return len(self.text)
-                continue
-            j = self.text.find(s, start)
+            # a callable stop ends the text where it stands; an earlier stop string
+            # still cuts it (stop strings are never shown)
+            j = (len(self.text) if s(self.text) else -1) if callable(s) else self.text.find(s, start)
             if j >= 0 and (best is None or j < best):
                 best = j
         return best
