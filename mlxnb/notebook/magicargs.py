@@ -118,12 +118,14 @@ _CONNECT.add_argument("url")
 _CONNECT.add_argument("--model", default=None)
 _CONNECT.add_argument("--api-key-env", default=None)
 _CONNECT.add_argument("--max-concurrency", default=None)
+_CONNECT.add_argument("--timeout", default=None)
 
 _HELP = """%mlxnb subcommands:
   %mlxnb load [MODEL] [--kv-budget 2GB|none] [--max-batch N] [--prefill-chunk N|auto]
                [--kv-bits 4|8|none] [--kv-group-size 64]
   %mlxnb connect URL [--model NAME] [--api-key-env VAR] [--max-concurrency N]
-                           an OpenAI-compatible server (vLLM, mlx_lm.server ...)
+               [--timeout S]  an OpenAI-compatible server (vLLM, mlx_lm.server ...);
+                           S: longest wait for a row's next tokens (default 60)
   %mlxnb status            model, rows running / queued / done, KV memory
   %mlxnb stop [all|NAME]   cancel every unfinished row (or one Run/Row variable)
   %mlxnb dashboard         a live widget of every row of every cell

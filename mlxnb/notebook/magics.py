@@ -135,12 +135,19 @@ class MLXNBMagics(Magics):
 
     def _cmd_connect(self, rest):
         usage = ("write %mlxnb connect URL [--model NAME] [--api-key-env VAR] "
-                 "[--max-concurrency N]")
+                 "[--max-concurrency N] [--timeout S]")
         a = _parse(_CONNECT, rest, "%mlxnb connect", usage)
         mc = cp.parse_values("max_concurrency", a.max_concurrency, int, sweep=False)[0]
         if mc is not None and mc < 1:
             raise UsageError(f"%mlxnb connect: --max-concurrency must be a positive "
                              f"integer; got {mc}")
+        try:
+            timeout = cp.parse_values("timeout", a.timeout, float, sweep=False)[0]
+        except UsageError as e:
+            raise UsageError(f"%mlxnb connect: {e}") from None
+        if timeout is not None and timeout <= 0:
+            raise UsageError(f"%mlxnb connect: --timeout must be a positive number of "
+                             f"seconds (e.g. --timeout 60); got {a.timeout}")
         key = None
         if a.api_key_env is not None:  # the key itself never appears in a cell
             key = os.environ.get(a.api_key_env)
@@ -155,8 +162,9 @@ class MLXNBMagics(Magics):
         from ..remote import connect
 
         try:
+            more = {} if timeout is None else {"timeout": timeout}
             new = connect(a.url, model=a.model, api_key=key, max_concurrency=mc or 64,
-                          loop=_aio.shell_loop())
+                          loop=_aio.shell_loop(), **more)
         except ValueError as e:
             raise UsageError(f"%mlxnb connect: {one_line(e, 300)}") from None
         _S.engine, _S.model_spec = new, new.model_name

@@ -12,13 +12,21 @@ Jupyter.
 Cancelling the task that awaits `stream()` leaves the `async with` block, which
 closes the response before its body is read: the connection is dropped, not
 returned to the pool, and the server sees the client go and stops generating.
+
+Every wait on a server is bounded, since a server can accept a connection and then
+misbehave in ways a per-read timeout never notices: connecting is one total deadline
+(a model list dripped a byte at a time still ends), a stream must deliver output (or
+prefill progress) within `timeout` seconds of the last (keep-alive comments alone do
+not count), and a line is refused past MAX_LINE bytes before it is held whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
+import threading
 from typing import Callable, List, Optional
 from urllib.parse import urlsplit, urlunsplit
 
@@ -35,8 +43,34 @@ RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolEr
                 httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
 
 
+# A streamed line past this ends its row: the longest real events (a token with many
+# top logprobs, a usage block) are a few kB, and an unbounded one would be held in
+# memory whole before it could be parsed.
+MAX_LINE = 1 << 20
+# Error bodies and model lists: enough for any real one, bounded against a server
+# that never stops sending.
+MAX_BODY = 4 << 20
+# Connecting (the model list, then /metrics) ends within this many seconds, or within
+# the row timeout when that is shorter: the cell that connects waits meanwhile.
+PROBE_S = 5.0
+
+
 class ServerError(Exception):
     """A request the server refused or could not serve; the message is one line."""
+
+
+class EndStream(Exception):
+    """Raised by an `on_data` callback to close the stream at once (the row has all
+    it asked for); `stream()` then returns normally."""
+
+
+def check_timeout(timeout) -> float:
+    """A positive, finite number of seconds; ValueError (one line) otherwise."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds (e.g. 60); got "
+                         f"{timeout!r}")
+    return float(timeout)
 
 
 def normalize_url(url: str) -> str:
@@ -84,7 +118,7 @@ class Client:
     repr, run file or widget state ever holds it (errors are scrubbed of it too)."""
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, max_connections: int = 64,
-                 timeout: float = 300.0, connect_timeout: float = 10.0, retries: int = 4,
+                 timeout: float = 60.0, connect_timeout: float = 10.0, retries: int = 4,
                  backoff_s: float = 0.5, connect_backoff_s: float = 0.1,
                  backoff_max_s: float = 8.0, transport=None):
         self.base = normalize_url(url)
@@ -96,10 +130,14 @@ class Client:
         self._headers = {"Accept": "text/event-stream"}
         if self._key:
             self._headers["Authorization"] = f"Bearer {self._key}"
-        # read: the longest silence between two streamed lines (a queued or long
-        # prefill request on a busy server says nothing until its first token)
-        self._timeout = httpx.Timeout(connect=connect_timeout, read=timeout, write=30.0,
-                                      pool=None)
+        # The longest wait for a stream's next output (a queued or long prefill request
+        # on a busy server says nothing until its first token). httpx's read timeout is
+        # per read, so a server trickling keep-alive comments would reset it forever:
+        # `stream()` keeps its own deadline, moved only by output or prefill progress.
+        self.timeout = check_timeout(timeout)
+        self.max_line = MAX_LINE
+        self._timeout = httpx.Timeout(connect=min(connect_timeout, self.timeout),
+                                      read=self.timeout, write=30.0, pool=None)
         self._limits = httpx.Limits(max_connections=max_connections,
                                     max_keepalive_connections=max_connections)
         self.retries = retries
@@ -162,46 +200,25 @@ class Client:
 
     # -- streaming -------------------------------------------------------------------
     async def stream(self, path: str, body: dict, on_data: Callable[[dict], bool],
-                     on_comment: Optional[Callable[[str], None]] = None) -> None:
+                     on_comment: Optional[Callable[[str], bool]] = None) -> None:
         """POST `body` to `path` with stream=True; call `on_data(obj)` per SSE event
         and `on_comment(text)` per SSE comment line. `on_data` returns True once the
         event carried output: from then on a failure is not retried (the text
-        already shown would come again). Raises ServerError (one line)."""
+        already shown would come again); it raises EndStream to close the stream.
+        Output, or a comment for which `on_comment` returns True (progress), moves
+        the deadline for the next one `timeout` s ahead. Raises ServerError (one
+        line)."""
         url = self.base + path
-        attempt, started = 0, False
+        attempt, started = 0, [False]
         while True:
             try:
-                async with self._client().stream("POST", url, json=body) as resp:
-                    if resp.status_code != 200:
-                        data = await resp.aread()
-                        if resp.status_code in RETRY_STATUS and attempt < self.retries:
-                            await asyncio.sleep(self._delay(
-                                attempt, resp.headers.get("retry-after"), self.backoff_s))
-                            attempt += 1
-                            continue
-                        raise self.http_error(resp.status_code, data, body.get("model"))
-                    async for line in resp.aiter_lines():
-                        if not line:
-                            continue
-                        if line.startswith(":"):
-                            if on_comment is not None:
-                                on_comment(line[1:].strip())
-                            continue
-                        if not line.startswith("data:"):
-                            continue  # event:, id:, retry: fields carry nothing we use
-                        payload = line[5:].strip()
-                        if payload == "[DONE]":
-                            return
-                        try:
-                            obj = json.loads(payload)
-                        except ValueError:
-                            raise ServerError("the server sent a stream line that is not "
-                                              f"JSON: {payload[:80]!r}") from None
-                        if on_data(obj):
-                            started = True
-                    return  # the stream ended without [DONE]: the caller checks the finish
+                retry = await self._attempt(url, body, on_data, on_comment, attempt, started)
+                if retry is None:
+                    return
+                await asyncio.sleep(retry)
+                attempt += 1
             except RETRY_ERRORS as e:
-                if started:
+                if started[0]:
                     raise ServerError(f"the connection to the server broke mid-stream "
                                       f"({_why(e)}); the text so far is kept") from None
                 if attempt >= self.retries:
@@ -210,12 +227,52 @@ class Client:
                                       "is running, then submit again") from None
                 await asyncio.sleep(self._delay(attempt, None, self.connect_backoff_s))
                 attempt += 1
-            except httpx.TimeoutException as e:
-                raise ServerError(f"the server sent nothing for {self._timeout.read:.0f} s "
-                                  f"({_why(e)}); it may be overloaded; try again or raise "
-                                  "timeout=") from None
+            except (TimeoutError, httpx.TimeoutException):
+                more = "more " if started[0] else ""
+                raise ServerError(
+                    f"the server sent no {more}tokens for {self.timeout:g} s (keep-alive comments "
+                    "do not count); it may be stuck or overloaded: try again, or raise "
+                    "--timeout in %mlxnb connect (timeout= in mlxnb.connect)") from None
             except httpx.HTTPError as e:
                 raise ServerError(f"request failed: {_why(e)}") from None
+
+    async def _attempt(self, url, body, on_data, on_comment, attempt, started):
+        """One request. None when the stream ended; seconds to wait before trying
+        again on a status worth retrying."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout_at(loop.time() + self.timeout) as deadline:
+            async with self._client().stream("POST", url, json=body) as resp:
+                if resp.status_code != 200:
+                    data = await read_capped(resp, MAX_BODY)
+                    if resp.status_code in RETRY_STATUS and attempt < self.retries:
+                        return self._delay(attempt, resp.headers.get("retry-after"),
+                                           self.backoff_s)
+                    raise self.http_error(resp.status_code, data, body.get("model"))
+                async for line in sse_lines(resp, self.max_line):
+                    if not line:
+                        continue
+                    if line.startswith(":"):
+                        if on_comment is not None and on_comment(line[1:].strip()):
+                            deadline.reschedule(loop.time() + self.timeout)
+                        continue
+                    if not line.startswith("data:"):
+                        continue  # event:, id:, retry: fields carry nothing we use
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return None
+                    try:
+                        obj = json.loads(payload)
+                    except ValueError:
+                        raise ServerError("the server sent a stream line that is not "
+                                          f"JSON: {payload[:80]!r}") from None
+                    try:
+                        output = on_data(obj)
+                    except EndStream:
+                        return None  # leaving the block drops the connection
+                    if output:
+                        started[0] = True
+                        deadline.reschedule(loop.time() + self.timeout)
+                return None  # the stream ended without [DONE]: the caller checks the finish
 
     async def get_text(self, path_from_root: str, timeout: float = 2.0) -> Optional[str]:
         """GET a page under the server root; None for anything but a 200."""
@@ -226,34 +283,109 @@ class Client:
             return None
         return r.text if r.status_code == 200 else None
 
-    # -- synchronous probes (connect time) ---------------------------------------------
-    def probe(self, timeout: float = 10.0):
+    # -- connect-time probe ------------------------------------------------------------
+    def probe(self, bound: Optional[float] = None):
         """(model ids or None when the server lists none, /metrics text or None).
-        Raises ValueError (one line) when the server cannot be reached or refuses
-        the key."""
-        with httpx.Client(headers=self._headers, timeout=timeout, transport=self._transport) as c:
+        Raises ValueError (one line) when the server cannot be reached, answers
+        nothing within `bound` s in total (default: PROBE_S, or the row timeout when
+        shorter), or refuses the key.
+
+        It runs on a thread of its own with a loop of its own: never on the engine's
+        (the kernel's) loop, and a server that holds the connection cannot hold the
+        caller past the bound."""
+        bound = min(PROBE_S, self.timeout) if bound is None else check_timeout(bound)
+        out: dict = {}
+
+        def work():
             try:
-                r = c.get(self.base + "/models")
-            except (httpx.ConnectError, httpx.TimeoutException) as e:
-                raise ValueError(f"could not connect to {self.shown} ({_why(e)}); check "
-                                 "the address and that the server is running") from None
+                out["ok"] = asyncio.run(asyncio.wait_for(self._probe(), bound))
+            except BaseException as e:  # handed to the caller below
+                out["err"] = e
+
+        th = threading.Thread(target=work, name="mlxnb-connect", daemon=True)
+        th.start()
+        th.join(bound + 2.0)  # wait_for has already given up by then; a margin only
+        err = out.get("err")
+        if "ok" in out:
+            return out["ok"]
+        if err is None or isinstance(err, (TimeoutError, httpx.TimeoutException)):
+            raise ValueError(f"{self.shown} did not answer within {bound:g} s; check that "
+                             "the server is up and not overloaded, or raise --timeout in "
+                             "%mlxnb connect (timeout= in mlxnb.connect)")
+        if isinstance(err, ValueError):
+            raise ValueError(str(err)) from None
+        if isinstance(err, httpx.HTTPError):
+            raise ValueError(f"could not connect to {self.shown} ({_why(err)}); check "
+                             "the address and that the server is running") from None
+        raise err
+
+    async def _probe(self):
+        async with httpx.AsyncClient(headers=self._headers, timeout=self._timeout,
+                                     transport=self._transport) as c:
+            models, metrics = None, None
+            try:
+                async with c.stream("GET", self.base + "/models") as r:
+                    status, body = r.status_code, await read_capped(r, MAX_BODY)
+            except (httpx.ConnectError, httpx.TimeoutException):
+                raise
             except httpx.HTTPError:  # it answered, but not with a model list
-                r = None
-            if r is not None and r.status_code in (401, 403):
-                raise ValueError(str(self.http_error(r.status_code, r.content, None)))
-            models = None
-            if r is not None and r.status_code == 200:
+                status, body = None, b""
+            if status in (401, 403):
+                raise ValueError(str(self.http_error(status, body, None)))
+            if status == 200:
                 try:
-                    data = r.json().get("data")
+                    data = json.loads(body).get("data")
                     models = [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
                 except (ValueError, AttributeError, TypeError, KeyError):
                     models = None
-            try:
-                m = c.get(self.root + "/metrics", headers={"Accept": "text/plain"})
-                metrics = m.text if m.status_code == 200 else None
+            try:  # optional: charts only; a server without it is served all the same
+                async with c.stream("GET", self.root + "/metrics",
+                                    headers={"Accept": "text/plain"}) as m:
+                    if m.status_code == 200:
+                        metrics = (await read_capped(m, MAX_BODY)).decode("utf-8", "replace")
             except httpx.HTTPError:
                 metrics = None
         return (models or None), metrics
+
+
+async def read_capped(resp: httpx.Response, cap: int) -> bytes:
+    """At most `cap` bytes of a body (the rest is left unread and the connection
+    dropped with the response)."""
+    buf = bytearray()
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        if len(buf) >= cap:
+            del buf[cap:]
+            break
+    return bytes(buf)
+
+
+async def sse_lines(resp: httpx.Response, limit: int):
+    """The body's lines (LF or CRLF ended), each at most `limit` bytes. A longer one
+    raises ServerError as soon as `limit` bytes of it have come, so memory stays at
+    about `limit` whatever the server sends; scanning resumes where it stopped, so a
+    line dripped a byte at a time costs linear time."""
+    buf, seen = bytearray(), 0
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        start = 0
+        while (i := buf.find(b"\n", seen)) >= 0:
+            if i - start > limit:
+                break
+            line = buf[start:i]
+            if line.endswith(b"\r"):
+                del line[-1:]
+            yield line.decode("utf-8", "replace")
+            start = seen = i + 1
+        if start:
+            del buf[:start]
+        seen = len(buf)
+        if seen > limit:
+            raise ServerError(f"the server sent a line longer than {limit // 1024} kB; it "
+                              "is not a streaming completion (check the address and the "
+                              "server)")
+    if buf:
+        yield buf.decode("utf-8", "replace").removesuffix("\r")
 
 
 def _why(e: BaseException) -> str:

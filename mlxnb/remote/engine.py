@@ -30,7 +30,7 @@ from ..core.protocol import Listeners
 from ..core.run import Run
 from ..core.states import Finish
 from . import wire
-from .client import Client, ServerError, model_list_text
+from .client import Client, EndStream, ServerError, check_timeout, model_list_text
 from .metrics import ServerLoad, server_load
 from .wire import Request
 
@@ -52,6 +52,7 @@ class RemoteRow(Row):
         self._prompt_n = 0
         self._t_last: Optional[float] = None
         self._server_finish: Optional[str] = None
+        self._capped = False  # the server sent more than max_tokens: we ended it
 
     @property
     def ntok(self) -> int:
@@ -79,12 +80,13 @@ class RemoteEngine(Listeners):
     kv_budget = None
 
     def __init__(self, url: str, model: Optional[str] = None, api_key: Optional[str] = None,
-                 max_concurrency: int = 64, *, timeout: float = 300.0, retries: int = 5,
+                 max_concurrency: int = 64, *, timeout: float = 60.0, retries: int = 5,
                  sample_s: float = 0.25, loop=None, _transport=None):
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) \
                 or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be a positive integer, got "
                              f"{max_concurrency!r}")
+        timeout = check_timeout(timeout)
         self.client = Client(url, api_key, max_connections=max_concurrency, timeout=timeout,
                              retries=retries, transport=_transport)
         self.url = self.client.shown  # no user:password@
@@ -234,7 +236,10 @@ class RemoteEngine(Listeners):
                                                              self.model),
                                      lambda obj: self._on_data(row, obj),
                                      lambda text: self._on_comment(row, text))
-            self._end(row, *wire.finish(row._server_finish))
+            if row._capped:
+                self._end(row, Finish.LENGTH)
+            else:
+                self._end(row, *wire.finish(row._server_finish))
         except asyncio.CancelledError:
             self._end(row, Finish.CANCELLED)
         except ServerError as e:
@@ -245,14 +250,23 @@ class RemoteEngine(Listeners):
             self._tasks.pop(row.id, None)
             self._pump()
 
-    def _on_comment(self, row: RemoteRow, text: str):
+    def _on_comment(self, row: RemoteRow, text: str) -> bool:
+        """Apply one comment; True when it reported prefill progress (a long prompt
+        is being read, which counts as the server working on the row)."""
         progress = wire.prefill_progress(text)
         if progress is not None and row.state == PREFILL:
+            moved = progress[0] > row.prefill_done
             row.prefill_done, row._prompt_n = progress
+            return moved
+        return False
 
     def _on_data(self, row: RemoteRow, obj) -> bool:
         """Apply one event to its row; True when it carried output."""
         ev = wire.parse_event(obj, row.request.chat)
+        if ev.ntok and row._ntok >= row.params.max_tokens:
+            # A server that ignores max_tokens would stream on until stopped by hand.
+            row._capped = True
+            raise EndStream
         if ev.ntok:
             now = self.clock()
             if row.t_first is None:

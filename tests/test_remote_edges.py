@@ -1,0 +1,322 @@
+"""The server engine against servers that misbehave, on loopback: one that accepts and
+never answers, one that drips its model list a byte at a time, one that answers 200
+and then says nothing (or only keep-alive comments), one line that never ends, and
+tokens past max_tokens. Each ends by itself, quickly, with one line saying what to
+do, and the event loop keeps running meanwhile.
+
+The servers are plain sockets in a thread, each bounded in time (HOLD_S), so a
+client that does not give up makes its test fail instead of hang."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+from mlxnb.remote import connect
+
+HOLD_S = 6.0  # longest any misbehaving server keeps a connection
+MODELS = json.dumps({"data": [{"id": "m1"}]}).encode()
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Cache-Control: no-cache\r\nConnection: close\r\n\r\n")
+
+
+def token(text: str, finish=None) -> bytes:
+    ev = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+    return f"data: {json.dumps(ev)}\n\n".encode()
+
+
+class Loopback:
+    """A TCP server on 127.0.0.1: GET /v1/models lists "m1" (or `models(srv, conn)`
+    answers it), /metrics is 404, and a completion request goes to
+    `completion(srv, conn)`. `srv.left` is set once a write finds the client gone."""
+
+    def __init__(self, completion=None, models=None):
+        self.completion, self.models = completion, models
+        self.stop, self.left = threading.Event(), threading.Event()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in list(self.threads):
+            t.join(timeout=HOLD_S + 2)
+        self.sock.close()
+
+    def _accept(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _serve(self, conn):
+        with conn:
+            conn.settimeout(HOLD_S)
+            try:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    head += chunk
+                head, _, body = head.partition(b"\r\n\r\n")
+                n = 0
+                for line in head.split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    if k.strip().lower() == b"content-length":
+                        n = int(v)
+                while len(body) < n:
+                    body += conn.recv(65536)
+                path = head.split(b" ")[1].decode()
+                if path.endswith("/models"):
+                    if self.models is not None:
+                        return self.models(self, conn)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+                                 % len(MODELS) + MODELS)
+                elif path.endswith("/metrics") or self.completion is None:
+                    conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
+                                 b"Connection: close\r\n\r\n")
+                else:
+                    self.completion(self, conn)
+            except OSError:
+                self.left.set()
+
+    def hold(self, until: float) -> bool:
+        """Wait a little; False once the test is over or HOLD_S has passed."""
+        return not self.stop.wait(0.05) and time.monotonic() < until
+
+
+# -- the servers ---------------------------------------------------------------------
+def never_answer(srv, conn):
+    until = time.monotonic() + HOLD_S
+    while srv.hold(until):
+        pass
+
+
+def drip_bytes(srv, conn):
+    """A valid 200 whose body comes a byte every 0.1 s."""
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100000\r\nConnection: close\r\n\r\n")
+    until = time.monotonic() + HOLD_S
+    while srv.hold(until):
+        conn.sendall(b" ")
+        time.sleep(0.05)
+
+
+def silent_200(srv, conn):
+    conn.sendall(SSE_HEAD)
+    never_answer(srv, conn)
+
+
+def pings_forever(srv, conn):
+    conn.sendall(SSE_HEAD)
+    until = time.monotonic() + HOLD_S
+    while srv.hold(until):
+        conn.sendall(b": ping\n\n")
+
+
+def endless_line(srv, conn):
+    """One `data:` line of 64 MB, sent as fast as the client reads it."""
+    conn.sendall(SSE_HEAD + b"data: ")
+    block = b"x" * 65536
+    until = time.monotonic() + HOLD_S
+    for _ in range(1024):
+        if srv.stop.is_set() or time.monotonic() > until:
+            return
+        conn.sendall(block)
+
+
+def tokens_forever(srv, conn):
+    """Tokens every 10 ms, whatever max_tokens said, until the client goes."""
+    conn.sendall(SSE_HEAD)
+    until = time.monotonic() + HOLD_S
+    i = 0
+    while time.monotonic() < until and not srv.stop.is_set():
+        conn.sendall(token(f"t{i} "))
+        i += 1
+        time.sleep(0.01)
+
+
+# -- helpers ---------------------------------------------------------------------------
+def arun_bounded(arun, fn, *args, **kw):
+    return arun(lambda: fn(*args, **kw), timeout=HOLD_S + 4)
+
+
+async def ticks_while(aw, every=0.05):
+    """Await `aw` while a trivial coroutine runs every `every` s; returns (result or
+    exception, the longest gap between ticks): the loop's responsiveness meanwhile."""
+    loop = asyncio.get_running_loop()
+    gaps, last = [], [loop.time()]
+
+    async def tick():
+        while True:
+            await asyncio.sleep(every)
+            gaps.append(loop.time() - last[0])
+            last[0] = loop.time()
+
+    t = asyncio.ensure_future(tick())
+    try:
+        out = await aw
+    except Exception as e:
+        out = e
+    finally:
+        t.cancel()
+    return out, max(gaps, default=0.0)
+
+
+async def one_row(url, timeout, **params):
+    eng = connect(url, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        row = eng.submit("p", **params)
+        _, gap = await ticks_while(row)
+        return row, time.monotonic() - t0, gap
+    finally:
+        await eng.aclose()
+
+
+# -- connect -----------------------------------------------------------------------------
+@pytest.mark.parametrize("server", [never_answer, drip_bytes], ids=["silent", "drip"])
+def test_connect_to_a_stuck_server_ends_within_its_timeout(server):
+    """A server that accepts and never answers, or drips its model list: connect gives
+    up after its total bound (not per read), and it never holds the engine's loop."""
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    try:
+        with Loopback(models=server) as srv:
+            t0 = time.monotonic()
+            ran = []
+            loop.call_soon_threadsafe(lambda: loop.call_later(
+                0.3, lambda: ran.append(time.monotonic() - t0)))
+            with pytest.raises(ValueError) as e:
+                connect(srv.url, timeout=1, loop=loop)
+            took = time.monotonic() - t0
+        assert took < 2.5, f"connect took {took:.1f} s with timeout=1"
+        msg = str(e.value)
+        assert "\n" not in msg and srv.url in msg and "did not answer" in msg, msg
+        assert ran and ran[0] < 1.0  # the loop ran meanwhile
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(5)
+        loop.close()
+
+
+def test_connect_magic_takes_a_timeout(ip):
+    from IPython.core.error import UsageError
+
+    with Loopback(models=never_answer) as srv:
+        t0 = time.monotonic()
+        with pytest.raises(UsageError) as e:
+            ip.run_line_magic("mlxnb", f"connect {srv.url} --timeout 1")
+        took = time.monotonic() - t0
+    assert took < 2.5, f"%mlxnb connect took {took:.1f} s with --timeout 1"
+    msg = str(e.value)
+    assert "\n" not in msg and "did not answer" in msg and "--timeout" in msg, msg
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "nan", "inf", "1,2"])
+def test_connect_timeout_mistakes_are_one_line_usage_errors(ip, value):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("mlxnb", f"connect http://127.0.0.1:9 --timeout {value}")
+    msg = str(e.value)
+    assert "--timeout" in msg and "\n" not in msg and "unrecognized" not in msg, msg
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "5", True])
+def test_connect_refuses_a_bad_timeout_before_connecting(value):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        connect("http://127.0.0.1:9", timeout=value, loop=asyncio.new_event_loop())
+
+
+# -- rows ----------------------------------------------------------------------------------
+def test_a_silent_stream_ends_the_row_after_the_timeout(arun):
+    with Loopback(silent_200) as srv:
+        res, took, gap = arun_bounded(arun, one_row, srv.url, 1)
+    assert took < 3 and gap < 1.0
+    assert res.finish_reason == "error" and "raise --timeout" in res.error, res.error
+    assert "\n" not in res.error
+
+
+def test_keep_alive_comments_do_not_keep_a_row_forever(arun):
+    with Loopback(pings_forever) as srv:
+        res, took, gap = arun_bounded(arun, one_row, srv.url, 1)
+    assert took < 3, f"the row lasted {took:.1f} s on keep-alive comments alone"
+    assert res.finish_reason == "error" and "raise --timeout" in res.error, res.error
+
+
+def test_tokens_past_max_tokens_end_the_row_at_length(arun):
+    with Loopback(tokens_forever) as srv:
+        res, took, gap = arun_bounded(arun, one_row, srv.url, 5, max_tokens=5)
+        left = srv.left.wait(2)
+    assert took < 3, f"the row went on {took:.1f} s past max_tokens"
+    assert res.finish_reason == "length" and res.ntok == 5, (res.finish_reason, res.ntok)
+    assert res.text == "t0 t1 t2 t3 t4 "
+    assert left, "the stream was not closed"
+
+
+def test_an_endless_line_ends_the_row_with_memory_flat(arun):
+    tracemalloc.start()
+    try:
+        with Loopback(endless_line) as srv:
+            res, took, gap = arun_bounded(arun, one_row, srv.url, 5)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert res.finish_reason == "error" and "line longer than" in res.error, res.error
+    assert "\n" not in res.error and gap < 1.0
+    assert peak < 16 << 20, f"reading the line took {peak / 2**20:.0f} MB"
+
+
+def test_the_magic_passes_its_timeout_to_rows(ip, arun):
+    from mlxnb.notebook import magics
+
+    async def main():
+        try:
+            ip.run_line_magic("mlxnb", f"connect {srv.url} --timeout 1")
+            run = ip.run_cell_magic("generate", "--max-tokens 5 --quiet", "one")
+            t0 = time.monotonic()
+            res = await run
+            return res, time.monotonic() - t0
+        finally:
+            await magics.shutdown()
+
+    with Loopback(silent_200) as srv:
+        res, took = arun_bounded(arun, main)
+    assert took < 3 and "raise --timeout" in res[0].error, res[0].error
+
+
+@pytest.fixture
+def ip():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from mlxnb.notebook import magics
+
+    shell = InteractiveShell.instance()
+    magics.load_ipython_extension(shell)
+    yield shell
+    magics.unload_ipython_extension(shell)
+    magics._S.config = None
+    assert magics._S.engine is None, "a test left its engine open"
+
