@@ -13,12 +13,25 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, TimeoutError as _Timeout
 from typing import Any, Dict, Optional, Tuple
 
+from .._log import log
 from .states import Finish
 
 KINDS = ("json_schema", "regex", "choices", "grammar")
+# Bounds on compiling a constraint, which runs while the kernel's loop waits: the
+# compile time of llguidance grows faster than the schema (1,000 optional properties
+# 0.1 s, 3,000 2.4 s, 15,000 10-20 s), and a 100 KB schema is already far past what
+# a model writes well.
+MAX_CONSTRAINT_CHARS = 128_000
+COMPILE_TIMEOUT_S = 5.0
+# serde_json (under llguidance) stops at 128 levels; Python's json at ~1,000 with a
+# RecursionError. Real schemas nest a few levels, with $defs for anything recursive.
+MAX_SCHEMA_DEPTH = 100
+_PROBE_TOKENS = 4  # tokens a fresh matcher is walked at validation (see _probe)
 # Whitespace inside JSON is fixed (", " and ": ", none elsewhere): with flexible
 # whitespace a model can spend its whole token budget on spaces and newlines.
 _JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -53,7 +66,13 @@ def normalize(params: dict) -> dict:
 
 def _schema_dict(js) -> dict:
     if isinstance(js, type) and hasattr(js, "model_json_schema"):  # a pydantic model
-        js = js.model_json_schema()
+        try:
+            js = js.model_json_schema()
+        except Exception as e:
+            log.debug("model_json_schema of %r failed", js, exc_info=True)
+            raise ValueError(f"json_schema: {js.__name__}.model_json_schema() failed "
+                             f"({type(e).__name__}: {one_line(e, 120)}); pass a schema "
+                             "dict instead") from None
     elif isinstance(js, (str, bytes)):
         try:
             js = json.loads(js)
@@ -63,10 +82,49 @@ def _schema_dict(js) -> dict:
     if not isinstance(js, dict):
         raise ValueError(f"json_schema takes a dict, a JSON string or a pydantic model "
                          f"class; got {_short(js)}")
+    if _deeper_than(js, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep (or "
+                         "holds itself); flatten it, with $defs and $ref for recursive parts")
     try:  # a deep, JSON-only copy: later edits to the user's dict change nothing here
-        return json.loads(json.dumps(js))
+        text = json.dumps(js, ensure_ascii=False)
+        text.encode("utf-8")
+        return json.loads(text)
+    except UnicodeEncodeError as e:
+        raise ValueError(f"json_schema holds a string that is not valid Unicode "
+                         f"({_bad_char(e)}); remove that character") from None
     except (TypeError, ValueError) as e:
-        raise ValueError(f"json_schema holds a value JSON cannot represent ({e})") from None
+        raise ValueError(f"json_schema holds a value JSON cannot represent "
+                         f"({one_line(e, 120)})") from None
+
+
+def _deeper_than(v, limit: int) -> bool:
+    """Whether dicts and lists nest in `v` more than `limit` levels (a dict that holds
+    itself counts as infinitely deep). Iterative: a recursive walk is what fails."""
+    stack = [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            items = x.values()
+        elif isinstance(x, (list, tuple)):
+            items = x
+        else:
+            continue
+        if d > limit:
+            return True
+        stack.extend((y, d + 1) for y in items)
+    return False
+
+
+def _bad_char(e: UnicodeEncodeError) -> str:
+    return f"{e.object[e.start:e.end]!r} at character {e.start}"
+
+
+def _unicode(what: str, v: str) -> None:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a character that is not valid Unicode "
+                         f"({_bad_char(e)}, a lone surrogate); remove it") from None
 
 
 def check_params(p) -> None:
@@ -82,11 +140,18 @@ def check_params(p) -> None:
         v = getattr(p, k)
         if v is not None and not (isinstance(v, str) and v.strip()):
             raise ValueError(f"{k} must be a non-empty string; got {_short(v)}")
+        if v is not None:
+            _unicode(k, v)
     if p.choices is not None:
         if (not isinstance(p.choices, tuple) or not p.choices
-                or not all(isinstance(c, str) and c for c in p.choices)):
+                or not all(isinstance(c, str) for c in p.choices)):
             raise ValueError(f"choices must be a non-empty list of non-empty strings; got "
                              f"{_short(p.choices)}")
+        for i, c in enumerate(p.choices):
+            if not c.strip():  # a row could only write blanks, and would count as valid
+                raise ValueError(f"choice {i + 1} of {len(p.choices)} is blank ({c!r}); "
+                                 "give every choice some visible text")
+            _unicode(f"choice {i + 1} of {len(p.choices)}", c)
 
 
 _WHAT = {"json_schema": "its schema", "regex": "its regex", "choices": "its choices",
@@ -118,16 +183,24 @@ def _key(p) -> Optional[tuple]:
             json.dumps(v) if k == "choices" else v)
 
 
-def one_line(msg: str) -> str:
-    """llguidance errors quote the grammar with a caret under the fault; keep the
-    words and drop the drawing."""
-    keep = [ln.strip() for ln in str(msg).splitlines()
-            if ln.strip() and not set(ln.strip()) <= {"^", " "}
-            and not ln.lstrip()[:1].isdigit()]
+_QUOTE = re.compile(r"^\s*\d+\s*\|")  # "   1 | start: ..." quotes the grammar
+_BUILT_AT = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.@+-]+){2,}\.rs(?::\d+)*")  # a .rs path
+
+
+def one_line(msg, n: int = 300) -> str:
+    """An llguidance error as one line: its words, without the grammar it quotes
+    with a caret under the fault, the parser state it appends, or a Rust panic's
+    backtrace and source paths."""
+    text = str(msg)
+    for cut in ("<state>", "<non-verbose/>", "stack backtrace:", "\nnote: run with"):
+        text = text.split(cut, 1)[0]
+    keep = [ln.strip() for ln in text.splitlines()
+            if ln.strip() and not set(ln.strip()) <= {"^", " "} and not _QUOTE.match(ln)]
     s = " ".join(" ".join(keep).split())
     # positions like "at 1(8):" point into llguidance's internal grammar, not the user's
-    s = re.sub(r"\bat \d+\(\d+\):\s*", "", s).replace(" (in regex)", "")
-    return s if len(s) <= 300 else s[:299] + "…"
+    s = re.sub(r"(?:\bat )?\b\d+\(\d+\):\s*", "", s).replace(" (in regex)", "")
+    s = _BUILT_AT.sub("llguidance", s)
+    return s if len(s) <= n else s[: n - 1] + "…"
 
 
 def _grammar(kind: str, value) -> str:
@@ -139,9 +212,83 @@ def _grammar(kind: str, value) -> str:
     if kind == "regex":
         return LLM.grammar_from_regex(value)
     if kind == "choices":
-        return LLM.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+        # One regex, one lexeme: as Lark alternatives ("a" | "b" | ...) every choice is
+        # an item of the parser's row, and llguidance stops at 2,000 of those.
+        return LLM.grammar_from_regex("|".join(_literal(c) for c in value))
     # Lark, or GBNF (llama.cpp's format), which llguidance converts to Lark
     return llg.grammar_from("grammar", value)
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex (Rust's syntax, which allows a backslash before any ASCII
+    punctuation but < and >, which it reads as word boundaries)."""
+    return re.sub(r"[!-/:;=?@\[-`{-~]", lambda m: "\\" + m.group(), text)
+
+
+def _limits():
+    import llguidance as llg
+
+    # not verbose: a failing row's error is then its reason alone, without the
+    # parser's state and the grammar
+    return llg.LLParserLimits(verbose_errors=False)
+
+
+_EMPTY = {
+    "json_schema": "no JSON value satisfies json_schema (a $ref loop with no way out, or "
+                   "keys that contradict each other); fix the schema",
+    "regex": "regex matches no text at all; fix the pattern",
+    "choices": "choices admit no text; give at least one non-empty choice",
+    "grammar": "grammar derives no text (does every alternative of a rule recurse "
+               "into itself?); give each recursive rule an alternative that ends",
+}
+_FIX = {
+    "json_schema": "mark more properties required, or split the schema into smaller ones",
+    "regex": "simplify the pattern",
+    "choices": "give fewer choices",
+    "grammar": "write recursion on the left (items: items \"a\" | \"a\") and give every "
+               "recursive rule an alternative that ends",
+}
+
+
+def _explain(kind: str, err: str) -> str:
+    """llguidance's failure at the first tokens of a fresh matcher as one line:
+    which of its limits, and what to change."""
+    m = re.search(r"Current row has (\d+) items; max is (\d+)", err)
+    if m:
+        return (f"{kind} is over llguidance's limit of {m[2]} alternatives at one point "
+                f"(it has {m[1]}); {_FIX[kind]}")
+    m = re.search(r"Too many items \(limit (\d+)", err)
+    if m:
+        return (f"{kind} is over llguidance's limit of {m[1]} parser items per token "
+                f"(a right-recursive rule, or one that never ends?); {_FIX[kind]}")
+    if "NoExtensionBias" in err:
+        return _EMPTY[kind]
+    return f"{kind} fails at its first tokens: {one_line(err, 200)}; {_FIX[kind]}"
+
+
+def _bounded(fn, what: str):
+    """fn() on a thread of its own, waited for at most COMPILE_TIMEOUT_S: llguidance
+    compiles with the GIL released but cannot be stopped, so past the bound the
+    compile is left to finish (its result dropped) and the caller gets a ValueError.
+    An interrupt ends the wait at once."""
+    fut: Future = Future()
+
+    def work():
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to the waiting thread
+            fut.set_exception(e)
+
+    threading.Thread(target=work, daemon=True, name="mlxnb-constraint").start()
+    deadline = time.monotonic() + COMPILE_TIMEOUT_S
+    while True:
+        try:  # short waits: a pending interrupt is raised between them
+            return fut.result(max(0.0, min(0.1, deadline - time.monotonic())))
+        except _Timeout:
+            if time.monotonic() < deadline:
+                continue
+        raise ValueError(f"compiling {what} took longer than {COMPILE_TIMEOUT_S:g} s (the "
+                         f"limit); simplify it: {_FIX[what]}") from None
 
 
 # -- per engine: the compiler ---------------------------------------------------------
@@ -162,6 +309,7 @@ class Constraints:
         self._llt = None
         # constraint -> (grammar, {lane: compiled matcher}); lane "check" is the loop's
         self._cache: "OrderedDict[tuple, Tuple[str, Dict[Any, Any]]]" = OrderedDict()
+        self._refused: Dict[tuple, str] = {}  # constraints that ran past the time bound
 
     def lltokenizer(self):
         """llguidance's view of the tokenizer (built once: ~0.4 s for 49k tokens)."""
@@ -194,8 +342,66 @@ class Constraints:
         return None if m is None else m.deep_copy()
 
     def validate(self, p) -> None:
-        """Compile `p`'s constraint (cached) or raise a one-line ValueError."""
-        self._template(p)
+        """Compile `p`'s constraint (cached) and walk a copy of it over its first
+        tokens, or raise a one-line ValueError: for a constraint that cannot compile,
+        is too large or slow to, admits no text, or runs into one of llguidance's
+        limits where every row would end in error at its first token."""
+        key = _key(p)
+        if key is None:
+            return
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and 0 in hit[1]:
+                return
+            if key in self._refused:
+                raise ValueError(self._refused[key])
+        if len(key[1]) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"{key[0]} is {len(key[1]):,} characters, over the limit of "
+                             f"{MAX_CONSTRAINT_CHARS:,}; {_FIX[key[0]]}")
+        self.lltokenizer()  # built once, outside the compile's time bound
+        try:
+            self._probe(key[0], _bounded(lambda: self._template(p), key[0]).deep_copy())
+        except ValueError as e:
+            if str(e).startswith("compiling "):  # do not start that compile again
+                with self._lock:
+                    self._refused[key] = str(e)
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a Rust panic is a BaseException
+            log.warning("checking a %s constraint failed", key[0], exc_info=True)
+            raise ValueError(f"{key[0]} could not be checked ({type(e).__name__}; the "
+                             f"'mlxnb' logger has the details); {_FIX[key[0]]}") from None
+
+    def _probe(self, kind: str, m) -> None:
+        """Walk `m` (a fresh copy) a few tokens, each the lowest-numbered one its mask
+        allows: an empty language, and llguidance's per-row limits (items in a parser
+        row, items per token), show at the first token or the next."""
+        import llguidance.numpy as lln
+        import numpy as np
+
+        V = self.lltokenizer().vocab_size
+        eos = set(getattr(self._tokenizer, "eos_token_ids", None) or ())
+        buf = self.bitmask(1)
+        for step in range(_PROBE_TOKENS):
+            if m.is_stopped():
+                return
+            lln.fill_next_token_bitmask(m, buf, 0)
+            if not m.is_error():
+                allowed = np.flatnonzero(
+                    np.unpackbits(buf.view(np.uint8), bitorder="little")[:V])
+                tok = next((int(t) for t in allowed if int(t) not in eos), None)
+                if tok is None:  # nothing, or only the end: accepting, or nothing at all
+                    if step == 0 and not m.is_accepting():
+                        raise ValueError(_EMPTY[kind])
+                    return
+                m.consume_token(tok)
+            if m.is_error():
+                err = m.get_error()
+                log.debug("%s failed its first tokens: %s", kind, err)
+                if step > 0 and "NoExtensionBias" in err:
+                    return  # a dead branch the probe walked into; other branches may live
+                raise ValueError(_explain(kind, err))
 
     def check(self, p, text: str) -> Optional[str]:
         """Why `text` does not satisfy `p`'s constraint, or None when it does. A
@@ -223,11 +429,17 @@ class Constraints:
                 self._cache.move_to_end(key)
                 if lane in hit[1]:
                     return hit[1][lane]
-        if hit is None:
-            g = self._grammar(key[0], getattr(p, key[0]))
-        else:
-            g = hit[0]
-        m = llg.LLMatcher(self.lltokenizer(), g, log_level=0)
+        try:
+            g = self._grammar(key[0], getattr(p, key[0])) if hit is None else hit[0]
+            m = llg.LLMatcher(self.lltokenizer(), g, log_level=0, limits=_limits())
+        except ValueError:
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # RecursionError, a Rust panic (BaseException), ...
+            log.warning("compiling a %s constraint failed", key[0], exc_info=True)
+            raise ValueError(f"{key[0]} could not be compiled ({type(e).__name__}; the "
+                             f"'mlxnb' logger has the details); {_FIX[key[0]]}") from None
         if m.is_error():
             raise ValueError(f"{key[0]} is invalid: {one_line(m.get_error())}")
         with self._lock:
@@ -245,7 +457,7 @@ class Constraints:
             g = _grammar(what, value)
         except ValueError as e:
             raise ValueError(f"{what} is invalid: {one_line(e)}") from None
-        err = llg.LLMatcher.validate_grammar(g, self.lltokenizer())
+        err = llg.LLMatcher.validate_grammar(g, self.lltokenizer(), limits=_limits())
         if err:
             raise ValueError(f"{what} is invalid: {one_line(err)}")
         return g

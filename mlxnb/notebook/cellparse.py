@@ -358,10 +358,11 @@ def constraint_params(json_schema: Optional[str], regex: Optional[str], choice: 
     if choice is not None:
         toks = list(choice) if isinstance(choice, (list, tuple)) else [choice]
         if len(toks) == 1 and toks[0].isidentifier() and isinstance(ns.get(toks[0]), (list, tuple)):
-            items = [str(x) for x in ns[toks[0]]]  # a list variable
+            # a list variable: every item as given; the engine refuses blank ones
+            items = [str(x) for x in ns[toks[0]]]
         else:
             items = [x.strip() for t in toks for x in str(t).split(",")]
-        items = [x for x in items if x]
+            items = [x for x in items if x]
         if not items:
             raise UsageError("--choice needs options; write e.g. --choice yes,no or "
                              "--choice LABELS (a list variable)")

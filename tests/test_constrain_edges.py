@@ -1,0 +1,196 @@
+"""Constraints at their edges, tried as a user would: through Engine.submit and
+%%generate. Whatever fails must fail before any row is submitted, in one line that
+names the constraint and what to change, and never with llguidance's parser state,
+a Rust backtrace or a build machine's paths."""
+
+import logging
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+from mlxnb import Engine
+from mlxnb.core import constrain
+from mlxnb.core.constrain import Constraints, one_line
+from mlxnb.core.rows import SamplingParams
+
+from test_magics import arun_shut, attach, gen, ip  # noqa: F401  (fixtures)
+
+
+def make(tiny, **kw):
+    kw.setdefault("kv_budget", None)
+    kw.setdefault("warmup", False)
+    return Engine(tiny, **kw)
+
+
+def nested(levels: int) -> dict:
+    schema = inner = {}
+    for _ in range(levels):
+        inner["type"] = "array"
+        inner["items"] = {}
+        inner = inner["items"]
+    inner["type"] = "integer"
+    return schema
+
+
+def refused(tiny, arun, **kw) -> str:
+    """The one-line ValueError Engine.submit raises for `kw`; nothing is submitted."""
+    async def main():
+        eng = make(tiny)
+        try:
+            with pytest.raises(ValueError) as ei:
+                eng.submit("x", chat=False, max_tokens=8, **kw)
+            assert len(eng.rows) == 0
+            return str(ei.value)
+        finally:
+            await eng.aclose()
+
+    msg = arun(main)
+    assert "\n" not in msg and msg.strip(), repr(msg)
+    assert "<state>" not in msg and ".rs" not in msg and "Parser: {" not in msg, msg
+    return msg
+
+
+OPTIONAL_1000 = {"type": "object",
+                 "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
+
+
+@pytest.mark.parametrize("kw, words", [
+    # a RecursionError before
+    (dict(json_schema=nested(2000)), "nests more than 100 levels"),
+    # llguidance's messages start with a position ("1(8): ..."): they came out empty
+    (dict(grammar="start: ??? nope"), "grammar is invalid: Expected value"),
+    (dict(choices=["ok", "a\ud800"]), "choice 2 of 2 holds a character that is not valid"),
+    (dict(regex="a\udc00"), "regex holds a character that is not valid Unicode"),
+    # blank labels: rows could only write blanks, and counted as valid
+    (dict(choices=[" ", "\t"]), "choice 1 of 2 is blank"),
+    # empty languages: accepted before, then every row ended in error at token 0
+    (dict(json_schema={"$ref": "#"}), "no JSON value satisfies json_schema"),
+    (dict(regex=r"[^\s\S]"), "regex matches no text"),
+    # right recursion without an end: accepted, then an error at token 1
+    (dict(grammar='start: "a" start'), "limit of 50000 parser items"),
+    (dict(grammar='root ::= "a" root'), "write recursion on the left"),
+    # 1,000 optional properties: 4,007 items in one parser row, limit 2,000
+    (dict(json_schema=OPTIONAL_1000), "limit of 2000 alternatives at one point"),
+    # past the size bound: refused before compiling
+    (dict(json_schema={"type": "string", "description": "x" * 130_000}),
+     "over the limit of 128,000"),
+])
+def test_edge_constraints_are_refused_in_one_line_before_submitting(tiny, arun, kw, words):
+    msg = refused(tiny, arun, **kw)
+    assert words in msg, msg
+
+
+def test_2000_choices_and_more_work(tiny, arun):
+    labels = [f"c{i}" for i in range(2500)]
+
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("pick", chat=False, choices=labels, max_tokens=10, seed=s,
+                           temperature=1.0) for s in range(3)]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    for r in arun(main):
+        assert (r.finish_reason, r.valid) == ("stop", True), (r.error, r.text)
+        assert r.text in labels
+
+
+def test_choices_with_regex_characters_are_literal(tiny, arun):
+    labels = ["a|b", "x.*", "(1)", "<t>", "c\\d", "q\"", "é"]
+
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("pick", chat=False, choices=labels, max_tokens=10, seed=s,
+                           temperature=1.5) for s in range(12)]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    rows = arun(main)
+    assert all(r.finish_reason == "stop" and r.text in labels for r in rows)
+    cons = Constraints(tiny[1])
+    p = SamplingParams(choices=tuple(labels))
+    assert all(cons.check(p, c) is None for c in labels)
+    assert cons.check(p, "a") is not None and cons.check(p, "x12") is not None
+
+
+def test_a_slow_compile_is_bounded_and_refused_again_at_once(tiny, arun, monkeypatch):
+    real = constrain._grammar
+
+    def slow(kind, value):
+        time.sleep(1.0)
+        return real(kind, value)
+
+    monkeypatch.setattr(constrain, "_grammar", slow)
+    monkeypatch.setattr(constrain, "COMPILE_TIMEOUT_S", 0.1)
+    t = time.monotonic()
+    msg = refused(tiny, arun, regex="[a-z]+")
+    assert "took longer than 0.1 s" in msg and time.monotonic() - t < 0.9, msg
+
+    cons = Constraints(tiny[1])
+    p = SamplingParams(regex="[0-9]+")
+    with pytest.raises(ValueError):
+        cons.validate(p)
+    t = time.monotonic()
+    with pytest.raises(ValueError, match="took longer"):  # not compiled again
+        cons.validate(p)
+    assert time.monotonic() - t < 0.05
+
+
+class PanicLike(BaseException):
+    """Like pyo3's PanicException, which derives from BaseException."""
+
+
+@pytest.mark.parametrize("exc", [
+    RecursionError("maximum recursion depth exceeded while encoding a JSON object"),
+    PanicLike("called `Option::unwrap()` on a `None` value\nstack backtrace:\n"
+              "   0: /home/runner/work/llguidance/parser/src/earley/parser.rs:1234:5"),
+    TypeError("argument 'schema': 'int' object cannot be converted"),
+])
+def test_other_failures_of_compiling_become_one_line(tiny, arun, monkeypatch, caplog, exc):
+    def boom(kind, value):
+        raise exc
+
+    monkeypatch.setattr(constrain, "_grammar", boom)
+    with caplog.at_level(logging.WARNING, logger="mlxnb"):
+        msg = refused(tiny, arun, json_schema={"type": "integer"})
+    assert msg.startswith("json_schema could not be compiled"), msg
+    assert "/home/runner" not in msg
+    assert any(rec.exc_info for rec in caplog.records)  # the detail is logged
+
+
+def test_one_line_drops_state_dumps_backtraces_and_paths():
+    verbose = ("Parser Error: Current row has 2001 items; max is 2000; consider making "
+               "your grammar left-recursive if it's right-recursive\n<state>\nTokens: ⟦c⟧\n"
+               "Flags:\nParser: {\n  \"compute_time_us\": 0,\n  \"rows\": 2\n}\n")
+    assert one_line(verbose) == ("Parser Error: Current row has 2001 items; max is 2000; "
+                                 "consider making your grammar left-recursive if it's "
+                                 "right-recursive")
+    assert one_line("NoExtensionBias\n<non-verbose/>") == "NoExtensionBias"
+    quoted = "1(8): Expected value (at \"?\")\n   1 | start: ??? nope\n              ^\n"
+    assert one_line(quoted) == 'Expected value (at "?")'
+    panic = ("assertion failed at /home/ci/.cargo/registry/src/index/derivre-0.3/src/ast.rs"
+             ":88:9\nstack backtrace:\n   0: rust_begin_unwind\n")
+    assert one_line(panic) == "assertion failed at llguidance"
+
+
+def test_edge_constraints_in_generate_are_one_line_usage_errors(ip, tiny, arun_shut):
+    async def main():
+        eng = attach(tiny)
+        ip.user_ns.update(deep=nested(2000), nope="start: ??? nope",
+                          rr='start: "a" start', blanks=["", " "], loop={"$ref": "#"})
+        out = []
+        for line in ("--json-schema deep", "--grammar nope", "--grammar rr",
+                     "--choice blanks", "--json-schema loop", r"--regex '[^\s\S]'"):
+            with pytest.raises(UsageError) as ei:
+                gen(ip, "--quiet --raw --max-tokens 8 " + line, "a\nb")
+            out.append(str(ei.value))
+        return out, len(eng.rows)
+
+    msgs, n = arun_shut(main)
+    assert n == 0
+    for m, words in zip(msgs, ("nests more than", "Expected value", "parser items",
+                               "is blank", "no JSON value", "matches no text")):
+        assert words in m and "\n" not in m, m
