@@ -134,6 +134,36 @@ def pings_forever(srv, conn):
         conn.sendall(b": ping\n\n")
 
 
+def empty_events_forever(srv, conn):
+    """Events that carry no output (a keep-alive in data form)."""
+    conn.sendall(SSE_HEAD)
+    until = time.monotonic() + HOLD_S
+    while srv.hold(until):
+        conn.sendall(b'data: {"choices": []}\n\n')
+
+
+def slow_prefill_then_tokens(srv, conn):
+    """mlx_lm.server's prefill progress for 2 s, then the answer."""
+    conn.sendall(SSE_HEAD)
+    for i in range(1, 9):
+        time.sleep(0.25)
+        conn.sendall(b": keepalive %d/8\n\n" % i)
+    conn.sendall(token("ok") + token("", "stop") + b"data: [DONE]\n\n")
+
+
+def one_at_a_time(lock):
+    """Serves one request at a time, as mlx_lm.server does seeded ones: tokens for
+    2 s, then the next request is let in."""
+    def serve(srv, conn):
+        with lock:
+            conn.sendall(SSE_HEAD)
+            for i in range(20):
+                time.sleep(0.1)
+                conn.sendall(token(f"{i} "))
+            conn.sendall(token("", "stop") + b"data: [DONE]\n\n")
+    return serve
+
+
 def endless_line(srv, conn):
     """One `data:` line of 64 MB, sent as fast as the client reads it."""
     conn.sendall(SSE_HEAD + b"data: ")
@@ -259,11 +289,35 @@ def test_a_silent_stream_ends_the_row_after_the_timeout(arun):
     assert "\n" not in res.error
 
 
-def test_keep_alive_comments_do_not_keep_a_row_forever(arun):
-    with Loopback(pings_forever) as srv:
+@pytest.mark.parametrize("server", [pings_forever, empty_events_forever],
+                         ids=["comments", "empty-events"])
+def test_keep_alive_comments_do_not_keep_a_row_forever(arun, server):
+    with Loopback(server) as srv:
         res, took, gap = arun_bounded(arun, one_row, srv.url, 1)
     assert took < 3, f"the row lasted {took:.1f} s on keep-alive comments alone"
     assert res.finish_reason == "error" and "raise --timeout" in res.error, res.error
+
+
+def test_prefill_progress_counts_as_the_server_working(arun):
+    with Loopback(slow_prefill_then_tokens) as srv:
+        row, took, gap = arun_bounded(arun, one_row, srv.url, 1)
+    assert (row.finish_reason, row.error, row.text) == ("stop", None, "ok")
+    assert took > 1.5  # it outlived its timeout on progress alone
+
+
+def test_a_row_queued_behind_others_waits_while_they_stream(arun):
+    """Before its first token a row waits as long as the server streams to others:
+    a server that queues requests says nothing to the ones it has not started."""
+    async def main(url):
+        eng = connect(url, timeout=1)
+        try:
+            return await eng.generate(["a", "b"], max_tokens=50)
+        finally:
+            await eng.aclose()
+
+    with Loopback(one_at_a_time(threading.Lock())) as srv:
+        res = arun_bounded(arun, main, srv.url)
+    assert [(r.finish_reason, r.error) for r in res] == [("stop", None)] * 2
 
 
 def test_tokens_past_max_tokens_end_the_row_at_length(arun):
@@ -320,3 +374,32 @@ def ip():
     magics._S.config = None
     assert magics._S.engine is None, "a test left its engine open"
 
+
+
+def test_lines_are_split_bounded_and_linear_whatever_the_chunks(arun):
+    import httpx
+
+    from mlxnb.remote.client import ServerError, sse_lines
+
+    class Chunks(httpx.AsyncByteStream):
+        def __init__(self, chunks):
+            self.chunks = chunks
+
+        async def __aiter__(self):
+            for c in self.chunks:
+                yield c
+
+    async def lines(chunks, limit=64):
+        resp = httpx.Response(200, stream=Chunks(chunks))
+        return [x async for x in sse_lines(resp, limit)]
+
+    body = "data: é1\r\n\n: c\ndata: 2".encode()
+    want = ["data: é1", "", ": c", "data: 2"]
+    assert arun(lines, [body]) == want
+    assert arun(lines, [body[i:i + 1] for i in range(len(body))]) == want  # a byte at a time
+    with pytest.raises(ServerError, match="line longer than"):
+        arun(lines, [b"x" * 65 + b"\n"])
+    t0 = time.perf_counter()
+    with pytest.raises(ServerError, match="line longer than 256 kB"):
+        arun(lines, [b"y"] * 300_000, 256 << 10)  # a long line dripped: not quadratic
+    assert time.perf_counter() - t0 < 5

@@ -130,14 +130,18 @@ class Client:
         self._headers = {"Accept": "text/event-stream"}
         if self._key:
             self._headers["Authorization"] = f"Bearer {self._key}"
-        # The longest wait for a stream's next output (a queued or long prefill request
-        # on a busy server says nothing until its first token). httpx's read timeout is
-        # per read, so a server trickling keep-alive comments would reset it forever:
+        # The longest wait for a stream's next output. httpx's read timeout is per
+        # read, so a server trickling keep-alive comments would reset it forever:
         # `stream()` keeps its own deadline, moved only by output or prefill progress.
+        # A request queued on a busy server says nothing until its first token, so
+        # until then output on any stream of this client counts too (the server is
+        # working, just not on this row yet); a stuck server still times out.
         self.timeout = check_timeout(timeout)
+        self.last_output = -math.inf  # loop time of the last output on any stream
         self.max_line = MAX_LINE
+        # (so no read timeout here: it would end a queued row the watchdog keeps)
         self._timeout = httpx.Timeout(connect=min(connect_timeout, self.timeout),
-                                      read=self.timeout, write=30.0, pool=None)
+                                      read=None, write=30.0, pool=None)
         self._limits = httpx.Limits(max_connections=max_connections,
                                     max_keepalive_connections=max_connections)
         self.retries = retries
@@ -240,39 +244,53 @@ class Client:
         """One request. None when the stream ended; seconds to wait before trying
         again on a status worth retrying."""
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout_at(loop.time() + self.timeout) as deadline:
-            async with self._client().stream("POST", url, json=body) as resp:
-                if resp.status_code != 200:
-                    data = await read_capped(resp, MAX_BODY)
-                    if resp.status_code in RETRY_STATUS and attempt < self.retries:
-                        return self._delay(attempt, resp.headers.get("retry-after"),
-                                           self.backoff_s)
-                    raise self.http_error(resp.status_code, data, body.get("model"))
-                async for line in sse_lines(resp, self.max_line):
-                    if not line:
-                        continue
-                    if line.startswith(":"):
-                        if on_comment is not None and on_comment(line[1:].strip()):
-                            deadline.reschedule(loop.time() + self.timeout)
-                        continue
-                    if not line.startswith("data:"):
-                        continue  # event:, id:, retry: fields carry nothing we use
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        return None
-                    try:
-                        obj = json.loads(payload)
-                    except ValueError:
-                        raise ServerError("the server sent a stream line that is not "
-                                          f"JSON: {payload[:80]!r}") from None
-                    try:
-                        output = on_data(obj)
-                    except EndStream:
-                        return None  # leaving the block drops the connection
-                    if output:
-                        started[0] = True
-                        deadline.reschedule(loop.time() + self.timeout)
-                return None  # the stream ended without [DONE]: the caller checks the finish
+        last = loop.time()  # of this stream's last output or progress
+
+        def watchdog():
+            nonlocal check
+            due = (last if started[0] else max(last, self.last_output)) + self.timeout
+            if loop.time() >= due:
+                deadline.reschedule(loop.time())  # ends the block with TimeoutError
+            else:  # re-armed when due, not per token: output only sets `last`
+                check = loop.call_at(due, watchdog)
+
+        check = loop.call_at(last + self.timeout, watchdog)
+        try:
+            async with asyncio.timeout(None) as deadline:
+                async with self._client().stream("POST", url, json=body) as resp:
+                    if resp.status_code != 200:
+                        data = await read_capped(resp, MAX_BODY)
+                        if resp.status_code in RETRY_STATUS and attempt < self.retries:
+                            return self._delay(attempt, resp.headers.get("retry-after"),
+                                               self.backoff_s)
+                        raise self.http_error(resp.status_code, data, body.get("model"))
+                    async for line in sse_lines(resp, self.max_line):
+                        if not line:
+                            continue
+                        if line.startswith(":"):
+                            if on_comment is not None and on_comment(line[1:].strip()):
+                                last = self.last_output = loop.time()
+                            continue
+                        if not line.startswith("data:"):
+                            continue  # event:, id:, retry: fields carry nothing we use
+                        payload = line[5:].strip()
+                        if payload == "[DONE]":
+                            return None
+                        try:
+                            obj = json.loads(payload)
+                        except ValueError:
+                            raise ServerError("the server sent a stream line that is not "
+                                              f"JSON: {payload[:80]!r}") from None
+                        try:
+                            output = on_data(obj)
+                        except EndStream:
+                            return None  # leaving the block drops the connection
+                        if output:
+                            started[0] = True
+                            last = self.last_output = loop.time()
+                    return None  # ended without [DONE]: the caller checks the finish
+        finally:
+            check.cancel()
 
     async def get_text(self, path_from_root: str, timeout: float = 2.0) -> Optional[str]:
         """GET a page under the server root; None for anything but a 200."""
