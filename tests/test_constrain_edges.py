@@ -194,3 +194,64 @@ def test_edge_constraints_in_generate_are_one_line_usage_errors(ip, tiny, arun_s
     for m, words in zip(msgs, ("nests more than", "Expected value", "parser items",
                                "is blank", "no JSON value", "matches no text")):
         assert words in m and "\n" not in m, m
+
+
+# Keys llguidance cannot enforce while generating: accepted, left out of the mask,
+# and checked on every finished row.
+LENIENT = [
+    {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 50},
+               {"type": "integer", "minimum": 40, "maximum": 99}]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3},
+     "maxItems": 4, "uniqueItems": True},
+    {"type": "string", "format": "postal-code", "maxLength": 5},
+    {"type": "integer", "minimum": 0, "maximum": 5, "not": {"const": 3}},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                      "b": {"type": "boolean"}},
+     "dependencies": {"a": ["b"]}, "additionalProperties": False},
+    {"type": "integer", "minimum": 0, "maximum": 99,
+     "if": {"minimum": 10}, "then": {"multipleOf": 10}},
+]
+
+
+def full_valid(schema, value) -> bool:
+    import jsonschema
+
+    cls = jsonschema.Draft7Validator if "dependencies" in schema else jsonschema.Draft202012Validator
+    return cls(schema).is_valid(value)
+
+
+@pytest.mark.parametrize("schema", LENIENT, ids=["oneOf", "uniqueItems", "format", "not",
+                                                 "dependencies", "if-then"])
+def test_keys_the_mask_cannot_enforce_are_accepted_and_checked_after(tiny, arun, schema):
+    import json
+
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("x", chat=False, json_schema=schema, max_tokens=40, seed=s,
+                           temperature=1.0) for s in range(8)]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    for r in arun(main):
+        assert r.finish_reason == "stop", (r.finish_reason, r.error, r.text)
+        assert r.valid == full_valid(schema, json.loads(r.text)), (r.text, r.constraint_error)
+
+
+def test_a_row_that_breaks_an_unenforced_key_is_not_valid_and_says_which(tiny, arun):
+    # the mask allows only [1, 1], which uniqueItems refuses
+    schema = {"type": "array", "items": {"enum": [1]}, "minItems": 2, "maxItems": 2,
+              "uniqueItems": True}
+
+    async def main():
+        eng = make(tiny)
+        worker = eng.submit("x", chat=False, json_schema=schema, max_tokens=20)
+        loop = eng.submit("x", chat=False, json_schema=schema, max_tokens=20, stop=["zz"])
+        await eng.wait()
+        await eng.aclose()
+        return worker, loop
+
+    for r in arun(main):  # checked on the worker, and on the loop (a stop-string row)
+        assert (r.finish_reason, r.text, r.valid) == ("stop", "[1, 1]", False)
+        assert "uniqueItems" in r.constraint_error and "\n" not in r.constraint_error
+        assert r.json is None and "uniqueItems" in r.json_error

@@ -34,7 +34,12 @@ MAX_SCHEMA_DEPTH = 100
 _PROBE_TOKENS = 4  # tokens a fresh matcher is walked at validation (see _probe)
 # Whitespace inside JSON is fixed (", " and ": ", none elsewhere): with flexible
 # whitespace a model can spend its whole token budget on spaces and newlines.
-_JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Lenient: keys llguidance cannot enforce while generating (uniqueItems, not, if/then,
+# dependencies, unknown formats, ...) are left out of the mask and oneOf is read as
+# anyOf; every finished row is then checked against the whole schema (`full_check`).
+_JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+              "lenient": True, "coerce_one_of": True}
+_VALUE = "value"  # the capture holding a JSON row's whole value (see _grammar)
 _CACHE = 256  # compiled constraints kept per engine
 
 
@@ -158,12 +163,57 @@ _WHAT = {"json_schema": "its schema", "regex": "its regex", "choices": "its choi
          "grammar": "its grammar"}
 
 
-def verdict(p, m) -> Optional[str]:
-    """Why the output a matcher `m` of `p` has read so far (all of it accepted) is not
-    yet whole, or None when the constraint is met."""
+def verdict(p, m, text: Optional[str] = None) -> Optional[str]:
+    """Why the output a matcher `m` of `p` has read so far (all of it accepted, and
+    `text` if given) is not yet whole or breaks what the mask left out, or None when
+    the constraint is met."""
     if m.is_stopped() or m.is_accepting():
+        if p.json_schema is not None:
+            got = m.get_capture(_VALUE)
+            got = text if got is None else got
+            return None if got is None else full_check(p.json_schema, got)
         return None
     return f"incomplete: {_WHAT[kind_of(p)]} needs more"
+
+
+_validators: "OrderedDict[str, Any]" = OrderedDict()
+_validators_lock = threading.Lock()
+
+
+def full_check(schema: dict, text) -> Optional[str]:
+    """Why a JSON row's `text` (whole, and accepted by its matcher) breaks its schema
+    where the mask could not enforce it, or None. Checked with the jsonschema package
+    (Draft 2020-12 unless the schema names another)."""
+    try:
+        import jsonschema
+        from jsonschema.exceptions import best_match
+    except ImportError:  # then the schema is compiled strictly (_json_opts)
+        return None
+    try:
+        value = json.loads(text)
+        key = json.dumps(schema, sort_keys=True)
+        with _validators_lock:
+            v = _validators.get(key)
+            if v is None:
+                # no $schema: 2020-12, but draft 7 for its "dependencies" (2020-12
+                # split it into dependentRequired / dependentSchemas)
+                old = '"dependencies":' in key
+                cls = jsonschema.validators.validator_for(
+                    schema, default=jsonschema.Draft7Validator if old
+                    else jsonschema.Draft202012Validator)
+                v = _validators[key] = cls(schema)
+            _validators.move_to_end(key)
+            while len(_validators) > _CACHE:
+                _validators.popitem(last=False)
+        err = best_match(v.iter_errors(value))
+    except Exception:  # a schema jsonschema cannot read, a remote $ref: unchecked
+        log.debug("the full check of a JSON row failed", exc_info=True)
+        return None
+    if err is None:
+        return None
+    at = "/" + "/".join(str(x) for x in err.absolute_path)
+    return (f"breaks its schema's {err.validator} at {at}: {one_line(err.message, 120)} "
+            "(a key checked after generating, not enforced while generating)")
 
 
 def kind_of(p) -> Optional[str]:
@@ -208,7 +258,12 @@ def _grammar(kind: str, value) -> str:
 
     LLM = llg.LLMatcher
     if kind == "json_schema":
-        return LLM.grammar_from_json_schema(value, defaults=_JSON_OPTS)
+        given = value.get("x-guidance")
+        opts = dict(_json_opts(), **(given if isinstance(given, dict) else {}))
+        # %json inside Lark, to capture the whole value: a finished row's check reads
+        # its text there (the worker holds the matcher, not the text)
+        return LLM.grammar_from_lark(f"start: {_VALUE}\n{_VALUE}[capture]: %json "
+                                     + json.dumps(dict(value, **{"x-guidance": opts})))
     if kind == "regex":
         return LLM.grammar_from_regex(value)
     if kind == "choices":
@@ -217,6 +272,14 @@ def _grammar(kind: str, value) -> str:
         return LLM.grammar_from_regex("|".join(_literal(c) for c in value))
     # Lark, or GBNF (llama.cpp's format), which llguidance converts to Lark
     return llg.grammar_from("grammar", value)
+
+
+def _json_opts() -> dict:
+    try:
+        import jsonschema  # noqa: F401  (what checks the keys the mask leaves out)
+    except ImportError:
+        return dict(_JSON_OPTS, lenient=False, coerce_one_of=False)
+    return _JSON_OPTS
 
 
 def _literal(text: str) -> str:
@@ -415,7 +478,7 @@ class Constraints:
         if n < len(ids):
             at = len(self._tokenizer.decode(ids[:n]))
             return f"breaks {_WHAT[kind_of(p)]} at character {at}: {_short(text[at:], 24)}"
-        return verdict(p, m)
+        return verdict(p, m, text)
 
     def _template(self, p, lane: Any = 0):
         key = _key(p)
