@@ -293,13 +293,19 @@ class Client:
             check.cancel()
 
     async def get_text(self, path_from_root: str, timeout: float = 2.0) -> Optional[str]:
-        """GET a page under the server root; None for anything but a 200."""
+        """GET a page under the server root; None for anything but a 200 within
+        `timeout` s in all (a page trickled forever would stall the charts)."""
+        async def get():
+            async with self._client().stream("GET", self.root + path_from_root,
+                                             headers={"Accept": "text/plain"}) as r:
+                if r.status_code != 200:
+                    return None
+                return (await read_capped(r, MAX_BODY)).decode("utf-8", "replace")
+
         try:
-            r = await self._client().get(self.root + path_from_root, timeout=timeout,
-                                         headers={"Accept": "text/plain"})
-        except httpx.HTTPError:
+            return await asyncio.wait_for(get(), timeout)
+        except (httpx.HTTPError, TimeoutError):
             return None
-        return r.text if r.status_code == 200 else None
 
     # -- connect-time probe ------------------------------------------------------------
     def probe(self, bound: Optional[float] = None):
