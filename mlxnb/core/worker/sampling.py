@@ -6,6 +6,13 @@ alone or at any position of any batch. Sampling is the Gumbel-max trick,
 argmax(logits / T + g), with g computed from that hash on the device for all rows at
 once. Truncation filters (top-k, top-p, min-p) are mlx-lm's own, applied per group of
 rows that share them.
+
+What a sampled row draws is exactly categorical(softmax(filtered / T)), where
+`filtered` is the logits it is given (after processors and constraint masks) with
+the filters applied to their log-softmax: the noise is finite for every hash value,
+so a token whose filtered logit is -inf (masked or filtered out) never wins, and one
+with a finite filtered logit wins with its softmax probability (to within the 32-bit
+quantization of the noise). `BatchSampler.logprobs` reports that same distribution.
 """
 
 from __future__ import annotations
@@ -17,14 +24,27 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 # Temperatures below this sample greedily. Dividing float32 logits by a subnormal
-# temperature (1e-39) overflows them to inf, and argmax over infs picks token 0; at
-# any temperature this low, logit gaps of 1e-4 already outweigh the Gumbel noise a
-# hundred thousand times over, so greedy is what sampling would give anyway.
+# temperature (1e-39) overflows them to inf, and argmax over tied infs picks the
+# lowest id whatever the logits were. Greedy differs from a draw at T only among
+# tokens within 25.7 T of the top logit (the noise spans [-2.82, 22.88]): below 1e-5,
+# logit gaps under 2.6e-4, less than one bfloat16 step of any logit of magnitude
+# above 1/16.
 MIN_TEMPERATURE = 1e-5
+
+# apply_top_p keeps the tokens whose mass above them is below top_p * total. When
+# that product underflows to 0 (top_p = 1e-45 is 0 in float32) every token counts as
+# dropped and its threshold index runs past the row, reading whatever lies there.
+# Any top_p at or below the top token's probability keeps just the top token (and its
+# ties); the top token of a row with V finite logits has probability >= 1/V, far
+# above this floor, so the floor changes no row and keeps the product a normal float.
+_MIN_TOP_P = 1e-30
 
 _M1 = 0x85EBCA6B
 _M2 = 0xC2B2AE35
 _GOLDEN = 0x9E3779B9
+
+# The largest float32 below 1.
+_BELOW_ONE = 1.0 - 2.0 ** -24
 
 
 def _u32(x: int) -> mx.array:
@@ -40,14 +60,32 @@ def _fmix32(h: mx.array) -> mx.array:
     return h ^ (h >> 16)
 
 
+def gumbel_from_bits(bits: mx.array) -> mx.array:
+    """Gumbel(0, 1) noise from uniform uint32 `bits`, finite for every bit pattern.
+
+    v = (bits + 1/2) / 2**32 is uniform on (0, 1). Converting bits to float32 rounds
+    it to 24 significant bits, which keeps v's full relative resolution near 0 (the
+    noise's upper tail, which decides when an unlikely token wins) but can round the
+    top 128 patterns up to exactly 1; the clamp to the largest float below 1 moves
+    that 2**-25 of mass by one float32 step. Then E = -log1p(-v) is Exp(1), in
+    [2**-33, 16.7], so positive and finite, and g = -log(E) lies in [-2.82, 22.88].
+    Passing float32 values instead of uint32 bits runs the same transform from the
+    conversion on (the tests enumerate every value the conversion can produce).
+    """
+    v = mx.minimum((bits.astype(mx.float32) + 0.5) * (2.0 ** -32), _BELOW_ONE)
+    # log1p(-v) as log(w) * (-v) / (w - 1), w = 1 - v rounded: w - 1 is exact, so the
+    # ratio undoes the rounding of w (Goldberg's trick; CPU log1p costs 60% more than
+    # log here). w == 1 only for v < 2**-25, where -log1p(-v) is v to float precision.
+    w = 1.0 - v
+    e = mx.where(w == 1.0, v, -mx.log(w) * (v / (1.0 - w)))
+    return -mx.log(e)
+
+
 def gumbel_noise(seeds: mx.array, counters: mx.array, vocab_ids: mx.array) -> mx.array:
     """Gumbel(0, 1) noise [B, V] from per-row seeds [B], token counters [B] and
     `vocab_ids` = arange(V) * _M2 (all uint32)."""
     row_key = _fmix32(seeds ^ _fmix32(counters * _u32(_GOLDEN) + _u32(0x7F4A7C15)))
-    bits = _fmix32(row_key[:, None] ^ vocab_ids[None, :])
-    # 24 random bits -> uniform in (0, 1), open at both ends so the logs are finite.
-    u = ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
-    return -mx.log(-mx.log(u))
+    return gumbel_from_bits(_fmix32(row_key[:, None] ^ vocab_ids[None, :]))
 
 
 # One fused kernel instead of ~15 elementwise passes over [B, V] (measured on the
@@ -60,109 +98,21 @@ def _gumbel_argmax(logits, temp, seeds, counters, vocab_ids):
 
 
 def _apply_filters(logprobs: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:
+    """mlx-lm's top-p, min-p and top-k of `logprobs`, in mlx-lm's order. Each keeps
+    the top token, so a row with any finite logprob keeps at least one."""
     out = logprobs
     if 0 < top_p < 1.0:
-        out = apply_top_p(out, top_p)
+        # as an array: a float is a constant of mlx-lm's compiled filter, and each new
+        # value would compile it anew (about a second on the CPU)
+        out = apply_top_p(out, mx.array(max(top_p, _MIN_TOP_P), dtype=mx.float32))
     if min_p > 0.0:
         out = apply_min_p(out, min_p)
     if 0 < top_k < out.shape[-1]:
         out = apply_top_k(out, top_k)
-    # The most likely token belongs to every nucleus, top-k and min-p set. Keep it
-    # explicitly: a top-p of 1e-45 is 0 in float32, the mask then drops every token,
-    # and argmax over an all -inf row picks token 0.
-    best = mx.argmax(logprobs, axis=-1, keepdims=True)
-    return mx.put_along_axis(out, best, mx.take_along_axis(logprobs, best, axis=-1), axis=-1)
+    return out
 
 
-class BatchSampler:
-    """Per-row sampling parameters of the running batch, kept as device arrays.
-
-    Rows are appended and filtered in step with the batch's KV cache, so the hot
-    path builds no per-row Python lists.
-    """
-
-    def __init__(self):
-        self.temps: List[float] = []
-        self.filters: List[Tuple[int, float, float]] = []
-        self._temp = None  # [B] float32, 0 = greedy
-        self._seeds = None  # [B] uint32
-        self.counters = None  # [B] uint32: tokens sampled so far per row
-        self._groups: Optional[Dict[tuple, mx.array]] = None
-        self._any_sampled = False
-        self._vocab_ids = None  # arange(V) * _M2, the noise's per-token keys
-
-    def __len__(self):
-        return len(self.temps)
-
-    def extend(self, temps: Sequence[float], filters: Sequence[tuple],
-               seeds: Sequence[int], counters: Sequence[int]) -> None:
-        temps = [t if t >= MIN_TEMPERATURE else 0.0 for t in temps]
-        self.temps += temps
-        self.filters += list(filters)
-        new = [
-            mx.array(list(temps), dtype=mx.float32),
-            mx.array([s & 0xFFFFFFFF for s in seeds], dtype=mx.uint32),
-            mx.array(list(counters), dtype=mx.uint32),
-        ]
-        if self._temp is None:
-            self._temp, self._seeds, self.counters = new
-        else:
-            self._temp, self._seeds, self.counters = (
-                mx.concatenate([a, b]) for a, b in
-                zip((self._temp, self._seeds, self.counters), new))
-        self._groups = None
-        self._any_sampled = any(t > 0 for t in self.temps)
-
-    def filter(self, keep: List[int]) -> None:
-        self.temps = [self.temps[i] for i in keep]
-        self.filters = [self.filters[i] for i in keep]
-        if not keep:
-            self._temp = self._seeds = self.counters = None
-        else:
-            idx = mx.array(keep)
-            self._temp, self._seeds, self.counters = (
-                self._temp[idx], self._seeds[idx], self.counters[idx])
-        self._groups = None
-        self._any_sampled = any(t > 0 for t in self.temps)
-
-    def _filter_groups(self) -> Dict[tuple, mx.array]:
-        if self._groups is None:
-            groups: Dict[tuple, List[int]] = {}
-            for i, f in enumerate(self.filters):
-                if f != (0, 1.0, 0.0):
-                    groups.setdefault(f, []).append(i)
-            self._groups = {f: mx.array(ix) for f, ix in groups.items()}
-        return self._groups
-
-    @property
-    def needs_float32(self) -> bool:
-        return self._any_sampled
-
-    def sample(self, logits: mx.array) -> mx.array:
-        """logits [B, V] float32 -> tokens [B] uint32; advances the counters."""
-        greedy = mx.argmax(logits, axis=-1)
-        if not self._any_sampled:
-            # Counters only feed sampled rows' noise, and any sampled row keeps this
-            # branch off while it is in the batch: all-greedy steps skip the update.
-            return greedy
-        groups = self._filter_groups()
-        if groups:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            for (k, p, m), idx in groups.items():
-                logprobs[idx] = _apply_filters(logprobs[idx], k, p, m)
-            logits = logprobs
-        V = logits.shape[-1]
-        if self._vocab_ids is None or self._vocab_ids.shape[0] != V:
-            self._vocab_ids = mx.arange(V, dtype=mx.uint32) * _u32(_M2)
-        sampled = _gumbel_argmax(logits, self._temp, self._seeds, self.counters,
-                                 self._vocab_ids)
-        self.counters = self.counters + _u32(1)
-        return mx.where(self._temp > 0, sampled, greedy)
-
-
-def top_logprobs(logits: mx.array, chosen: mx.array, k: int):
-    """For rows [b, V]: (logprob of chosen [b], top-k ids [b, k], top-k logprobs [b, k])."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+def _top(logprobs: mx.array, chosen: mx.array, k: int):
     chosen_lp = mx.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
     if k <= 0:
         return chosen_lp, None, None
@@ -171,3 +121,157 @@ def top_logprobs(logits: mx.array, chosen: mx.array, k: int):
     order = mx.argsort(-top_lp, axis=-1)
     return (chosen_lp, mx.take_along_axis(top, order, axis=-1),
             mx.take_along_axis(top_lp, order, axis=-1))
+
+
+class BatchSampler:
+    """Per-row sampling parameters of the running batch, kept as device arrays.
+
+    Rows are appended and filtered in step with the batch's KV cache, so the hot
+    path builds no per-row Python lists.
+
+    A sampled row with top_k = 1 has one token to draw, its top one: it takes the
+    argmax as a greedy row does (the lowest id among tied maxima), with no noise and
+    no filters, and reports that one token's point mass as its logprobs.
+    """
+
+    def __init__(self):
+        self.temps: List[float] = []
+        self.filters: List[Tuple[int, float, float]] = []
+        self._temp = None  # [B] float32: the temperature each row draws at, 0 = argmax
+        self._point = None  # [B] bool: sampled rows with top_k = 1
+        self._seeds = None  # [B] uint32
+        self.counters = None  # [B] uint32: tokens sampled so far per row
+        self._groups: Optional[Dict[tuple, Tuple[mx.array, int]]] = None
+        self._any_sampled = False
+        self._any_point = False
+        self._vocab_ids = None  # arange(V) * _M2, the noise's per-token keys
+        # what the last sample() drew from: (logits, each row's filtered where it has
+        # filters [B, V]; its draw temperatures [B]; its top_k = 1 rows [B] or None)
+        self._last: Optional[Tuple[mx.array, mx.array, Optional[mx.array]]] = None
+
+    def __len__(self):
+        return len(self.temps)
+
+    @staticmethod
+    def _draws(t: float, f: tuple) -> bool:
+        return t > 0 and f[0] != 1
+
+    def extend(self, temps: Sequence[float], filters: Sequence[tuple],
+               seeds: Sequence[int], counters: Sequence[int]) -> None:
+        temps = [t if t >= MIN_TEMPERATURE else 0.0 for t in temps]
+        filters = list(filters)
+        self.temps += temps
+        self.filters += filters
+        new = [
+            mx.array([t if self._draws(t, f) else 0.0 for t, f in zip(temps, filters)],
+                     dtype=mx.float32),
+            mx.array([t > 0 and f[0] == 1 for t, f in zip(temps, filters)], dtype=mx.bool_),
+            mx.array([s & 0xFFFFFFFF for s in seeds], dtype=mx.uint32),
+            mx.array(list(counters), dtype=mx.uint32),
+        ]
+        if self._temp is None:
+            self._temp, self._point, self._seeds, self.counters = new
+        else:
+            self._temp, self._point, self._seeds, self.counters = (
+                mx.concatenate([a, b]) for a, b in
+                zip((self._temp, self._point, self._seeds, self.counters), new))
+        self._changed()
+
+    def filter(self, keep: List[int]) -> None:
+        self.temps = [self.temps[i] for i in keep]
+        self.filters = [self.filters[i] for i in keep]
+        if not keep:
+            self._temp = self._point = self._seeds = self.counters = None
+        else:
+            idx = mx.array(keep)
+            self._temp, self._point, self._seeds, self.counters = (
+                a[idx] for a in (self._temp, self._point, self._seeds, self.counters))
+        self._changed()
+
+    def _changed(self) -> None:
+        self._groups = None
+        self._any_sampled = any(self._draws(t, f) for t, f in zip(self.temps, self.filters))
+        self._any_point = any(t > 0 and f[0] == 1 for t, f in zip(self.temps, self.filters))
+
+    def _filter_groups(self) -> Dict[tuple, Tuple[mx.array, int]]:
+        """The rows that draw with truncation filters, by their filters: (their batch
+        positions, how many). Rows that take the argmax skip the filters, all of which
+        keep the top token."""
+        if self._groups is None:
+            groups: Dict[tuple, List[int]] = {}
+            for i, (t, f) in enumerate(zip(self.temps, self.filters)):
+                if self._draws(t, f) and f != (0, 1.0, 0.0):
+                    groups.setdefault(f, []).append(i)
+            self._groups = {f: (mx.array(ix), len(ix)) for f, ix in groups.items()}
+        return self._groups
+
+    @property
+    def needs_float32(self) -> bool:
+        return self._any_sampled
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """logits [B, V] (float32 where any row draws) -> tokens [B] uint32; advances
+        the counters.
+
+        A greedy row takes its argmax. A sampled row draws from softmax(filtered / T):
+        only tokens with a finite filtered logit can be drawn. Logits must not be NaN
+        (argmax prefers a NaN; nothing here makes one), and a row with no finite
+        logit gets an arbitrary token."""
+        if not self._any_sampled:
+            # Counters only feed drawing rows' noise, and any such row keeps this
+            # branch off while it is in the batch: argmax-only steps skip the update.
+            self._last = (logits, self._temp, self._point if self._any_point else None)
+            return mx.argmax(logits, axis=-1)
+        greedy = mx.argmax(logits, axis=-1)
+        x = logits
+        for (k, p, m), (idx, n) in self._filter_groups().items():
+            every = n == logits.shape[0]
+            rows = logits if every else logits[idx]
+            lp = _apply_filters(rows - mx.logsumexp(rows, axis=-1, keepdims=True), k, p, m)
+            if every:
+                x = lp
+            else:
+                if x is logits:
+                    x = mx.array(logits)  # its own handle: the caller's logits stay as they are
+                x[idx] = lp
+        V = x.shape[-1]
+        if self._vocab_ids is None or self._vocab_ids.shape[0] != V:
+            self._vocab_ids = mx.arange(V, dtype=mx.uint32) * _u32(_M2)
+        sampled = _gumbel_argmax(x, self._temp, self._seeds, self.counters, self._vocab_ids)
+        self._last = (x, self._temp, self._point if self._any_point else None)
+        self.counters = self.counters + _u32(1)
+        return mx.where(self._temp > 0, sampled, greedy)
+
+    def logprobs(self, idx: mx.array, chosen: mx.array, k: int):
+        """Log-probabilities for rows `idx` [b] of the last `sample` call, whose tokens
+        were `chosen` [b]: (logprob of chosen [b], top-k ids [b, k], their logprobs
+        [b, k]), the last two None when k <= 0; top ids in descending logprob order.
+
+        Each row's logprobs are those of the distribution its token was drawn from: a
+        sampled row's log_softmax(filtered / T), filtered being the logits `sample`
+        was given with the row's top-k/top-p/min-p applied (with top_k = 1, the point
+        mass on its token); a greedy row's (T = 0) log_softmax(logits), its logits as
+        `sample` was given them (after processors and constraint masks) at T = 1,
+        unfiltered. So the chosen token's logprob is finite for a sampled row, and a
+        token the distribution excludes has logprob -inf: where fewer than k tokens
+        are possible, the remaining top entries are such tokens, with -inf, and are
+        not alternatives (the caller drops them).
+
+        Reads what `sample` already computed (it keeps a reference until its next
+        call); call it after `sample` and before the batch's rows change."""
+        if self._last is None:
+            raise RuntimeError("logprobs() needs a sample() call first")
+        x, temp, point = self._last
+        t = temp[idx]
+        z = x[idx].astype(mx.float32) / mx.where(t > 0, t, 1.0)[:, None]
+        lp = z - mx.logsumexp(z, axis=-1, keepdims=True)
+        if point is not None:
+            hit = mx.arange(x.shape[-1])[None, :] == chosen[:, None]
+            lp = mx.where(point[idx][:, None], mx.where(hit, 0.0, -mx.inf), lp)
+        return _top(lp, chosen, k)
+
+
+def top_logprobs(logits: mx.array, chosen: mx.array, k: int):
+    """For rows [b, V]: (logprob of chosen [b], top-k ids [b, k], top-k logprobs [b, k])
+    of log_softmax(logits): the distribution of these logits at T = 1, unfiltered."""
+    return _top(logits - mx.logsumexp(logits, axis=-1, keepdims=True), chosen, k)
