@@ -33,11 +33,11 @@ def token(text: str, finish=None) -> bytes:
 
 class Loopback:
     """A TCP server on 127.0.0.1: GET /v1/models lists "m1" (or `models(srv, conn)`
-    answers it), /metrics is 404, and a completion request goes to
+    answers it), /metrics is 404 (or `metrics(srv, conn)`), and a completion request goes to
     `completion(srv, conn)`. `srv.left` is set once a write finds the client gone."""
 
-    def __init__(self, completion=None, models=None):
-        self.completion, self.models = completion, models
+    def __init__(self, completion=None, models=None, metrics=None):
+        self.completion, self.models, self.metrics = completion, models, metrics
         self.stop, self.left = threading.Event(), threading.Event()
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -92,6 +92,8 @@ class Loopback:
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                                  b"Content-Length: %d\r\nConnection: close\r\n\r\n"
                                  % len(MODELS) + MODELS)
+                elif path.endswith("/metrics") and self.metrics is not None:
+                    self.metrics(self, conn)
                 elif path.endswith("/metrics") or self.completion is None:
                     conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
                                  b"Connection: close\r\n\r\n")
@@ -278,6 +280,23 @@ def test_connect_timeout_mistakes_are_one_line_usage_errors(ip, value):
 def test_connect_refuses_a_bad_timeout_before_connecting(value):
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
         connect("http://127.0.0.1:9", timeout=value, loop=asyncio.new_event_loop())
+
+
+def test_a_trickled_metrics_page_does_not_stall_the_charts(arun):
+    """The charts read /metrics while rows stream; a page dripped forever is given up
+    on within its timeout (and its size is bounded); connecting goes on without it."""
+    async def main(url):
+        eng = connect(url, timeout=1)
+        try:
+            t0 = time.monotonic()
+            text, gap = await ticks_while(eng.client.get_text("/metrics", timeout=0.5))
+            return text, time.monotonic() - t0, gap
+        finally:
+            await eng.aclose()
+
+    with Loopback(metrics=drip_bytes) as srv:
+        text, took, gap = arun_bounded(arun, main, srv.url)
+    assert text is None and took < 1.5 and gap < 1.0, (text, took)
 
 
 # -- rows ----------------------------------------------------------------------------------

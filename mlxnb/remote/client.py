@@ -322,7 +322,7 @@ class Client:
 
         def work():
             try:
-                out["ok"] = asyncio.run(asyncio.wait_for(self._probe(), bound))
+                out["ok"] = asyncio.run(self._probe(bound))
             except BaseException as e:  # handed to the caller below
                 out["err"] = e
 
@@ -343,13 +343,19 @@ class Client:
                              "the address and that the server is running") from None
         raise err
 
-    async def _probe(self):
+    async def _probe(self, bound: float):
+        loop = asyncio.get_running_loop()
+        end = loop.time() + bound
+
+        async def get(url, **kw):
+            async with c.stream("GET", url, **kw) as r:
+                return r.status_code, await read_capped(r, MAX_BODY)
+
         async with httpx.AsyncClient(headers=self._headers, timeout=self._timeout,
                                      transport=self._transport) as c:
             models, metrics = None, None
             try:
-                async with c.stream("GET", self.base + "/models") as r:
-                    status, body = r.status_code, await read_capped(r, MAX_BODY)
+                status, body = await asyncio.wait_for(get(self.base + "/models"), bound)
             except (httpx.ConnectError, httpx.TimeoutException):
                 raise
             except httpx.HTTPError:  # it answered, but not with a model list
@@ -362,12 +368,15 @@ class Client:
                     models = [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
                 except (ValueError, AttributeError, TypeError, KeyError):
                     models = None
-            try:  # optional: charts only; a server without it is served all the same
-                async with c.stream("GET", self.root + "/metrics",
-                                    headers={"Accept": "text/plain"}) as m:
-                    if m.status_code == 200:
-                        metrics = (await read_capped(m, MAX_BODY)).decode("utf-8", "replace")
-            except httpx.HTTPError:
+            # Optional (charts only): what is left of the bound, and a server whose
+            # page does not come in time is served all the same, without charts.
+            try:
+                status, page = await asyncio.wait_for(
+                    get(self.root + "/metrics", headers={"Accept": "text/plain"}),
+                    max(end - loop.time(), 0.05))
+                if status == 200:
+                    metrics = page.decode("utf-8", "replace")
+            except (httpx.HTTPError, TimeoutError):
                 metrics = None
         return (models or None), metrics
 
