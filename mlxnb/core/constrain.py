@@ -10,6 +10,7 @@ masks, filled each step while the forward launches, are `masks.py`'s.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import threading
@@ -275,11 +276,32 @@ def _grammar(kind: str, value) -> str:
 
 
 def _json_opts() -> dict:
-    try:
-        import jsonschema  # noqa: F401  (what checks the keys the mask leaves out)
-    except ImportError:
+    if importlib.util.find_spec("jsonschema") is None:  # nothing checks what the mask leaves out
         return dict(_JSON_OPTS, lenient=False, coerce_one_of=False)
     return _JSON_OPTS
+
+
+_warming = threading.Lock()
+_warmed = False
+
+
+def _warm_jsonschema() -> None:
+    """Import jsonschema on a thread of its own, once: it takes 1-2 s (its format
+    checkers build a parser at import), which the first finished JSON row would
+    otherwise spend on the worker, stalling its batch."""
+    global _warmed
+    with _warming:
+        if _warmed:
+            return
+        _warmed = True
+
+    def work():
+        try:
+            import jsonschema  # noqa: F401
+        except Exception:
+            log.debug("importing jsonschema failed", exc_info=True)
+
+    threading.Thread(target=work, daemon=True, name="mlxnb-jsonschema").start()
 
 
 def _literal(text: str) -> str:
@@ -422,6 +444,8 @@ class Constraints:
             raise ValueError(f"{key[0]} is {len(key[1]):,} characters, over the limit of "
                              f"{MAX_CONSTRAINT_CHARS:,}; {_FIX[key[0]]}")
         self.lltokenizer()  # built once, outside the compile's time bound
+        if key[0] == "json_schema":
+            _warm_jsonschema()
         try:
             self._probe(key[0], _bounded(lambda: self._template(p), key[0]).deep_copy())
         except ValueError as e:
