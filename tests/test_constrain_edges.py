@@ -34,12 +34,16 @@ def nested(levels: int) -> dict:
 
 
 def refused(tiny, arun, **kw) -> str:
-    """The one-line ValueError Engine.submit raises for `kw`; nothing is submitted."""
+    """The one-line ValueError Engine.submit raises for `kw` (each time); nothing is
+    submitted."""
     async def main():
         eng = make(tiny)
         try:
             with pytest.raises(ValueError) as ei:
                 eng.submit("x", chat=False, max_tokens=8, **kw)
+            with pytest.raises(ValueError) as again:
+                eng.submit("x", chat=False, max_tokens=8, **kw)
+            assert str(again.value) == str(ei.value)
             assert len(eng.rows) == 0
             return str(ei.value)
         finally:

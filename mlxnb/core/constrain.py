@@ -394,7 +394,7 @@ class Constraints:
         self._llt = None
         # constraint -> (grammar, {lane: compiled matcher}); lane "check" is the loop's
         self._cache: "OrderedDict[tuple, Tuple[str, Dict[Any, Any]]]" = OrderedDict()
-        self._refused: Dict[tuple, str] = {}  # constraints that ran past the time bound
+        self._refused: "OrderedDict[tuple, str]" = OrderedDict()  # constraint -> why
 
     def lltokenizer(self):
         """llguidance's view of the tokenizer (built once: ~0.4 s for 49k tokens)."""
@@ -435,11 +435,11 @@ class Constraints:
         if key is None:
             return
         with self._lock:
+            if key in self._refused:  # its compile may sit in the cache: refuse first
+                raise ValueError(self._refused[key])
             hit = self._cache.get(key)
             if hit is not None and 0 in hit[1]:
                 return
-            if key in self._refused:
-                raise ValueError(self._refused[key])
         if len(key[1]) > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"{key[0]} is {len(key[1]):,} characters, over the limit of "
                              f"{MAX_CONSTRAINT_CHARS:,}; {_FIX[key[0]]}")
@@ -449,9 +449,11 @@ class Constraints:
         try:
             self._probe(key[0], _bounded(lambda: self._template(p), key[0]).deep_copy())
         except ValueError as e:
-            if str(e).startswith("compiling "):  # do not start that compile again
-                with self._lock:
-                    self._refused[key] = str(e)
+            # the same verdict next time, without compiling again
+            with self._lock:
+                self._refused[key] = str(e)
+                while len(self._refused) > _CACHE:
+                    self._refused.popitem(last=False)
             raise
         except (KeyboardInterrupt, SystemExit):
             raise
