@@ -2,6 +2,8 @@ import asyncio
 
 import pytest
 
+import mlxnb  # noqa: F401  (first: it puts OpenBLAS under MLX; see mlxnb/models/blas.py)
+
 
 @pytest.fixture(scope="session")
 def tiny():

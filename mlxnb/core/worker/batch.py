@@ -35,7 +35,7 @@ from .inflight import InFlight, LogprobArrays
 from .masks import MaskFiller
 from .prefill import Prefill, PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
-from .sampling import BatchSampler, top_logprobs
+from .sampling import BatchSampler
 from .setup import BatchModel
 
 
@@ -300,7 +300,8 @@ class BatchExecutor:
         if want:
             k = max(rows[i].params.logprobs for i in want)
             idx = mx.array(want)
-            lp = LogprobArrays(want, *top_logprobs(logits[idx], tokens[idx], k))
+            # the distribution each row was drawn from (sampling.py)
+            lp = LogprobArrays(want, *self.sampler.logprobs(idx, tokens[idx], k))
             mx.async_eval(tokens, *[a for a in (lp.chosen, lp.top_ids, lp.top_logprobs)
                                     if a is not None])
         else:
