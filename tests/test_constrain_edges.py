@@ -181,19 +181,25 @@ def test_one_line_drops_state_dumps_backtraces_and_paths():
 
 
 def test_edge_constraints_in_generate_are_one_line_usage_errors(ip, tiny, arun_shut):
+    names = dict(edge_deep=nested(2000), edge_nope="start: ??? nope",
+                 edge_rr='start: "a" start', edge_blanks=["", " "], edge_loop={"$ref": "#"})
+
     async def main():
         eng = attach(tiny)
-        ip.user_ns.update(deep=nested(2000), nope="start: ??? nope",
-                          rr='start: "a" start', blanks=["", " "], loop={"$ref": "#"})
+        ip.user_ns.update(names)
         out = []
-        for line in ("--json-schema deep", "--grammar nope", "--grammar rr",
-                     "--choice blanks", "--json-schema loop", r"--regex '[^\s\S]'"):
+        for line in ("--json-schema edge_deep", "--grammar edge_nope", "--grammar edge_rr",
+                     "--choice edge_blanks", "--json-schema edge_loop", r"--regex '[^\s\S]'"):
             with pytest.raises(UsageError) as ei:
                 gen(ip, "--quiet --raw --max-tokens 8 " + line, "a\nb")
             out.append(str(ei.value))
         return out, len(eng.rows)
 
-    msgs, n = arun_shut(main)
+    try:
+        msgs, n = arun_shut(main)
+    finally:
+        for k in names:  # the shell is shared: later tests must not see these
+            ip.user_ns.pop(k, None)
     assert n == 0
     for m, words in zip(msgs, ("nests more than", "Expected value", "parser items",
                                "is blank", "no JSON value", "matches no text")):
