@@ -293,7 +293,7 @@ class BatchExecutor:
             logits = self.masks.apply(logits)
         if tr:
             t = lap(tr, "launch.fwd_build", t)
-        tokens = self.sampler.sample(logits)  # [B]
+        tokens = self.sampler.sample(logits, keep=bool(want))  # [B]
         if tr:
             t = lap(tr, "launch.sample", t)
         lp = None

@@ -209,9 +209,11 @@ class BatchSampler:
     def needs_float32(self) -> bool:
         return self._any_sampled
 
-    def sample(self, logits: mx.array) -> mx.array:
+    def sample(self, logits: mx.array, keep: bool = True) -> mx.array:
         """logits [B, V] (float32 where any row draws) -> tokens [B] uint32; advances
-        the counters.
+        the counters. `keep`: hold what the rows were drawn from for `logprobs` (a
+        reference to a [B, V] array until the next call; steps whose rows want no
+        logprobs pass False).
 
         A greedy row takes its argmax. A sampled row draws from softmax(filtered / T):
         only tokens with a finite filtered logit can be drawn. Logits must not be NaN
@@ -220,7 +222,8 @@ class BatchSampler:
         if not self._any_sampled:
             # Counters only feed drawing rows' noise, and any such row keeps this
             # branch off while it is in the batch: argmax-only steps skip the update.
-            self._last = (logits, self._temp, self._point if self._any_point else None)
+            self._last = (logits, self._temp,
+                          self._point if self._any_point else None) if keep else None
             return mx.argmax(logits, axis=-1)
         greedy = mx.argmax(logits, axis=-1)
         x = logits
@@ -238,7 +241,7 @@ class BatchSampler:
         if self._vocab_ids is None or self._vocab_ids.shape[0] != V:
             self._vocab_ids = mx.arange(V, dtype=mx.uint32) * _u32(_M2)
         sampled = _gumbel_argmax(x, self._temp, self._seeds, self.counters, self._vocab_ids)
-        self._last = (x, self._temp, self._point if self._any_point else None)
+        self._last = (x, self._temp, self._point if self._any_point else None) if keep else None
         self.counters = self.counters + _u32(1)
         return mx.where(self._temp > 0, sampled, greedy)
 
@@ -260,7 +263,7 @@ class BatchSampler:
         Reads what `sample` already computed (it keeps a reference until its next
         call); call it after `sample` and before the batch's rows change."""
         if self._last is None:
-            raise RuntimeError("logprobs() needs a sample() call first")
+            raise RuntimeError("logprobs() needs a sample(keep=True) call first")
         x, temp, point = self._last
         t = temp[idx]
         z = x[idx].astype(mx.float32) / mx.where(t > 0, t, 1.0)[:, None]
