@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlxnb import Engine
-from mlxnb.core.constrain import kind_of
+from mlxnb.core.constraint_params import kind_of
 from mlxnb.core.worker.masks import masked
 
 PERSON = {
@@ -168,7 +168,7 @@ def test_complete_grammar_stops_without_waiting_for_eos(tiny, arun):
 
 
 def test_a_stop_string_that_cuts_a_constrained_row_leaves_it_not_valid(tiny, arun):
-    from mlxnb.core.constrain import widget_fields
+    from mlxnb.core.constraint_results import widget_fields
 
     async def main():
         eng = make(tiny)

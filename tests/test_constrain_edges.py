@@ -11,7 +11,8 @@ from IPython.core.error import UsageError
 
 from mlxnb import Engine
 from mlxnb.core import constrain
-from mlxnb.core.constrain import Constraints, one_line
+from mlxnb.core.constrain import Constraints
+from mlxnb.core.constraint_params import one_line
 from mlxnb.core.rows import SamplingParams
 
 from test_magics import arun_shut, attach, gen, ip  # noqa: F401  (fixtures)

@@ -12,7 +12,8 @@ PKG = Path(__file__).resolve().parents[1] / "mlxnb"
 FLOORS = ["notebook", "remote", "core", "models"]
 # the worker may use these loop-side leaves: plain records and the constraint compiler
 WORKER_MAY_USE = {"mlxnb.core.messages", "mlxnb.core.states", "mlxnb.core.rows",
-                  "mlxnb.core.constrain", "mlxnb.core._trace"}
+                  "mlxnb.core.constrain", "mlxnb.core.constraint_params",
+                  "mlxnb.core.constraint_results", "mlxnb.core._trace"}
 
 
 def module_name(path: Path) -> str:

@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.sample_utils import apply_top_k
 
 from mlxnb import Engine
-from mlxnb.core.constrain import kind_of
+from mlxnb.core.constraint_params import kind_of
 
 REGEX = r"[0-9]{3}-[0-9]{4}"
 CHOICES = ["yes", "no", "maybe later"]

@@ -6,7 +6,8 @@
       rows.py  run.py     a row's record and the result handle over several rows
       messages.py         what crosses to the worker and back (typed, plain values)
       states.py           row states and finish reasons
-      constrain.py        structured rows: validation, checks, matchers (llguidance)
+      constrain.py        structured rows: the compiler (llguidance), checks before submitting
+      constraint_params.py  constraint_results.py   their values; what a finished row says
       prompts.py  options.py  closing.py  protocol.py  _threads.py  _trace.py
     core/worker/          the MLX worker thread: the model, caches, every array
       batch.py            BatchExecutor.tick: join, launch, prefill, read back

@@ -1,11 +1,12 @@
 """Structured rows: a JSON schema, a regex, a list of choices or a grammar per row.
 
 llguidance (Rust; a structured-output backend of vLLM and llama.cpp) compiles each
-constraint into a matcher over the model's tokenizer. This module holds the user's
-side of it: the keywords' values, the compiler (`Constraints`: one compile per
-constraint and lane, a copy per row, and the check of a finished row's text), and
-the results (`row.json`, DataFrame columns, the widget's parse status). The batch's
-masks, filled each step while the forward launches, are `masks.py`'s.
+constraint into a matcher over the model's tokenizer. This module is the compiler
+(`Constraints`: one compile per constraint and lane, a copy per row, checks before
+submitting and of a finished row's text); constraint_params.py holds the keywords'
+values and their checks, constraint_results.py what a finished row says (`row.json`,
+DataFrame columns, the widget's parse status). The batch's masks, filled each step
+while the forward launches, are worker/masks.py's.
 """
 
 from __future__ import annotations
@@ -20,19 +21,19 @@ from concurrent.futures import Future, TimeoutError as _Timeout
 from typing import Any, Dict, Optional, Tuple
 
 from .._log import log
-from .states import Finish
+from .constraint_params import _WHAT, _key, _short, kind_of, one_line
+from .constraint_results import _CACHE, _VALUE, verdict
 
-KINDS = ("json_schema", "regex", "choices", "grammar")
+
 # Bounds on compiling a constraint, which runs while the kernel's loop waits: the
 # compile time of llguidance grows faster than the schema (1,000 optional properties
 # 0.1 s, 3,000 2.4 s, 15,000 10-20 s), and a 100 KB schema is already far past what
 # a model writes well.
 MAX_CONSTRAINT_CHARS = 128_000
 COMPILE_TIMEOUT_S = 5.0
-# serde_json (under llguidance) stops at 128 levels; Python's json at ~1,000 with a
-# RecursionError. Real schemas nest a few levels, with $defs for anything recursive.
-MAX_SCHEMA_DEPTH = 100
 _PROBE_TOKENS = 4  # tokens a fresh matcher is walked at validation (see _probe)
+
+
 # Whitespace inside JSON is fixed (", " and ": ", none elsewhere): with flexible
 # whitespace a model can spend its whole token budget on spaces and newlines.
 # Lenient: keys llguidance cannot enforce while generating (uniqueItems, not, if/then,
@@ -40,218 +41,6 @@ _PROBE_TOKENS = 4  # tokens a fresh matcher is walked at validation (see _probe)
 # anyOf; every finished row is then checked against the whole schema (`full_check`).
 _JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
               "lenient": True, "coerce_one_of": True}
-_VALUE = "value"  # the capture holding a JSON row's whole value (see _grammar)
-_CACHE = 256  # compiled constraints kept per engine
-
-
-def _short(v: Any, n: int = 60) -> str:
-    s = " ".join(repr(v).split())
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-# -- the user's values (loop side, before a SamplingParams exists) -----------------
-def normalize(params: dict) -> dict:
-    """Bring constraint keywords to their stored form, in place: json_schema -> dict
-    (from a dict, a JSON string or a pydantic model class), choices -> tuple of str.
-    ValueError (one line) for a value of the wrong kind, or for two constraints."""
-    given = [k for k in KINDS if params.get(k) is not None]
-    if len(given) > 1:
-        raise ValueError(f"give at most one of json_schema=, regex=, choices=, grammar= per "
-                         f"row; got {', '.join(given)}")
-    js = params.get("json_schema")
-    if js is not None:
-        params["json_schema"] = _schema_dict(js)
-    ch = params.get("choices")
-    if ch is not None:
-        if isinstance(ch, (str, bytes)) or not hasattr(ch, "__iter__"):
-            raise ValueError(f"choices takes a list of strings, e.g. choices=['yes', 'no']; "
-                             f"got {_short(ch)}")
-        params["choices"] = tuple(ch)
-    return params
-
-
-def _schema_dict(js) -> dict:
-    if isinstance(js, type) and hasattr(js, "model_json_schema"):  # a pydantic model
-        try:
-            js = js.model_json_schema()
-        except Exception as e:
-            log.debug("model_json_schema of %r failed", js, exc_info=True)
-            raise ValueError(f"json_schema: {js.__name__}.model_json_schema() failed "
-                             f"({type(e).__name__}: {one_line(e, 120)}); pass a schema "
-                             "dict instead") from None
-    elif isinstance(js, (str, bytes)):
-        try:
-            js = json.loads(js)
-        except ValueError as e:
-            raise ValueError(f"json_schema is a string but not valid JSON ({e}); pass a "
-                             "dict, a JSON string or a pydantic model class") from None
-    if not isinstance(js, dict):
-        raise ValueError(f"json_schema takes a dict, a JSON string or a pydantic model "
-                         f"class; got {_short(js)}")
-    if _deeper_than(js, MAX_SCHEMA_DEPTH):
-        raise ValueError(f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep (or "
-                         "holds itself); flatten it, with $defs and $ref for recursive parts")
-    try:  # a deep, JSON-only copy: later edits to the user's dict change nothing here
-        text = json.dumps(js, ensure_ascii=False)
-        text.encode("utf-8")
-        return json.loads(text)
-    except UnicodeEncodeError as e:
-        raise ValueError(f"json_schema holds a string that is not valid Unicode "
-                         f"({_bad_char(e)}); remove that character") from None
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"json_schema holds a value JSON cannot represent "
-                         f"({one_line(e, 120)})") from None
-
-
-def _deeper_than(v, limit: int) -> bool:
-    """Whether dicts and lists nest in `v` more than `limit` levels (a dict that holds
-    itself counts as infinitely deep). Iterative: a recursive walk is what fails."""
-    stack = [(v, 1)]
-    while stack:
-        x, d = stack.pop()
-        if isinstance(x, dict):
-            items = x.values()
-        elif isinstance(x, (list, tuple)):
-            items = x
-        else:
-            continue
-        if d > limit:
-            return True
-        stack.extend((y, d + 1) for y in items)
-    return False
-
-
-def _bad_char(e: UnicodeEncodeError) -> str:
-    return f"{e.object[e.start:e.end]!r} at character {e.start}"
-
-
-def _unicode(what: str, v: str) -> None:
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} holds a character that is not valid Unicode "
-                         f"({_bad_char(e)}, a lone surrogate); remove it") from None
-
-
-def check_params(p) -> None:
-    """Type checks for SamplingParams.check (the grammar itself is compiled by
-    `Constraints.compile`, which needs the tokenizer)."""
-    given = [k for k in KINDS if getattr(p, k) is not None]
-    if len(given) > 1:
-        raise ValueError(f"give at most one of json_schema=, regex=, choices=, grammar= per "
-                         f"row; got {', '.join(given)}")
-    if p.json_schema is not None and not isinstance(p.json_schema, dict):
-        raise ValueError(f"json_schema must be a dict here; got {_short(p.json_schema)}")
-    for k in ("regex", "grammar"):
-        v = getattr(p, k)
-        if v is not None and not (isinstance(v, str) and v.strip()):
-            raise ValueError(f"{k} must be a non-empty string; got {_short(v)}")
-        if v is not None:
-            _unicode(k, v)
-    if p.choices is not None:
-        if (not isinstance(p.choices, tuple) or not p.choices
-                or not all(isinstance(c, str) for c in p.choices)):
-            raise ValueError(f"choices must be a non-empty list of non-empty strings; got "
-                             f"{_short(p.choices)}")
-        for i, c in enumerate(p.choices):
-            if not c.strip():  # a row could only write blanks, and would count as valid
-                raise ValueError(f"choice {i + 1} of {len(p.choices)} is blank ({c!r}); "
-                                 "give every choice some visible text")
-            _unicode(f"choice {i + 1} of {len(p.choices)}", c)
-
-
-_WHAT = {"json_schema": "its schema", "regex": "its regex", "choices": "its choices",
-         "grammar": "its grammar"}
-
-
-def verdict(p, m, text: Optional[str] = None) -> Optional[str]:
-    """Why the output a matcher `m` of `p` has read so far (all of it accepted, and
-    `text` if given) is not yet whole or breaks what the mask left out, or None when
-    the constraint is met."""
-    if m.is_stopped() or m.is_accepting():
-        if p.json_schema is not None:
-            got = m.get_capture(_VALUE)
-            got = text if got is None else got
-            return None if got is None else full_check(p.json_schema, got)
-        return None
-    return f"incomplete: {_WHAT[kind_of(p)]} needs more"
-
-
-_validators: "OrderedDict[str, Any]" = OrderedDict()
-_validators_lock = threading.Lock()
-
-
-def full_check(schema: dict, text) -> Optional[str]:
-    """Why a JSON row's `text` (whole, and accepted by its matcher) breaks its schema
-    where the mask could not enforce it, or None. Checked with the jsonschema package
-    (Draft 2020-12 unless the schema names another)."""
-    try:
-        import jsonschema
-        from jsonschema.exceptions import best_match
-    except ImportError:  # then the schema is compiled strictly (_json_opts)
-        return None
-    try:
-        value = json.loads(text)
-        key = json.dumps(schema, sort_keys=True)
-        with _validators_lock:
-            v = _validators.get(key)
-            if v is None:
-                # no $schema: 2020-12, but draft 7 for its "dependencies" (2020-12
-                # split it into dependentRequired / dependentSchemas)
-                old = '"dependencies":' in key
-                cls = jsonschema.validators.validator_for(
-                    schema, default=jsonschema.Draft7Validator if old
-                    else jsonschema.Draft202012Validator)
-                v = _validators[key] = cls(schema)
-            _validators.move_to_end(key)
-            while len(_validators) > _CACHE:
-                _validators.popitem(last=False)
-        err = best_match(v.iter_errors(value))
-    except Exception:  # a schema jsonschema cannot read, a remote $ref: unchecked
-        log.debug("the full check of a JSON row failed", exc_info=True)
-        return None
-    if err is None:
-        return None
-    at = "/" + "/".join(str(x) for x in err.absolute_path)
-    return (f"breaks its schema's {err.validator} at {at}: {one_line(err.message, 120)} "
-            "(a key checked after generating, not enforced while generating)")
-
-
-def kind_of(p) -> Optional[str]:
-    """Which constraint a row's params carry ('json_schema', ...), or None."""
-    for k in KINDS:
-        if getattr(p, k, None) is not None:
-            return k
-    return None
-
-
-def _key(p) -> Optional[tuple]:
-    k = kind_of(p)
-    if k is None:
-        return None
-    v = getattr(p, k)
-    return (k, json.dumps(v, sort_keys=True) if k == "json_schema" else
-            json.dumps(v) if k == "choices" else v)
-
-
-_QUOTE = re.compile(r"^\s*\d+\s*\|")  # "   1 | start: ..." quotes the grammar
-_BUILT_AT = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.@+-]+){2,}\.rs(?::\d+)*")  # a .rs path
-
-
-def one_line(msg, n: int = 300) -> str:
-    """An llguidance error as one line: its words, without the grammar it quotes
-    with a caret under the fault, the parser state it appends, or a Rust panic's
-    backtrace and source paths."""
-    text = str(msg)
-    for cut in ("<state>", "<non-verbose/>", "stack backtrace:", "\nnote: run with"):
-        text = text.split(cut, 1)[0]
-    keep = [ln.strip() for ln in text.splitlines()
-            if ln.strip() and not set(ln.strip()) <= {"^", " "} and not _QUOTE.match(ln)]
-    s = " ".join(" ".join(keep).split())
-    # positions like "at 1(8):" point into llguidance's internal grammar, not the user's
-    s = re.sub(r"(?:\bat )?\b\d+\(\d+\):\s*", "", s).replace(" (in regex)", "")
-    s = _BUILT_AT.sub("llguidance", s)
-    return s if len(s) <= n else s[: n - 1] + "…"
 
 
 def _grammar(kind: str, value) -> str:
@@ -279,8 +68,6 @@ def _json_opts() -> dict:
     if importlib.util.find_spec("jsonschema") is None:  # nothing checks what the mask leaves out
         return dict(_JSON_OPTS, lenient=False, coerce_one_of=False)
     return _JSON_OPTS
-
-
 _warming = threading.Lock()
 _warmed = False
 
@@ -316,8 +103,6 @@ def _limits():
     # not verbose: a failing row's error is then its reason alone, without the
     # parser's state and the grammar
     return llg.LLParserLimits(verbose_errors=False)
-
-
 _EMPTY = {
     "json_schema": "no JSON value satisfies json_schema (a $ref loop with no way out, or "
                    "keys that contradict each other); fix the schema",
@@ -556,69 +341,3 @@ class Constraints:
         import llguidance.numpy as lln
 
         return lln.allocate_token_bitmask(rows, self.lltokenizer().vocab_size)
-
-
-# -- results (loop side) ------------------------------------------------------------
-def parse_json(row) -> Tuple[Any, Optional[str]]:
-    """(value, None) when the row's text parses as JSON, else (None, reason)."""
-    if not row.done:
-        return None, f"the row is still {row.state}; await it first"
-    cached = getattr(row, "_parsed_json", None)  # a done row's text no longer changes
-    if cached is None:
-        cached = row._parsed_json = _parse(row)
-    return cached
-
-
-def _parse(row) -> Tuple[Any, Optional[str]]:
-    if row.finish_reason in (Finish.ERROR, Finish.CANCELLED):
-        return None, f"the row ended with {row.finish_reason}" + (
-            f": {row.error}" if row.error else "")
-    text = row.text
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        cut = " (cut by max_tokens: raise --max-tokens)" if row.finish_reason == Finish.LENGTH else ""
-        return None, f"not valid JSON: {e}{cut}"
-    if row.constraint_error is not None:  # JSON, cut by a stop string before the schema was met
-        return None, row.constraint_error
-    return value, None
-
-
-def record_fields(row) -> dict:
-    """Columns a constrained row adds to `Run.records()`: `constraint`, `valid`
-    (its output satisfies the constraint), `json_error` and `json.<field>` per
-    top-level field of a JSON object."""
-    kind = kind_of(row.params)
-    if kind is None:
-        return {}
-    out = {"constraint": kind, "valid": row.valid}
-    if kind == "json_schema":
-        value, err = parse_json(row)
-        out["json_error"] = err
-        if isinstance(value, dict):
-            out.update({f"json.{k}": v for k, v in value.items()})
-        elif value is not None:
-            out["json"] = value
-    return out
-
-
-_SHORT = {"json_schema": "json", "regex": "regex", "choices": "choice", "grammar": "grammar"}
-
-
-def widget_fields(row) -> dict:
-    """A constrained row's fields for the widget: `con` (json | regex | choice |
-    grammar) and `parse` ('pending', 'ok' or why its output is not valid)."""
-    kind = kind_of(row.params)
-    if kind is None:
-        return {}
-    return {"con": _SHORT[kind], "parse": _status(row, kind)}
-
-
-def _status(row, kind) -> str:
-    if not row.done:
-        return "pending"
-    if kind == "json_schema":
-        return parse_json(row)[1] or "ok"
-    if row.finish_reason in (Finish.ERROR, Finish.CANCELLED):
-        return f"incomplete ({row.finish_reason})"
-    return row.constraint_error or "ok"

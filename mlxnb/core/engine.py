@@ -30,7 +30,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from .. import _aio
 from ..models import progress
-from .constrain import Constraints, kind_of
+from .constrain import Constraints
+from .constraint_params import kind_of
 from .closing import Closing
 from .messages import Admit, TickReport, WorkerState
 from .options import check_options

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
-from .constrain import normalize as normalize_constraint
+from .constraint_params import normalize as normalize_constraint
 from .rows import SamplingParams
 from ._threads import TemplateTimeout, bounded
 

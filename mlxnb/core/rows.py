@@ -17,7 +17,8 @@ from typing import Any, Callable, List, Optional
 from .._aio import awaitable_on
 from .._log import swallowed
 from .._text import RANGES, one_line
-from .constrain import check_params as check_constraint, kind_of, parse_json
+from .constraint_params import check_params as check_constraint, kind_of
+from .constraint_results import parse_json
 from .states import Finish, RowState
 
 QUEUED, PREFILL, DECODE, DONE = RowState

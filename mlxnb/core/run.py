@@ -12,7 +12,7 @@ from pathlib import Path, PurePath
 from typing import List
 
 from .._aio import awaitable_on
-from .constrain import record_fields as constraint_fields
+from .constraint_results import record_fields as constraint_fields
 from .rows import Row, RowResult
 
 

@@ -4,7 +4,7 @@ line, then one line per row (its state, counts, prompt and text, cut to a width)
 from __future__ import annotations
 
 from .._text import fmt_bytes, one_line
-from ..core.constrain import widget_fields as constraint_fields
+from ..core.constraint_results import widget_fields as constraint_fields
 from ..core.states import RowState
 
 

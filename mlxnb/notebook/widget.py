@@ -44,7 +44,7 @@ from . import results
 from .frontend import asset, bundle
 from .gone_engine import GoneEngine
 from .stepchart import MAX_STEP_POINTS, STEP_KEYS
-from ..core.constrain import widget_fields as constraint_fields
+from ..core.constraint_results import widget_fields as constraint_fields
 from ..core.states import RowState
 
 FLUSH_HZ = 15

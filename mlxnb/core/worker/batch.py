@@ -25,7 +25,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from .._trace import lap, pc, timed
-from ..constrain import Constraints, verdict
+from ..constrain import Constraints
+from ..constraint_results import verdict
 from ..messages import (Admit, Emitted, LoadFacts, StepStat, TickReport, Updates,
                         WorkerState)
 from ..states import Finish, RowState

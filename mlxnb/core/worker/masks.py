@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from .._trace import lap, pc
-from ..constrain import Constraints, kind_of, one_line
+from ..constrain import Constraints
+from ..constraint_params import kind_of, one_line
 from ..messages import Ending
 from ..states import Finish
 from .inflight import InFlight

@@ -1,0 +1,169 @@
+"""A structured row's constraint keywords: their values normalized, checked before
+anything compiles, and llguidance's errors as one line."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional
+
+from .._log import log
+KINDS = ("json_schema", "regex", "choices", "grammar")
+
+
+# serde_json (under llguidance) stops at 128 levels; Python's json at ~1,000 with a
+# RecursionError. Real schemas nest a few levels, with $defs for anything recursive.
+MAX_SCHEMA_DEPTH = 100
+
+
+def _short(v: Any, n: int = 60) -> str:
+    s = " ".join(repr(v).split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+# -- the user's values (loop side, before a SamplingParams exists) -----------------
+def normalize(params: dict) -> dict:
+    """Bring constraint keywords to their stored form, in place: json_schema -> dict
+    (from a dict, a JSON string or a pydantic model class), choices -> tuple of str.
+    ValueError (one line) for a value of the wrong kind, or for two constraints."""
+    given = [k for k in KINDS if params.get(k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema=, regex=, choices=, grammar= per "
+                         f"row; got {', '.join(given)}")
+    js = params.get("json_schema")
+    if js is not None:
+        params["json_schema"] = _schema_dict(js)
+    ch = params.get("choices")
+    if ch is not None:
+        if isinstance(ch, (str, bytes)) or not hasattr(ch, "__iter__"):
+            raise ValueError(f"choices takes a list of strings, e.g. choices=['yes', 'no']; "
+                             f"got {_short(ch)}")
+        params["choices"] = tuple(ch)
+    return params
+
+
+def _schema_dict(js) -> dict:
+    if isinstance(js, type) and hasattr(js, "model_json_schema"):  # a pydantic model
+        try:
+            js = js.model_json_schema()
+        except Exception as e:
+            log.debug("model_json_schema of %r failed", js, exc_info=True)
+            raise ValueError(f"json_schema: {js.__name__}.model_json_schema() failed "
+                             f"({type(e).__name__}: {one_line(e, 120)}); pass a schema "
+                             "dict instead") from None
+    elif isinstance(js, (str, bytes)):
+        try:
+            js = json.loads(js)
+        except ValueError as e:
+            raise ValueError(f"json_schema is a string but not valid JSON ({e}); pass a "
+                             "dict, a JSON string or a pydantic model class") from None
+    if not isinstance(js, dict):
+        raise ValueError(f"json_schema takes a dict, a JSON string or a pydantic model "
+                         f"class; got {_short(js)}")
+    if _deeper_than(js, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep (or "
+                         "holds itself); flatten it, with $defs and $ref for recursive parts")
+    try:  # a deep, JSON-only copy: later edits to the user's dict change nothing here
+        text = json.dumps(js, ensure_ascii=False)
+        text.encode("utf-8")
+        return json.loads(text)
+    except UnicodeEncodeError as e:
+        raise ValueError(f"json_schema holds a string that is not valid Unicode "
+                         f"({_bad_char(e)}); remove that character") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"json_schema holds a value JSON cannot represent "
+                         f"({one_line(e, 120)})") from None
+
+
+def _deeper_than(v, limit: int) -> bool:
+    """Whether dicts and lists nest in `v` more than `limit` levels (a dict that holds
+    itself counts as infinitely deep). Iterative: a recursive walk is what fails."""
+    stack = [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            items = x.values()
+        elif isinstance(x, (list, tuple)):
+            items = x
+        else:
+            continue
+        if d > limit:
+            return True
+        stack.extend((y, d + 1) for y in items)
+    return False
+
+
+def _bad_char(e: UnicodeEncodeError) -> str:
+    return f"{e.object[e.start:e.end]!r} at character {e.start}"
+
+
+def _unicode(what: str, v: str) -> None:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a character that is not valid Unicode "
+                         f"({_bad_char(e)}, a lone surrogate); remove it") from None
+
+
+def check_params(p) -> None:
+    """Type checks for SamplingParams.check (the grammar itself is compiled by
+    `Constraints.compile`, which needs the tokenizer)."""
+    given = [k for k in KINDS if getattr(p, k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema=, regex=, choices=, grammar= per "
+                         f"row; got {', '.join(given)}")
+    if p.json_schema is not None and not isinstance(p.json_schema, dict):
+        raise ValueError(f"json_schema must be a dict here; got {_short(p.json_schema)}")
+    for k in ("regex", "grammar"):
+        v = getattr(p, k)
+        if v is not None and not (isinstance(v, str) and v.strip()):
+            raise ValueError(f"{k} must be a non-empty string; got {_short(v)}")
+        if v is not None:
+            _unicode(k, v)
+    if p.choices is not None:
+        if (not isinstance(p.choices, tuple) or not p.choices
+                or not all(isinstance(c, str) for c in p.choices)):
+            raise ValueError(f"choices must be a non-empty list of non-empty strings; got "
+                             f"{_short(p.choices)}")
+        for i, c in enumerate(p.choices):
+            if not c.strip():  # a row could only write blanks, and would count as valid
+                raise ValueError(f"choice {i + 1} of {len(p.choices)} is blank ({c!r}); "
+                                 "give every choice some visible text")
+            _unicode(f"choice {i + 1} of {len(p.choices)}", c)
+_WHAT = {"json_schema": "its schema", "regex": "its regex", "choices": "its choices",
+         "grammar": "its grammar"}
+
+
+def kind_of(p) -> Optional[str]:
+    """Which constraint a row's params carry ('json_schema', ...), or None."""
+    for k in KINDS:
+        if getattr(p, k, None) is not None:
+            return k
+    return None
+
+
+def _key(p) -> Optional[tuple]:
+    k = kind_of(p)
+    if k is None:
+        return None
+    v = getattr(p, k)
+    return (k, json.dumps(v, sort_keys=True) if k == "json_schema" else
+            json.dumps(v) if k == "choices" else v)
+_QUOTE = re.compile(r"^\s*\d+\s*\|")  # "   1 | start: ..." quotes the grammar
+_BUILT_AT = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.@+-]+){2,}\.rs(?::\d+)*")  # a .rs path
+
+
+def one_line(msg, n: int = 300) -> str:
+    """An llguidance error as one line: its words, without the grammar it quotes
+    with a caret under the fault, the parser state it appends, or a Rust panic's
+    backtrace and source paths."""
+    text = str(msg)
+    for cut in ("<state>", "<non-verbose/>", "stack backtrace:", "\nnote: run with"):
+        text = text.split(cut, 1)[0]
+    keep = [ln.strip() for ln in text.splitlines()
+            if ln.strip() and not set(ln.strip()) <= {"^", " "} and not _QUOTE.match(ln)]
+    s = " ".join(" ".join(keep).split())
+    # positions like "at 1(8):" point into llguidance's internal grammar, not the user's
+    s = re.sub(r"(?:\bat )?\b\d+\(\d+\):\s*", "", s).replace(" (in regex)", "")
+    s = _BUILT_AT.sub("llguidance", s)
+    return s if len(s) <= n else s[: n - 1] + "…"

@@ -1,0 +1,133 @@
+"""What a finished structured row says: whether its output meets the constraint
+(the matcher's verdict, and the full schema checked with jsonschema), its JSON value,
+its DataFrame columns and the widget's parse status."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any, Optional, Tuple
+
+from .._log import log
+from .constraint_params import _WHAT, kind_of, one_line
+from .states import Finish
+_VALUE = "value"  # the capture holding a JSON row's whole value (see _grammar)
+_CACHE = 256  # compiled constraints kept per engine
+
+
+def verdict(p, m, text: Optional[str] = None) -> Optional[str]:
+    """Why the output a matcher `m` of `p` has read so far (all of it accepted, and
+    `text` if given) is not yet whole or breaks what the mask left out, or None when
+    the constraint is met."""
+    if m.is_stopped() or m.is_accepting():
+        if p.json_schema is not None:
+            got = m.get_capture(_VALUE)
+            got = text if got is None else got
+            return None if got is None else full_check(p.json_schema, got)
+        return None
+    return f"incomplete: {_WHAT[kind_of(p)]} needs more"
+
+
+_validators: "OrderedDict[str, Any]" = OrderedDict()
+_validators_lock = threading.Lock()
+
+
+def full_check(schema: dict, text) -> Optional[str]:
+    """Why a JSON row's `text` (whole, and accepted by its matcher) breaks its schema
+    where the mask could not enforce it, or None. Checked with the jsonschema package
+    (Draft 2020-12 unless the schema names another)."""
+    try:
+        import jsonschema
+        from jsonschema.exceptions import best_match
+    except ImportError:  # then the schema is compiled strictly (_json_opts)
+        return None
+    try:
+        value = json.loads(text)
+        key = json.dumps(schema, sort_keys=True)
+        with _validators_lock:
+            v = _validators.get(key)
+            if v is None:
+                # no $schema: 2020-12, but draft 7 for its "dependencies" (2020-12
+                # split it into dependentRequired / dependentSchemas)
+                old = '"dependencies":' in key
+                cls = jsonschema.validators.validator_for(
+                    schema, default=jsonschema.Draft7Validator if old
+                    else jsonschema.Draft202012Validator)
+                v = _validators[key] = cls(schema)
+            _validators.move_to_end(key)
+            while len(_validators) > _CACHE:
+                _validators.popitem(last=False)
+        err = best_match(v.iter_errors(value))
+    except Exception:  # a schema jsonschema cannot read, a remote $ref: unchecked
+        log.debug("the full check of a JSON row failed", exc_info=True)
+        return None
+    if err is None:
+        return None
+    at = "/" + "/".join(str(x) for x in err.absolute_path)
+    return (f"breaks its schema's {err.validator} at {at}: {one_line(err.message, 120)} "
+            "(a key checked after generating, not enforced while generating)")
+
+
+# -- results (loop side) ------------------------------------------------------------
+def parse_json(row) -> Tuple[Any, Optional[str]]:
+    """(value, None) when the row's text parses as JSON, else (None, reason)."""
+    if not row.done:
+        return None, f"the row is still {row.state}; await it first"
+    cached = getattr(row, "_parsed_json", None)  # a done row's text no longer changes
+    if cached is None:
+        cached = row._parsed_json = _parse(row)
+    return cached
+
+
+def _parse(row) -> Tuple[Any, Optional[str]]:
+    if row.finish_reason in (Finish.ERROR, Finish.CANCELLED):
+        return None, f"the row ended with {row.finish_reason}" + (
+            f": {row.error}" if row.error else "")
+    text = row.text
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        cut = " (cut by max_tokens: raise --max-tokens)" if row.finish_reason == Finish.LENGTH else ""
+        return None, f"not valid JSON: {e}{cut}"
+    if row.constraint_error is not None:  # JSON, cut by a stop string before the schema was met
+        return None, row.constraint_error
+    return value, None
+
+
+def record_fields(row) -> dict:
+    """Columns a constrained row adds to `Run.records()`: `constraint`, `valid`
+    (its output satisfies the constraint), `json_error` and `json.<field>` per
+    top-level field of a JSON object."""
+    kind = kind_of(row.params)
+    if kind is None:
+        return {}
+    out = {"constraint": kind, "valid": row.valid}
+    if kind == "json_schema":
+        value, err = parse_json(row)
+        out["json_error"] = err
+        if isinstance(value, dict):
+            out.update({f"json.{k}": v for k, v in value.items()})
+        elif value is not None:
+            out["json"] = value
+    return out
+_SHORT = {"json_schema": "json", "regex": "regex", "choices": "choice", "grammar": "grammar"}
+
+
+def widget_fields(row) -> dict:
+    """A constrained row's fields for the widget: `con` (json | regex | choice |
+    grammar) and `parse` ('pending', 'ok' or why its output is not valid)."""
+    kind = kind_of(row.params)
+    if kind is None:
+        return {}
+    return {"con": _SHORT[kind], "parse": _status(row, kind)}
+
+
+def _status(row, kind) -> str:
+    if not row.done:
+        return "pending"
+    if kind == "json_schema":
+        return parse_json(row)[1] or "ok"
+    if row.finish_reason in (Finish.ERROR, Finish.CANCELLED):
+        return f"incomplete ({row.finish_reason})"
+    return row.constraint_error or "ok"
