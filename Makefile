@@ -49,7 +49,7 @@ test: system-deps browser-deps $(TEST_STAMP)
 	$(BIN)/python -m bench decode --quick > /dev/null && $(BIN)/python -m bench mixed --quick > /dev/null
 
 # The unit tier: the tiny random-weight model, no kernels, subprocesses, servers or
-# bundled model (about a minute on 2 cores).
+# bundled model (about two and a half minutes on 2 cores).
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "$(UNIT)"
 
