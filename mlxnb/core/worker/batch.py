@@ -302,7 +302,8 @@ class BatchExecutor:
             k = max(rows[i].params.logprobs for i in want)
             idx = mx.array(want)
             # the distribution each row was drawn from (sampling.py)
-            lp = LogprobArrays(want, *self.sampler.logprobs(idx, tokens[idx], k))
+            top = self.sampler.logprobs(idx, tokens[idx], k)
+            lp = LogprobArrays(want, top.chosen, top.top_ids, top.top_logprobs)
             mx.async_eval(tokens, *[a for a in (lp.chosen, lp.top_ids, lp.top_logprobs)
                                     if a is not None])
         else:

@@ -18,7 +18,7 @@ quantization of the noise). `BatchSampler.logprobs` reports that same distributi
 from __future__ import annotations
 
 from functools import partial
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -112,15 +112,21 @@ def _apply_filters(logprobs: mx.array, top_k: int, top_p: float, min_p: float) -
     return out
 
 
-def _top(logprobs: mx.array, chosen: mx.array, k: int):
+class TopLogprobs(NamedTuple):
+    chosen: mx.array  # [b] the chosen token's logprob
+    top_ids: Optional[mx.array]  # [b, k] most likely first (None when k <= 0)
+    top_logprobs: Optional[mx.array]  # [b, k]
+
+
+def _top(logprobs: mx.array, chosen: mx.array, k: int) -> TopLogprobs:
     chosen_lp = mx.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
     if k <= 0:
-        return chosen_lp, None, None
+        return TopLogprobs(chosen_lp, None, None)
     top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
     top_lp = mx.take_along_axis(logprobs, top, axis=-1)
     order = mx.argsort(-top_lp, axis=-1)
-    return (chosen_lp, mx.take_along_axis(top, order, axis=-1),
-            mx.take_along_axis(top_lp, order, axis=-1))
+    return TopLogprobs(chosen_lp, mx.take_along_axis(top, order, axis=-1),
+                       mx.take_along_axis(top_lp, order, axis=-1))
 
 
 class BatchSampler:
