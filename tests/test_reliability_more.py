@@ -369,6 +369,34 @@ def test_save_is_atomic_and_writes_common_python_values(tiny, arun, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]  # no temp left
 
 
+def test_save_writes_through_links_and_devices_and_refuses_what_it_cannot(tiny, arun,
+                                                                           tmp_path):
+    async def main():
+        eng = make(tiny)
+        row = eng.submit("a", chat=False, max_tokens=3)
+        await row
+        await eng.aclose()
+        return row
+
+    run = Run([arun(main)])
+    real = tmp_path / "real.jsonl"
+    real.write_text("old\n", encoding="utf-8")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    assert run.save(link) == link
+    assert link.is_symlink() and json.loads(real.read_text(encoding="utf-8"))["text"]
+    run.save(os.devnull)  # a character device: written as it is, not replaced
+    assert Path(os.devnull).exists() and not Path(os.devnull).is_file()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for bad, says in (("", "needs a file name"), (tmp_path, "is a directory"),
+                      (fifo, "FIFO")):
+        with pytest.raises(ValueError, match=says) as e:
+            run.save(bad)
+        assert "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "pipe", "real.jsonl"]
+
+
 # ------------------------------------------------------------- special files
 @pytest.mark.parametrize("victim", ["model.safetensors", "tokenizer.json"])
 def test_a_fifo_in_a_model_directory_is_refused(tmp_path, victim):

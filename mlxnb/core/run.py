@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import secrets
+import stat
 from dataclasses import asdict
 from pathlib import Path, PurePath
 from typing import List
@@ -102,9 +103,11 @@ class Run:
         """Write JSONL: one line per row with its params, token ids and stats.
 
         Atomic: written to a temporary file next to `path`, then renamed over it, so a
-        failure leaves an existing file as it was. numpy numbers and arrays, dates and
+        failure leaves an existing file as it was. A symbolic link is written through
+        (its target is replaced, the link stays); a character device such as /dev/null
+        is written as it is; a FIFO, socket or directory is refused. numpy numbers and arrays, dates and
         paths in sweep values are written as JSON numbers, lists and strings."""
-        path = Path(path)
+        given, path = Path(path), _save_target(path)
         lines = []
         for r, rec in zip(self.rows, self.records()):
             params = {k: v for k, v in asdict(r.params).items() if k != "logits_processors"}
@@ -117,6 +120,10 @@ class Run:
             except UnicodeEncodeError:  # lone surrogates: JSON's \ud800 escapes
                 line = json.dumps(rec, ensure_ascii=True, default=_json_default)
             lines.append(line + "\n")
+        if path.exists() and not path.is_file():  # a device such as /dev/null: as is
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(lines)
+            return given
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
             with open(tmp, "x", encoding="utf-8") as f:  # the usual permissions
@@ -130,7 +137,7 @@ class Run:
             except OSError:
                 pass
             raise
-        return path
+        return given
 
     def __repr__(self):
         states = {}
@@ -159,3 +166,19 @@ def _json_default(o):
     if isinstance(o, bytes):
         return o.decode("utf-8", "backslashreplace")
     return str(o)
+
+
+def _save_target(path) -> Path:
+    """The file `Run.save` writes: links resolved; a path it cannot write atomically,
+    or that would block (a FIFO with no reader), refused in one line."""
+    if not str(path).strip():
+        raise ValueError("run.save needs a file name, e.g. run.save('run.jsonl')")
+    target = Path(os.path.realpath(path))
+    if target.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory; give a file name in it, "
+                         f"e.g. {str(Path(path) / 'run.jsonl')!r}")
+    if target.exists():
+        mode = target.stat().st_mode
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            raise ValueError(f"{str(path)!r} is a FIFO or socket; save to a regular file")
+    return target
