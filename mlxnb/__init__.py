@@ -12,8 +12,10 @@ message; a row that fails ends with finish_reason 'error' and `row.error` set:
 """
 
 from .models.blas import preload_openblas as _preload_openblas
+from .models.kernel_cache import use_user_cache as _use_user_cache
 
 _preload_openblas()  # before anything imports mlx: see models/blas.py for why
+_use_user_cache()  # likewise: models/kernel_cache.py
 
 
 def load_ipython_extension(ip):  # `%load_ext mlxnb`

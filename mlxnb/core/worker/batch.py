@@ -36,6 +36,7 @@ from .inflight import InFlight, LogprobArrays
 from .masks import MaskFiller
 from .prefill import Prefill, PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
+from .precompile import Precompiler
 from .sampling import BatchSampler
 from .setup import BatchModel
 
@@ -65,6 +66,8 @@ class BatchExecutor:
         self.masks = MaskFiller(self.constraints, fill_threads)
         self._reset_batch()
         self.nsteps = 0
+        self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
+        self.precompiler.start()
 
     def trace(self, tracer) -> None:
         """Report each tick's parts to `tracer(name, seconds)` (_trace.py); None: off."""
@@ -112,6 +115,8 @@ class BatchExecutor:
         """One scheduler iteration: one step, and with `streak_s` > 0 more steps for
         up to that long while nothing needs the loop (`_streak_goes_on`)."""
         updates, emitted = Updates(), []
+        if self.precompiler.pending:
+            self.precompiler.poll()
         for rid in cancels:
             self._cancel(rid, updates, emitted)
         self.prefill.admit(admits)
@@ -408,6 +413,10 @@ class BatchExecutor:
         return total, share, other
 
     def close(self, clear_cache: bool = True):
+        """Forget every row; `clear_cache` (a final close, unlike warm-up's reset)
+        also frees MLX's buffer cache and stops background kernel compiles."""
+        if clear_cache:
+            self.precompiler.close()
         self.prefill.clear()
         self._reset_batch()
         self.masks.close()

@@ -88,13 +88,23 @@ def gumbel_noise(seeds: mx.array, counters: mx.array, vocab_ids: mx.array) -> mx
     return gumbel_from_bits(_fmix32(row_key[:, None] ^ vocab_ids[None, :]))
 
 
+def _gumbel_argmax_unfused(logits, temp, seeds, counters, vocab_ids):
+    t = mx.where(temp > 0, temp, 1.0)[:, None]
+    return mx.argmax(logits / t + gumbel_noise(seeds, counters, vocab_ids), axis=-1)
+
+
 # One fused kernel instead of ~15 elementwise passes over [B, V] (measured on the
 # CPU: 13-15% faster at B >= 32, same tokens); shapeless, so batch size changes
 # don't recompile.
-@partial(mx.compile, shapeless=True)
-def _gumbel_argmax(logits, temp, seeds, counters, vocab_ids):
-    t = mx.where(temp > 0, temp, 1.0)[:, None]
-    return mx.argmax(logits / t + gumbel_noise(seeds, counters, vocab_ids), axis=-1)
+_gumbel_argmax_fused = partial(mx.compile, shapeless=True)(_gumbel_argmax_unfused)
+_gumbel_argmax = _gumbel_argmax_fused
+
+
+def use_fused(on: bool) -> None:
+    """Draw with the fused kernel (on) or the same ops unfused: precompile.py turns
+    it off while the fused kernel compiles in the background."""
+    global _gumbel_argmax
+    _gumbel_argmax = _gumbel_argmax_fused if on else _gumbel_argmax_unfused
 
 
 def _apply_filters(logprobs: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:

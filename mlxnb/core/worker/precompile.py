@@ -1,0 +1,180 @@
+"""Sampling kernels compiled by helper processes while the engine serves rows.
+
+On MLX's CUDA backend every fused kernel is compiled with NVRTC on its first use and
+kept on disk (models/kernel_cache.py). On a fresh H200 host the fused Gumbel
+sampling kernel took 36 s to compile, each truncation filter another 6-14 s,
+logprobs 19 s and the repetition penalty 8 s, while the unfused ops of the same
+draw are prebuilt in MLX's library (0.08 s on first use, ~0.6 ms more per step at
+B=8) (bench/results/cold-start-h200.md). Compiled inline, these paths held an
+Engine's start (its warm-up samples) or a row's first token for that long.
+
+So when the sampling kernels are not yet on disk, `Precompiler` starts one process
+per piece (they compile in parallel, one CPU core each) into a private folder, and
+the sampler draws with the unfused ops meanwhile (`sampling.use_fused(False)`). When
+the processes have exited, their files move into MLX's folder and the sampler
+switches to the fused kernel, which MLX then loads from disk in milliseconds. Both
+draw the same tokens: the same ops on the same values (the fused kernel may contract
+a multiply-add, which changes a noise value by an ulp at most: a token whose
+perturbed logit ties the best one to that precision could differ).
+
+MLX writes a kernel's `<name>.ptx` and then its `<name>.txt` (kernel names) and takes
+the presence of the .ptx as "cached", so a move places the .txt first. Kernels that
+this process compiled meanwhile are kept.
+
+Only the CUDA backend keeps compiled kernels across processes; elsewhere nothing
+starts and the fused path is used from the first step (the CPU compiles it in ~1 s).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+
+from ..._log import log, swallowed
+from ...models.kernel_cache import ptx_dir
+from . import sampling
+
+# One process per piece: a piece's kernels compile serially within a process.
+PIECES = ("gumbel", "top_k", "top_p", "min_p", "logprobs", "penalty")
+_DONE = "mlxnb-sampling-{vocab}.done"
+
+
+def wanted() -> bool:
+    """Whether this backend keeps compiled kernels on disk across processes."""
+    try:
+        return bool(mx.cuda.is_available())
+    except AttributeError:
+        return False
+
+
+class Precompiler:
+    """Compiles the sampling kernels for a vocabulary of `vocab` in the background.
+
+    Runs on the worker: `start()` once, then `poll()` between ticks (cheap: one
+    waitpid per process until they have all exited)."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.procs: List[subprocess.Popen] = []
+        self.private: Optional[Path] = None
+        self.started_at = 0.0
+        self.took: Optional[float] = None  # seconds, once done
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.procs)
+
+    def start(self) -> bool:
+        """Start compiling unless the kernels are on disk already (or this backend
+        keeps none); True if started. Until `poll()` finishes, sampling is unfused."""
+        cache = ptx_dir()
+        if not wanted() or (cache / _DONE.format(vocab=self.vocab)).exists():
+            return False
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            self.private = Path(tempfile.mkdtemp(prefix="mlxnb-precompile-", dir=cache.parent))
+            env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.private),
+                       PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            self.procs = [subprocess.Popen(
+                [sys.executable, "-m", __name__, piece, str(self.vocab)], env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE) for piece in PIECES]
+        except OSError:
+            swallowed("starting the sampling-kernel compilers")
+            self._cleanup()
+            return False
+        self.started_at = time.perf_counter()
+        sampling.use_fused(False)
+        return True
+
+    def poll(self) -> None:
+        if not self.procs or any(p.poll() is None for p in self.procs):
+            return
+        failed = [p for p in self.procs if p.returncode != 0]
+        for p in failed:
+            err = (p.stderr.read() or b"").decode(errors="replace").strip().splitlines()
+            log.info("sampling-kernel compiler exited %s: %s", p.returncode,
+                     err[-1] if err else "")
+        for p in self.procs:
+            p.stderr.close()
+        self.procs = []
+        self.took = time.perf_counter() - self.started_at
+        try:
+            moved = _move_kernels(self.private, ptx_dir())
+            if not failed:
+                (ptx_dir() / _DONE.format(vocab=self.vocab)).touch()
+            log.info("sampling kernels compiled in %.1f s (%d files)", self.took, moved)
+        except OSError:
+            swallowed("moving the compiled sampling kernels")
+        self._cleanup()
+        sampling.use_fused(True)
+
+    def close(self) -> None:
+        """Stop compiling (the engine is closing); the sampler is fused again."""
+        for p in self.procs:
+            p.kill()
+            p.wait()
+            p.stderr.close()
+        self.procs = []
+        self._cleanup()
+        sampling.use_fused(True)
+
+    def _cleanup(self) -> None:
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
+            self.private = None
+
+
+def _move_kernels(src: Path, dst: Path) -> int:
+    """Move kernels that `dst` lacks from `src` (see the module docstring for the
+    order); returns the number of files moved. MLX names a kernel's files by its
+    fused ops and splits names too long for one file name into nested folders, so
+    the walk is recursive."""
+    moved = 0
+    for ptx in sorted(src.rglob("*.ptx")):
+        txt = ptx.with_suffix(".txt")
+        target = dst / ptx.relative_to(src)
+        if target.exists() or not txt.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for f in (txt, ptx):
+            tmp = target.parent / f".{f.name}.{os.getpid()}.tmp"
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, target.parent / f.name)
+            moved += 1
+    return moved
+
+
+def _compile(piece: str, vocab: int) -> None:
+    """Run `piece` once at two batch sizes on float32 logits, as the engine's
+    sampled steps do."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    for B in (1, 8):
+        logits = mx.random.normal((B, vocab)).astype(mx.float32)
+        s = sampling.BatchSampler()
+        filters = {"top_k": (20, 1.0, 0.0), "top_p": (0, 0.9, 0.0),
+                   "min_p": (0, 1.0, 0.1)}.get(piece, (0, 1.0, 0.0))
+        temp = 0.0 if piece == "logprobs" else 0.8
+        s.extend([temp] * B, [filters] * B, list(range(B)), [0] * B)
+        if piece == "penalty":
+            proc = make_logits_processors(repetition_penalty=1.1)[0]
+            out = proc(mx.zeros((1, 4), dtype=mx.uint32), logits[:1])
+        elif piece == "logprobs":
+            tok = s.sample(logits)
+            out = s.logprobs(mx.arange(B), tok, 5)
+        else:
+            out = s.sample(logits)
+        mx.eval(out)
+
+
+if __name__ == "__main__":
+    _compile(sys.argv[1], int(sys.argv[2]))

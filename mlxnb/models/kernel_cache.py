@@ -1,0 +1,49 @@
+"""Where MLX keeps the kernels it compiles, so a machine compiles each one once.
+
+MLX's CUDA backend compiles fused kernels with NVRTC on first use and keeps them on
+disk under `MLX_PTX_CACHE_DIR`, by default `<tmp>/mlx/<version>/ptx`: emptied by a
+reboot on many hosts (tmpfs, tmp cleaners), after which every kernel compiles again
+(about a minute of an engine's first start on an H200 host,
+bench/results/cold-start-h200.md). mlxnb points it into the user's cache, beside the
+converted models, unless the user chose a folder. Metal and the CPU backend ignore it.
+
+It must be set before MLX's first compile: MLX reads it once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+ENV = "MLX_PTX_CACHE_DIR"
+
+
+def _mlx_version() -> str:
+    try:
+        return metadata.version("mlx")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def use_user_cache() -> None:
+    """Point MLX's kernel cache at `<mlxnb cache>/mlx-<version>/ptx` when neither the
+    user nor an earlier import of mlx settled it. Idempotent; never raises."""
+    if os.environ.get(ENV) or "mlx.core" in sys.modules:
+        return
+    from .gguf import cache_root
+
+    # MLX creates the folder on its first compile (and does without a cache if it
+    # cannot), so nothing is written here on backends that never use it.
+    os.environ[ENV] = str(cache_root() / f"mlx-{_mlx_version()}" / "ptx")
+
+
+def ptx_dir() -> Path:
+    """The folder MLX's CUDA backend reads compiled kernels from in this process."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    import mlx.core as mx
+
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"

@@ -1,0 +1,111 @@
+"""Sampling kernels compiled in helper processes (worker/precompile.py) and the
+kernel cache's folder (models/kernel_cache.py)."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from mlxnb.core.worker import precompile, sampling
+from mlxnb.core.worker.sampling import BatchSampler
+
+
+def _draws(fused: bool, B=64, V=4096, steps=20):
+    sampling.use_fused(fused)
+    try:
+        s = BatchSampler()
+        s.extend([0.5 + i / B for i in range(B)], [(0, 1.0, 0.0)] * B, list(range(B)), [0] * B)
+        out = []
+        for step in range(steps):
+            logits = mx.random.normal((B, V), key=mx.random.key(step)) * 4
+            out.append(s.sample(logits))
+        return mx.stack(out).tolist()
+    finally:
+        sampling.use_fused(True)
+
+
+def test_unfused_draws_the_same_tokens():
+    # the engine switches from one to the other mid-run when the fused kernel lands
+    assert _draws(False) == _draws(True)
+
+
+def test_move_places_names_before_code_and_keeps_existing(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir(), dst.mkdir()
+    for name in ("a", "b", "c"):
+        (src / f"{name}.ptx").write_text(f"ptx {name}")
+        (src / f"{name}.txt").write_text(f"names {name}")
+    (src / "d.ptx").write_text("a kernel still being written: no names yet")
+    long = src / ("F" * 200) / "G"  # a name too long for one file name
+    long.mkdir(parents=True)
+    (long / "e.ptx").write_text("ptx e")
+    (long / "e.txt").write_text("names e")
+    (dst / "b.ptx").write_text("compiled here")
+    (dst / "b.txt").write_text("names here")
+    order = []
+    real = os.replace
+    try:
+        os.replace = lambda a, b: (order.append(os.path.basename(b)), real(a, b))
+        assert precompile._move_kernels(src, dst) == 6
+    finally:
+        os.replace = real
+    assert order == ["e.txt", "e.ptx", "a.txt", "a.ptx", "c.txt", "c.ptx"]
+    assert (dst / ("F" * 200) / "G" / "e.ptx").read_text() == "ptx e"
+    assert (dst / "b.ptx").read_text() == "compiled here"
+    assert not (dst / "d.ptx").exists()
+    assert sorted(p.name for p in dst.iterdir()) == ["F" * 200, "a.ptx", "a.txt", "b.ptx",
+                                                      "b.txt", "c.ptx", "c.txt"]
+
+
+@pytest.mark.parametrize("piece", precompile.PIECES)
+def test_each_piece_runs_in_its_own_process(piece):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-m", "mlxnb.core.worker.precompile", piece, "512"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_compilers_run_then_sampling_is_fused_again(tmp_path, monkeypatch):
+    cache = tmp_path / "ptx"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
+    monkeypatch.setattr(precompile, "wanted", lambda: True)
+    monkeypatch.setattr(precompile, "PIECES", ("gumbel", "top_p"))
+    p = precompile.Precompiler(512)
+    assert p.start() and p.pending
+    assert sampling._gumbel_argmax is sampling._gumbel_argmax_unfused
+    for proc in p.procs:
+        proc.wait(timeout=120)
+    p.poll()
+    assert not p.pending and p.took is not None
+    assert sampling._gumbel_argmax is sampling._gumbel_argmax_fused
+    assert (cache / "mlxnb-sampling-512.done").exists()
+    assert [f.name for f in tmp_path.iterdir()] == ["ptx"]  # the private folder is gone
+    # on disk already: nothing starts again
+    assert not precompile.Precompiler(512).start()
+
+
+def test_close_stops_the_compilers(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setattr(precompile, "wanted", lambda: True)
+    p = precompile.Precompiler(512)
+    assert p.start()
+    procs = list(p.procs)
+    p.close()
+    assert all(proc.returncode is not None for proc in procs)
+    assert sampling._gumbel_argmax is sampling._gumbel_argmax_fused
+    assert not (tmp_path / "ptx" / "mlxnb-sampling-512.done").exists()
+
+
+def test_kernel_cache_goes_to_the_user_cache_unless_chosen(tmp_path):
+    code = "import mlxnb, os; print(os.environ.get('MLX_PTX_CACHE_DIR'))"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
+    env["MLXNB_CACHE"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60).stdout.strip()
+    assert out.startswith(str(tmp_path / "mlx-")) and out.endswith("ptx")
+    env["MLX_PTX_CACHE_DIR"] = "/somewhere/chosen"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60).stdout.strip()
+    assert out == "/somewhere/chosen"
