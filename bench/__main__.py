@@ -18,6 +18,8 @@ BENCHMARKS = {
                                            "rows, and the token-mask time per step"),
     "cold-start": ("cold_start", "first vs second use of each piece of a step (MLX "
                                  "compiling kernels on first use)"),
+    "first-token": ("first_token", "a new process's Engine() and first tokens, with an "
+                                   "empty or a shared cache (--fresh)"),
     "remote": ("remote", "mlxnb.connect vs a plain httpx client against one mlx_lm.server"),
     "widget-traffic": ("widget_traffic", "the live widget's messages/s, bytes per token "
                                          "and time on the kernel's loop"),

@@ -1,0 +1,106 @@
+"""A process's first engine: seconds from process start to `Engine()` ready and to the
+first token of its first rows (greedy, sampled, top-p, in turn), each run in a new
+process.
+
+--fresh gives each process an empty `MLXNB_CACHE`: no converted model and no compiled
+kernels (MLX's kernel folder lives under it unless MLX_PTX_CACHE_DIR is set, which
+this benchmark unsets), as on a machine that never ran mlxnb. Without it the
+processes share one cache, so the first pays the compiles and the rest find them.
+
+  python -m bench first-token --shape default --fresh      # `make demo` on a new machine
+  bash bench/gpu_run.sh first-token --shape smollm2 --fresh --runs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+NAME, RESULT, TITLE = "first-token", "first-token", "A process's first engine and first tokens"
+KINDS = (("greedy", {}), ("sampled", {"temperature": 0.8}),
+         ("top_p", {"temperature": 0.8, "top_p": 0.9}))
+
+
+async def _child(shape: str, dtype: str, t_start: float) -> dict:
+    """`t_start`: the wall-clock time the parent started this process."""
+    import mlxnb
+    from . import common
+
+    out = {"import_s": time.time() - t_start}
+    t = time.perf_counter()
+    if shape == "default":
+        eng = mlxnb.Engine("default", max_batch=32)
+        prompts = ["Tell me about cats.", "Write a haiku about rain.",
+                   "What is two plus two?", "Name three rivers."]
+    else:
+        model, tok, _ = common.build_model(shape, dtype)
+        eng = mlxnb.Engine((model, tok), max_batch=32, kv_budget=None)
+        prompts = [common.as_text([5 + i] * (20 + 7 * i)) for i in range(4)]
+    out["engine_s"] = time.perf_counter() - t
+    out["warmup_s"] = eng.warmup_s
+    out["ready_since_start_s"] = time.time() - t_start
+    for name, kw in KINDS:
+        t = time.perf_counter()
+        run = eng.generate(prompts, chat=False, max_tokens=4, **kw)
+        while not any(r.ntok for r in run):
+            await asyncio.sleep(0.002)
+        out[f"{name}_first_token_s"] = time.perf_counter() - t
+        if name == "greedy":
+            out["first_token_since_start_s"] = time.time() - t_start
+        while not run.done:
+            await asyncio.sleep(0.01)
+    eng.close()
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def main(argv=None, prog=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        t_start = float(argv[3])
+        print("RESULT " + json.dumps(asyncio.run(_child(argv[1], argv[2], t_start))))
+        return 0
+    from . import common
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
+    ap.add_argument("--shape", default="default", choices=["default"] + list(common.SHAPES))
+    ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
+    ap.add_argument("--fresh", action="store_true", help="an empty MLXNB_CACHE per process")
+    ap.add_argument("--runs", type=int, default=2)
+    common.add_output_args(ap)
+    args = ap.parse_args(argv)
+    report = common.Report(NAME, RESULT, TITLE, args, argv)
+    shared = tempfile.mkdtemp(prefix="mlxnb-first-token-")
+    rows = []
+    for i in range(args.runs):
+        env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
+        env["MLXNB_CACHE"] = tempfile.mkdtemp(prefix="mlxnb-fresh-") if args.fresh else shared
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        cmd = [sys.executable, "-m", "bench", NAME, "--child", args.shape, args.dtype]
+        # the child measures from this moment (wall clock): its interpreter start counts
+        r = subprocess.run(cmd + [repr(time.time())], env=env,
+                           capture_output=True, text=True, cwd=str(common.ROOT))
+        line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+        if r.returncode or not line:
+            common.log(f"run {i}: failed\n{r.stderr[-2000:]}")
+            return 1
+        res = json.loads(line[0][7:])
+        res["run"] = i
+        rows.append(res)
+        common.log(json.dumps(res))
+    keys = ["run", "engine_s", "warmup_s", "ready_since_start_s", "first_token_since_start_s"] + [
+        f"{k}_first_token_s" for k, _ in KINDS]
+    table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    table += ["| " + " | ".join(str(r.get(k)) for k in keys) + " |" for r in rows]
+    what = "each process with an empty MLXNB_CACHE" if args.fresh else "processes sharing one cache"
+    report.write(f"{args.shape} {args.dtype}, {what}; seconds.\n\n" + "\n".join(table) + "\n",
+                 {"rows": rows})
+    print("\n".join(table))
+    return 0
