@@ -68,5 +68,6 @@ RANGES = {
     "repetition_penalty": (lambda v: v > 0, "a number > 0"),
     "seed": (lambda v: v >= 0, "a non-negative integer"),
     "logprobs": (lambda v: 0 <= v <= 20, "an integer in [0, 20]"),
-    "n": (lambda v: v >= 1, "a positive integer"),  # samples per prompt (%%generate)
+    "n": (lambda v: v >= 1, "a positive integer"),
+    "num_draft": (lambda v: 0 <= v <= 16, "an integer in [0, 16] (0 = adaptive)"),  # samples per prompt (%%generate)
 }

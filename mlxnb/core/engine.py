@@ -94,10 +94,12 @@ class Engine(Listeners, Closing):
                  fuse: bool = True, kv_bits: Optional[int] = None,
                  kv_group_size: int = 64,
                  load_timeout: Optional[float] = LOAD_TIMEOUT_S,
-                 streak_s: float = 0.050, fill_threads: Optional[int] = None, loop=None):
+                 streak_s: float = 0.050, fill_threads: Optional[int] = None, loop=None,
+                 speculate: Optional[str] = None):
         check_options(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_bits=kv_bits,
                       kv_group_size=kv_group_size, load_timeout=load_timeout,
-                      streak_s=streak_s, fill_threads=fill_threads)
+                      streak_s=streak_s, fill_threads=fill_threads, speculate=speculate)
+        self.speculate = speculate  # rows that don't say take this (worker/speculate.py)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.streak_s = streak_s
         self.kv_budget = parse_bytes(kv_budget)
@@ -133,6 +135,7 @@ class Engine(Listeners, Closing):
         self.layer_costs: List[tuple] = facts.layer_costs
         self.quantized_attention: bool = facts.quantized_attention
         self._prefix = facts.prefix_reuse
+        self.speculation: str = facts.speculation  # 'lookup' or 'off: why'
         self.context_length = getattr(getattr(m, "args", None),
                                       "max_position_embeddings", None)
         # Prompts longer than this many characters cannot fit the context in any
@@ -215,6 +218,8 @@ class Engine(Listeners, Closing):
         ValueError with a one-line message for anything that cannot run."""
         self._check_open()
         sp = sampling_params(params)
+        if "speculate" not in params and self.speculate is not None:
+            sp = dataclasses.replace(sp, speculate=self.speculate)
         self.constraints.validate(sp)  # a bad schema/regex/grammar raises here
         ids = self.encode(prompt, chat, system)
         if not ids:  # a row with no tokens would sit in 'prefill' forever
@@ -370,6 +375,8 @@ class Engine(Listeners, Closing):
             if e.token is not None:
                 if row.t_first is None:
                     row.t_first = now
+                if e.drafted:
+                    row.drafted.append(len(row.tokens))
                 row.tokens.append(e.token)
                 if e.logprob is not None:
                     row.logprobs.append(e.logprob)
@@ -385,6 +392,9 @@ class Engine(Listeners, Closing):
                 row.prefill_done = up.prefill_done
             if up.cached_tokens is not None:
                 row.cached_tokens = up.cached_tokens
+            if up.draft_proposed:
+                row.draft_proposed += up.draft_proposed
+                row.draft_accepted += up.draft_accepted
             if up.finish:
                 if row.t_first is None and up.finish == Finish.STOP:
                     row.t_first = now
@@ -398,7 +408,7 @@ class Engine(Listeners, Closing):
             t += secs
             rec = StepRecord(self._nsteps, t, secs, st.decoded, st.prefill_tokens,
                              st.kv_bytes, st.batch_ids, st.batch_share, st.prefill_bytes,
-                             st.read)
+                             st.read, st.drafted, st.accepted)
             self._nsteps += 1
             self.steps.append(rec)
             self._notify("step", rec)
@@ -436,7 +446,7 @@ class Engine(Listeners, Closing):
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
                 f"tokens/step ({mode}) | {self.cache_kinds} | prefix reuse "
-                f"{self._prefix}")
+                f"{self._prefix} | speculation {self.speculation}")
 
     def __repr__(self):
         return f"<mlxnb.Engine {self.status()}>"

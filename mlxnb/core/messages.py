@@ -46,16 +46,21 @@ class RowUpdate:
     # text itself.
     checked: bool = False
     constraint_error: Optional[str] = None
+    # speculation: drafts this tick verified for the row, and how many it accepted
+    draft_proposed: int = 0
+    draft_accepted: int = 0
 
 
 class Emitted(NamedTuple):
     """One read-back for one row: its token (None: text only, as a row ends), the
-    text that token made showable, and its logprob record if the row asked."""
+    text that token made showable, its logprob record if the row asked, and whether
+    it was a draft the row accepted (speculation)."""
 
     row_id: int
     token: Optional[int]
     text: str
     logprob: Optional[dict] = None
+    drafted: bool = False
 
 
 @dataclass
@@ -68,6 +73,8 @@ class StepStat:
     batch_ids: tuple  # rows in the decode batch, each holding `batch_share` bytes
     batch_share: int
     prefill_bytes: Dict[int, int]
+    drafted: int = 0  # draft tokens this step verified
+    accepted: int = 0  # of which the rows accepted (tokens read = rows + accepted)
 
 
 @dataclass
@@ -87,6 +94,7 @@ class LoadFacts:
     layer_costs: List[tuple]  # per layer: (bytes per token, window or 0, fixed bytes)
     quantized_attention: bool  # attention reads quantized KV without dequantizing
     prefix_reuse: str  # 'on', 'off', or 'off for these cache kinds'
+    speculation: str = "lookup"  # what rows may speculate with, or 'off: why'
 
 
 @dataclass

@@ -17,7 +17,7 @@ def _seconds(v) -> bool:
 
 
 def check_options(*, max_batch, prefill_chunk, kv_bits, kv_group_size, load_timeout,
-                  streak_s, fill_threads) -> None:
+                  streak_s, fill_threads, speculate=None) -> None:
     """Raise ValueError for the first argument an Engine cannot run with."""
     checks = [
         ("max_batch", max_batch, _positive_int(max_batch), "a positive integer"),
@@ -35,6 +35,8 @@ def check_options(*, max_batch, prefill_chunk, kv_bits, kv_group_size, load_time
          "a number of seconds >= 0"),
         ("fill_threads", fill_threads, fill_threads is None or _positive_int(fill_threads),
          "a positive integer or None (auto)"),
+        ("speculate", speculate, speculate in (None, "lookup"),
+         "'lookup' or None (no speculation)"),
     ]
     for name, value, ok, what in checks:
         if not ok:

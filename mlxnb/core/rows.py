@@ -43,6 +43,10 @@ class SamplingParams:
     regex: Optional[str] = None
     choices: Optional[tuple] = None
     grammar: Optional[str] = None
+    # speculative decoding (worker/speculate.py): None or "lookup"; drafts per step
+    # (0: adaptive)
+    speculate: Optional[str] = None
+    num_draft: int = 0
 
     def check(self) -> "SamplingParams":
         def bad(msg):
@@ -51,7 +55,7 @@ class SamplingParams:
         # Types first, so that a non-number gets a message naming its parameter (not
         # "'>=' not supported between ..."), a bool is not taken for an int
         # (logprobs=True would fail every row of the batch), and inf/nan are refused.
-        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "num_draft"):
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, int) or v is None and name == "seed"):
                 bad(f"{name} must be an integer, got {one_line(repr(v), 60)}")
@@ -69,6 +73,10 @@ class SamplingParams:
                 bad(f"{name} must be {what}, got {v!r}")
         if any(not (callable(s) or (isinstance(s, str) and s)) for s in self.stop):
             bad("stop entries must be non-empty strings (or callables text -> bool)")
+        if self.speculate not in (None, "lookup"):
+            bad("speculate must be 'lookup' or None" + (
+                " (draft-model speculation is not available in this engine)"
+                if self.speculate == "draft" else "") + f", got {self.speculate!r}")
         check_constraint(self)
         return self
 
@@ -98,6 +106,8 @@ class RowResult:
     json: Any = None  # the text parsed as JSON (see Row.json)
     json_error: Optional[str] = None
     valid: Optional[bool] = None  # a constrained row's text satisfies its constraint
+    draft_proposed: int = 0  # speculation: drafts verified, and accepted
+    draft_accepted: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,6 +145,11 @@ class Row:
         # a constrained row that ended stop/length: why its text breaks its
         # constraint (None: it satisfies it); set by the engine as the row ends
         self.constraint_error: Optional[str] = None
+        # speculation: drafts verified for this row, how many it accepted, and which
+        # of its tokens (indices into `tokens`) came from accepted drafts
+        self.draft_proposed = 0
+        self.draft_accepted = 0
+        self.drafted: List[int] = []
         self._t0 = t0  # the engine clock's origin (perf_counter)
         self.t_submit = time.perf_counter() - t0
         self.t_admit: Optional[float] = None
@@ -198,6 +213,7 @@ class Row:
             logprobs=self.logprobs, error=self.error, seed=p.seed,
             params={k: v for k, v in asdict(p).items() if k != "logits_processors"},
             json=self.json, json_error=self.json_error, valid=self.valid,
+            draft_proposed=self.draft_proposed, draft_accepted=self.draft_accepted,
         )
 
     def __await__(self):
@@ -249,18 +265,21 @@ class StepRecord:
     prefill_tokens, kv_bytes (real bytes held by all live KV caches), row_kv_bytes
     ({row_id: bytes}, computed on access: in a padded batch every row holds an equal
     share, so a step stores only the batch's row ids, shared between steps), tokens
-    (tokens emitted this step).
+    (tokens emitted this step), drafted / accepted (draft tokens a speculative step
+    verified, and how many the rows took).
     """
 
     __slots__ = ("step", "t", "dt_s", "batch_size", "prefill_tokens", "kv_bytes",
-                 "_batch_ids", "_share", "_prefill", "tokens")
+                 "_batch_ids", "_share", "_prefill", "tokens", "drafted", "accepted")
 
     def __init__(self, step, t, dt_s, batch_size, prefill_tokens, kv_bytes,
-                 batch_ids=(), share=0, prefill_bytes=None, tokens=0):
+                 batch_ids=(), share=0, prefill_bytes=None, tokens=0, drafted=0,
+                 accepted=0):
         self.step, self.t, self.dt_s = step, t, dt_s
         self.batch_size, self.prefill_tokens, self.kv_bytes = batch_size, prefill_tokens, kv_bytes
         self._batch_ids, self._share, self._prefill = batch_ids, share, prefill_bytes or {}
         self.tokens = tokens
+        self.drafted, self.accepted = drafted, accepted
 
     @property
     def row_kv_bytes(self) -> dict:
@@ -272,6 +291,7 @@ class StepRecord:
         return {"step": self.step, "t": self.t, "dt_s": self.dt_s,
                 "batch_size": self.batch_size, "prefill_tokens": self.prefill_tokens,
                 "kv_bytes": self.kv_bytes, "tokens": self.tokens,
+                "drafted": self.drafted, "accepted": self.accepted,
                 "row_kv_bytes": {str(k): v for k, v in self.row_kv_bytes.items()}}
 
     def __repr__(self):

@@ -84,6 +84,7 @@ class Run:
                 "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                 "tokens": r.ntok, "ttft_s": r.ttft_s, "tok_s": r.tok_s,
                 "error": r.error,
+                "draft_proposed": r.draft_proposed, "draft_accepted": r.draft_accepted,
             }
             if isinstance(r.tag, dict):
                 rec.update(r.tag)

@@ -39,6 +39,7 @@ from .prefix import PrefixStore
 from .precompile import Precompiler
 from .sampling import BatchSampler
 from .setup import BatchModel
+from .speculate import Speculation
 
 
 class BatchExecutor:
@@ -64,6 +65,7 @@ class BatchExecutor:
         # constrain.py: per-row grammars; masks.py: their masks each step
         self.constraints = constraints or Constraints(tokenizer)
         self.masks = MaskFiller(self.constraints, fill_threads)
+        self.spec = Speculation(self.make_cache())  # speculate.py: drafts and their checks
         self._reset_batch()
         self.nsteps = 0
         self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
@@ -95,7 +97,8 @@ class BatchExecutor:
         s = self.setup
         prefix = "on" if self.prefix is not None else (
             "off for these cache kinds" if self.prefix_bytes else "off")
-        return LoadFacts(s.cache_kinds, list(s.layer_costs), s.quantized_attention, prefix)
+        return LoadFacts(s.cache_kinds, list(s.layer_costs), s.quantized_attention, prefix,
+                         self.spec.facts)
 
     def report(self) -> TickReport:
         """What a tick would report, without taking a step."""
@@ -143,15 +146,21 @@ class BatchExecutor:
         self._filter()
         n_read = len(emitted)
         joining = bool(self.prefill.ready)
+        verified = None  # (drafts proposed, accepted, tokens taken) of a verify step
         try:
             self._join(updates)
-            launched = self._launch(updates) if self.ids else None
+            launched = None
+            if self.ids:
+                if self.spec.wanted(self):
+                    verified = self.spec.step(self, updates, emitted)
+                if verified is None:
+                    launched = self._launch(updates)
         except Exception as e:  # a forward error fails this step's rows only
             self._fail_batch(updates, e)
-            launched = None
+            launched = verified = None
         if launched is not None:
             launched.firsts = joining
-        decoded = len(self.ids) if launched else 0
+        decoded = len(self.ids) if launched or verified else 0
         prefill_tokens = (self.prefill.run(updates, bool(self.ids), self._cold_launch)
                           if self.prefill.busy else 0)
         self._cold_launch = False  # only a batch's first launch is cold
@@ -170,10 +179,14 @@ class BatchExecutor:
         now = time.perf_counter()
         if decoded and not prefill_tokens:
             self.policy.observe_decode(now - t)
+            self.spec.gate.observe(verified is not None, decoded,
+                                   verified[2] if verified else decoded, now - t)
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
                       self._ids_tuple, share, other)
-        return st, launched is not None, read_firsts
+        if verified is not None:
+            st.drafted, st.accepted = verified[0], verified[1]
+        return st, launched is not None or verified is not None, read_firsts
 
     def _streak_goes_on(self, launched: bool, read_firsts: bool, updates: Updates,
                         in_time: bool, interrupt: Optional[threading.Event]) -> bool:
@@ -256,6 +269,7 @@ class BatchExecutor:
                 # every row's text is decoded here, as its tokens are read (decoding.py)
                 self.rows[a.row_id] = RowDecoder(a, self.tokenizer.detokenizer, procs)
                 self.masks.attach(self.rows[a.row_id])
+                self.spec.attach(self.rows[a.row_id], a.ids)
                 self.ids.append(a.row_id)
                 updates.of(a.row_id).state = RowState.DECODE
             self.sampler.extend([a.params.temperature for a in admits],
@@ -361,7 +375,19 @@ class BatchExecutor:
             r = rows.get(rid)
             if r is None or rid in drop:
                 continue
-            ending = r.accept(toks[i], None if lps is None else lps.get(i), emitted, self.eos)
+            self._take(r, (toks[i],), (None if lps is None else lps.get(i),), inflight,
+                       updates, emitted)
+        if tr:
+            lap(tr, "read.accept", t1)
+            tr("read.py", pc() - t1)
+
+    def _take(self, r: RowDecoder, toks, lps, inflight: InFlight, updates: Updates,
+              emitted: List[Emitted], drafted: int = 0) -> None:
+        """Row r's tokens of one step read back, in order (the first `drafted` of
+        them were drafts it accepted), until it ends."""
+        rid, rows, drop = r.id, self.rows, self.drop
+        for j, tok in enumerate(toks):
+            ending = r.accept(tok, lps[j], emitted, self.eos, j < drafted)
             if r.matcher is not None:
                 self.masks.advance(inflight, rows)  # once per step
                 ending = self.masks.finish(
@@ -376,9 +402,7 @@ class BatchExecutor:
                 if rid not in self.ids:
                     rows.pop(rid, None)
                     drop.discard(rid)
-        if tr:
-            lap(tr, "read.accept", t1)
-            tr("read.py", pc() - t1)
+                return
 
     def _read_logprobs(self, inflight: InFlight) -> dict:
         lp, ids = inflight.logprobs, inflight.row_ids

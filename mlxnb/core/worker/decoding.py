@@ -24,6 +24,7 @@ class RowDecoder:
     """Host-side state of one decoding row: counts, text, stop strings."""
 
     matcher = None  # a constrained row's grammar matcher (constrain.py)
+    lookup = None  # a speculating row's draft source (lookup.py)
     lane = 0  # its fill lane (masks.py)
 
     def __init__(self, a, detok, processors):
@@ -38,15 +39,17 @@ class RowDecoder:
         self.shown = 0  # chars of text already reported
         self.hold = max((len(s) for s in a.params.stop if isinstance(s, str)), default=0)
 
-    def accept(self, tok: int, lp: Optional[dict], emitted: List[Emitted], eos: set
-               ) -> Optional[Ending]:
-        """Take one sampled token, append what it shows to `emitted`; returns the
-        row's Ending when it ends here."""
+    def accept(self, tok: int, lp: Optional[dict], emitted: List[Emitted], eos: set,
+               drafted: bool = False) -> Optional[Ending]:
+        """Take one sampled token (`drafted`: an accepted draft), append what it
+        shows to `emitted`; returns the row's Ending when it ends here."""
         detok = self.detok
         if tok in eos:
             self.flush(emitted)
             return Ending(Finish.STOP)
         self.ntok += 1
+        if self.lookup is not None:
+            self.lookup.extend((tok,))
         final = self.ntok >= self.params.max_tokens
         if lp is not None:
             lp["token"] = tok
@@ -55,19 +58,19 @@ class RowDecoder:
             detok.finalize()
         seg = detok.last_segment
         if not self.params.stop:  # nothing to search or hold back: pass it on
-            emitted.append(Emitted(self.id, tok, seg, lp))
+            emitted.append(Emitted(self.id, tok, seg, lp, drafted))
             return Ending(Finish.LENGTH) if final else None
         self.text += seg
         try:
             hit = self._find_stop()
         except Exception as e:  # a stop callback's failure ends its row only
-            emitted.append(Emitted(self.id, tok, "", lp))
+            emitted.append(Emitted(self.id, tok, "", lp, drafted))
             return Ending(Finish.ERROR, one_line(f"stop callback failed: {type(e).__name__}: {e}", 300))
         if hit is not None:
             self.text = self.text[:hit]
-            emitted.append(Emitted(self.id, tok, self._visible(True), lp))
+            emitted.append(Emitted(self.id, tok, self._visible(True), lp, drafted))
             return Ending(Finish.STOP)
-        emitted.append(Emitted(self.id, tok, self._visible(final), lp))
+        emitted.append(Emitted(self.id, tok, self._visible(final), lp, drafted))
         return Ending(Finish.LENGTH) if final else None
 
     def flush(self, emitted: List[Emitted]) -> None:

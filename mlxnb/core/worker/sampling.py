@@ -242,8 +242,17 @@ class BatchSampler:
                           self._point if self._any_point else None) if keep else None
             return mx.argmax(logits, axis=-1)
         greedy = mx.argmax(logits, axis=-1)
+        sampled, x = self._draw(logits, self._filter_groups(), self._temp, self._seeds,
+                                self.counters)
+        self._last = (x, self._temp, self._point if self._any_point else None) if keep else None
+        self.counters = self.counters + _u32(1)
+        return mx.where(self._temp > 0, sampled, greedy)
+
+    def _draw(self, logits, groups, temp, seeds, counters):
+        """(Gumbel-max draws [N], the filtered logits they were drawn from [N, V]) for
+        logits [N, V] whose rows draw at `temp` with these noise keys."""
         x = logits
-        for (k, p, m), (idx, n) in self._filter_groups().items():
+        for (k, p, m), (idx, n) in groups.items():
             every = n == logits.shape[0]
             rows = logits if every else logits[idx]
             lp = _apply_filters(rows - mx.logsumexp(rows, axis=-1, keepdims=True), k, p, m)
@@ -256,10 +265,39 @@ class BatchSampler:
         V = x.shape[-1]
         if self._vocab_ids is None or self._vocab_ids.shape[0] != V:
             self._vocab_ids = mx.arange(V, dtype=mx.uint32) * _u32(_M2)
-        sampled = _gumbel_argmax(x, self._temp, self._seeds, self.counters, self._vocab_ids)
-        self._last = (x, self._temp, self._point if self._any_point else None) if keep else None
-        self.counters = self.counters + _u32(1)
-        return mx.where(self._temp > 0, sampled, greedy)
+        return _gumbel_argmax(x, temp, seeds, counters, self._vocab_ids), x
+
+    def sample_wide(self, logits: mx.array, keep: bool = True) -> mx.array:
+        """logits [B, W, V]: each row's next W positions (a verification forward) ->
+        tokens [B, W], position j drawn exactly as `sample` would draw the row's
+        token j steps from now: with noise counter (its counter + j). So a row whose
+        drafts match these tokens gets, token for token, what decoding one token a
+        step gives, and the draws are the same alone or in any batch. The counters
+        do not move here: `advance` moves each row by the tokens it took. `keep`:
+        as for `sample`, with the rows of `logprobs` indexing row i's position j
+        at i * W + j."""
+        B, W, V = logits.shape
+        flat = logits.reshape(B * W, V)
+        temp = mx.repeat(self._temp, W)
+        point = mx.repeat(self._point, W) if self._any_point else None
+        if not self._any_sampled:
+            self._last = (flat, temp, point) if keep else None
+            return mx.argmax(logits, axis=-1)
+        wide = mx.arange(W, dtype=mx.uint32)
+        counters = (self.counters[:, None] + wide[None, :]).reshape(-1)
+        seeds = mx.repeat(self._seeds, W)
+        groups = {f: ((idx[:, None] * W + mx.arange(W)[None, :]).reshape(-1), n * W)
+                  for f, (idx, n) in self._filter_groups().items()}
+        sampled, x = self._draw(flat, groups, temp, seeds, counters)
+        self._last = (x, temp, point) if keep else None
+        out = mx.where(temp > 0, sampled, mx.argmax(flat, axis=-1))
+        return out.reshape(B, W)
+
+    def advance(self, taken: mx.array) -> None:
+        """Move each row's noise counter by the tokens it took [B] (after
+        `sample_wide`); only drawing rows read counters (see `sample`)."""
+        if self._any_sampled:
+            self.counters = self.counters + taken.astype(mx.uint32)
 
     def logprobs(self, idx: mx.array, chosen: mx.array, k: int):
         """Log-probabilities for rows `idx` [b] of the last `sample` call, whose tokens

@@ -1,0 +1,214 @@
+"""Speculative decoding inside the running batch: prompt-lookup drafts verified by one
+batched target forward, on the worker thread.
+
+A verification step feeds every batch row [its last token, its drafts] ([B, W],
+W = 1 + the longest draft; rows with fewer drafts, or none, are padded and their
+extra positions discarded) and samples each row's W positions with the row's own
+sampler (sampling.py `sample_wide`): position j with the noise the row's token j
+steps ahead would get. A row takes its drafts while they equal the tokens sampled
+after them, then the token sampled at the first mismatch (or after the last draft).
+
+So a row's tokens are exactly those it gets without speculation, greedy or sampled:
+a greedy row's are the argmax at each position; a sampled row's are its Gumbel-max
+draws, which for a point-mass draft x is the rejection rule that keeps the target
+distribution -- x is accepted with probability p(x) (its filtered, tempered
+probability), and on rejection the token is drawn from p with x removed,
+renormalised (the Gumbel-max draw given that it is not x) -- with the uniforms taken
+from the row's counter-based seed, so a seeded row is the same alone or in any
+batch. Rows with logits processors or a constraint do not draft (their one token
+comes from position 0, processed and masked as in a plain step); logprobs are those
+of each position's distribution. Rejected positions leave the cache (rollback.py).
+
+Verification needs each row's latest token on the host (the drafts follow it), so a
+verification step is not pipelined: it first reads the step in flight. Whether a
+step verifies is decided per step (`Speculation.wanted`): some row has a draft and
+isn't paused (lookup.py), the batch is small enough, and measured speculating
+steps give more tokens per second than plain ones (`StepGate`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..messages import Emitted, Updates
+from .decoding import HISTORY
+from .inflight import InFlight
+from .lookup import RowLookup
+from .rollback import rollback, unsupported_reason
+
+__all__ = ["Speculation", "StepGate", "accept_drafts", "MAX_SPEC_BATCH", "MODES"]
+
+MODES = ("lookup",)  # what SamplingParams.speculate takes, besides None
+MAX_SPEC_BATCH = 32  # larger batches are bound by the device: extra positions cost
+
+
+def accept_drafts(toks: mx.array, drafts: mx.array):
+    """toks [B, W] sampled at each position, drafts [B, W - 1] (-1: none) ->
+    (drafts accepted [B]: the longest prefix equal to the tokens sampled after
+    them, the row's next token [B]: the one sampled after that prefix)."""
+    match = (toks[:, :-1].astype(mx.int32) == drafts).astype(mx.int32)
+    acc = mx.cumprod(match, axis=1).sum(axis=1)
+    return acc, mx.take_along_axis(toks, acc[:, None], axis=1)[:, 0]
+
+
+class StepGate:
+    """Turns verification off for a while when measured verifying steps give fewer
+    tokens per second than plain steps of the same batch size; off periods double
+    while that holds (probing again after each), and reset when it does not."""
+
+    ALPHA = 0.3
+    FIRST_OFF, MAX_OFF = 8, 512
+
+    def __init__(self):
+        self.secs_per_token: Dict[Tuple[bool, int], float] = {}
+        self.off = 0
+        self.next_off = self.FIRST_OFF
+
+    def open(self, batch: int) -> bool:
+        if batch > MAX_SPEC_BATCH:
+            return False
+        if self.off > 0:
+            self.off -= 1
+            return False
+        return True
+
+    def observe(self, verified: bool, batch: int, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        key, spt = (verified, batch), seconds / tokens
+        old = self.secs_per_token.get(key)
+        self.secs_per_token[key] = spt if old is None else old + self.ALPHA * (spt - old)
+        plain = self.secs_per_token.get((False, batch))
+        spec = self.secs_per_token.get((True, batch))
+        if not verified or plain is None or spec is None:
+            return
+        if spec > plain:
+            self.off, self.next_off = self.next_off, min(2 * self.next_off, self.MAX_OFF)
+            del self.secs_per_token[(True, batch)]  # the next probe measures afresh
+        else:
+            self.next_off = self.FIRST_OFF
+
+
+class Speculation:
+    """The executor's speculation state: which rows draft, and the verify step."""
+
+    def __init__(self, row_cache: list):
+        self.off_reason = unsupported_reason(row_cache)  # None: rows may speculate
+        self.gate = StepGate()
+        self.rows = 0  # rows in the batch that draft (attach/detach)
+
+    @property
+    def facts(self) -> str:
+        return self.off_reason or "lookup"
+
+    def attach(self, r, ids: List[int]) -> None:
+        """Give a joining row its lookup state if it speculates and can."""
+        p = r.params
+        if (self.off_reason is None and p.speculate in MODES and not r.processors
+                and r.matcher is None):
+            r.lookup = RowLookup(ids, p.num_draft)
+
+    def wanted(self, ex) -> bool:
+        """Verify this step? Counts down paused rows' pauses."""
+        rows = ex._batch_rows
+        if ex.inflight is not None and ex.inflight.firsts:
+            return False  # a first token to show: keep the plain step (its TTFT)
+        ready = False
+        for r in rows:
+            lk = r.lookup
+            if lk is not None:
+                if lk.pause > 0:
+                    lk.pause -= 1
+                else:
+                    ready = True
+        return ready and self.gate.open(len(rows))
+
+    def step(self, ex, updates: Updates, emitted: List[Emitted]) -> Optional[Tuple[int, int, int]]:
+        """Verify drafts for this step if there are any: (drafts proposed, accepted,
+        tokens taken), else None (the caller launches a plain step). Reads the step
+        in flight first."""
+        if ex.inflight is not None:
+            done, ex.inflight = ex.inflight, None
+            ex._read(done, updates, emitted)
+        drafts, drop = [], ex.drop
+        for r in ex._batch_rows:
+            lk = r.lookup
+            drafts.append(lk.draft(r.params.max_tokens - r.launched - 1)
+                          if lk is not None and r.id not in drop else [])
+        if not any(drafts):
+            return None
+        return self._verify(ex, drafts, updates, emitted)
+
+    def _verify(self, ex, drafts: List[List[int]], updates: Updates,
+                emitted: List[Emitted]) -> Tuple[int, int, int]:
+        rows, ids = ex._batch_rows, list(ex.ids)
+        want = ex._want_lp
+        W = 1 + max(len(d) for d in drafts)
+        padded = mx.array([d + [0] * (W - 1 - len(d)) for d in drafts], dtype=ex.y.dtype)
+        inp = mx.concatenate([ex.y[:, None], padded], axis=1)  # [B, W]
+        full = ex.model(inp, cache=ex.views)  # [B, W, V]
+        if want or ex._any_procs or ex.sampler.needs_float32:
+            full = full.astype(mx.float32)
+        if ex._any_procs or ex._any_constrained:  # such rows take position 0 only
+            first = full[:, 0, :]
+            if ex._any_procs:
+                first = ex._process(rows, first, updates)
+            if ex._any_constrained:
+                ex.masks.start(None, ex.rows, rows)
+                first = ex.masks.apply(first)
+            full = mx.concatenate([first[:, None], full[:, 1:]], axis=1)
+        toks = ex.sampler.sample_wide(full, keep=bool(want))  # [B, W]
+        d = mx.array([x + [-1] * (W - 1 - len(x)) for x in drafts], dtype=mx.int32)
+        acc, nxt = accept_drafts(toks, d)
+        ex.sampler.advance(acc + 1)
+        lp = None
+        if want:
+            flat = [i * W + j for i in want for j in range(W)]
+            k = max(rows[i].params.logprobs for i in want)
+            idx = mx.array(flat)
+            lp = ex.sampler.logprobs(idx, toks.reshape(-1)[idx], k)
+            mx.eval(toks, acc, nxt, *[a for a in lp if a is not None])
+        else:
+            mx.eval(toks, acc, nxt)
+        T, A = toks.tolist(), acc.tolist()
+        lps = self._logprobs(ex, lp, want, ids, W) if lp is not None else {}
+        ex.y = nxt
+        proposed = accepted = taken = 0
+        one = InFlight(ids, nxt)  # what constrained rows' matchers read
+        for i, (rid, r, dr) in enumerate(zip(ids, rows, drafts)):
+            a = A[i]
+            r.launched += a + 1
+            if r.processors:
+                r.history = mx.concatenate([r.history[-HISTORY + 1:], nxt[i:i + 1]])
+            if rid in ex.drop or ex.rows.get(rid) is None:
+                continue
+            if dr:
+                up = updates.of(rid)
+                up.draft_proposed += len(dr)
+                up.draft_accepted += a
+                r.lookup.verified(len(dr), a)
+                proposed, accepted = proposed + len(dr), accepted + a
+            taken += a + 1
+            ex._take(r, T[i][:a + 1], [lps.get((i, j)) for j in range(a + 1)], one,
+                     updates, emitted, drafted=a)
+        rollback(ex.caches, [W - 1 - a for a in A])
+        ex._align()  # new padding, and each row's remaining tokens
+        return proposed, accepted, taken
+
+    @staticmethod
+    def _logprobs(ex, lp, want, ids, W) -> dict:
+        chosen = lp.chosen.tolist()
+        top_ids = lp.top_ids.tolist() if lp.top_ids is not None else None
+        top_lp = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
+        out = {}
+        n = 0
+        for i in want:
+            k = ex.rows[ids[i]].params.logprobs if ids[i] in ex.rows else 0
+            for j in range(W):
+                out[(i, j)] = {"logprob": chosen[n],
+                               "top": [(t, x) for t, x in zip(top_ids[n][:k], top_lp[n][:k])
+                                       if x != -float("inf")] if top_ids else []}
+                n += 1
+        return out

@@ -1,0 +1,314 @@
+"""Speculative decoding (prompt lookup) in the running batch: exactness, rollback,
+the rejection rule's distribution, and what rows report."""
+
+import mlxnb  # noqa: F401  (first: it puts OpenBLAS under MLX on Linux CPU)
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_sampling import SMALL, assert_distribution, reference
+
+from mlxnb import Engine
+from mlxnb.core.worker.lookup import RowLookup
+from mlxnb.core.worker.sampling import BatchSampler
+from mlxnb.core.worker.speculate import accept_drafts
+from mlxnb.models.tiny import tiny_model
+
+# Random-weight models fall into loops that the n-gram lookup catches, and these
+# prompts repeat themselves: drafts get proposed and accepted.
+PROMPTS = ["abc abc abc abc the cat", "hello world hello world hello",
+           "The quick brown fox jumps over the lazy dog. The quick", "xyz"]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def tiny128():
+    """Head dim 32: its KV quantizes at group size 32."""
+    return tiny_model(hidden=128, heads=4)
+
+
+async def _run(eng, prompts, spec, batched, **kw):
+    if batched:
+        rows = [eng.submit(p, max_tokens=N, chat=False, speculate=spec, **kw)
+                for p in prompts]
+        return [await r for r in rows]
+    return [await eng.submit(p, max_tokens=N, chat=False, speculate=spec, **kw)
+            for p in prompts]
+
+
+def _parity(model, arun, **engine_kw):
+    async def main():
+        eng = Engine(model, kv_budget=None, warmup=False, **engine_kw)
+        base = [r.tokens for r in await _run(eng, PROMPTS, None, batched=False)]
+        alone = await _run(eng, PROMPTS, "lookup", batched=False)
+        batched = await _run(eng, PROMPTS, "lookup", batched=True)
+        await eng.aclose()
+        return base, alone, batched
+
+    base, alone, batched = arun(main)
+    assert [r.tokens for r in alone] == base
+    assert [r.tokens for r in batched] == base
+    # the runs did speculate: some drafts held (else this tests nothing)
+    assert sum(r.draft_accepted for r in alone) > 0
+    assert sum(r.draft_accepted for r in batched) > 0
+    assert all(r.draft_accepted <= r.draft_proposed for r in alone + batched)
+    return alone, batched
+
+
+def test_greedy_lookup_is_token_identical_alone_and_batched(tiny, arun):
+    _parity(tiny, arun)
+
+
+def test_greedy_lookup_is_token_identical_with_sliding_windows(tiny_swa, arun):
+    # window 16, 40 tokens: verification and rollback cross the window
+    _parity(tiny_swa, arun)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_greedy_lookup_is_token_identical_with_quantized_kv(tiny128, arun, bits):
+    _parity(tiny128, arun, kv_bits=bits, kv_group_size=32)
+
+
+def test_sliding_window_quantized_kv(arun):
+    _parity(tiny_model(hidden=128, heads=4, sliding_window=16), arun, kv_bits=4,
+            kv_group_size=32)
+
+
+def test_drafted_tokens_are_marked_and_counted(tiny, arun):
+    alone, _ = _parity(tiny, arun)
+    for r in alone:
+        assert len(r.tokens) == N  # max_tokens holds exactly
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        row = eng.submit(PROMPTS[1], max_tokens=N, chat=False, speculate="lookup")
+        await row
+        run = eng.generate(PROMPTS[:2], max_tokens=N, chat=False, speculate="lookup")
+        await run
+        steps = list(eng.steps)
+        await eng.aclose()
+        return row, run, steps
+
+    row, run, steps = arun(main)
+    assert len(row.drafted) == row.draft_accepted > 0
+    assert all(0 <= i < len(row.tokens) for i in row.drafted)
+    df = run.records()
+    assert all("draft_accepted" in d and "draft_proposed" in d for d in df)
+    assert sum(d["draft_accepted"] for d in df) > 0
+    # a verifying step emits more tokens than it has rows
+    assert any(s.accepted > 0 and s.tokens > s.batch_size for s in steps)
+    assert sum(s.accepted for s in steps) == row.draft_accepted + sum(
+        d["draft_accepted"] for d in df)
+
+
+def test_stop_strings_eos_and_logprobs_hold(tiny, arun):
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        out = {}
+        for spec in (None, "lookup"):
+            out[spec] = await _run(eng, PROMPTS, spec, batched=True, stop=["he"],
+                                   logprobs=3)
+        await eng.aclose()
+        return out
+
+    out = arun(main)
+    for a, b in zip(out[None], out["lookup"]):
+        assert (a.text, a.tokens, a.finish_reason) == (b.text, b.tokens, b.finish_reason)
+        assert len(b.logprobs) == len(b.tokens)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x["token"] == y["token"]
+            assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
+            assert [t for t, _ in x["top"]] == [t for t, _ in y["top"]]
+
+
+def test_a_seeded_sampled_row_is_the_same_alone_batched_and_without_speculation(tiny, arun):
+    kw = dict(temperature=0.3, top_p=0.95, seed=7)
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        base = await _run(eng, PROMPTS, None, batched=False, **kw)
+        alone = await _run(eng, PROMPTS, "lookup", batched=False, **kw)
+        # beside greedy rows and rows of other seeds
+        rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup", **kw)
+                for p in PROMPTS]
+        others = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup",
+                             temperature=1.0, seed=99) for p in PROMPTS]
+        batched = [await r for r in rows]
+        for r in others:
+            await r
+        await eng.aclose()
+        return base, alone, batched
+
+    base, alone, batched = arun(main)
+    assert [r.tokens for r in alone] == [r.tokens for r in base]
+    assert [r.tokens for r in batched] == [r.tokens for r in base]
+    assert sum(r.draft_accepted for r in alone) > 0
+
+
+def test_a_row_cancelled_mid_verification_leaves_the_others(tiny, arun):
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False, streak_s=0)
+        base = [r.tokens for r in await _run(eng, PROMPTS, None, batched=False)]
+        rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup") for p in PROMPTS]
+        # cancel row 1 once verification steps have run with it in the batch
+        while sum(s.drafted for s in eng.steps) == 0 or len(rows[1].tokens) < 8:
+            await __import__("asyncio").sleep(0)
+        rows[1].cancel()
+        res = [await r for r in rows]
+        await eng.aclose()
+        return base, res
+
+    base, res = arun(main)
+    assert res[1].finish_reason == "cancelled"
+    assert base[1][:len(res[1].tokens)] == res[1].tokens
+    for i in (0, 2, 3):
+        assert res[i].tokens == base[i]
+
+
+def test_constrained_rows_stay_valid_and_do_not_draft(tiny, arun):
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        base = [await eng.submit(p, max_tokens=N, chat=False, regex="(ab )+(ab)?")
+                for p in PROMPTS[:2]]
+        rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup",
+                           regex="(ab )+(ab)?") for p in PROMPTS[:2]]
+        free = eng.submit(PROMPTS[1], max_tokens=N, chat=False, speculate="lookup")
+        res = [await r for r in rows] + [await free]
+        await eng.aclose()
+        return base, res
+
+    base, res = arun(main)
+    for a, r in zip(base, res[:2]):
+        assert r.draft_proposed == 0 and r.tokens == a.tokens
+        assert r.text and set(r.text) <= set("ab ")
+    assert res[2].draft_accepted > 0
+
+
+def test_recurrent_state_models_do_not_speculate_and_say_so(arun):
+    from test_cache_kinds import model_for
+
+    from mlxnb.models.tiny import byte_tokenizer
+
+    async def main():
+        eng = Engine((model_for("mamba2"), byte_tokenizer()), kv_budget=None,
+                     warmup=False)
+        base = await eng.submit(PROMPTS[1], max_tokens=16, chat=False)
+        spec = await eng.submit(PROMPTS[1], max_tokens=16, chat=False, speculate="lookup")
+        status = eng.status()
+        await eng.aclose()
+        return base, spec, status, eng.speculation
+
+    base, spec, status, facts = arun(main)
+    assert spec.tokens == base.tokens and spec.draft_proposed == 0
+    assert facts.startswith("off: recurrent-state")
+    assert "speculation off: recurrent-state" in status
+
+
+def test_bad_speculation_options_are_one_line_errors(tiny, arun):
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        errs = []
+        for kw in (dict(speculate="ngram"), dict(speculate="draft"),
+                   dict(num_draft=-1), dict(num_draft=99), dict(num_draft=2.5)):
+            with pytest.raises(ValueError) as e:
+                eng.submit("x", **kw)
+            errs.append(str(e.value))
+        await eng.aclose()
+        return errs
+
+    errs = arun(main)
+    assert all("\n" not in e for e in errs)
+    assert "speculate must be 'lookup' or None" in errs[0]
+    assert "draft-model" in errs[1]
+    assert all("num_draft" in e for e in errs[2:])
+    with pytest.raises(ValueError, match="speculate"):
+        Engine(tiny, speculate="yes", warmup=False)
+
+
+def test_engine_default_speculation_and_num_draft(tiny, arun):
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False, speculate="lookup")
+        on = await eng.submit(PROMPTS[1], max_tokens=N, chat=False)
+        off = await eng.submit(PROMPTS[1], max_tokens=N, chat=False, speculate=None)
+        fixed = await eng.submit(PROMPTS[1], max_tokens=N, chat=False, num_draft=1)
+        await eng.aclose()
+        return on, off, fixed
+
+    on, off, fixed = arun(main)
+    assert on.tokens == off.tokens == fixed.tokens
+    assert on.draft_proposed > 0 and off.draft_proposed == 0
+    assert on.params["speculate"] == "lookup" and off.params["speculate"] is None
+    # one draft per verification: never more accepted than verifications
+    assert 0 < fixed.draft_accepted <= fixed.draft_proposed
+
+
+# -- the n-gram lookup and its policy ---------------------------------------------------
+
+def test_lookup_drafts_what_followed_the_latest_earlier_occurrence():
+    lk = RowLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 6, 2, 3], num_draft=3)
+    # last 3 tokens (6, 2, 3) never occurred before; (2, 3) last before at index 6
+    assert lk.draft(10) == [7, 8, 6]
+    assert lk.draft(2) == [7, 8]  # the limit (max_tokens left) caps it
+    lk.extend([7])
+    assert lk.draft(10) == [8, 6, 2]  # (2, 3, 7) at 6..8
+    assert RowLookup([1, 2, 3], num_draft=3).draft(10) == []
+
+
+def test_a_row_whose_drafts_fail_pauses_for_longer_each_time():
+    lk = RowLookup([5, 6, 5, 6, 5, 6], num_draft=0)
+    pauses = []
+    for _ in range(3):
+        lk.verified(4, 0)
+        lk.verified(4, 0)
+        pauses.append(lk.pause)
+        while lk.pause:
+            assert lk.draft(10) == []
+    assert pauses[0] > 0 and pauses[1] == 2 * pauses[0] and pauses[2] == 2 * pauses[1]
+    lk.verified(4, 4)
+    assert lk.k > 1 and lk.next_pause == pauses[0]
+
+
+# -- the rejection rule: the target distribution is kept --------------------------------
+
+CONFIGS = {"T=1 draft=top": (dict(temp=1.0), 0),
+           "T=0.7 top_p=0.8 draft=5": (dict(temp=0.7, top_p=0.8), 3),
+           "T=1.5 top_k=4 draft outside": (dict(temp=1.5, top_k=4), 9)}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_verified_point_drafts_keep_the_rows_distribution(name):
+    """Rows verify a point-mass draft x at position 0 of a 2-wide forward: the
+    emitted token follows p, x is accepted with probability p(x), and a rejected
+    draft's token follows p with x removed, renormalised."""
+    cfg, x = CONFIGS[name]
+    p = reference(SMALL, **cfg)
+    rows, steps, W = 4096, 6, 2
+    s = BatchSampler()
+    s.extend([cfg["temp"]] * rows,
+              [(cfg.get("top_k", 0), cfg.get("top_p", 1.0), 0.0)] * rows,
+              list(range(rows)), [0] * rows)
+    logits = mx.broadcast_to(mx.array(SMALL)[None, None], (rows, W, SMALL.size))
+    drafts = mx.full((rows, W - 1), x, dtype=mx.int32)
+    first, acc_all = [], []
+    for _ in range(steps):
+        toks = s.sample_wide(logits, keep=False)
+        acc, _ = accept_drafts(toks, drafts)
+        s.advance(acc + 1)
+        mx.eval(toks, acc)
+        first.append(np.array(toks[:, 0]))
+        acc_all.append(np.array(acc))
+    first = np.concatenate(first).astype(np.int64)
+    acc = np.concatenate(acc_all)
+    n = acc.size
+    assert_distribution(first, p, name)
+    # acceptance: binomial(n, p(x)), within 4.5 sd (or never, where p(x) = 0)
+    if p[x] == 0:
+        assert acc.sum() == 0
+    else:
+        sd = math.sqrt(n * p[x] * (1 - p[x]))
+        assert abs(acc.sum() - n * p[x]) < 4.5 * sd
+    rest = p.copy()
+    rest[x] = 0
+    rest /= rest.sum()
+    assert_distribution(first[acc == 0], rest, name + " (rejected)")
