@@ -332,6 +332,37 @@ def _variable(flag: str, name: str, ns: dict, what: str) -> Any:
     return ns[name]
 
 
+def speculation(mode: Optional[str], num_draft: Optional[str], default_mode: Optional[str],
+                default_k: int) -> Dict[str, Any]:
+    """``--speculate lookup|off`` and ``--num-draft K`` (else the %config defaults) as
+    Engine.submit keywords; nothing given and no default: the engine's own."""
+    out: Dict[str, Any] = {}
+    m = mode if mode is not None else default_mode
+    if m is not None:
+        m = str(m).strip().lower()
+        if m in ("off", "none", "no"):
+            out["speculate"] = None
+        elif m == "lookup":
+            out["speculate"] = "lookup"
+        elif m == "draft":
+            raise UsageError("--speculate draft needs a draft model, which this engine "
+                             "does not have; use --speculate lookup")
+        else:
+            raise UsageError(f"--speculate takes lookup or off, got {mode!r}; write e.g. "
+                             "--speculate lookup")
+    k = num_draft if num_draft is not None else default_k
+    try:
+        k = int(k)
+    except (TypeError, ValueError):
+        k = -1
+    if not 0 <= k <= 16:
+        raise UsageError(f"--num-draft must be an integer in 0-16 (0 = adaptive), got "
+                         f"{num_draft!r}; write e.g. --num-draft 4")
+    if k:
+        out["num_draft"] = k
+    return out
+
+
 def constraint_params(json_schema: Optional[str], regex: Optional[str], choice: Any,
                       grammar: Optional[str], ns: dict) -> Dict[str, Any]:
     """``--json-schema NAME`` / ``--regex R`` / ``--choice a,b,c`` (or the name of a

@@ -260,6 +260,11 @@ class MLXNBMagics(Magics):
               help="Constrain output to one of these strings (or a list variable's name).")
     @argument("--grammar", default=None, metavar="NAME",
               help="Constrain output to a Lark or GBNF grammar (a notebook variable).")
+    @argument("--speculate", default=None, metavar="MODE",
+              help="Speculative decoding: 'lookup' (drafts copied from the prompt and "
+              "output, verified in one forward; same tokens) or 'off'.")
+    @argument("--num-draft", default=None, metavar="K",
+              help="Drafts per verification (1-16; 0 = adaptive, the default).")
     @argument("--model", default=None, help="Model the cell expects (loads it if no "
               "model is loaded yet).")
     @argument("-o", "--out", dest="out", default=None, metavar="NAME",
@@ -308,7 +313,8 @@ class MLXNBMagics(Magics):
         grid = cp.build_grid(cp.split_body(cell), self.shell.user_ns, sweeps, n,
                              limit=c.max_rows)
 
-        common = dict(stop=tuple(stop), logprobs=lp, **cp.constraint_params(
+        common = dict(stop=tuple(stop), logprobs=lp, **cp.speculation(
+            a.speculate, a.num_draft, c.speculate, c.num_draft), **cp.constraint_params(
             a.json_schema, a.regex, a.choice, a.grammar, self.shell.user_ns))
         eng = self._engine_for(a.model, quiet)
         prepared = []  # validate and tokenize EVERY row before submitting any

@@ -56,10 +56,23 @@ class MLXNB(Configurable):
     chat = Bool(True, help="Apply the chat template (False = --raw).").tag(config=True)
     logprobs = Int(0, min=0, max=20, help="Default --logprobs K.").tag(config=True)
     quiet = Bool(False, help="Default --quiet (no widget).").tag(config=True)
+    speculate = Unicode(None, allow_none=True,
+                        help="Default --speculate: 'lookup' or None (off).").tag(config=True)
+    num_draft = Int(0, min=0, max=16, help="Default --num-draft (0 = adaptive)."
+                    ).tag(config=True)
     max_rows = Int(1024, min=1, help="Most rows one cell may expand to.").tag(config=True)
     load_timeout = Float(LOAD_TIMEOUT_S, allow_none=True,
                          help="Most seconds reading a model may take (a download "
                          "included); None = no limit.").tag(config=True)
+
+    @validate("speculate")
+    def _speculate(self, proposal):
+        v = proposal["value"]
+        if v in ("off", "none", "None", ""):
+            return None
+        if v not in (None, "lookup"):
+            raise TraitError(f"speculate must be 'lookup' or None (off), got {v!r}")
+        return v
 
     @validate("load_timeout")
     def _positive(self, proposal):

@@ -1,0 +1,60 @@
+"""%%generate --speculate / --num-draft and %config MLXNB.speculate."""
+
+import pytest
+from IPython.core.error import UsageError
+from test_magics import arun_shut, attach, gen, ip  # noqa: F401  (fixtures)
+from traitlets import TraitError
+
+from mlxnb.notebook import magics
+
+BODY = "hello world hello world hello\nabc abc abc abc the cat"
+
+
+def test_generate_speculate_options_and_config(ip, tiny, arun_shut):
+    async def main():
+        attach(tiny)
+        off = gen(ip, "--raw --max-tokens 40 --quiet", BODY)
+        on = gen(ip, "--raw --max-tokens 40 --quiet --speculate lookup --num-draft 3", BODY)
+        ip.run_line_magic("config", "MLXNB.speculate = 'lookup'")
+        cfg = gen(ip, "--raw --max-tokens 40 --quiet", BODY)
+        forced_off = gen(ip, "--raw --max-tokens 40 --quiet --speculate off", BODY)
+        await magics.wait()
+        return off, on, cfg, forced_off
+
+    off, on, cfg, forced_off = arun_shut(main)
+    assert [r.params.speculate for r in on.rows] == ["lookup"] * 2
+    assert [r.params.num_draft for r in on.rows] == [3, 3]
+    assert [r.params.speculate for r in cfg.rows] == ["lookup"] * 2
+    assert [r.params.speculate for r in forced_off.rows] == [None] * 2
+    assert on.texts == off.texts == cfg.texts == forced_off.texts
+    df = on.records()
+    assert sum(d["draft_accepted"] for d in df) > 0
+    assert sum(d["draft_proposed"] for d in off.records()) == 0
+
+
+@pytest.mark.parametrize("line,msg", [
+    ("--speculate ngram", "--speculate takes lookup or off"),
+    ("--speculate draft", "needs a draft model"),
+    ("--speculate lookup --num-draft 40", "--num-draft must be an integer in 0-16"),
+    ("--num-draft x", "--num-draft must be an integer in 0-16"),
+])
+def test_bad_speculate_options_are_usage_errors(ip, tiny, arun_shut, line, msg):
+    async def main():
+        attach(tiny)
+        with pytest.raises(UsageError, match=msg) as e:
+            gen(ip, line, "a")
+        assert "\n" not in str(e.value)
+
+    arun_shut(main)
+
+
+def test_config_speculate_refuses_unknown_modes():
+    from mlxnb.notebook.session import MLXNB
+
+    c = MLXNB()
+    c.speculate = "off"
+    assert c.speculate is None
+    c.speculate = "lookup"
+    assert c.speculate == "lookup"
+    with pytest.raises(TraitError, match="speculate must be 'lookup' or None"):
+        c.speculate = "draft-model"
