@@ -93,6 +93,11 @@ def test_drafted_tokens_are_marked_and_counted(tiny, arun):
     row, run, steps = arun(main)
     assert len(row.drafted) == row.draft_accepted > 0
     assert all(0 <= i < len(row.tokens) for i in row.drafted)
+    spans = row.drafted_spans
+    assert spans and all(0 <= a < b <= len(row.text) for a, b in spans)
+    assert all(spans[i][1] < spans[i + 1][0] for i in range(len(spans) - 1))
+    from mlxnb.notebook.widget import _draft_fields
+    assert _draft_fields(row) == {"draft": [row.draft_accepted, row.draft_proposed]}
     df = run.records()
     assert all("draft_accepted" in d and "draft_proposed" in d for d in df)
     assert sum(d["draft_accepted"] for d in df) > 0

@@ -381,6 +381,8 @@ class Engine(Listeners, Closing):
                 if e.logprob is not None:
                     row.logprobs.append(e.logprob)
             if e.text:
+                if e.drafted:
+                    row.mark_drafted(len(row.text), len(row.text) + len(e.text))
                 row.text += e.text  # rebinds a new str: readers see old or new, whole
         for rid, up in report.updates.items():
             row = live.get(rid)

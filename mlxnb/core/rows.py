@@ -150,6 +150,7 @@ class Row:
         self.draft_proposed = 0
         self.draft_accepted = 0
         self.drafted: List[int] = []
+        self.drafted_spans: List[List[int]] = []  # [start, end) of `text` they showed
         self._t0 = t0  # the engine clock's origin (perf_counter)
         self.t_submit = time.perf_counter() - t0
         self.t_admit: Optional[float] = None
@@ -239,6 +240,13 @@ class Row:
         return f"<Row {self.id} {self.state}{extra} ntok={self.ntok} {self.prompt[:30]!r}>"
 
     # -- the engine's side (on its loop) ------------------------------------------
+    def mark_drafted(self, start: int, end: int) -> None:
+        spans = self.drafted_spans
+        if spans and spans[-1][1] == start:
+            spans[-1] = [spans[-1][0], end]  # a new list: readers see old or new
+        else:
+            spans.append([start, end])
+
     def _finish(self, reason: Finish, error: Optional[str] = None) -> None:
         """Record the end: the last fields, the awaited result, the callbacks."""
         if self.done:

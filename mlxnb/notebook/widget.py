@@ -226,6 +226,7 @@ class GenerationWidget(anywidget.AnyWidget):
             "t_admit": _r(r.t_admit, 3), "t_first": _r(r.t_first, 3),
             "t_done": _r(r.t_done, 3),
             **constraint_fields(r),
+            **_draft_fields(r),
         }
 
     def _row_delta(self, r):
@@ -288,6 +289,8 @@ class GenerationWidget(anywidget.AnyWidget):
         d = {"id": r.id, "prompt": r.prompt[:PROMPT_CHARS], "prompt_tokens": r.prompt_tokens,
              "t_submit": _r(r.t_submit, 3), "text": r.text}
         d.update(self._row_fields(r))
+        if getattr(r, "drafted_spans", None):  # [start, end) of text from accepted drafts
+            d["drafted_spans"] = [list(x) for x in r.drafted_spans]
         return d
 
     def _write_traits(self) -> None:
@@ -401,3 +404,12 @@ def _short_model_name(name: str) -> str:
     if os.sep in name and os.path.isdir(name):
         return os.path.basename(name.rstrip(os.sep)) or name
     return name
+
+
+def _draft_fields(r) -> dict:
+    """A speculating row's drafts: [accepted, verified] (live)."""
+    proposed = getattr(r, "draft_proposed", 0)
+    if not proposed:
+        return {}
+    return {"draft": [r.draft_accepted, proposed]}
+
