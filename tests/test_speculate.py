@@ -30,6 +30,8 @@ def tiny128():
 
 
 async def _run(eng, prompts, spec, batched, **kw):
+    if spec:  # a fixed draft length: verified whatever the cost model says
+        kw.setdefault("num_draft", 4)
     if batched:
         rows = [eng.submit(p, max_tokens=N, chat=False, speculate=spec, **kw)
                 for p in prompts]
@@ -82,9 +84,11 @@ def test_drafted_tokens_are_marked_and_counted(tiny, arun):
         assert len(r.tokens) == N  # max_tokens holds exactly
     async def main():
         eng = Engine(tiny, kv_budget=None, warmup=False)
-        row = eng.submit(PROMPTS[1], max_tokens=N, chat=False, speculate="lookup")
+        row = eng.submit(PROMPTS[1], max_tokens=N, chat=False, speculate="lookup",
+                         num_draft=4)
         await row
-        run = eng.generate(PROMPTS[:2], max_tokens=N, chat=False, speculate="lookup")
+        run = eng.generate(PROMPTS[:2], max_tokens=N, chat=False, speculate="lookup",
+                           num_draft=4)
         await run
         steps = list(eng.steps)
         await eng.aclose()
@@ -135,8 +139,8 @@ def test_a_seeded_sampled_row_is_the_same_alone_batched_and_without_speculation(
         base = await _run(eng, PROMPTS, None, batched=False, **kw)
         alone = await _run(eng, PROMPTS, "lookup", batched=False, **kw)
         # beside greedy rows and rows of other seeds
-        rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup", **kw)
-                for p in PROMPTS]
+        rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup", num_draft=3,
+                           **kw) for p in PROMPTS]
         others = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup",
                              temperature=1.0, seed=99) for p in PROMPTS]
         batched = [await r for r in rows]
@@ -155,7 +159,8 @@ def test_a_row_cancelled_mid_verification_leaves_the_others(tiny, arun):
     async def main():
         eng = Engine(tiny, kv_budget=None, warmup=False, streak_s=0)
         base = [r.tokens for r in await _run(eng, PROMPTS, None, batched=False)]
-        rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup") for p in PROMPTS]
+        rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup", num_draft=4)
+                for p in PROMPTS]
         # cancel row 1 once verification steps have run with it in the batch
         while sum(s.drafted for s in eng.steps) == 0 or len(rows[1].tokens) < 8:
             await __import__("asyncio").sleep(0)
@@ -178,7 +183,8 @@ def test_constrained_rows_stay_valid_and_do_not_draft(tiny, arun):
                 for p in PROMPTS[:2]]
         rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup",
                            regex="(ab )+(ab)?") for p in PROMPTS[:2]]
-        free = eng.submit(PROMPTS[1], max_tokens=N, chat=False, speculate="lookup")
+        free = eng.submit(PROMPTS[1], max_tokens=N, chat=False, speculate="lookup",
+                          num_draft=4)
         res = [await r for r in rows] + [await free]
         await eng.aclose()
         return base, res
@@ -234,7 +240,7 @@ def test_bad_speculation_options_are_one_line_errors(tiny, arun):
 def test_engine_default_speculation_and_num_draft(tiny, arun):
     async def main():
         eng = Engine(tiny, kv_budget=None, warmup=False, speculate="lookup")
-        on = await eng.submit(PROMPTS[1], max_tokens=N, chat=False)
+        on = await eng.submit(PROMPTS[1], max_tokens=N, chat=False, num_draft=2)
         off = await eng.submit(PROMPTS[1], max_tokens=N, chat=False, speculate=None)
         fixed = await eng.submit(PROMPTS[1], max_tokens=N, chat=False, num_draft=1)
         await eng.aclose()
@@ -244,6 +250,7 @@ def test_engine_default_speculation_and_num_draft(tiny, arun):
     assert on.tokens == off.tokens == fixed.tokens
     assert on.draft_proposed > 0 and off.draft_proposed == 0
     assert on.params["speculate"] == "lookup" and off.params["speculate"] is None
+    assert on.params["num_draft"] == 2
     # one draft per verification: never more accepted than verifications
     assert 0 < fixed.draft_accepted <= fixed.draft_proposed
 
@@ -317,3 +324,28 @@ def test_verified_point_drafts_keep_the_rows_distribution(name):
     rest[x] = 0
     rest /= rest.sum()
     assert_distribution(first[acc == 0], rest, name + " (rejected)")
+
+
+# -- the step policy --------------------------------------------------------------------
+
+def _cost(a, b):
+    from mlxnb.core.worker.speculate import StepCost
+
+    c = StepCost()
+    for n in (1, 4, 8, 16, 40):
+        c.observe(n, a + b * n)
+    assert c.ab == pytest.approx((a, b))
+    return c
+
+
+def test_width_follows_the_cost_of_a_step_and_the_rows_acceptance():
+    from mlxnb.core.worker.speculate import best_width
+
+    host_bound, compute_bound = _cost(0.005, 0.0), _cost(0.09, 0.013)
+    # a step costs the same whatever it feeds: verify every draft
+    assert best_width(host_bound, [0.2], [6]) == 7
+    # each position costs: a draft that rarely holds is not worth its position
+    assert best_width(compute_bound, [0.05] * 8, [4] * 8) == 1
+    assert best_width(compute_bound, [0.95], [4]) > 1
+    # one row's drafts do not pay for widening seven others
+    assert best_width(compute_bound, [0.6] + [0.0] * 7, [4] + [0] * 7) == 1

@@ -16,6 +16,7 @@ def test_generate_speculate_options_and_config(ip, tiny, arun_shut):
         off = gen(ip, "--raw --max-tokens 40 --quiet", BODY)
         on = gen(ip, "--raw --max-tokens 40 --quiet --speculate lookup --num-draft 3", BODY)
         ip.run_line_magic("config", "MLXNB.speculate = 'lookup'")
+        ip.run_line_magic("config", "MLXNB.num_draft = 4")
         cfg = gen(ip, "--raw --max-tokens 40 --quiet", BODY)
         forced_off = gen(ip, "--raw --max-tokens 40 --quiet --speculate off", BODY)
         await magics.wait()
@@ -25,6 +26,7 @@ def test_generate_speculate_options_and_config(ip, tiny, arun_shut):
     assert [r.params.speculate for r in on.rows] == ["lookup"] * 2
     assert [r.params.num_draft for r in on.rows] == [3, 3]
     assert [r.params.speculate for r in cfg.rows] == ["lookup"] * 2
+    assert [r.params.num_draft for r in cfg.rows] == [4, 4]
     assert [r.params.speculate for r in forced_off.rows] == [None] * 2
     assert on.texts == off.texts == cfg.texts == forced_off.texts
     df = on.records()

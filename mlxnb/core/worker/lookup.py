@@ -31,13 +31,16 @@ class RowLookup:
     def __init__(self, ids: List[int], num_draft: int = 0):
         self.seq: List[int] = []
         self.index: List[Dict[Tuple[int, ...], int]] = [dict() for _ in range(MAX_N + 1)]
-        self.fixed = num_draft > 0  # a user-given k: no adaptation of its size
+        self.fixed = num_draft > 0  # a user-given k: neither adapted nor paused
         self.k_max = num_draft if self.fixed else MAX_DRAFT
         self.k = num_draft if self.fixed else DEFAULT_DRAFT
         self.fails = 0  # consecutive drafts with nothing accepted
         self.pause = 0  # steps left without drafting
         self.next_pause = 4
         self.proposed = self.accepted = 0  # totals (tests, status)
+        # per draft token: held after held ones (successes) and the first that did
+        # not (failures), decayed: q is the chance the next draft token holds
+        self._held, self._missed = 1.0, 1.0
         self.extend(ids)
 
     def extend(self, toks) -> None:
@@ -49,6 +52,13 @@ class RowLookup:
                 if L >= n:
                     index[n][tuple(seq[L - n:L])] = L  # the n-gram ending before L
             seq.append(t)
+
+    def primed(self) -> bool:
+        """Do the row's last n tokens (for some n) occur earlier? Then its next
+        token, once read, likely extends a match: worth reading it at once to draft."""
+        seq = self.seq
+        return any(len(seq) > n and tuple(seq[-n:]) in self.index[n]
+                   for n in range(MIN_N, MAX_N + 1))
 
     def draft(self, limit: int) -> List[int]:
         """Up to min(k, limit) tokens that followed the latest earlier occurrence of
@@ -72,7 +82,10 @@ class RowLookup:
         """After a verification of `proposed` drafts of which `accepted` held."""
         self.proposed += proposed
         self.accepted += accepted
-        if accepted == 0:
+        d = 0.8
+        self._held = d * self._held + accepted
+        self._missed = d * self._missed + (accepted < proposed)
+        if accepted == 0 and not self.fixed:  # a user-given k keeps drafting
             self.fails += 1
             if self.fails >= FAILS_TO_PAUSE:
                 self.pause, self.fails = self.next_pause, 0
@@ -84,6 +97,10 @@ class RowLookup:
             # all accepted: reach further; otherwise draft what held, plus one
             self.k = (min(self.k + 2, self.k_max) if accepted == proposed
                       else max(1, min(accepted + 1, self.k_max)))
+
+    @property
+    def q(self) -> float:
+        return self._held / (self._held + self._missed)
 
     @property
     def rate(self) -> Optional[float]:

@@ -35,7 +35,7 @@ from mlx_lm.models.cache import (ArraysCache, BatchRotatingKVCache, CacheList,
 from .caches import LeanBatchKVCache
 from .quantized_kv import BatchQuantizedKVCache
 
-__all__ = ["rollback", "unsupported_reason"]
+__all__ = ["before_verify", "rollback", "unsupported_reason"]
 
 
 def _leaves(caches) -> list:
@@ -50,6 +50,16 @@ def unsupported_reason(row_cache: list) -> Optional[str]:
     if any(isinstance(c, ArraysCache) for c in _leaves(row_cache)):
         return "off: recurrent-state layers cannot roll back rejected drafts"
     return None
+
+
+def before_verify(caches: list) -> None:
+    """Put sliding-window layers in temporal order before a multi-token forward.
+    mlx-lm's BatchRotatingKVCache builds that forward's mask from its write index
+    while its update first reorders a wrapped buffer (making the index its length):
+    a wrapped buffer's left-padded rows would see their mask one column off."""
+    for c in _leaves(caches):
+        if isinstance(c, BatchRotatingKVCache) and c.keys is not None:
+            c._temporal_order()
 
 
 def _roll(x, shift):

@@ -22,8 +22,9 @@ of each position's distribution. Rejected positions leave the cache (rollback.py
 Verification needs each row's latest token on the host (the drafts follow it), so a
 verification step is not pipelined: it first reads the step in flight. Whether a
 step verifies is decided per step (`Speculation.wanted`): some row has a draft and
-isn't paused (lookup.py), the batch is small enough, and measured speculating
-steps give more tokens per second than plain ones (`StepGate`).
+isn't paused (lookup.py), the batch is small enough, and the width that gives the
+most expected tokens per second -- from each row's acceptance so far and the
+measured cost of a step per token fed (`StepCost`) -- is more than one.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from ..messages import Emitted, Updates
 from .decoding import HISTORY
 from .inflight import InFlight
 from .lookup import RowLookup
-from .rollback import rollback, unsupported_reason
+from .rollback import before_verify, rollback, unsupported_reason
 
-__all__ = ["Speculation", "StepGate", "accept_drafts", "MAX_SPEC_BATCH", "MODES"]
+__all__ = ["Speculation", "StepCost", "accept_drafts", "best_width", "MAX_SPEC_BATCH", "MODES"]
 
 MODES = ("lookup",)  # what SamplingParams.speculate takes, besides None
 MAX_SPEC_BATCH = 32  # larger batches are bound by the device: extra positions cost
@@ -53,42 +54,57 @@ def accept_drafts(toks: mx.array, drafts: mx.array):
     return acc, mx.take_along_axis(toks, acc[:, None], axis=1)[:, 0]
 
 
-class StepGate:
-    """Turns verification off for a while when measured verifying steps give fewer
-    tokens per second than plain steps of the same batch size; off periods double
-    while that holds (probing again after each), and reset when it does not."""
+class StepCost:
+    """What a decode step costs as a function of the tokens it feeds (rows x width):
+    seconds ~ a + b * tokens, fitted online to decode-only steps (an average per
+    token count, then a least-squares line through those). Host-bound steps (a
+    small model on a GPU) give b ~ 0: verifying is nearly free; compute-bound ones
+    (a CPU, large batches) give a b that makes wide verifications pay only for
+    drafts likely to hold. Until two token counts are measured, b is taken as 0."""
 
-    ALPHA = 0.3
-    FIRST_OFF, MAX_OFF = 8, 512
+    ALPHA = 0.2
 
     def __init__(self):
-        self.secs_per_token: Dict[Tuple[bool, int], float] = {}
-        self.off = 0
-        self.next_off = self.FIRST_OFF
+        self.mean: Dict[int, float] = {}
+        self.ab = None  # (a, b) once fitted
+        self.nsteps = 0
 
-    def open(self, batch: int) -> bool:
-        if batch > MAX_SPEC_BATCH:
-            return False
-        if self.off > 0:
-            self.off -= 1
-            return False
-        return True
+    def observe(self, tokens: int, seconds: float) -> None:
+        old = self.mean.get(tokens)
+        self.mean[tokens] = seconds if old is None else old + self.ALPHA * (seconds - old)
+        self.nsteps += 1
+        if len(self.mean) >= 2:
+            xs, ys = list(self.mean), list(self.mean.values())
+            mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            sxx = sum((x - mx_) ** 2 for x in xs)
+            b = max(0.0, sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sxx)
+            self.ab = (max(my - b * mx_, 1e-6), b)
 
-    def observe(self, verified: bool, batch: int, tokens: int, seconds: float) -> None:
-        if tokens <= 0:
-            return
-        key, spt = (verified, batch), seconds / tokens
-        old = self.secs_per_token.get(key)
-        self.secs_per_token[key] = spt if old is None else old + self.ALPHA * (spt - old)
-        plain = self.secs_per_token.get((False, batch))
-        spec = self.secs_per_token.get((True, batch))
-        if not verified or plain is None or spec is None:
-            return
-        if spec > plain:
-            self.off, self.next_off = self.next_off, min(2 * self.next_off, self.MAX_OFF)
-            del self.secs_per_token[(True, batch)]  # the next probe measures afresh
-        else:
-            self.next_off = self.FIRST_OFF
+    def seconds(self, tokens: int) -> float:
+        if self.ab is None:
+            return 1.0  # unknown: every width costs the same
+        a, b = self.ab
+        return a + b * tokens
+
+
+def expected_accepts(q: float, k: int) -> float:
+    """Drafts held of k when each holds with probability q given the ones before."""
+    if k <= 0:
+        return 0.0
+    return q * (1 - q ** k) / (1 - q) if q < 1 else float(k)
+
+
+def best_width(cost: StepCost, qs: List[float], lens: List[int]) -> int:
+    """The verification width (1 = a plain step) with the most expected tokens per
+    second for rows whose drafts hold with probabilities `qs` and are `lens` long."""
+    B = len(lens)
+    best_w, best = 1, B / cost.seconds(B)
+    for w in range(2, max(lens) + 2):
+        toks = B + sum(expected_accepts(q, min(n, w - 1)) for q, n in zip(qs, lens))
+        v = toks / cost.seconds(B * w)
+        if v > best:
+            best_w, best = w, v
+    return best_w
 
 
 class Speculation:
@@ -96,8 +112,7 @@ class Speculation:
 
     def __init__(self, row_cache: list):
         self.off_reason = unsupported_reason(row_cache)  # None: rows may speculate
-        self.gate = StepGate()
-        self.rows = 0  # rows in the batch that draft (attach/detach)
+        self.cost = StepCost()
 
     @property
     def facts(self) -> str:
@@ -110,9 +125,16 @@ class Speculation:
                 and r.matcher is None):
             r.lookup = RowLookup(ids, p.num_draft)
 
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows, `width` positions each, took this long."""
+        self.cost.observe(rows * width, seconds)
+
     def wanted(self, ex) -> bool:
-        """Verify this step? Counts down paused rows' pauses."""
+        """Worth reading the step in flight now to draft? Some row, not paused, has
+        its last tokens matching earlier ones; counts down paused rows' pauses."""
         rows = ex._batch_rows
+        if len(rows) > MAX_SPEC_BATCH:
+            return False
         if ex.inflight is not None and ex.inflight.firsts:
             return False  # a first token to show: keep the plain step (its TTFT)
         ready = False
@@ -121,25 +143,32 @@ class Speculation:
             if lk is not None:
                 if lk.pause > 0:
                     lk.pause -= 1
-                else:
+                elif not ready and lk.primed():
                     ready = True
-        return ready and self.gate.open(len(rows))
+        return ready
 
-    def step(self, ex, updates: Updates, emitted: List[Emitted]) -> Optional[Tuple[int, int, int]]:
-        """Verify drafts for this step if there are any: (drafts proposed, accepted,
-        tokens taken), else None (the caller launches a plain step). Reads the step
-        in flight first."""
+    def step(self, ex, updates: Updates, emitted: List[Emitted]) -> Optional[Tuple[int, int, int, int]]:
+        """Verify drafts for this step if that is expected to pay: (drafts proposed,
+        accepted, tokens taken, width), else None (the caller launches a plain
+        step). Reads the step in flight first."""
         if ex.inflight is not None:
             done, ex.inflight = ex.inflight, None
             ex._read(done, updates, emitted)
-        drafts, drop = [], ex.drop
+        drafts, qs, drop, forced = [], [], ex.drop, 0
         for r in ex._batch_rows:
             lk = r.lookup
-            drafts.append(lk.draft(r.params.max_tokens - r.launched - 1)
-                          if lk is not None and r.id not in drop else [])
+            live = lk is not None and r.id not in drop
+            d = lk.draft(r.params.max_tokens - r.launched - 1) if live else []
+            drafts.append(d)
+            qs.append(lk.q if live else 0.0)
+            if live and lk.fixed:  # the user's num_draft: verified whatever it costs
+                forced = max(forced, len(d))
         if not any(drafts):
             return None
-        return self._verify(ex, drafts, updates, emitted)
+        w = max(best_width(self.cost, qs, [len(d) for d in drafts]), forced + 1)
+        if w == 1:
+            return None
+        return self._verify(ex, [d[:w - 1] for d in drafts], updates, emitted)
 
     def _verify(self, ex, drafts: List[List[int]], updates: Updates,
                 emitted: List[Emitted]) -> Tuple[int, int, int]:
@@ -148,6 +177,7 @@ class Speculation:
         W = 1 + max(len(d) for d in drafts)
         padded = mx.array([d + [0] * (W - 1 - len(d)) for d in drafts], dtype=ex.y.dtype)
         inp = mx.concatenate([ex.y[:, None], padded], axis=1)  # [B, W]
+        before_verify(ex.caches)
         full = ex.model(inp, cache=ex.views)  # [B, W, V]
         if want or ex._any_procs or ex.sampler.needs_float32:
             full = full.astype(mx.float32)
@@ -195,7 +225,7 @@ class Speculation:
                      updates, emitted, drafted=a)
         rollback(ex.caches, [W - 1 - a for a in A])
         ex._align()  # new padding, and each row's remaining tokens
-        return proposed, accepted, taken
+        return proposed, accepted, taken, W
 
     @staticmethod
     def _logprobs(ex, lp, want, ids, W) -> dict:
