@@ -146,7 +146,7 @@ class BatchExecutor:
         self._filter()
         n_read = len(emitted)
         joining = bool(self.prefill.ready)
-        verified = None  # (drafts proposed, accepted, tokens taken, width) of a verify step
+        verified = None  # a verify step's (proposed, accepted, taken, width, seconds)
         try:
             self._join(updates)
             launched = None
@@ -179,7 +179,7 @@ class BatchExecutor:
         now = time.perf_counter()
         if decoded and not prefill_tokens:
             self.policy.observe_decode(now - t)
-            self.spec.observe(decoded, verified[3] if verified else 1, now - t)
+            self.spec.observe(decoded, *(verified[3:] if verified else (1, now - t)))
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
                       self._ids_tuple, share, other)

@@ -29,6 +29,7 @@ measured cost of a step per token fed (`StepCost`) -- is more than one.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -81,6 +82,11 @@ class StepCost:
             self.ab = (max(my - b * mx_, 1e-6), b)
 
     def seconds(self, tokens: int) -> float:
+        """A measured token count's own average (step costs jump where kernels
+        change, e.g. BLAS at some widths), else the line."""
+        seen = self.mean.get(tokens)
+        if seen is not None and self.ab is not None:
+            return seen
         if self.ab is None:
             return 1.0  # unknown: every width costs the same
         a, b = self.ab
@@ -137,23 +143,30 @@ class Speculation:
             return False
         if ex.inflight is not None and ex.inflight.firsts:
             return False  # a first token to show: keep the plain step (its TTFT)
-        ready = False
+        qs, ks, fixed = [], [], False
         for r in rows:
             lk = r.lookup
-            if lk is not None:
-                if lk.pause > 0:
-                    lk.pause -= 1
-                elif not ready and lk.primed():
-                    ready = True
-        return ready
+            if lk is not None and lk.pause > 0:
+                lk.pause -= 1
+            elif lk is not None and lk.primed():
+                fixed = fixed or lk.fixed  # a user-given num_draft: whatever it costs
+                qs.append(lk.q)
+                ks.append(lk.k)
+                continue
+            qs.append(0.0)
+            ks.append(0)
+        # the best case (every primed row drafts its k) must pay for the read
+        return fixed or (any(ks) and best_width(self.cost, qs, ks) > 1)
 
-    def step(self, ex, updates: Updates, emitted: List[Emitted]) -> Optional[Tuple[int, int, int, int]]:
+    def step(self, ex, updates: Updates, emitted: List[Emitted]) -> Optional[tuple]:
         """Verify drafts for this step if that is expected to pay: (drafts proposed,
-        accepted, tokens taken, width), else None (the caller launches a plain
+        accepted, tokens taken, width, seconds it took), else None (the caller launches a plain
         step). Reads the step in flight first."""
         if ex.inflight is not None:
             done, ex.inflight = ex.inflight, None
             ex._read(done, updates, emitted)
+        # the read above waited for the previous step's forward: not this step's cost
+        t0 = time.perf_counter()
         drafts, qs, drop, forced = [], [], ex.drop, 0
         for r in ex._batch_rows:
             lk = r.lookup
@@ -168,7 +181,8 @@ class Speculation:
         w = max(best_width(self.cost, qs, [len(d) for d in drafts]), forced + 1)
         if w == 1:
             return None
-        return self._verify(ex, [d[:w - 1] for d in drafts], updates, emitted)
+        out = self._verify(ex, [d[:w - 1] for d in drafts], updates, emitted)
+        return out + (time.perf_counter() - t0,)
 
     def _verify(self, ex, drafts: List[List[int]], updates: Updates,
                 emitted: List[Emitted]) -> Tuple[int, int, int]:
