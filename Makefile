@@ -47,6 +47,7 @@ test: system-deps browser-deps $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q --nbval-lax notebooks/
 	$(BIN)/python -m bench decode --quick > /dev/null && $(BIN)/python -m bench mixed --quick > /dev/null
+	$(BIN)/python -m bench speculate --quick > /dev/null
 
 # The unit tier: the tiny random-weight model, no kernels, subprocesses, servers or
 # bundled model (about two and a half minutes on 2 cores).

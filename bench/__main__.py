@@ -23,6 +23,9 @@ BENCHMARKS = {
     "remote": ("remote", "mlxnb.connect vs a plain httpx client against one mlx_lm.server"),
     "widget-traffic": ("widget_traffic", "the live widget's messages/s, bytes per token "
                                          "and time on the kernel's loop"),
+    "speculate": ("speculate", "speculative decoding (prompt lookup) off vs on: decode "
+                               "tok/s, acceptance and tokens per step, copy-heavy and "
+                               "free-form prompts (--quick: a smoke run)"),
     "reliability": ("reliability", "a stalled load, load/unload cycles, memory per "
                                    "finished row, detokenizing cost"),
 }

@@ -1,0 +1,136 @@
+"""Speculative decoding (prompt lookup): decode tok/s with speculation off vs on.
+
+The real default model (or --model), greedy, chat prompts. Two prompt sets, both in
+bench/prompts_speculate.py: copy-heavy (extraction, fix the typos, summarise and
+quote, reformat) where the answer copies long spans of the prompt, and free-form
+(stories, explanations, lists) where it copies little. Per set and batch size B
+(--batch, default 1,8): the same rows (B at a time, cycling through the set) with
+speculate=None and then speculate="lookup", alternating --repeat rounds. Outputs are
+token-identical (greedy), so both runs decode the same tokens.
+
+  decode tok/s   tokens read back in decode-only steps (no prefill beside them) /
+                 the summed time of those steps
+  accept         accepted drafts / drafts verified
+  tok/step       tokens each row took per decode-only step (lookup run)
+
+--quick: the tiny random-weight model, a few tokens: a smoke run in seconds.
+
+  python -m bench speculate                          # B=1,8; both prompt sets
+  python -m bench speculate --save --hardware 2026-12-02-cpu2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+
+from . import common
+from .common import log, pc
+from .prompts_speculate import COPY, FREE
+
+NAME, RESULT, TITLE = "speculate", "speculate", "Speculative decoding: prompt lookup"
+
+
+async def _wave(eng, prompts, n, spec):
+    t0 = pc()
+    rows = [eng.submit(p, max_tokens=n, speculate=spec) for p in prompts]
+    res = [await r for r in rows]
+    return rows, res, pc() - t0
+
+
+async def _pass(eng, prompts, B, n, spec):
+    """All prompts, B at a time: (decode tokens, decode seconds, tokens, proposed,
+    accepted, decode steps, token lists)."""
+    prop = acc = 0
+    steps_before = len(eng.steps)
+    toks = []
+    for i in range(0, len(prompts), B):
+        rows, res, _ = await _wave(eng, prompts[i:i + B], n, spec)
+        prop += sum(r.draft_proposed for r in rows)
+        acc += sum(r.draft_accepted for r in rows)
+        toks += [r.tokens for r in rows]
+    # decode-only steps: what they emitted over the time they took
+    steps = [s for s in eng.steps[steps_before:] if s.batch_size and not s.prefill_tokens]
+    ntok, secs = sum(s.tokens for s in steps), sum(s.dt_s for s in steps)
+    per_row = sum(s.tokens / s.batch_size for s in steps)
+    return dict(tok_s=ntok / secs if secs else 0.0, tokens=ntok, proposed=prop,
+                accepted=acc, tok_per_step=per_row / max(len(steps), 1), toks=toks)
+
+
+def main(argv=None, prog=None):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
+    ap.add_argument("--new", type=int, default=128, help="max tokens per row")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds (best of each)")
+    ap.add_argument("--sets", default="copy,free")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny random-weight model, few tokens: a smoke run")
+    common.add_output_args(ap)
+    args = ap.parse_args(argv)
+    import mlxnb
+
+    if args.quick:
+        from mlxnb.models.tiny import tiny_model
+
+        model, args.new, args.repeat, args.batch = tiny_model(), 24, 1, "1,4"
+    else:
+        model = args.model
+    eng = mlxnb.Engine(model, kv_budget=None, prefix_cache=None)
+    sets = {"copy": COPY, "free": FREE}
+    batches = [int(b) for b in args.batch.split(",")]
+    report = common.Report(NAME, RESULT, TITLE, args, argv or [])
+    lines = ["| prompts | B | off tok/s | lookup tok/s | speedup | accept | tok/step | "
+             "same tokens |", "|---|---|---|---|---|---|---|---|"]
+    data = []
+    for name in args.sets.split(","):
+        prompts = sets[name]
+        for B in batches:
+            rounds = []
+            for _ in range(args.repeat):
+                off = eng_run(eng, prompts, B, args.new, None)
+                on = eng_run(eng, prompts, B, args.new, "lookup")
+                rounds.append((off, on))
+            best_off = max(r[0]["tok_s"] for r in rounds)
+            best_on = max(r[1]["tok_s"] for r in rounds)
+            ratio = statistics.median(r[1]["tok_s"] / r[0]["tok_s"] for r in rounds)
+            on = rounds[-1][1]
+            rate = on["accepted"] / on["proposed"] if on["proposed"] else 0.0
+            same = all(r[0]["toks"] == r[1]["toks"] for r in rounds)
+            row = dict(prompts=name, B=B, off=best_off, on=best_on, speedup=ratio,
+                       accept=rate, tok_per_step=on["tok_per_step"], same=same)
+            data.append(row)
+            line = (f"| {name} | {B} | {best_off:.1f} | {best_on:.1f} | {ratio:.2f}x | "
+                    f"{rate:.0%} | {on['tok_per_step']:.2f} | {same} |")
+            lines.append(line)
+            log(line)
+            report.write("\n".join(lines) + NOTE, dict(rows=data))
+    eng.close()
+    print("\n".join(lines))
+    return 0
+
+
+def eng_run(eng, prompts, B, n, spec):
+    return eng_loop().run_until_complete(_pass(eng, prompts, B, n, spec))
+
+
+_LOOP = None
+
+
+def eng_loop():
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+        asyncio.set_event_loop(_LOOP)
+    return _LOOP
+
+
+NOTE = """
+
+speedup: median over rounds of lookup tok/s / off tok/s (each round runs both);
+tok/s columns: the best round. accept: accepted drafts / drafts verified. tok/step:
+tokens each row took per decode step (lookup run; 1.00 without speculation). same
+tokens: the two runs' outputs are identical (greedy).
+"""
