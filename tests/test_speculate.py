@@ -274,8 +274,10 @@ def test_a_row_whose_drafts_fail_pauses_for_longer_each_time():
         lk.verified(4, 0)
         lk.verified(4, 0)
         pauses.append(lk.pause)
-        while lk.pause:
+        for _ in range(pauses[-1]):
             assert lk.draft(10) == []
+            assert lk.paused()
+        assert not lk.paused() and lk.draft(10) == [5]  # k shrank to 1
     assert pauses[0] > 0 and pauses[1] == 2 * pauses[0] and pauses[2] == 2 * pauses[1]
     lk.verified(4, 4)
     assert lk.k > 1 and lk.next_pause == pauses[0]

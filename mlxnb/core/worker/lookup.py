@@ -38,6 +38,7 @@ class RowLookup:
         self.pause = 0  # steps left without drafting
         self.next_pause = 4
         self.proposed = self.accepted = 0  # totals (tests, status)
+        self.was_primed = False
         # per draft token: held after held ones (successes) and the first that did
         # not (failures), decayed: q is the chance the next draft token holds
         self._held, self._missed = 1.0, 1.0
@@ -53,18 +54,31 @@ class RowLookup:
                     index[n][tuple(seq[L - n:L])] = L  # the n-gram ending before L
             seq.append(t)
 
+    def paused(self) -> bool:
+        """Is it pausing this step? (A step passes: one step less to pause.)"""
+        if self.pause > 0:
+            self.pause -= 1
+            return True
+        return False
+
     def primed(self) -> bool:
-        """Do the row's last n tokens (for some n) occur earlier? Then its next
-        token, once read, likely extends a match: worth reading it at once to draft."""
+        """Do the row's last MAX_N tokens occur earlier? Then its next token, once
+        read, likely extends the match: worth reading it at once to draft. (A
+        shorter match is common in any text and predicts little.)"""
         seq = self.seq
-        return any(len(seq) > n and tuple(seq[-n:]) in self.index[n]
-                   for n in range(MIN_N, MAX_N + 1))
+        self.was_primed = len(seq) > MAX_N and tuple(seq[-MAX_N:]) in self.index[MAX_N]
+        return self.was_primed
+
+    def no_draft(self) -> None:
+        """It was primed, its next token was read at once, and nothing matched: a
+        read for nothing, counted as a draft that failed."""
+        self.was_primed = False
+        self.verified(0, 0)
 
     def draft(self, limit: int) -> List[int]:
         """Up to min(k, limit) tokens that followed the latest earlier occurrence of
         the row's last n tokens; [] when paused or nothing matches."""
         if self.pause > 0:
-            self.pause -= 1
             return []
         k = min(self.k, limit)
         if k <= 0:
@@ -84,7 +98,7 @@ class RowLookup:
         self.accepted += accepted
         d = 0.8
         self._held = d * self._held + accepted
-        self._missed = d * self._missed + (accepted < proposed)
+        self._missed = d * self._missed + (accepted < proposed or not proposed)
         if accepted == 0 and not self.fixed:  # a user-given k keeps drafting
             self.fails += 1
             if self.fails >= FAILS_TO_PAUSE:
@@ -95,8 +109,9 @@ class RowLookup:
             self.next_pause = 4
         if not self.fixed:
             # all accepted: reach further; otherwise draft what held, plus one
-            self.k = (min(self.k + 2, self.k_max) if accepted == proposed
-                      else max(1, min(accepted + 1, self.k_max)))
+            if proposed:
+                self.k = (min(self.k + 2, self.k_max) if accepted == proposed
+                          else max(1, min(accepted + 1, self.k_max)))
 
     @property
     def q(self) -> float:

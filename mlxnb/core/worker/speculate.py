@@ -146,9 +146,7 @@ class Speculation:
         qs, ks, fixed = [], [], False
         for r in rows:
             lk = r.lookup
-            if lk is not None and lk.pause > 0:
-                lk.pause -= 1
-            elif lk is not None and lk.primed():
+            if lk is not None and not lk.paused() and lk.primed():
                 fixed = fixed or lk.fixed  # a user-given num_draft: whatever it costs
                 qs.append(lk.q)
                 ks.append(lk.k)
@@ -172,6 +170,8 @@ class Speculation:
             lk = r.lookup
             live = lk is not None and r.id not in drop
             d = lk.draft(r.params.max_tokens - r.launched - 1) if live else []
+            if live and not d and lk.was_primed:
+                lk.no_draft()
             drafts.append(d)
             qs.append(lk.q if live else 0.0)
             if live and lk.fixed:  # the user's num_draft: verified whatever it costs
