@@ -56,6 +56,7 @@ class RowLookup:
 
     def paused(self) -> bool:
         """Is it pausing this step? (A step passes: one step less to pause.)"""
+        self.was_primed = False
         if self.pause > 0:
             self.pause -= 1
             return True

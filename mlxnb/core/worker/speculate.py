@@ -20,11 +20,11 @@ comes from position 0, processed and masked as in a plain step); logprobs are th
 of each position's distribution. Rejected positions leave the cache (rollback.py).
 
 Verification needs each row's latest token on the host (the drafts follow it), so a
-verification step is not pipelined: it first reads the step in flight. Whether a
-step verifies is decided per step (`Speculation.wanted`): some row has a draft and
-isn't paused (lookup.py), the batch is small enough, and the width that gives the
-most expected tokens per second -- from each row's acceptance so far and the
-measured cost of a step per token fed (`StepCost`) -- is more than one.
+verification step is not pipelined: it first reads the step in flight, which it does
+only when some row, not paused (lookup.py), has its last tokens matching earlier
+ones (`Speculation.wanted`). It then verifies at the width that gives the most
+expected tokens per second -- from each row's acceptance so far and the measured
+cost of a step per token fed (`StepCost`) -- unless that width is one.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ class Speculation:
 
     def wanted(self, ex) -> bool:
         """Worth reading the step in flight now to draft? Some row, not paused, has
-        its last tokens matching earlier ones; counts down paused rows' pauses."""
+        its last tokens matching earlier ones, and the best case (each such row
+        drafting its k) would pay; counts down paused rows' pauses."""
         rows = ex._batch_rows
         if len(rows) > MAX_SPEC_BATCH:
             return False
@@ -158,8 +159,8 @@ class Speculation:
 
     def step(self, ex, updates: Updates, emitted: List[Emitted]) -> Optional[tuple]:
         """Verify drafts for this step if that is expected to pay: (drafts proposed,
-        accepted, tokens taken, width, seconds it took), else None (the caller launches a plain
-        step). Reads the step in flight first."""
+        accepted, tokens taken, width, seconds it took), else None (the caller
+        launches a plain step). Reads the step in flight first."""
         if ex.inflight is not None:
             done, ex.inflight = ex.inflight, None
             ex._read(done, updates, emitted)
@@ -185,7 +186,7 @@ class Speculation:
         return out + (time.perf_counter() - t0,)
 
     def _verify(self, ex, drafts: List[List[int]], updates: Updates,
-                emitted: List[Emitted]) -> Tuple[int, int, int]:
+                emitted: List[Emitted]) -> Tuple[int, int, int, int]:
         rows, ids = ex._batch_rows, list(ex.ids)
         want = ex._want_lp
         W = 1 + max(len(d) for d in drafts)
