@@ -15,6 +15,14 @@ token-identical (greedy), so both runs decode the same tokens.
 
 --quick: the tiny random-weight model, a few tokens: a smoke run in seconds.
 
+--layer-skip 6,10,15,20: instead, how well would drafts from the target's own first
+L layers and head (layer-skip self-speculation), or from a random-weight small model
+with the same tokenizer, do? Each is measured offline, teacher-forced along the
+target's greedy output for both prompt sets: q = how often the draft's next token
+is the target's; tokens/step = 1 + q + ... + q^k for k = 4 drafts (each accepted
+only after the ones before it; independence assumed); est. speedup = tokens/step /
+(1 + k L / layers), drafting costing its share of the layers per token.
+
   python -m bench speculate                          # B=1,8; both prompt sets
   python -m bench speculate --save --hardware 2026-12-02-cpu2
 """
@@ -66,6 +74,8 @@ def main(argv=None, prog=None):
     ap.add_argument("--new", type=int, default=128, help="max tokens per row")
     ap.add_argument("--repeat", type=int, default=2, help="rounds (best of each)")
     ap.add_argument("--sets", default="copy,free")
+    ap.add_argument("--layer-skip", metavar="L,L", default=None,
+                    help="measure layer-skip and random drafts offline instead")
     ap.add_argument("--quick", action="store_true",
                     help="tiny random-weight model, few tokens: a smoke run")
     common.add_output_args(ap)
@@ -80,6 +90,8 @@ def main(argv=None, prog=None):
         model = args.model
     eng = mlxnb.Engine(model, kv_budget=None, prefix_cache=None)
     sets = {"copy": COPY, "free": FREE}
+    if args.layer_skip:
+        return layer_skip(eng, sets, args, argv)
     batches = [int(b) for b in args.batch.split(",")]
     report = common.Report(NAME, RESULT, TITLE, args, argv or [])
     lines = ["| prompts | B | off tok/s | lookup tok/s | speedup | accept | tok/step | "
@@ -134,3 +146,65 @@ tok/s columns: the best round. accept: accepted drafts / drafts verified. tok/st
 tokens each row took per decode step (lookup run; 1.00 without speculation). same
 tokens: the two runs' outputs are identical (greedy).
 """
+
+
+def _agreement(model, seqs, starts, layers=None):
+    """How often the model (or its first `layers` layers and head) predicts the
+    next token of each sequence from `start` on, teacher-forced."""
+    import mlx.core as mx
+
+    inner = model.model
+    full = inner.layers
+    hit = total = 0
+    try:
+        if layers is not None:
+            inner.layers = full[:layers]
+        for ids, start in zip(seqs, starts):
+            pred = mx.argmax(model(mx.array([ids]))[0], axis=-1).tolist()
+            for t in range(start, len(ids) - 1):
+                hit += pred[t] == ids[t + 1]
+                total += 1
+    finally:
+        inner.layers = full
+    return hit / max(total, 1)
+
+
+async def _one(eng, prompt, n):
+    return await eng.submit(prompt, max_tokens=n)
+
+
+def layer_skip(eng, sets, args, argv):
+    from mlxnb.models.tiny import tiny_model
+
+    k = 4
+    n_layers = len(eng.model.model.layers)
+    report = common.Report(NAME, "speculate-drafts", "Drafts for speculation: layer-skip "
+                           "and a random small model", args, argv or [])
+    lines = ["| prompts | draft | q | tokens/step (k=4) | est. speedup |",
+             "|---|---|---|---|---|"]
+    rnd = tiny_model("smollm2")[0]
+    for name, prompts in sets.items():
+        seqs, starts = [], []
+        for p in prompts:
+            ids = eng.encode(p)
+            out = eng_loop().run_until_complete(_one(eng, p, args.new))
+            seqs.append(ids + list(out.tokens))
+            starts.append(len(ids) - 1)
+        check = _agreement(eng.model, seqs, starts)  # the target against itself
+        cands = [(f"first {L} of {n_layers} layers", L, eng.model)
+                 for L in map(int, args.layer_skip.split(","))]
+        cands.append(("random 2-layer model", None, rnd))
+        for label, L, m in cands:
+            q = _agreement(m, seqs, starts, L)
+            toks = sum(q ** j for j in range(k + 1))
+            share = (L / n_layers) if L else 0.02
+            line = (f"| {name} | {label} | {q:.2f} | {toks:.2f} | "
+                    f"{toks / (1 + k * share):.2f}x |")
+            lines.append(line)
+            log(line)
+        lines.append(f"| {name} | (target itself: check) | {check:.2f} | | |")
+        report.write("\n".join(lines))
+    eng.close()
+    print("\n".join(lines))
+    return 0
+
