@@ -57,3 +57,22 @@ def test_default_model_seeded_sampling_reproducible_in_batch(default_pair, arun)
 
     a, b = arun(main, timeout=300)
     assert a.tokens == b.tokens and a.text == b.text
+
+
+def test_default_model_speculates_on_a_copy_task_with_the_same_tokens(default_pair, arun):
+    text = ("The Harbor Street library opened on 12 March 1921 with four thousand books "
+            "and one reading room.")
+    prompt = f"Repeat the following text exactly, word for word:\n\n{text}"
+
+    async def main():
+        from mlxnb import Engine
+
+        eng = Engine(default_pair, kv_budget="1GB")
+        off = await eng.submit(prompt, max_tokens=24)
+        on = await eng.submit(prompt, max_tokens=24, speculate="lookup", num_draft=4)
+        await eng.aclose()
+        return off, on
+
+    off, on = arun(main, timeout=300)
+    assert on.tokens == off.tokens
+    assert on.draft_accepted > 0.5 * on.draft_proposed > 0  # the copy is drafted
