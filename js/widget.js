@@ -1,11 +1,13 @@
 // mlxnb generation widget (anywidget ESM). State comes from the synced traits (a new
 // view, a reopened notebook) and then from ~15 Hz "delta" custom messages; everything
 // is redrawn at most once per animation frame. Charts are plain <canvas>.
-import { BADGES, CHART_TITLES, X_AXIS, applyMessage, badgeKind, badgeText, bandAt, bytesTicks, formatBytes, formatDuration, formatRate, headerParts, isDark, isStale, laneAt, layoutFor, liveNow, moreLabel, niceTicks, oneLine, rowColor, scaleLinear, shouldTakeTraits, stackSnaps, stateFromTraits, tailText, timelineSpans, visibleRows } from "./lib.js";
+import { BADGES, CHART_TITLES, applyMessage, badgeKind, badgeText, bandAt, bytesTicks, formatBytes, formatDuration, formatRate, headerParts, isDark, isStale, laneAt, layoutFor, liveNow, moreLabel, niceTicks, oneLine, rowColor, scaleLinear, shouldTakeTraits, stackSnaps, stateFromTraits, tailText, timelineSpans } from "./lib.js";
+import { STEP_LEGEND, commonParts, kernelGone, pickVisible, promptLabel, robustTop, stepAxis, verdict } from "./views.js";
 
 const TIMELINE_LANES = 48; // the newest rows get a lane; older ones scroll off
 const ROW_LIMIT = 12; // rows listed before the "N more rows" control
 const STALE_MS = 5000; // a sync request unanswered this long: no kernel runs the rows
+const KERNEL_POLL_MS = 1000; // how often a live view asks its widget manager for the kernel
 
 function h(tag, cls, text) {
   const e = document.createElement(tag);
@@ -136,8 +138,9 @@ function drawKV(canvas, st, c, hl) {
   const fmt = frac ? (v) => `${Math.round(100 * v)}%` : formatBytes;
   const y = yAxis(g, c, box, yt, fmt);
   const s0 = snaps[0][0], s1 = Math.max(snaps[snaps.length - 1][0], s0 + 1);
-  const x = xLabels(g, c, box, s0, s1, (v) => String(Math.round(v)));
-  xName(g, c, box, X_AXIS.kv);
+  const ax = stepAxis(st.header);
+  const x = xLabels(g, c, box, s0, s1, ax.label);
+  xName(g, c, box, ax.name);
   const xs = snaps.map((s) => x(s[0]));
   const band = (lo, hi, fill) => {
     ctx.beginPath();
@@ -183,8 +186,9 @@ function drawSteps(canvas, st, c) {
   const { ctx } = g;
   const box = { l: 36, r: g.w - 24, t: 6, b: g.h - 14 };
   const s0 = s[0], s1 = Math.max(s[s.length - 1], s0 + 1);
-  const x = xLabels(g, c, box, s0, s1, (v) => String(Math.round(v)));
-  xName(g, c, box, X_AXIS.step);
+  const ax = stepAxis(st.header);
+  const x = xLabels(g, c, box, s0, s1, ax.label);
+  xName(g, c, box, ax.name);
   // Batch size first, as a faint step area on the right axis, so the line stays on top.
   setAttr(canvas, "data-batch-reported", st.header.batch_reported === false ? "0" : "1");
   if (st.header.batch_reported !== false) {
@@ -201,14 +205,40 @@ function drawSteps(canvas, st, c) {
     ctx.font = c.font; ctx.fillStyle = c.muted; ctx.textAlign = "right"; ctx.textBaseline = "top";
     ctx.fillText("batch: not reported by this server", box.r, box.t);
   }
-  const yt = niceTicks(0, Math.max(0.1, ...dt), 3);
+  // One slow prefill step must not flatten every decode step: past a few times the
+  // 90th percentile the axis stops and those steps are drawn clipped, value written.
+  const rt = robustTop(dt);
+  setAttr(canvas, "data-clipped", rt.clipped ? dt.filter((v) => v > rt.top).length : 0);
+  const yt = niceTicks(0, Math.max(0.1, rt.top), 3);
   const y = yAxis(g, c, box, yt, (v) => (v >= 10 ? v.toFixed(0) : +v.toFixed(2)) + "");
+  setAttr(canvas, "data-ymax", yt.max);
+  const yc = (v) => y(Math.min(v, yt.max));
   ctx.strokeStyle = c.accent; ctx.lineWidth = 1.25; ctx.beginPath();
-  for (let i = 0; i < s.length; i++) (i ? ctx.lineTo : ctx.moveTo).call(ctx, x(s[i]), y(dt[i]));
-  if (s.length === 1) ctx.lineTo(x(s[0]) + 2, y(dt[0]));
+  for (let i = 0; i < s.length; i++) (i ? ctx.lineTo : ctx.moveTo).call(ctx, x(s[i]), yc(dt[i]));
+  if (s.length === 1) ctx.lineTo(x(s[0]) + 2, yc(dt[0]));
   ctx.stroke();
   ctx.fillStyle = c.warn; // steps that prefilled a prompt chunk: where joiners stall the batch
-  for (let i = 0; i < s.length; i++) if (pf[i] > 0) ctx.fillRect(x(s[i]) - 1.5, y(dt[i]) - 1.5, 3, 3);
+  for (let i = 0; i < s.length; i++) if (pf[i] > 0) ctx.fillRect(x(s[i]) - 1.5, yc(dt[i]) - 1.5, 3, 3);
+  if (rt.clipped) {
+    ctx.font = c.font; ctx.textBaseline = "top";
+    let lastLabel = -Infinity;
+    for (let i = 0; i < s.length; i++) {
+      if (dt[i] <= yt.max) continue;
+      const px = x(s[i]);
+      ctx.fillStyle = c.err; ctx.beginPath(); // a triangle at the top: off the scale
+      ctx.moveTo(px, box.t); ctx.lineTo(px - 3.5, box.t + 5); ctx.lineTo(px + 3.5, box.t + 5);
+      ctx.closePath(); ctx.fill();
+      const label = `${formatDuration(dt[i] / 1000)}`;
+      const w = ctx.measureText(label).width;
+      if (px - w / 2 > lastLabel + 4) { // labels that would overlap are left out
+        ctx.fillStyle = c.fg; ctx.textAlign = "left";
+        const lx = Math.min(Math.max(px + 5, box.l), box.r - w);
+        ctx.fillText(label, lx, box.t);
+        lastLabel = lx + w;
+      }
+    }
+  }
+  return rt;
 }
 
 function drawTimeline(canvas, st, c, now, hl, live) {
@@ -270,12 +300,23 @@ function render({ model, el }) {
   const charts = h("div", "mlxnb-charts");
   const chart = (cls, title) => {
     const box = h("div", "mlxnb-chart"), cv = h("canvas", cls);
-    box.append(h("div", "mlxnb-chart-title", title), cv);
+    const t = typeof title === "string" ? h("div", "mlxnb-chart-title", title) : title;
+    box.append(t, cv);
     charts.append(box);
     return cv;
   };
+  // The step chart's title is its key: a mark in each series' colour, then its meaning.
+  const stepKey = h("div", "mlxnb-chart-title mlxnb-legend");
+  const keyEls = {};
+  for (const k of STEP_LEGEND) {
+    const item = h("span", "mlxnb-key"), mark = h("span", "mlxnb-key-mark", k.mark);
+    item.dataset.key = k.key;
+    item.append(mark, " " + k.text);
+    stepKey.append(item);
+    keyEls[k.key] = item;
+  }
   const cvKV = chart("mlxnb-chart-kv", CHART_TITLES.kv);
-  const cvStep = chart("mlxnb-chart-step", CHART_TITLES.step);
+  const cvStep = chart("mlxnb-chart-step", stepKey);
   const cvTime = chart("mlxnb-chart-timeline", CHART_TITLES.timeline);
   const rowsEl = h("div", "mlxnb-rows");
   const more = h("button", "mlxnb-more");
@@ -290,23 +331,29 @@ function render({ model, el }) {
   let dirty = new Set(st.rows.keys()), relayout = true, raf = 0, traitsQueued = false;
   // Liveness: only a kernel sends custom messages (deltas, the "synced" answer);
   // trait changes can also come from restoring saved widget state.
-  let askedAt = -1e9, heardAt = -Infinity, stale = false, staleTimer = 0;
+  // `stale`: false, or why no kernel runs the rows ("answer": a sync went unanswered,
+  // "kernel": the widget manager has no live kernel, "comm": the kernel restarted).
+  let askedAt = -1e9, heardAt = -Infinity, stale = false, staleTimer = 0, commDown = false;
   let expanded = false, hl = null, pinned = false;
+  let shared = { head: 0, tail: 0 }, stateMoved = false;
 
   const schedule = () => { if (!raf) raf = requestAnimationFrame(draw); };
   const checkStale = () => {
     staleTimer = 0;
     const now = performance.now();
     const was = stale;
-    stale = isStale(st.header.live, askedAt, heardAt, now, STALE_MS);
+    if (stale !== "kernel") {
+      stale = isStale(st.header.live, askedAt, heardAt, now, STALE_MS) &&
+        (commDown ? "comm" : "answer");
+    }
     if (stale !== was) { dirty = new Set(st.rows.keys()); schedule(); }
     if (!stale && st.header.live && heardAt < askedAt) {
       staleTimer = setTimeout(checkStale, Math.max(50, askedAt + STALE_MS + 10 - now));
     }
   };
-  const ask = () => { // a gap (deltas sent before this view existed), or a first look
+  const ask = (force = false) => { // a gap (deltas sent before this view existed), a first look
     const now = performance.now();
-    if (now - askedAt <= 2000) return;
+    if (!force && now - askedAt <= 2000) return;
     askedAt = now;
     try {
       model.send({ type: "sync" });
@@ -318,8 +365,20 @@ function render({ model, el }) {
   const pending = () => heardAt < askedAt;
   const heard = () => {
     if (stale || pending()) { stale = false; dirty = new Set(st.rows.keys()); schedule(); }
-    heardAt = performance.now();
+    heardAt = performance.now(); commDown = false;
   };
+  // The kernel shut down or died: the widget manager knows at once, while a sync probe
+  // would wait for its timeout (and a kernel busy in a long cell answers late, so the
+  // probe alone cannot tell busy from gone).
+  const pollKernel = () => {
+    if (!st.header.live || stale === "kernel") return;
+    if (kernelGone(model.widget_manager) === true) {
+      stale = "kernel"; dirty = new Set(st.rows.keys()); schedule();
+    }
+  };
+  const kernelPoll = setInterval(pollKernel, KERNEL_POLL_MS);
+  // A restart drops the comm (the manager marks it not live): probe now.
+  const onCommLive = () => { commDown = true; if (st.header.live) ask(true); };
   const onMsg = (msg) => {
     heard();
     const res = applyMessage(st, msg, performance.now());
@@ -344,6 +403,7 @@ function render({ model, el }) {
   };
   const events = ["change:rows", "change:steps", "change:header", "change:seq"];
   model.on("msg:custom", onMsg);
+  model.on("comm_live_update", onCommLive);
   for (const ev of events) model.on(ev, onTraits);
   stopAll.addEventListener("click", () => model.send({ type: "stop_all" }));
   more.addEventListener("click", () => { expanded = !expanded; relayout = true; schedule(); });
@@ -386,7 +446,8 @@ function render({ model, el }) {
     const sw = h("span", "mlxnb-swatch"); sw.style.background = rowColor(id);
     const badge = h("span", "mlxnb-badge"), prompt = h("span", "mlxnb-prompt");
     const text = h("span", "mlxnb-text"), inner = h("span", "mlxnb-text-inner");
-    text.append(inner);
+    const verdictEl = h("span", "mlxnb-verdict"); // a structured row's ✓ / ✗ and why
+    text.append(verdictEl, inner);
     const nums = h("span", "mlxnb-nums");
     const ntok = h("span", "mlxnb-num mlxnb-ntok"), rate = h("span", "mlxnb-num mlxnb-rate");
     const ttft = h("span", "mlxnb-num mlxnb-ttft"), stop = h("button", "mlxnb-stop", "■");
@@ -400,7 +461,7 @@ function render({ model, el }) {
     e.addEventListener("mouseenter", () => highlight(id));
     e.addEventListener("mouseleave", () => highlight(null));
     e.append(sw, badge, prompt, text, nums, stop);
-    const v = { e, badge, prompt, inner, ntok, rate, ttft, stop };
+    const v = { e, badge, prompt, inner, verdict: verdictEl, ntok, rate, ttft, stop };
     rowEls.set(id, v);
     return v;
   }
@@ -408,17 +469,19 @@ function render({ model, el }) {
   function update(id) {
     const r = st.rows.get(id), v = rowEls.get(id);
     if (!r || !v) return;
+    if (v.e.getAttribute("data-state") !== r.state) stateMoved = true;
     setAttr(v.e, "data-state", r.state); setAttr(v.e, "data-ntok", r.ntok ?? 0);
     setAttr(v.e, "data-finish", r.state === "done" ? r.finish || "" : "");
     setText(v.badge, badgeText(r, stale)); setAttr(v.badge, "data-kind", badgeKind(r, stale));
-    if (r.con) { // a constrained row: its kind ("json", "regex", "choice", "grammar") and,
-      // once done, whether its output is valid (r.parse: "ok", or why not in the tooltip)
-      const bad = r.parse && r.parse !== "ok" && r.parse !== "pending";
-      const mark = r.state !== "done" ? "" : bad ? " ✗" : " ✓";
-      setText(v.badge, `${badgeText(r, stale)} · ${r.con}${mark}`); setAttr(v.e, "data-constraint", r.con);
-      setAttr(v.badge, "title", bad ? r.parse : "");
-    }
-    setText(v.prompt, oneLine(r.prompt || "", 80)); setAttr(v.prompt, "title", r.prompt || "");
+    // A structured row (r.con: json, regex, choice, grammar): the badge says done or
+    // invalid; the verdict, at the head of the text, says which constraint and why not.
+    const vd = verdict(r);
+    setText(v.verdict, vd ? vd.text : "");
+    setAttr(v.e, "data-constraint", r.con || "");
+    setAttr(v.e, "data-valid", vd ? (vd.valid ? "1" : "0") : "");
+    setAttr(v.badge, "title", r.con ? `${r.con} constraint` + (vd ? `: ${vd.valid ? "valid" : r.parse}` : "") : "");
+    setAttr(v.verdict, "title", vd && !vd.valid ? r.parse : "");
+    setText(v.prompt, promptLabel(r.prompt || "", shared)); setAttr(v.prompt, "title", r.prompt || "");
     const text = r.error ? `error: ${r.error}` : r.text || "";
     const expandedRow = v.e.classList.contains("mlxnb-expanded");
     setText(v.inner, expandedRow ? text
@@ -433,26 +496,34 @@ function render({ model, el }) {
   function drawHeader() {
     const hd = st.header, rows = [...st.rows.values()];
     setText(hModel, hd.model || "mlxnb");
-    setText(hTitle, hd.title || (hd.mode === "dashboard" ? "dashboard" : ""));
+    // the run's name as the user wrote it (-o name): a bare "run" read as a heading word
+    setText(hTitle, hd.title ? `-o ${hd.title}` : hd.mode === "dashboard" ? "dashboard" : "");
     setText(hStats, headerParts(hd, rows, st.hist, stale).join(" · "));
     setAttr(root, "data-live", stale ? "stale" : hd.live ? "1" : "0");
     setAttr(root, "data-seq", st.seq);
     setAttr(head, "data-running", hd.running ?? 0); setAttr(head, "data-queued", hd.queued ?? 0);
     stopAll.textContent = hd.mode === "dashboard" ? "stop all" : "stop run";
     stopAll.style.display = hd.live && !stale ? "" : "none";
-    stopAll.disabled = pending();
+    stopAll.disabled = Boolean(stale) || pending();
+    setAttr(root, "data-stale", stale || "");
   }
 
   function placeRows() {
     for (const [id, v] of rowEls) if (!st.rows.has(id)) { v.e.remove(); rowEls.delete(id); }
     const ids = [...st.rows.keys()], newest = st.header.mode === "dashboard";
-    const vis = visibleRows(ids.length, ROW_LIMIT, expanded, newest);
+    // rows of one template share a head and tail: the prompt column shows the rest
+    const parts = commonParts(ids.map((id) => st.rows.get(id).prompt));
+    if (parts.head !== shared.head || parts.tail !== shared.tail) {
+      shared = parts; dirty = new Set(ids);
+    }
+    // running rows stay in the window, whatever their place in the list
+    const vis = pickVisible(ids.map((id) => st.rows.get(id).state), ROW_LIMIT, expanded, newest);
     let prev = null;
     ids.forEach((id, i) => {
       const v = rowEls.get(id) || rowView(id);
       const want = prev ? prev.nextSibling : rowsEl.firstChild;
       if (want !== v.e) rowsEl.insertBefore(v.e, want);
-      v.e.hidden = i < vis.start || i >= vis.end;
+      v.e.hidden = !vis.shown[i];
       prev = v.e;
     });
     const extra = expanded ? Math.max(0, ids.length - ROW_LIMIT) : vis.hidden;
@@ -468,12 +539,20 @@ function render({ model, el }) {
     applyTheme(root);
     setAttr(root, "data-layout", layoutFor(root.clientWidth));
     if (relayout) { placeRows(); relayout = false; }
+    stateMoved = false;
     for (const id of dirty) update(id);
     dirty.clear();
+    if (stateMoved && !expanded && st.rows.size > ROW_LIMIT) { // a row started or ended
+      placeRows();
+      for (const id of dirty) update(id);
+      dirty.clear();
+    }
     drawHeader();
     const c = colors(root);
     drawKV(cvKV, st, c, hl);
-    drawSteps(cvStep, st, c);
+    const rt = drawSteps(cvStep, st, c);
+    keyEls.clip.hidden = !(rt && rt.clipped);
+    keyEls.b.hidden = st.header.batch_reported === false;
     const live = st.header.live && !stale; // a stale view's clock stands still
     drawTimeline(cvTime, st, c, liveNow({ ...st.header, live }, st.recvAt, performance.now()),
       hl, live);
@@ -486,6 +565,8 @@ function render({ model, el }) {
 
   return () => {
     model.off("msg:custom", onMsg);
+    model.off("comm_live_update", onCommLive);
+    clearInterval(kernelPoll);
     for (const ev of events) model.off(ev, onTraits);
     if (raf) cancelAnimationFrame(raf);
     if (staleTimer) clearTimeout(staleTimer);

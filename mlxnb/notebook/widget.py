@@ -85,6 +85,7 @@ class GenerationWidget(anywidget.AnyWidget):
         self._sent = {}  # id -> {"text": str, field: last value sent}
         self._seq = 0
         self._pending = []  # StepRecords since the last flush
+        self._step0 = None  # the engine step before this widget's first: a run counts from 1
         self._hist = {k: [] for k in STEP_KEYS}
         self._snaps = []
         self._rate = deque()  # (t, tokens) of recent steps, for the aggregate tok/s
@@ -233,7 +234,7 @@ class GenerationWidget(anywidget.AnyWidget):
         out = {"id": r.id}
         if sent is None:
             sent = self._sent[r.id] = {"text": ""}
-            out.update(prompt=r.prompt[:PROMPT_CHARS], prompt_tokens=r.prompt_tokens,
+            out.update(prompt=_prompt(r.prompt), prompt_tokens=r.prompt_tokens,
                        t_submit=_r(r.t_submit, 3))
         for k, v in self._row_fields(r).items():
             if sent.get(k, ...) != v:
@@ -251,6 +252,8 @@ class GenerationWidget(anywidget.AnyWidget):
         recs, self._pending = self._pending, []
         if not recs:
             return None
+        if self._step0 is None:
+            self._step0 = recs[0].step - 1
         for rec in recs:
             self._rate.append((rec.t, rec.tokens or rec.batch_size))
         new = _stepchart.points(recs, max_points)
@@ -275,7 +278,7 @@ class GenerationWidget(anywidget.AnyWidget):
             "kv": e.steps[-1].kv_bytes if e.steps and e.running else 0,
             "now": round(now, 3), "live": bool(self._live),
             "mode": "dashboard" if self.dashboard else "run", "title": self.title,
-            "max_rows": self.max_rows,
+            "max_rows": self.max_rows, "step0": self._step0,
             # a server engine: KV as a fraction of its cache, or None = not reported
             "kv_unit": getattr(e, "kv_unit", "bytes"),
             "batch_reported": getattr(e, "batch_reported", True),
@@ -285,7 +288,7 @@ class GenerationWidget(anywidget.AnyWidget):
 
     # -- full state ----------------------------------------------------------------------
     def _row_full(self, r) -> dict:
-        d = {"id": r.id, "prompt": r.prompt[:PROMPT_CHARS], "prompt_tokens": r.prompt_tokens,
+        d = {"id": r.id, "prompt": _prompt(r.prompt), "prompt_tokens": r.prompt_tokens,
              "t_submit": _r(r.t_submit, 3), "text": r.text}
         d.update(self._row_fields(r))
         return d
@@ -394,6 +397,15 @@ class GenerationWidget(anywidget.AnyWidget):
 
     def __repr__(self):
         return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"
+
+
+def _prompt(p: str) -> str:
+    """A prompt for the widget's column: its head and its tail when it is long, since
+    rows made from one template differ anywhere, often near the end."""
+    if len(p) <= PROMPT_CHARS:
+        return p
+    half = (PROMPT_CHARS - 3) // 2
+    return p[:half] + " \u2026 " + p[-half:]
 
 
 def _short_model_name(name: str) -> str:
