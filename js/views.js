@@ -49,6 +49,15 @@ export function commonParts(prompts) {
   const room = shortest - head;
   while (tail < room && ps.every((p) => p[p.length - 1 - tail] === ps[0][ps[0].length - 1 - tail])) tail++;
   while (tail > 0 && !/\s/.test(ps[0][ps[0].length - tail])) tail--;
+  // keep one shared word on each side as context ("…student 07 wrote …"), where the
+  // rest is still long enough to be worth eliding
+  const p0 = ps[0];
+  let h2 = head - 1;
+  while (h2 > 0 && !/\s/.test(p0[h2 - 1])) h2--;
+  if (h2 >= MIN_COMMON) head = h2;
+  let t2 = tail - 1;
+  while (t2 > 0 && !/\s/.test(p0[p0.length - t2])) t2--;
+  if (t2 >= MIN_COMMON) tail = t2;
   return { head: head >= MIN_COMMON ? head : 0, tail: tail >= MIN_COMMON ? tail : 0 };
 }
 

@@ -40,11 +40,12 @@ test("rows of one template show the part that differs", () => {
   const parts = commonParts(ps);
   assert.ok(parts.head > 0 && parts.tail > 0, JSON.stringify(parts));
   const labels = ps.map((p) => promptLabel(p, parts));
-  assert.deepEqual(labels, names.map((n) => `…${n} …`));
+  // one shared word kept on each side for context
+  assert.deepEqual(labels, names.map((n) => `…sentence: ${n} wrote …`));
   assert.equal(new Set(labels).size, 3);
   // whole words: a shared "Al" of "Ada"/"Alan" is not cut into
   const two = commonParts(["Tell me about Alan Turing and his work", "Tell me about Alonzo Church and his work"]);
-  assert.equal(promptLabel("Tell me about Alan Turing and his work", two), "…Alan Turing …");
+  assert.equal(promptLabel("Tell me about Alan Turing and his work", two), "…Alan Turing …"); // too short to keep context
   // unrelated prompts, a single prompt, identical prompts: shown whole
   assert.deepEqual(commonParts(["Write a haiku.", "Count to ten."]), { head: 0, tail: 0 });
   assert.deepEqual(commonParts(["one prompt only here, long enough"]), { head: 0, tail: 0 });
