@@ -39,6 +39,7 @@ from .prefix import PrefixStore
 from .precompile import Precompiler
 from .sampling import BatchSampler
 from .setup import BatchModel
+from .stepsplit import StepSplit
 
 
 class BatchExecutor:
@@ -68,10 +69,12 @@ class BatchExecutor:
         self.nsteps = 0
         self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
         self.precompiler.start()
+        # every step's time split (stepsplit.py); a profiler's tracer rides on it
+        self.split = self.tracer = self.prefill.tracer = StepSplit()
 
     def trace(self, tracer) -> None:
         """Report each tick's parts to `tracer(name, seconds)` (_trace.py); None: off."""
-        self.tracer = self.prefill.tracer = self.masks.tracer = tracer
+        self.split.user = self.masks.tracer = tracer
 
     def _reset_batch(self):
         self.ids: List[int] = []  # row ids in batch order
@@ -172,7 +175,7 @@ class BatchExecutor:
             self.policy.observe_decode(now - t)
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
-                      self._ids_tuple, share, other)
+                      self._ids_tuple, share, other, self.split.take(now - t))
         return st, launched is not None, read_firsts
 
     def _streak_goes_on(self, launched: bool, read_firsts: bool, updates: Updates,
