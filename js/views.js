@@ -144,3 +144,158 @@ export const STEP_LEGEND = [
   { key: "pf", mark: "■", text: "step prefilled a prompt" },
   { key: "clip", mark: "▲", text: "off the scale (value at top)" },
 ];
+
+// ---------------------------------------------------------------- row life
+/** A row's phases from the stamps every row carries (a view without the kernel's
+ *  trace: a saved notebook whose row was never opened live). */
+export function stampPhases(r) {
+  const out = [];
+  if (r.t_submit == null) return out;
+  out.push({ phase: "queued", t0: r.t_submit, t1: r.t_admit ?? null, why: [] });
+  if (r.t_admit != null) out.push({ phase: "prefill", t0: r.t_admit, t1: r.t_first ?? null, tokens: r.prompt_tokens });
+  if (r.t_first != null) {
+    out.push({ phase: "first token", t: r.t_first });
+    out.push({ phase: "decode", t0: r.t_first, t1: r.t_done ?? null, tokens: Math.max(0, (r.ntok || 0) - 1), tok_s: r.tok_s });
+  }
+  if (r.state === "done") out.push({ phase: "finish", t: r.t_done, reason: r.finish });
+  for (const p of out) if (p.t0 != null) p.s = p.t1 != null ? p.t1 - p.t0 : null;
+  return out;
+}
+
+const fmtS = (s) => {
+  if (s == null || !isFinite(s)) return "…";
+  return s < 1 ? `${+(s * 1000).toPrecision(3)} ms` : `${s.toFixed(2)} s`;
+};
+
+/**
+ * The waterfall of a row's phases: one bar per phase on the row's own time axis
+ * (submit .. done, or `now` while it runs). [{phase, label, left, width (percent of
+ * the axis), text}]; a point event (first token, prefix hit, finish) has width 0.
+ */
+export function waterfall(trace, now) {
+  if (!trace || !trace.length) return [];
+  const start = trace[0].t0 ?? trace[0].t ?? 0;
+  let end = start;
+  for (const p of trace) end = Math.max(end, p.t1 ?? p.t ?? p.t0 ?? start);
+  if (trace.some((p) => p.t0 != null && p.t1 == null) && now != null) end = Math.max(end, now);
+  const span = Math.max(end - start, 1e-6);
+  const pos = (t) => Math.max(0, Math.min(100, (100 * (t - start)) / span));
+  let chunk = 0;
+  return trace.map((p) => {
+    const t0 = p.t0 ?? p.t, t1 = p.t0 != null ? (p.t1 ?? now ?? end) : p.t;
+    const left = pos(t0), width = Math.max(0, pos(t1) - left);
+    let label = p.phase, text = "";
+    if (p.phase === "queued") {
+      text = fmtS(p.s ?? (p.t1 == null ? null : p.t1 - p.t0));
+      if (p.why && p.why.length) text += ` (${p.why.join(", ")})`;
+      else if ((p.s ?? 0) > 0) text += " (waiting for a step)";
+    } else if (p.phase === "prefix hit") {
+      text = `${p.tokens} prompt tokens reused`;
+    } else if (p.phase === "prefill") {
+      chunk += 1;
+      label = p.step != null ? `prefill chunk ${chunk}` : "prefill";
+      text = `${p.tokens ?? "?"} tokens · ${fmtS(p.s)}` + (p.step != null ? ` · step ${p.step}` : "");
+    } else if (p.phase === "first token") {
+      text = `at ${fmtS(p.t - start)}`;
+    } else if (p.phase === "decode") {
+      text = `${p.tokens} tokens · ${fmtS(p.s)}` + (p.tok_s ? ` · ${p.tok_s.toFixed(1)} tok/s` : "");
+    } else if (p.phase === "finish") {
+      text = `${p.reason || "?"} at ${fmtS(p.t - start)}`;
+    }
+    return { phase: p.phase, label, left, width, text };
+  });
+}
+
+// ---------------------------------------------------------------- token view
+/** Background alpha for a token of probability p: the less likely, the stronger
+ *  (surprising tokens stand out); unknown p: none. */
+export function tokenShade(p) {
+  if (p == null || !isFinite(p)) return 0;
+  return +(0.5 * (1 - Math.max(0, Math.min(1, p)))).toFixed(3);
+}
+export const SHADE_RGB = [228, 155, 38]; // the step chart's prefill orange
+
+/** The colour a token's background blends to over `bg` ([r, g, b]). */
+export function blend(bg, alpha, rgb = SHADE_RGB) {
+  return bg.map((c, i) => Math.round(c * (1 - alpha) + rgb[i] * alpha));
+}
+
+/** A token's text made visible: spaces as "·", newlines as "⏎". */
+export function showPiece(s) {
+  if (s == null) return "";
+  return s.replace(/\n/g, "⏎").replace(/\t/g, "⇥").replace(/^ | $/g, "·") || "∅";
+}
+
+const pct = (p) => (p == null ? "?" : p >= 0.995 ? "100%" : p < 0.001 ? "<0.1%" : `${(100 * p).toFixed(1)}%`);
+
+/** The info line for a token: its probability, the alternatives, the sampling. */
+export function tokenInfo(it, sampling) {
+  const parts = [`token ${it.i + 1}: “${showPiece(it.s ?? `<${it.id}>`)}”`];
+  if (it.p !== undefined) parts.push(`p = ${pct(it.p)}`);
+  if (it.top && it.top.length) {
+    parts.push("top: " + it.top.map((a) => `“${showPiece(a.s ?? `<${a.id}>`)}” ${pct(a.p)}`).join(", "));
+  }
+  if (it.draft) parts.push("from an accepted draft");
+  if (sampling) parts.push(samplingText(sampling));
+  return parts.join(" · ");
+}
+
+export function samplingText(s) {
+  if (!s) return "";
+  const t = s.temperature ?? 0;
+  const out = [t > 0 ? `temperature ${t}` : "greedy (temperature 0; p at T = 1)"];
+  if (t > 0) {
+    if (s.top_p != null && s.top_p < 1) out.push(`top-p ${s.top_p}`);
+    if (s.top_k) out.push(`top-k ${s.top_k}`);
+    if (s.min_p) out.push(`min-p ${s.min_p}`);
+  }
+  if (s.repetition_penalty) out.push(`repetition penalty ${s.repetition_penalty}`);
+  if (s.constraint) out.push(`${s.constraint} constraint (masked tokens have p 0)`);
+  return out.join(", ");
+}
+
+// ---------------------------------------------------------------- step inspector
+/** The step inspector's lines for a `step_detail` answer; `base` numbers run steps. */
+export function stepLines(d, base = 0) {
+  if (!d) return [];
+  const name = base ? `step ${d.step - base} of this run (engine step ${d.step})` : `step ${d.step}`;
+  if (d.missing) return [`${name}: no longer kept by the engine`];
+  const lab = (id) => `row ${id}` + (d.labels && d.labels[id] ? ` “${d.labels[id]}”` : "");
+  const lines = [`${name} · ${fmtS(d.dt_s)} · batch ${d.batch_size} decoding`];
+  const b = d.batch_ids || [];
+  lines.push(b.length ? `decoding: ${b.map((i) => `row ${i}`).join(", ")}` : "decoding: none");
+  const pf = Object.entries(d.prefill_rows || {});
+  lines.push(pf.length ? "prefill: " + pf.map(([i, n]) => `${lab(i)} +${n} tokens`).join(", ")
+    : `prefill: ${d.prefill_tokens ? `${d.prefill_tokens} tokens` : "none"}`);
+  const ended = d.ended || [];
+  lines.push(ended.length ? "ended: " + ended.map((i) => `${lab(i)} (${(d.finish || {})[i] || "?"})`).join(", ")
+    : "ended: none");
+  const sp = d.split || {};
+  if (Object.keys(sp).length) {
+    const names = { build: "graph build", launch: "launch", device: "waiting on the device",
+      worker: "worker bookkeeping", loop: "engine loop" };
+    lines.push("time: " + Object.entries(names).filter(([k]) => sp[k] != null)
+      .map(([k, n]) => `${n} ${+sp[k].toFixed(2)} ms`).join(" · "));
+  }
+  const kb = (n) => formatKB(n);
+  lines.push(`KV ${kb(d.kv_bytes)}` + (d.kv_budget ? ` of ${kb(d.kv_budget)} budget` : " (no budget)"));
+  return lines;
+}
+
+function formatKB(n) {
+  if (n == null) return "–";
+  const u = ["B", "KB", "MB", "GB"];
+  let i = 0, v = n;
+  while (v >= 1024 && i < u.length - 1) { v /= 1024; i++; }
+  return `${i ? v.toFixed(1) : v} ${u[i]}`;
+}
+
+/** The point of a step chart nearest x (pixels): its index, or -1. */
+export function nearestIndex(xs, x) {
+  let best = -1, bd = Infinity;
+  for (let i = 0; i < xs.length; i++) {
+    const d = Math.abs(xs[i] - x);
+    if (d < bd) { bd = d; best = i; }
+  }
+  return best;
+}

@@ -20,7 +20,10 @@ Message protocol (kernel -> front end), one per flush::
      "header": {changed header fields}}
 
 Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}
-(answered with the full state in the traits and {"type": "synced", "seq": n}).
+(answered with the full state in the traits and {"type": "synced", "seq": n}); and
+when a detail view opens, {"type": "row_detail", "id": n} or {"type": "step_detail",
+"step": s}, answered with one message each (details.py). The rows opened last are
+also kept in the `details` trait, so a notebook saved with widget state has them.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import anywidget
 import traitlets as t
 
 from .. import _aio
+from . import details as _details
 from . import stepchart as _stepchart
 from . import textview as _textview
 from . import results
@@ -68,6 +72,7 @@ class GenerationWidget(anywidget.AnyWidget):
     steps = t.Dict().tag(sync=True)  # compact step history, see module docstring
     header = t.Dict().tag(sync=True)
     seq = t.Int(0).tag(sync=True)  # last delta message folded into the traits
+    details = t.Dict().tag(sync=True)  # str(row id) -> row_detail, the rows opened last
 
     def __init__(self, engine, rows=None, *, title: str = "", max_rows: int = 200,
                  flush_hz: float = FLUSH_HZ, **kwargs):
@@ -330,6 +335,18 @@ class GenerationWidget(anywidget.AnyWidget):
             else:
                 for r in live:
                     r.cancel()
+        elif kind == "row_detail":
+            rid = content.get("id")
+            row = self._rows.get(rid) if isinstance(rid, int) else None
+            if row is not None:
+                d = _details.row_detail(row, self.engine)
+                self.send(d)
+                if row.done:  # a finished row's detail no longer changes: keep it
+                    self.details = _details.keep(self.details, rid, d)
+        elif kind == "step_detail":
+            n = content.get("step")
+            if isinstance(n, int) and not isinstance(n, bool):
+                self.send(_details.step_detail(self.engine.steps, n, self._rows))
         elif kind == "sync":
             self.sync_now()
             # Only a live kernel answers: a view restored from saved widget state whose
