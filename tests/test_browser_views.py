@@ -17,6 +17,7 @@ time; the server is always killed.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -184,3 +185,220 @@ def test_validity_running_rows_prompts_and_kernel_shutdown(tmp_path, app):
     errors = [e for e in errors if not (app == "notebook" and e == NB7_OWN_ERROR)]
     assert not errors, "\n".join(errors)
     assert time.monotonic() - t_start < BUDGET_S
+
+
+SAVE_WIDGET_STATE = {"@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings":
+                     {"saveState": True}}
+
+DETAIL_JS = """() => { const w = document.querySelector('.mlxnb-widget');
+  const d = w.querySelector('.mlxnb-detail');
+  return {hidden: d.hidden, kind: d.dataset.kind || '', trace: d.dataset.trace || '',
+    title: d.querySelector('.mlxnb-detail-title').textContent,
+    wf: [...d.querySelectorAll('.mlxnb-wf-row')].map((r) => [r.dataset.phase,
+      r.querySelector('.mlxnb-wf-label').textContent, r.querySelector('.mlxnb-wf-text').textContent]),
+    toks: [...d.querySelectorAll('.mlxnb-tok')].map((t) => [t.textContent, t.dataset.p]),
+    info: (d.querySelector('.mlxnb-tokinfo') || {}).textContent || '',
+    steps: [...d.querySelectorAll('.mlxnb-step-lines li')].map((l) => l.textContent),
+    note: [...d.querySelectorAll('.mlxnb-detail-note')].map((n) => n.textContent).join(' | '),
+    states: [...w.querySelectorAll('.mlxnb-row')].map((r) => r.dataset.state)};
+}"""
+
+
+def _detail_notebook(tiny):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    cells = [
+        "%load_ext mlxnb",
+        f"%mlxnb load {tiny} --max-batch 2",
+        "%%generate --max-tokens 1500 --logprobs 3 --temp 0.8 --raw -o r\n"
+        "hello there\nsecond prompt\nthe third row waits for a slot",
+        "import json, math\nawait r\neng = r.rows[0]._canceller().__self__\n"
+        "json.dump({'p0': math.exp(r.rows[0].logprobs[0]['logprob']),\n"
+        "           'ntok0': r.rows[0].ntok,\n"
+        "           'why2': r.rows[2].trace[0]['why'],\n"
+        "           'decode2': [p for p in r.rows[2].trace if p['phase'] == 'decode'][0]['tokens'],\n"
+        "           'step0': r.widget.header['step0'],\n"
+        "           'steps': {s.step: [list(s.batch_ids), list(s.ended)] for s in eng.steps}},\n"
+        "          open('expected.json', 'w'))",
+    ]
+    nb = new_notebook(cells=[new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                                 "language": "python"}
+    return nb, nbformat
+
+
+def test_detail_views_live_and_from_a_saved_notebook(tmp_path):
+    """Open the row view (life + tokens) and the step inspector on a live run, check
+    their numbers against the Python side; save with widget state, reopen with no
+    kernel: the rows opened live still show their tokens and life."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
+    import json
+
+    from mlxnb.models.tiny import save_tiny_model
+    from test_browser_e2e import _saved, _sessions
+
+    import urllib.request
+
+    t_start = time.monotonic()
+
+    def left() -> float:
+        return BUDGET_S - (time.monotonic() - t_start)
+
+    root = tmp_path / "root"
+    root.mkdir()
+    nb, nbformat = _detail_notebook(save_tiny_model(tmp_path / "tiny"))
+    nbformat.write(nb, root / "e2e.ipynb")
+    errors: list = []
+    with jupyter_lab(root, tmp_path / "jupyter", settings=SAVE_WIDGET_STATE) as (base, token):
+        with chromium_page(tmp_path, height=1400) as page:
+            page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+            _open(page, base, token, "lab", left)
+            page.locator(".lm-MenuBar-item", has_text="Run").first.click()
+            page.locator("li.lm-Menu-item[data-command='runmenu:run-all'], "
+                         "li.lm-Menu-item[data-command='notebook:run-all-cells']").first.click()
+            prompts = page.locator(".mlxnb-widget .mlxnb-prompt")
+            d = None
+            while True:  # open row 0 while it decodes: its life grows live
+                assert left() > 90, f"rows never decoded: {d}"
+                if prompts.count() == 3:
+                    d = page.evaluate(DETAIL_JS)
+                    if d["states"][0] == "decode":
+                        break
+                page.wait_for_timeout(100)
+            prompts.nth(0).click()
+            live = []
+            for _ in range(40):
+                page.wait_for_timeout(150)
+                live.append(page.evaluate(DETAIL_JS))
+                if live[-1]["toks"]:
+                    break
+            d = live[-1]
+            print(f"\nlive row view: {d['title']} {d['wf']} {len(d['toks'])} tokens")
+            assert not d["hidden"] and d["kind"] == "row" and d["trace"] == "kernel", d
+            assert d["toks"] and all(p is not None for _, p in d["toks"]), d["toks"][:3]
+            while not (root / "expected.json").exists():
+                assert left() > 60, "the run never finished"
+                page.wait_for_timeout(200)
+            page.wait_for_timeout(500)
+            exp = json.loads((root / "expected.json").read_text())
+            print(f"python side: { {k: v for k, v in exp.items() if k != 'steps'} }")
+
+            # row 0 again, finished: token 0's probability as the sampler gave it
+            prompts.nth(0).click()  # (unpins) and again: opens with fresh data
+            prompts.nth(0).click()
+            for _ in range(40):
+                page.wait_for_timeout(150)
+                d = page.evaluate(DETAIL_JS)
+                if len(d["toks"]) == exp["ntok0"]:
+                    break
+            assert len(d["toks"]) == exp["ntok0"], (len(d["toks"]), exp)
+            assert abs(float(d["toks"][0][1]) - exp["p0"]) < 1e-4, (d["toks"][0], exp)
+            page.locator(".mlxnb-tok").first.hover()
+            info = page.evaluate(DETAIL_JS)["info"]
+            assert f"p = {100 * exp['p0']:.1f}%" in info and "temperature 0.8" in info, info
+            page.locator(".mlxnb-tokens").first.focus()
+            page.keyboard.press("ArrowRight")
+            page.keyboard.press("ArrowRight")
+            assert page.evaluate(DETAIL_JS)["info"].startswith("token 3:") or \
+                page.evaluate(DETAIL_JS)["info"].startswith("token 2:")
+
+            # row 2 queued on the full batch (2 slots): its life says so
+            prompts.nth(2).click()
+            for _ in range(40):
+                page.wait_for_timeout(150)
+                d = page.evaluate(DETAIL_JS)
+                if d["trace"] == "kernel" and "3" in d["title"] or d["title"].startswith("row 2"):
+                    if d["wf"] and d["trace"] == "kernel":
+                        break
+            wf = {phase: text for phase, _, text in d["wf"]}
+            print(f"row 2: {d['wf']}")
+            assert exp["why2"] == ["batch full"] and "(batch full)" in wf["queued"], wf
+            assert wf["decode"].startswith(f"{exp['decode2']} tokens"), (wf, exp)
+            assert any(p == "prefill" for p, _, _ in d["wf"])
+
+            # the step inspector, by keyboard: Enter opens the last step
+            page.locator(".mlxnb-chart-step").first.focus()
+            page.keyboard.press("Enter")
+            for _ in range(40):
+                page.wait_for_timeout(150)
+                d = page.evaluate(DETAIL_JS)
+                if d["steps"]:
+                    break
+            # each step shown, checked against the engine's record of it; arrow keys
+            # walk back until a step in which rows decoded and one ended
+            seen = []
+            for _ in range(60):
+                lines = page.evaluate(DETAIL_JS)["steps"]
+                m = re.match(r"step (\d+) of this run \(engine step (\d+)\)", lines[0])
+                assert m, lines
+                n = int(m.group(2))
+                assert int(m.group(1)) == n - exp["step0"], lines
+                batch, ended = exp["steps"][str(n)]
+                assert lines[1] == ("decoding: " + ", ".join(f"row {i}" for i in batch)
+                                    if batch else "decoding: none"), (lines, batch)
+                if ended:
+                    assert all(f"row {i}" in lines[3] for i in ended), (lines, ended)
+                else:
+                    assert lines[3] == "ended: none", lines
+                seen.append(n)
+                if batch and ended:
+                    break
+                page.keyboard.press("ArrowLeft")
+                for _ in range(20):
+                    page.wait_for_timeout(100)
+                    d = page.evaluate(DETAIL_JS)
+                    if d["steps"] and d["steps"][0] != lines[0]:
+                        break
+            print(f"step inspector walked {seen}: {lines}")
+            assert d["kind"] == "step" and len(set(seen)) == len(seen) and seen == sorted(seen, reverse=True)
+            assert batch and ended, seen
+            page.keyboard.press("ArrowLeft")  # one step back, by keyboard
+            for _ in range(20):
+                page.wait_for_timeout(100)
+                prev = page.evaluate(DETAIL_JS)["steps"]
+                if prev and prev[0] != lines[0]:
+                    break
+            m = re.match(r"step \d+ of this run \(engine step (\d+)\)", prev[0])
+            assert m and int(m.group(1)) < seen[-1], prev
+            batch = exp["steps"][m.group(1)][0]
+            assert prev[1] == ("decoding: " + ", ".join(f"row {i}" for i in batch)
+                               if batch else "decoding: none"), (prev, batch)
+            page.keyboard.press("Escape")
+            page.wait_for_timeout(200)
+            assert page.evaluate(DETAIL_JS)["hidden"]
+            page.locator(".mlxnb-widget").first.screenshot(path=str(tmp_path / "detail.png"))
+
+            # save with widget state, shut everything down, reopen without a kernel
+            page.locator(".jp-Notebook").first.click()
+            page.keyboard.press("Control+s")
+            for _ in range(40):
+                page.wait_for_timeout(250)
+                meta = _saved(root / "e2e.ipynb").get("metadata", {})
+                if "details" in json.dumps(meta.get("widgets", {})):
+                    break
+            for sess in _sessions(base, token):
+                req = urllib.request.Request(
+                    f"{base}/api/sessions/{sess['id']}?token={token}", method="DELETE")
+                urllib.request.urlopen(req, timeout=10).close()
+            _open(page, base, token, "lab", left)
+            prompts = page.locator(".mlxnb-widget .mlxnb-prompt")
+            for _ in range(60):
+                if prompts.count() == 3:
+                    break
+                page.wait_for_timeout(200)
+            prompts.nth(0).click()
+            page.wait_for_timeout(500)
+            d = page.evaluate(DETAIL_JS)
+            print(f"reopened row 0: {len(d['toks'])} tokens, trace {d['trace']}")
+            assert d["kind"] == "row" and len(d["toks"]) == exp["ntok0"], d["note"]
+            assert abs(float(d["toks"][0][1]) - exp["p0"]) < 1e-4
+            prompts.nth(2).click()
+            page.wait_for_timeout(300)
+            d = page.evaluate(DETAIL_JS)
+            wf = {phase: text for phase, _, text in d["wf"]}
+            assert "(batch full)" in wf["queued"], wf
+    assert not errors, "\n".join(errors)
