@@ -262,14 +262,14 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path):
                          "li.lm-Menu-item[data-command='notebook:run-all-cells']").first.click()
             prompts = page.locator(".mlxnb-widget .mlxnb-prompt")
             d = None
-            while True:  # open row 0 while it decodes: its life grows live
+            while True:  # open a row while it decodes: its life grows live
                 assert left() > 90, f"rows never decoded: {d}"
                 if prompts.count() == 3:
                     d = page.evaluate(DETAIL_JS)
-                    if d["states"][0] == "decode":
+                    if "decode" in d["states"]:
                         break
-                page.wait_for_timeout(100)
-            prompts.nth(0).click()
+                page.wait_for_timeout(50)
+            prompts.nth(d["states"].index("decode")).click()
             live = []
             for _ in range(40):
                 page.wait_for_timeout(150)
@@ -299,7 +299,12 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path):
             assert abs(float(d["toks"][0][1]) - exp["p0"]) < 1e-4, (d["toks"][0], exp)
             page.locator(".mlxnb-tok").first.hover()
             info = page.evaluate(DETAIL_JS)["info"]
-            assert f"p = {100 * exp['p0']:.1f}%" in info and "temperature 0.8" in info, info
+            m = re.search(r"p = ([\d.]+)%", info)
+            if "p = <0.1%" in info:
+                assert exp["p0"] < 0.001, (info, exp["p0"])
+            else:
+                assert m and abs(float(m.group(1)) - 100 * exp["p0"]) <= 0.051, (info, exp["p0"])
+            assert "temperature 0.8" in info, info
             page.locator(".mlxnb-tokens").first.focus()
             page.keyboard.press("ArrowRight")
             page.keyboard.press("ArrowRight")
