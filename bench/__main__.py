@@ -23,6 +23,8 @@ BENCHMARKS = {
     "remote": ("remote", "mlxnb.connect vs a plain httpx client against one mlx_lm.server"),
     "widget-traffic": ("widget_traffic", "the live widget's messages/s, bytes per token "
                                          "and time on the kernel's loop"),
+    "token-probs": ("token_probs", "decode tok/s with rows keeping no logprobs, the "
+                                   "chosen token's, the top 5 (the token view's cost)"),
     "reliability": ("reliability", "a stalled load, load/unload cycles, memory per "
                                    "finished row, detokenizing cost"),
 }

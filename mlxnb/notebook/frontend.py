@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-# The front end's files; setup.py ships them in mlxnb/static.
-FILES = ("widget.js", "lib.js", "views.js", "widget.css")
 _IMPORT = re.compile(r'^import\s*\{[^}]*\}\s*from\s*"\./(\w+)\.js";?\s*$', re.M)
 
 
