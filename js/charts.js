@@ -86,16 +86,19 @@ function yAxis(g, c, box, ticks, fmt, right = false) {
   return y;
 }
 
-function xLabels(g, c, box, lo, hi, fmt) {
+function xLabels(g, c, box, lo, hi, fmt, name = "") {
   const { ctx } = g;
   const t = niceTicks(lo, hi, Math.max(2, Math.floor((box.r - box.l) / 70)));
   const x = scaleLinear(lo, hi, box.l, box.r);
   ctx.font = c.font; ctx.fillStyle = c.muted; ctx.textAlign = "center"; ctx.textBaseline = "top";
+  const reserve = name ? ctx.measureText(name).width + 6 : 0; // the axis name's corner
   for (const v of t.ticks) {
     if (v < lo || v > hi) continue;
     const s = fmt(v), half = ctx.measureText(s).width / 2, px = x(v);
     // keep edge labels inside the canvas instead of clipping them
-    ctx.fillText(s, Math.min(Math.max(px, half + 1), g.w - half - 1), box.b + 3);
+    const cx = Math.min(Math.max(px, half + 1), g.w - half - 1);
+    if (cx - half < reserve) continue;
+    ctx.fillText(s, cx, box.b + 3);
   }
   return x;
 }
@@ -136,7 +139,7 @@ export function drawKV(canvas, st, c, hl) {
   const y = yAxis(g, c, box, yt, fmt);
   const s0 = snaps[0][0], s1 = Math.max(snaps[snaps.length - 1][0], s0 + 1);
   const ax = stepAxis(st.header);
-  const x = xLabels(g, c, box, s0, s1, ax.label);
+  const x = xLabels(g, c, box, s0, s1, ax.label, ax.name);
   xName(g, c, box, ax.name);
   const xs = snaps.map((s) => x(s[0]));
   const band = (lo, hi, fill) => {
@@ -184,7 +187,7 @@ export function drawSteps(canvas, st, c, sel) {
   const box = { l: 36, r: g.w - 24, t: 6, b: g.h - 14 };
   const s0 = s[0], s1 = Math.max(s[s.length - 1], s0 + 1);
   const ax = stepAxis(st.header);
-  const x = xLabels(g, c, box, s0, s1, ax.label);
+  const x = xLabels(g, c, box, s0, s1, ax.label, ax.name);
   xName(g, c, box, ax.name);
   // Batch size first, as a faint step area on the right axis, so the line stays on top.
   setAttr(canvas, "data-batch-reported", st.header.batch_reported === false ? "0" : "1");
@@ -226,23 +229,20 @@ export function drawSteps(canvas, st, c, sel) {
     }
   }
   if (rt.clipped) {
-    ctx.font = c.font; ctx.textBaseline = "top";
-    let lastLabel = -Infinity;
+    let top = -1;
     for (let i = 0; i < s.length; i++) {
       if (dt[i] <= yt.max) continue;
+      if (top < 0 || dt[i] > dt[top]) top = i;
       const px = x(s[i]);
       ctx.fillStyle = c.err; ctx.beginPath(); // a triangle at the top: off the scale
       ctx.moveTo(px, box.t); ctx.lineTo(px - 3.5, box.t + 5); ctx.lineTo(px + 3.5, box.t + 5);
       ctx.closePath(); ctx.fill();
-      const label = `${formatDuration(dt[i] / 1000)}`;
-      const w = ctx.measureText(label).width;
-      if (px - w / 2 > lastLabel + 4) { // labels that would overlap are left out
-        ctx.fillStyle = c.fg; ctx.textAlign = "left";
-        const lx = Math.min(Math.max(px + 5, box.l), box.r - w);
-        ctx.fillText(label, lx, box.t);
-        lastLabel = lx + w;
-      }
     }
+    // the largest one's value, written beside it (one label: several would overlap)
+    const label = `max ${formatDuration(dt[top] / 1000)}`;
+    ctx.font = c.font; ctx.textBaseline = "top"; ctx.textAlign = "left"; ctx.fillStyle = c.fg;
+    const w = ctx.measureText(label).width, px = x(s[top]);
+    ctx.fillText(label, px + 6 + w <= box.r ? px + 6 : Math.max(box.l, px - 6 - w), box.t + 6);
   }
   return rt;
 }

@@ -78,7 +78,10 @@ export function promptLabel(prompt, parts) {
 export function verdict(r) {
   if (!r || !r.con || r.state !== "done" || !r.parse || r.parse === "pending") return null;
   if (r.parse === "ok") return { valid: true, mark: `${r.con} ✓`, text: `${r.con} ✓ valid` };
-  return { valid: false, mark: `${r.con} ✗`, text: `${r.con} ✗ ${r.parse}` };
+  // what to do about it first: "(cut by max_tokens: raise --max-tokens)" leads
+  const m = /\s*\((cut by [^)]*)\)\s*$/.exec(r.parse);
+  const why = m ? `${m[1]}: ${r.parse.slice(0, m.index)}` : r.parse;
+  return { valid: false, mark: `${r.con} ✗`, text: `${r.con} ✗ ${why}` };
 }
 
 // ---------------------------------------------------------------- liveness
@@ -134,7 +137,7 @@ export function robustTop(values, ratio = 4) {
  *  dashboard's the engine's own numbers. */
 export function stepAxis(header) {
   const base = header && header.mode === "run" && header.step0 != null ? header.step0 : 0;
-  return { base, name: base ? "step of this run" : "step", label: (s) => String(Math.round(s - base)) };
+  return { base, name: base ? "run step" : "step", label: (s) => String(Math.round(s - base)) };
 }
 
 /** The step chart's key: what each mark means. */
@@ -142,7 +145,7 @@ export const STEP_LEGEND = [
   { key: "dt", mark: "─", text: "step time (ms, left)" },
   { key: "b", mark: "▮", text: "batch size (right)" },
   { key: "pf", mark: "■", text: "step prefilled a prompt" },
-  { key: "clip", mark: "▲", text: "off the scale (value at top)" },
+  { key: "clip", mark: "▲", text: "off the scale (the largest written at the top)" },
 ];
 
 // ---------------------------------------------------------------- row life

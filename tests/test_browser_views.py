@@ -18,19 +18,28 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import time
 
 import pytest
 
 from _jupyter import DARK_THEME, jupyter_lab
-from test_browser_e2e import CHROMIUM, NB7_OWN_ERROR, _open, chromium_page
+from test_browser_e2e import CHROMIUM, DOCS, NB7_OWN_ERROR, _open, chromium_page
 
 pytestmark = pytest.mark.browser
 BUDGET_S = 150.0
 
 # Per widget: its title, header, step-chart key and x axis base, and per row what a
 # reader sees (hidden or not, badge text and whether the badge is cut, verdict, prompt).
-VIEW_JS = """() => [...document.querySelectorAll('.mlxnb-widget')].map((w) => ({
+VIEW_JS = """() => {
+  const rgb = (s) => (s.match(/[\\d.]+/g) || []).slice(0, 4).map(Number);
+  const lin = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+  const lum = ([r, g, b]) => 0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b);
+  const back = (e) => { for (; e; e = e.parentElement) { const c = rgb(getComputedStyle(e).backgroundColor);
+    if (c.length === 3 || (c.length === 4 && c[3] > 0)) return c.slice(0, 3); } return [255, 255, 255]; };
+  const ratio = (e) => { const a = lum(rgb(getComputedStyle(e).color)), b = lum(back(e));
+    return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05); };
+  return [...document.querySelectorAll('.mlxnb-widget')].map((w) => ({
   title: w.querySelector('.mlxnb-title').textContent,
   live: w.dataset.live, stale: w.dataset.stale || '',
   stats: w.querySelector('.mlxnb-stats').textContent,
@@ -45,11 +54,22 @@ VIEW_JS = """() => [...document.querySelectorAll('.mlxnb-widget')].map((w) => ({
       badge: b.textContent, kind: b.dataset.kind, badgeCut: b.scrollWidth > b.clientWidth + 1,
       badgeBg: getComputedStyle(b).backgroundColor,
       verdict: v ? v.textContent : '', verdictW: v ? v.getBoundingClientRect().width : 0,
+      verdictContrast: v && v.textContent ? ratio(v) : null,
       prompt: r.querySelector('.mlxnb-prompt').textContent,
       stop: getComputedStyle(stop).visibility === 'hidden' ? 'hidden' : stop.disabled ? 'disabled' : 'on',
     };
   }),
-}))"""
+  keyContrast: Math.min(...[...w.querySelectorAll('.mlxnb-legend .mlxnb-key')].map(ratio)),
+}));
+}"""
+
+
+def _to_docs(png, name):
+    """Screenshots go to docs/ when missing there or with MLXNB_UPDATE_DOCS=1."""
+    dest = DOCS / name
+    if png.exists() and (not dest.exists() or os.environ.get("MLXNB_UPDATE_DOCS") == "1"):
+        DOCS.mkdir(exist_ok=True)
+        shutil.copy(png, dest)
 
 
 def _notebook(tiny):
@@ -132,6 +152,7 @@ def test_validity_running_rows_prompts_and_kernel_shutdown(tmp_path, app):
             assert row["badge"] == "invalid: length" and not row["badgeCut"], row
             assert row["verdict"].startswith("json ✗") and "max-tokens" in row["verdict"], row
             assert row["verdictW"] > 40, row  # visible on the row, not only a tooltip
+            assert row["verdictContrast"] >= 4.5 and js_w["keyContrast"] >= 4.5, js_w
             done_bg = [r["badgeBg"] for r in many["rows"] if r["kind"] == "done"]
             assert done_bg and row["badgeBg"] != done_bg[0]
             assert js_w["title"] == "-o js"
@@ -145,6 +166,9 @@ def test_validity_running_rows_prompts_and_kernel_shutdown(tmp_path, app):
                                  ".map((c) => c.dataset.points)")
             assert all(int(a) > 0 for a in axis), axis
             page.locator(".mlxnb-widget").nth(1).screenshot(path=str(tmp_path / "many.png"))
+            page.locator(".mlxnb-widget").nth(0).screenshot(path=str(tmp_path / "invalid.png"))
+            _to_docs(tmp_path / "invalid.png", f"invalid-row{'-dark' if dark else ''}.png")
+            _to_docs(tmp_path / "many.png", f"running-rows{'-dark' if dark else ''}.png")
 
             # (d) the long rows decode; shut the kernel down from the menu
             while True:
@@ -182,6 +206,7 @@ def test_validity_running_rows_prompts_and_kernel_shutdown(tmp_path, app):
             assert all(r["stop"] in ("hidden", "disabled") for r in long_w["rows"]), long_w
             assert [r["badge"] for r in long_w["rows"]] == ["unfinished", "unfinished"]
             page.locator(".mlxnb-widget").nth(2).screenshot(path=str(tmp_path / "shutdown.png"))
+            _to_docs(tmp_path / "shutdown.png", f"kernel-shut-down{'-dark' if dark else ''}.png")
     errors = [e for e in errors if not (app == "notebook" and e == NB7_OWN_ERROR)]
     assert not errors, "\n".join(errors)
     assert time.monotonic() - t_start < BUDGET_S
@@ -305,6 +330,8 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path):
             else:
                 assert m and abs(float(m.group(1)) - 100 * exp["p0"]) <= 0.051, (info, exp["p0"])
             assert "temperature 0.8" in info, info
+            page.locator(".mlxnb-widget").first.screenshot(path=str(tmp_path / "tokens.png"))
+            _to_docs(tmp_path / "tokens.png", "token-view.png")
             page.locator(".mlxnb-tokens").first.focus()
             page.keyboard.press("ArrowRight")
             page.keyboard.press("ArrowRight")
@@ -321,6 +348,8 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path):
                         break
             wf = {phase: text for phase, _, text in d["wf"]}
             print(f"row 2: {d['wf']}")
+            page.locator(".mlxnb-widget").first.screenshot(path=str(tmp_path / "row-life.png"))
+            _to_docs(tmp_path / "row-life.png", "row-life.png")
             assert exp["why2"] == ["batch full"] and "(batch full)" in wf["queued"], wf
             assert wf["decode"].startswith(f"{exp['decode2']} tokens"), (wf, exp)
             assert any(p == "prefill" for p, _, _ in d["wf"])
@@ -359,6 +388,8 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path):
                     if d["steps"] and d["steps"][0] != lines[0]:
                         break
             print(f"step inspector walked {seen}: {lines}")
+            page.locator(".mlxnb-widget").first.screenshot(path=str(tmp_path / "step.png"))
+            _to_docs(tmp_path / "step.png", "step-inspector.png")
             assert d["kind"] == "step" and len(set(seen)) == len(seen) and seen == sorted(seen, reverse=True)
             assert batch and ended, seen
             page.keyboard.press("ArrowLeft")  # one step back, by keyboard

@@ -73,8 +73,10 @@ test("a structured row's validity: its own badge colour, the reason on the row",
   assert.equal(badgeKind({ ...cut, finish: "cancelled" }), "cancelled"); // stopped, not invalid
   const v = verdict(cut);
   assert.equal(v.valid, false);
-  assert.match(v.text, /^json ✗ not valid JSON/);
-  assert.match(v.text, /raise --max-tokens/);
+  // the remedy first, then the parser's complaint
+  assert.equal(v.text, "json ✗ cut by max_tokens: raise --max-tokens: not valid JSON: Unterminated string");
+  assert.equal(verdict({ ...cut, parse: "breaks its schema's required at /" }).text,
+    "json ✗ breaks its schema's required at /");
   assert.deepEqual(verdict(ok), { valid: true, mark: "json ✓", text: "json ✓ valid" });
   assert.equal(verdict({ state: "decode", con: "json", parse: "pending" }), null);
   assert.equal(verdict({ state: "done", finish: "stop" }), null);
@@ -128,7 +130,7 @@ test("step time: one slow prefill step does not flatten the decode steps", () =>
 test("a run's steps count from 1; a dashboard keeps the engine's numbers", () => {
   const run = stepAxis({ mode: "run", step0: 51 });
   assert.equal(run.label(52), "1");
-  assert.equal(run.name, "step of this run");
+  assert.equal(run.name, "run step");
   const dash = stepAxis({ mode: "dashboard", step0: 51 });
   assert.equal(dash.label(52), "52");
   assert.equal(dash.name, "step");
