@@ -114,6 +114,12 @@ function render({ model, el }) {
   const onMsg = (msg) => {
     heard();
     if (msg && msg.type === "row_detail") {
+      const old = rowDetails.get(msg.id), tv = msg.tokens;
+      if (tv && tv.start > 0) { // the rest of a running row's tokens: append
+        const have = old && old.tokens ? old.tokens.items : null;
+        if (!have || have.length !== tv.start) { askDetail({ type: "row_detail", id: msg.id }); return; }
+        msg = { ...msg, tokens: { ...tv, start: 0, items: have.concat(tv.items) } };
+      }
       rowDetails.set(msg.id, msg);
       if (view && view.kind === "row" && view.id === msg.id) { detailDirty = true; schedule(); }
       return;
@@ -296,8 +302,12 @@ function render({ model, el }) {
     // a running row's life grows: ask again now and then while it is open
     if (view && view.kind === "row") {
       const r = st.rows.get(view.id);
-      if (r && r.state !== "done" && performance.now() - askedDetailAt > 1000) {
-        askDetail({ type: "row_detail", id: view.id });
+      // ... and once more when it ends, for its last tokens and its finish
+      const last = r && r.state === "done" && !view.final;
+      if (last) view.final = true;
+      if (r && (last || r.state !== "done") && performance.now() - askedDetailAt > (last ? 0 : 1000)) {
+        const d = rowDetails.get(view.id); // only the tokens the view has not got yet
+        askDetail({ type: "row_detail", id: view.id, from: d && d.tokens ? d.tokens.items.length : 0 });
       }
     }
     if (!detailDirty) return;

@@ -236,11 +236,13 @@ def _detail_notebook(tiny):
     cells = [
         "%load_ext mlxnb",
         f"%mlxnb load {tiny} --max-batch 2",
-        "%%generate --max-tokens 1500 --logprobs 3 --temp 0.8 --raw -o r\n"
-        "hello there\nsecond prompt\nthe third row waits for a slot",
+        # the regex keeps the random model from ending rows early (its end-of-text
+        # token is masked until 600 letters are out): rows decode for seconds
+        "%%generate --max-tokens 700 --regex '[a-z]{{600}}' --logprobs 3 --temp 0.8 --raw -o r\n"
+        "hello there\nsecond prompt\nthe third row waits for a slot\nfour",
         "import json, math\nawait r\neng = r.rows[0]._canceller().__self__\n"
         "json.dump({'p0': math.exp(r.rows[0].logprobs[0]['logprob']),\n"
-        "           'ntok0': r.rows[0].ntok,\n"
+        "           'ntok0': r.rows[0].ntok, 'ntoks': [x.ntok for x in r.rows],\n"
         "           'why2': r.rows[2].trace[0]['why'],\n"
         "           'decode2': [p for p in r.rows[2].trace if p['phase'] == 'decode'][0]['tokens'],\n"
         "           'step0': r.widget.header['step0'],\n"
@@ -289,12 +291,13 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path):
             d = None
             while True:  # open a row while it decodes: its life grows live
                 assert left() > 90, f"rows never decoded: {d}"
-                if prompts.count() == 3:
+                if prompts.count() == 4:
                     d = page.evaluate(DETAIL_JS)
                     if "decode" in d["states"]:
                         break
                 page.wait_for_timeout(50)
-            prompts.nth(d["states"].index("decode")).click()
+            opened = d["states"].index("decode")
+            prompts.nth(opened).click()
             live = []
             for _ in range(40):
                 page.wait_for_timeout(150)
@@ -312,6 +315,15 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path):
             exp = json.loads((root / "expected.json").read_text())
             print(f"python side: { {k: v for k, v in exp.items() if k != 'steps'} }")
 
+            # the view opened live kept up (the rest of the tokens as they came, and
+            # its last ones when the row ended): all of them, in order
+            for _ in range(30):
+                d = page.evaluate(DETAIL_JS)
+                if len(d["toks"]) == exp["ntoks"][opened] and d["wf"][-1][0] == "finish":
+                    break
+                page.wait_for_timeout(150)
+            assert len(d["toks"]) == exp["ntoks"][opened], (len(d["toks"]), exp["ntoks"])
+            assert d["wf"][-1][0] == "finish", d["wf"]
             # row 0 again, finished: token 0's probability as the sampler gave it
             prompts.nth(0).click()  # (unpins) and again: opens with fresh data
             prompts.nth(0).click()
@@ -423,7 +435,7 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path):
             _open(page, base, token, "lab", left)
             prompts = page.locator(".mlxnb-widget .mlxnb-prompt")
             for _ in range(60):
-                if prompts.count() == 3:
+                if prompts.count() == 4:
                     break
                 page.wait_for_timeout(200)
             prompts.nth(0).click()

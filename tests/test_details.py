@@ -101,3 +101,23 @@ def test_row_detail_without_a_tokenizer_still_answers():
     [d], row = asyncio.run(main())
     assert [it["id"] for it in d["tokens"]["items"]] == row.tokens
     assert "s" not in d["tokens"]["items"][0]
+
+
+def test_a_running_rows_view_asks_only_for_the_tokens_it_lacks():
+    """While a row runs its open view asks again with `from` (the tokens it holds): the
+    answer carries only the rest, numbered on; a finished row is kept whole."""
+    async def main():
+        eng = FakeEngine(step_s=0.001)
+        rows = [eng.submit("p", max_tokens=12)]
+        w = GenerationWidget(eng, rows)
+        await settle(w, eng)
+        part = _ask(w, {"type": "row_detail", "id": rows[0].id, "from": 5})
+        bad = _ask(w, {"type": "row_detail", "id": rows[0].id, "from": "x"})
+        return part, bad, dict(w.details), rows[0]
+
+    [part], [bad], kept, row = asyncio.run(main())
+    tv = part["tokens"]
+    assert tv["start"] == 5 and [it["i"] for it in tv["items"]] == list(range(5, row.ntok))
+    assert [it["id"] for it in tv["items"]] == row.tokens[5:]
+    assert bad["tokens"]["start"] == 0 and len(bad["tokens"]["items"]) == row.ntok
+    assert len(kept[str(row.id)]["tokens"]["items"]) == row.ntok  # kept whole

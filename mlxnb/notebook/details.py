@@ -65,15 +65,17 @@ def sampling(row) -> dict:
     return out
 
 
-def token_view(row, tokenizer) -> dict:
-    """The row's tokens for the token view, or with no tokenizer (a closed engine, a
-    server) just what is known without one."""
+def token_view(row, tokenizer, start: int = 0) -> dict:
+    """The row's tokens from `start` on (a view holding the first `start` asks for the
+    rest only), for the token view; with no tokenizer (a closed engine, a server) just
+    what is known without one."""
     toks = list(row.tokens[:MAX_TOKENS])
     lps = row.logprobs if getattr(row, "logprobs", None) else None
     drafts = getattr(row, "draft_tokens", None) or ()
     cache: dict = {}
     items = []
-    for i, tid in enumerate(toks):
+    for i in range(min(start, len(toks)), len(toks)):
+        tid = toks[i]
         it = {"i": i, "id": int(tid)}
         if tokenizer is not None:
             it["s"] = _piece(tokenizer, int(tid), cache)
@@ -91,14 +93,15 @@ def token_view(row, tokenizer) -> dict:
         if i in drafts:
             it["draft"] = True
         items.append(it)
-    return {"items": items, "more": max(0, len(row.tokens) - len(toks)),
+    return {"items": items, "start": min(start, len(toks)),
+            "more": max(0, len(row.tokens) - len(toks)),
             "probs": lps is not None, "sampling": sampling(row)}
 
 
-def row_detail(row, engine) -> dict:
+def row_detail(row, engine, start: int = 0) -> dict:
     tok = getattr(engine, "tokenizer", None)
     d = {"type": "row_detail", "id": row.id, "trace": compact_trace(row),
-         "tokens": token_view(row, tok)}
+         "tokens": token_view(row, tok, start)}
     if d["tokens"]["probs"]:
         d["why"] = ""
     else:

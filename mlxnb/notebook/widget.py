@@ -21,8 +21,8 @@ Message protocol (kernel -> front end), one per flush::
 
 Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}
 (answered with the full state in the traits and {"type": "synced", "seq": n}); and
-when a detail view opens, {"type": "row_detail", "id": n} or {"type": "step_detail",
-"step": s}, answered with one message each (details.py). The rows opened last are
+when a detail view opens, {"type": "row_detail", "id": n, "from": tokens held} or
+{"type": "step_detail", "step": s}, answered with one message each (details.py). The rows opened last are
 also kept in the `details` trait, so a notebook saved with widget state has them.
 """
 
@@ -338,11 +338,14 @@ class GenerationWidget(anywidget.AnyWidget):
         elif kind == "row_detail":
             rid = content.get("id")
             row = self._rows.get(rid) if isinstance(rid, int) else None
+            start = content.get("from", 0)  # tokens the view already holds
+            start = start if isinstance(start, int) and start > 0 else 0
             if row is not None:
-                d = _details.row_detail(row, self.engine)
+                d = _details.row_detail(row, self.engine, start)
                 self.send(d)
                 if row.done:  # a finished row's detail no longer changes: keep it
-                    self.details = _details.keep(self.details, rid, d)
+                    whole = d if not start else _details.row_detail(row, self.engine)
+                    self.details = _details.keep(self.details, rid, whole)
         elif kind == "step_detail":
             n = content.get("step")
             if isinstance(n, int) and not isinstance(n, bool):
