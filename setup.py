@@ -7,7 +7,7 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-FRONT_END = ("widget.js", "lib.js", "widget.css")
+FRONT_END = ("widget.js", "lib.js", "views.js", "charts.js", "widget.css")
 
 
 class BuildWithFrontEnd(build_py):

@@ -26,6 +26,8 @@ BENCHMARKS = {
     "speculate": ("speculate", "speculative decoding (prompt lookup) off vs on: decode "
                                "tok/s, acceptance and tokens per step, copy-heavy and "
                                "free-form prompts (--quick: a smoke run)"),
+    "token-probs": ("token_probs", "decode tok/s with rows keeping no logprobs, the "
+                                   "chosen token's, the top 5 (the token view's cost)"),
     "reliability": ("reliability", "a stalled load, load/unload cycles, memory per "
                                    "finished row, detokenizing cost"),
 }

@@ -6,7 +6,8 @@ comm message the widget would put on the wire (custom deltas and trait updates,
 JSON-sized as ipykernel would serialize them) and times the widget's own code on the
 loop. One JSON line per case.
 
-  python -m bench widget-traffic              # fake engine, 10 ms steps
+  python -m bench widget-traffic              # fake engine, 10 ms steps; and a row
+                                              # view open on the tiny model (details.py)
   python -m bench widget-traffic --real       # also mlxnb.Engine on the tiny model:
                                               # aggregate tok/s with vs without a widget
 """
@@ -128,6 +129,43 @@ async def real_case(nrows, ntok, with_widget):
     return toks / wall
 
 
+async def detail_case(nrows, ntok):
+    """A row view kept open while `nrows` rows decode (the front end asks for the open
+    row's detail once a second while it runs): the answer's size and the loop time it
+    takes, and a trivial task's latency on the loop meanwhile."""
+    from mlxnb import Engine
+    from mlxnb.models.tiny import tiny_model
+
+    eng = Engine(tiny_model(), max_batch=nrows, kv_budget=None)
+    await eng.generate(["warm up"], max_tokens=4)
+    run = eng.generate([f"row {i} says" for i in range(nrows)], max_tokens=ntok,
+                       logprobs=5, temperature=0.8)
+    w = GenerationWidget(eng, run.rows)
+    sent = capture(w)
+    loop = asyncio.get_running_loop()
+    costs, lat = [], []
+    while not run.done:
+        t0 = time.perf_counter()
+        w._on_front_msg(w, {"type": "row_detail", "id": run.rows[0].id}, [])
+        costs.append(time.perf_counter() - t0)
+        for _ in range(10):  # a trivial "cell": how long until the loop runs it
+            t1 = time.perf_counter()
+            await loop.run_in_executor(None, lambda: None)
+            lat.append(time.perf_counter() - t1)
+            await asyncio.sleep(0.1)
+    details = [n for m, n in sent if m == "custom"]
+    r = {"case": f"row view open, tiny {nrows} rows x {ntok} tok, logprobs 5",
+         "answers": len(costs), "answer_ms_median": round(1e3 * statistics.median(costs), 2),
+         "answer_ms_max": round(1e3 * max(costs), 2),
+         "answer_bytes_max": max(details, default=0),
+         "loop_latency_ms_median": round(1e3 * statistics.median(lat), 2),
+         "loop_latency_ms_p95": round(1e3 * sorted(lat)[int(0.95 * (len(lat) - 1))], 2)}
+    LINES.append(json.dumps(r))
+    print(LINES[-1], flush=True)
+    w.close()
+    await eng.aclose()
+
+
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
@@ -143,6 +181,7 @@ def main(argv=None, prog=None):
     for nrows, ntok in [(1, 200), (8, 200), (32, 200), (64, 200)]:
         asyncio.run(fake_case(nrows, ntok, a.step_ms / 1000, 64))
     asyncio.run(fake_case(8, 2000, 0.001, 64))  # fast steps: bucketing in one flush
+    asyncio.run(detail_case(32, a.tokens))
     if a.real:
         asyncio.run(real_case(8, 32, False))  # warm-up: imports, first compile
         for nrows in (8, 32):

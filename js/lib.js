@@ -2,6 +2,7 @@
 // chart scaling, formatting. No DOM here, so `node --test` can exercise all of it.
 // mlxnb/_frontend.py inlines this file into the widget's ESM bundle (anywidget loads
 // one module).
+import { staleNote } from "./views.js";
 
 export const MAX_POINTS = 2000; // per step-history array (same bound as mlxnb/_stepchart.py)
 export const MAX_SNAP_NUMBERS = 20000;
@@ -216,9 +217,10 @@ export function runStats(rows) {
 }
 
 /** A row's badge; `stale`: no kernel runs the rows any more (a saved or orphaned
- *  view), so a row that is not done is "unfinished", never "decoding". */
+ *  view), so a row that is not done is "unfinished", never "decoding". A structured
+ *  row whose output breaks its constraint reads "invalid" (views.js `verdict` says why). */
 export function badgeText(r, stale = false) {
-  if (r.state === "done") return `done: ${r.finish || "?"}`;
+  if (r.state === "done") return `${rowInvalid(r) ? "invalid" : "done"}: ${r.finish || "?"}`;
   if (stale) return "unfinished";
   if (r.state === "prefill") return `prefill ${Math.max(0, Math.min(100, r.pf ?? 0))}%`;
   if (r.state === "decode") return "decoding";
@@ -322,7 +324,9 @@ export function headerParts(hd, rows, hist, stale = false) {
     else if (n.done < rows.length) p += ` · ${rows.length - n.done} unfinished`;
     parts.push(p);
   } else if (rows.length) {
-    parts.push(`${n.done}/${rows.length} rows shown done`);
+    const rest = rows.length - n.done;
+    parts.push(`showing ${rows.length} row${rows.length === 1 ? "" : "s"}: ` +
+      (rest ? `${n.done} done` : "all done"));
   }
   if (live) {
     parts.push(`engine: ${hd.running ?? 0} running · ${hd.queued ?? 0} queued · ` +
@@ -344,7 +348,7 @@ export function headerParts(hd, rows, hist, stale = false) {
       (hd.kv_budget ? ` / ${formatBytes(hd.kv_budget)}` : ""));
   }
   if (hd.cache_kinds) parts.push(hd.cache_kinds);
-  if (stale) parts.push("not live: no kernel answered (rows not done are unfinished)");
+  if (stale) parts.push(staleNote(stale));
   return parts;
 }
 
@@ -413,20 +417,28 @@ export const BADGES = {
     queued: ["#3d3d3d", "#ebebeb"], prefill: ["#6b3f00", "#fbecd3"],
     decode: ["#154a85", "#e0ebf8"], done: ["#17602a", "#dff1e3"],
     cancelled: ["#3d3d3d", "#ebebeb"], error: ["#9b1c1c", "#fbe2e2"],
-    unfinished: ["#7a2a00", "#fde8d8"],
+    unfinished: ["#7a2a00", "#fde8d8"], invalid: ["#8a1457", "#fbe0ef"],
   },
   dark: {
     queued: ["#dddddd", "#3a3a3a"], prefill: ["#ffd596", "#4a3312"],
     decode: ["#b3d4ff", "#1c3454"], done: ["#a6e3b0", "#1b3f24"],
     cancelled: ["#dddddd", "#3a3a3a"], error: ["#ffbcbc", "#5c2020"],
-    unfinished: ["#ffc9a3", "#55290d"],
+    unfinished: ["#ffc9a3", "#55290d"], invalid: ["#ffb3dc", "#521a3a"],
   },
 };
+
+/** A structured row that ran to its end (not stopped, no error) with output that
+ *  breaks its constraint, e.g. JSON cut by max_tokens. */
+export function rowInvalid(r) {
+  return r.state === "done" && r.finish !== "error" && r.finish !== "cancelled" &&
+    Boolean(r.con) && Boolean(r.parse) && r.parse !== "ok" && r.parse !== "pending";
+}
 
 /** Which badge colour pair a row takes. */
 export function badgeKind(r, stale = false) {
   if (r.state === "done") {
-    return r.finish === "error" ? "error" : r.finish === "cancelled" ? "cancelled" : "done";
+    if (r.finish === "error") return "error";
+    return rowInvalid(r) ? "invalid" : r.finish === "cancelled" ? "cancelled" : "done";
   }
   if (stale) return "unfinished";
   return r.state === "prefill" ? "prefill" : r.state === "decode" ? "decode" : "queued";

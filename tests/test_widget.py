@@ -468,6 +468,7 @@ def test_results_html_is_bounded_and_escaped():
             self.finish_reason, self.ntok, self.tok_s, self.ttft_s = "length", 5, 10.0, 0.1
             self.error, self.prompt_tokens, self.prefill_done = None, 3, 3
             self.t_admit, self.t_done = 0.0, 1.0
+            self.params = SamplingParams()
 
     rows = [R(i, "<script>x</script>" + "y" * 50_000) for i in range(100)]
     b = results.bundle(rows, "m", "run")
@@ -499,3 +500,61 @@ def test_terminal_ipython_gets_one_text_snapshot(monkeypatch):
     w = asyncio.run(main())
     assert len(published) == 1 and list(published[0]) == ["text/plain"]
     assert published[0]["text/plain"].startswith("mlxnb fake-model")
+
+
+def _json_row(rid, text, finish):
+    row = Row(rid, f"p{rid}", [1, 2], SamplingParams(max_tokens=8, json_schema={"type": "object"}),
+              future=None, t0=time.perf_counter())
+    row.text, row.tokens, row.state, row.finish_reason = text, [1] * 8, DONE, finish
+    row.t_admit, row.t_done = 0.0, 1.0
+    return row
+
+
+def test_saved_results_say_the_constraint_and_whether_each_row_meets_it():
+    """The results output (what a notebook saved without widget state shows) names a
+    structured row's constraint, says valid or invalid, and why invalid; the heading
+    names the run by its -o name without reading "run run"."""
+    from mlxnb.notebook import results
+
+    good, cut = _json_row(0, '{"name": "Ada"}', "stop"), _json_row(1, '{"name": "Ad', "length")
+    b = results.bundle([good, cut], "m", "run")
+    plain = b["text/plain"]
+    lines = [ln for ln in plain.splitlines() if ln.startswith("[")]
+    assert "json: valid" in lines[0], lines
+    assert "json: invalid: not valid JSON" in lines[1] and "raise --max-tokens" in lines[1], lines
+    assert 'data-valid="1"' in b["text/html"] and 'data-valid="0"' in b["text/html"]
+    assert "json: invalid" in b["text/html"]
+    assert "run run" not in plain and "-o run" in plain.splitlines()[0]
+    free = Row(2, "p", [1], SamplingParams(), future=None, t0=time.perf_counter())
+    assert results.verdict(free) == ""
+
+
+def test_widget_prompt_keeps_the_tail_of_a_long_prompt():
+    """Rows of one long template differ near the end: the widget gets head and tail."""
+    from mlxnb.notebook.widget import PROMPT_CHARS, _prompt
+
+    p = "Extract the person's name. " * 20 + "Sentence: Grace Hopper wrote a compiler."
+    got = _prompt(p)
+    assert len(got) <= PROMPT_CHARS and got.endswith("Grace Hopper wrote a compiler.")
+    assert got.startswith("Extract the person's name.") and "\u2026" in got
+    assert _prompt("short") == "short"
+
+
+def test_a_second_run_counts_its_steps_from_one():
+    """header.step0: the engine step before the run's first, so the front end labels a
+    second run's steps 1, 2, ... (a dashboard keeps the engine's numbers)."""
+    async def main():
+        eng = FakeEngine(step_s=0.001)
+        first = [eng.submit("a", max_tokens=5)]
+        w1 = GenerationWidget(eng, first)
+        await settle(w1, eng)
+        n = len(eng.steps)
+        second = [eng.submit("b", max_tokens=5)]
+        w2 = GenerationWidget(eng, second)
+        await settle(w2, eng)
+        return w1, w2, n
+
+    w1, w2, n = asyncio.run(main())
+    assert w1.header["step0"] == -1 and w1.steps["s"][0] == 0
+    assert n > 3 and w2.header["step0"] == n - 1, (n, w2.header["step0"])
+    assert w2.steps["s"][0] - w2.header["step0"] == 1

@@ -73,7 +73,10 @@ test("header: this run's counts apart from the engine's", () => {
   assert.equal(live.length, 3);
   // the dashboard counts the engine
   const dash = headerParts({ ...hd, mode: "dashboard" }, rows, { kv: [] });
-  assert.equal(dash[0], "1/3 rows shown done");
+  assert.equal(dash[0], "showing 3 rows: 1 done");
+  assert.doesNotMatch(dash[0], /shown done/);
+  const dashDone = headerParts({ ...hd, mode: "dashboard" }, fin, { kv: [] });
+  assert.equal(dashDone[0], "showing 3 rows: all done");
   assert.match(dash[1], /^engine: 5 running/);
 });
 

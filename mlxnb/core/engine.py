@@ -41,6 +41,7 @@ from .worker.setup import row_kv_bytes
 from .prompts import PARAM_NAMES, WontFit, encode, longest_token, sampling_params
 from .protocol import Listeners
 from .rows import PREFILL, Row, SamplingParams, StepRecord
+from . import rowtrace
 from .run import Run
 from ._threads import LOAD_TIMEOUT_S, load_bounded, mlx_worker
 from .._text import fmt_bytes, parse_bytes
@@ -335,6 +336,7 @@ class Engine(Listeners, Closing):
             now = self.clock()
             for row in admits:
                 row.state, row.t_admit = PREFILL, now
+                rowtrace.note_admitted(row, self.scheduler.waited_for(row))
             t0 = time.perf_counter()
             # Let the worker run decode steps back to back. Rows queued for room need
             # no shorter streak: room comes from a row finishing, which ends it.
@@ -368,6 +370,12 @@ class Engine(Listeners, Closing):
         """The one place worker results reach rows: tokens, text deltas, states."""
         now = self.clock()
         live = self._live
+        # the steps this tick took get the next numbers; prefill rides on its first
+        # (a tick with prefill work takes one step), rows end in its last
+        first, last = self._nsteps, self._nsteps + len(report.steps) - 1
+        first_s = report.steps[0].seconds + dt - sum(st.seconds for st in report.steps) \
+            if report.steps else 0.0
+        chunks, ended = {}, []
         for e in report.emitted:
             row = live.get(e.row_id)
             if row is None:  # ended on this side first (cancel, close)
@@ -390,7 +398,13 @@ class Engine(Listeners, Closing):
                 continue
             if up.state:
                 row.state = up.state
+            if up.cached_tokens is not None and not row.cached_tokens:
+                rowtrace.note_prefix(row, now - dt, up.cached_tokens)
             if up.prefill_done is not None:
+                n = up.prefill_done - max(row.prefill_done, up.cached_tokens or 0)
+                if n > 0:
+                    chunks[rid] = n
+                    rowtrace.note_chunk(row, first, now - dt + first_s, first_s, n)
                 row.prefill_done = up.prefill_done
             if up.cached_tokens is not None:
                 row.cached_tokens = up.cached_tokens
@@ -398,6 +412,8 @@ class Engine(Listeners, Closing):
                 row.draft_proposed += up.draft_proposed
                 row.draft_accepted += up.draft_accepted
             if up.finish:
+                ended.append(rid)
+                rowtrace.note_end(row, last if report.steps else None)
                 if row.t_first is None and up.finish == Finish.STOP:
                     row.t_first = now
                 self._end(row, up.finish, up.error, checked=up.checked,
@@ -408,9 +424,13 @@ class Engine(Listeners, Closing):
         for i, st in enumerate(report.steps):
             secs = st.seconds + ((dt - worker) if i == 0 else 0.0)
             t += secs
+            split = tuple(st.split) + ((dt - worker) if i == 0 else 0.0,) if st.split else ()
             rec = StepRecord(self._nsteps, t, secs, st.decoded, st.prefill_tokens,
                              st.kv_bytes, st.batch_ids, st.batch_share, st.prefill_bytes,
-                             st.read, st.drafted, st.accepted)
+                             st.read, prefill_rows=chunks if i == 0 else None,
+                             ended=tuple(ended) if self._nsteps == last else (),
+                             split=split, kv_budget=self.kv_budget,
+                             drafted=st.drafted, accepted=st.accepted)
             self._nsteps += 1
             self.steps.append(rec)
             self._notify("step", rec)

@@ -73,6 +73,9 @@ class StepStat:
     batch_ids: tuple  # rows in the decode batch, each holding `batch_share` bytes
     batch_share: int
     prefill_bytes: Dict[int, int]
+    # seconds: (graph build, launch, waiting on the device, the worker's own
+    # bookkeeping) -- worker/stepsplit.py
+    split: tuple = ()
     drafted: int = 0  # draft tokens this step verified
     accepted: int = 0  # of which the rows accepted (tokens read = rows + accepted)
 

@@ -19,6 +19,7 @@ from .._log import swallowed
 from .._text import RANGES, one_line
 from .constraint_params import check_params as check_constraint, kind_of
 from .constraint_results import parse_json
+from .rowtrace import phases
 from .states import Finish, RowState
 
 QUEUED, PREFILL, DECODE, DONE = RowState
@@ -159,8 +160,15 @@ class Row:
         self._future = future
         self._canceller = canceller  # weak: cancels through the engine while it lives
         self._callbacks: List[Callable[["Row"], None]] = []
+        self._events: List[tuple] = []  # what the engine saw happen (rowtrace.py)
 
     # -- reading ---------------------------------------------------------------
+    @property
+    def trace(self) -> List[dict]:
+        """The row's life as phase records: queued (and why), prefix hit, each
+        prefill chunk, first token, decode, finish (rowtrace.py)."""
+        return phases(self)
+
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
@@ -266,6 +274,9 @@ class Row:
                 swallowed("row callback", fn)
 
 
+SPLIT_PARTS = ("build", "launch", "device", "worker", "loop")
+
+
 class StepRecord:
     """One scheduler iteration, as the charts plot it.
 
@@ -273,21 +284,32 @@ class StepRecord:
     prefill_tokens, kv_bytes (real bytes held by all live KV caches), row_kv_bytes
     ({row_id: bytes}, computed on access: in a padded batch every row holds an equal
     share, so a step stores only the batch's row ids, shared between steps), tokens
-    (tokens emitted this step), drafted / accepted (draft tokens a speculative step
-    verified, and how many the rows took).
+    (tokens emitted this step), batch_ids (rows in the decode batch), prefill_rows
+    ({row_id: prompt tokens prefilled this step}), ended (rows that ended this step),
+    split (seconds: graph build, launch, waiting on the device, the worker's own
+    bookkeeping, the engine loop's share), kv_budget (bytes or None), drafted /
+    accepted (draft tokens a speculative step verified, and how many the rows took).
     """
 
     __slots__ = ("step", "t", "dt_s", "batch_size", "prefill_tokens", "kv_bytes",
-                 "_batch_ids", "_share", "_prefill", "tokens", "drafted", "accepted")
+                 "_batch_ids", "_share", "_prefill", "tokens", "prefill_rows", "ended",
+                 "split", "kv_budget", "drafted", "accepted")
 
     def __init__(self, step, t, dt_s, batch_size, prefill_tokens, kv_bytes,
-                 batch_ids=(), share=0, prefill_bytes=None, tokens=0, drafted=0,
+                 batch_ids=(), share=0, prefill_bytes=None, tokens=0, *,
+                 prefill_rows=None, ended=(), split=(), kv_budget=None, drafted=0,
                  accepted=0):
         self.step, self.t, self.dt_s = step, t, dt_s
         self.batch_size, self.prefill_tokens, self.kv_bytes = batch_size, prefill_tokens, kv_bytes
         self._batch_ids, self._share, self._prefill = batch_ids, share, prefill_bytes or {}
         self.tokens = tokens
+        self.prefill_rows, self.ended = prefill_rows or {}, ended
+        self.split, self.kv_budget = split, kv_budget
         self.drafted, self.accepted = drafted, accepted
+
+    @property
+    def batch_ids(self) -> tuple:
+        return tuple(self._batch_ids)
 
     @property
     def row_kv_bytes(self) -> dict:
@@ -300,7 +322,11 @@ class StepRecord:
                 "batch_size": self.batch_size, "prefill_tokens": self.prefill_tokens,
                 "kv_bytes": self.kv_bytes, "tokens": self.tokens,
                 "drafted": self.drafted, "accepted": self.accepted,
-                "row_kv_bytes": {str(k): v for k, v in self.row_kv_bytes.items()}}
+                "row_kv_bytes": {str(k): v for k, v in self.row_kv_bytes.items()},
+                "batch_ids": list(self._batch_ids),
+                "prefill_rows": {str(k): v for k, v in self.prefill_rows.items()},
+                "ended": list(self.ended), "kv_budget": self.kv_budget,
+                "split": dict(zip(SPLIT_PARTS, self.split))}
 
     def __repr__(self):
         return (f"StepRecord(step={self.step}, t={self.t:.3f}, dt_s={self.dt_s:.4f}, "

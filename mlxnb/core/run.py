@@ -15,6 +15,7 @@ from typing import List
 from .._aio import awaitable_on
 from .constraint_results import record_fields as constraint_fields
 from .rows import Row, RowResult
+from .rowtrace import durations
 
 
 class Run:
@@ -83,7 +84,7 @@ class Run:
                 "finish_reason": r.finish_reason, "state": r.state,
                 "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                 "tokens": r.ntok, "ttft_s": r.ttft_s, "tok_s": r.tok_s,
-                "error": r.error,
+                "error": r.error, **durations(r),
                 "draft_proposed": r.draft_proposed, "draft_accepted": r.draft_accepted,
             }
             if isinstance(r.tag, dict):

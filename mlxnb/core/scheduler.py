@@ -10,10 +10,11 @@ That is what the real allocation can reach, so reported KV never exceeds the bud
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, Deque, Dict, Optional
 
 from .._text import fmt_bytes
+from .rowtrace import BATCH_FULL, KV_BUDGET
 
 
 def _length(row) -> int:
@@ -32,6 +33,11 @@ class Scheduler:
         self.bytes_for = bytes_for  # bytes one row's cache holds at a given length
         self.queue: Deque = deque()
         self.active: Dict[int, object] = {}  # row id -> admitted Row
+        # Why rows wait: how often admission stopped at a full batch or at the KV
+        # budget, and the counts each queued row saw on arrival (waited_for).
+        self.blocked: Counter = Counter()
+        self._seen: Dict[int, Counter] = {}
+        self._why: Dict[int, list] = {}  # admitted rows' reasons, until asked
 
     # -- questions ---------------------------------------------------------------
     def row_bytes(self, prompt_len: int, max_tokens: int) -> int:
@@ -62,6 +68,12 @@ class Scheduler:
     # -- bookkeeping -------------------------------------------------------------
     def enqueue(self, row) -> None:
         self.queue.append(row)
+        self._seen[row.id] = self.blocked.copy()
+
+    def waited_for(self, row) -> list:
+        """What held an admitted row in the queue: "batch full", "KV budget" (each
+        one admission stopped at while it waited), or [] (it waited only for a step)."""
+        return self._why.pop(row.id, [])
 
     def admit(self) -> list:
         """Pop the rows that may start now, in FIFO order (stops at the first misfit)."""
@@ -71,11 +83,19 @@ class Scheduler:
             row = self.queue[0]
             if (self.kv_budget is not None and rows
                     and self.projected_peak(rows + [row]) > self.kv_budget):
+                self.blocked[KV_BUDGET] += 1
                 break
             self.queue.popleft()
+            seen = self._seen.pop(row.id, None)
+            if seen is not None:
+                self._why[row.id] = [w for w in (BATCH_FULL, KV_BUDGET)
+                                     if self.blocked[w] > seen[w]]
             self.active[row.id] = row
             rows.append(row)
             out.append(row)
+        else:
+            if self.queue:
+                self.blocked[BATCH_FULL] += 1
         return out
 
     def release(self, row_id: int) -> None:
@@ -85,10 +105,13 @@ class Scheduler:
         """Forget every row (the engine has ended them all)."""
         self.queue.clear()
         self.active.clear()
+        self._seen.clear()
+        self._why.clear()
 
     def dequeue(self, row) -> bool:
         try:
             self.queue.remove(row)
+            self._seen.pop(row.id, None)
             return True
         except ValueError:
             return False

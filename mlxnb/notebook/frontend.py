@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+_IMPORT = re.compile(r'^import\s*\{[^}]*\}\s*from\s*"\./(\w+)\.js";?\s*$', re.M)
+
 
 def asset(name: str) -> Path:
     # A wheel ships the front end in mlxnb/static; a source checkout has it in js/.
@@ -16,9 +18,16 @@ def asset(name: str) -> Path:
 
 
 def bundle() -> str:
-    """widget.js with its `import ... from "./lib.js"` replaced by lib.js itself:
-    anywidget loads `_esm` as one module (a blob), so relative imports cannot resolve."""
-    lib = asset("lib.js").read_text(encoding="utf-8")
-    src = asset("widget.js").read_text(encoding="utf-8")
-    return re.sub(r'^import\s*\{[^}]*\}\s*from\s*"\./lib\.js";?\s*$', lambda m: lib,
-                  src, count=1, flags=re.M)
+    """widget.js with each `import ... from "./x.js";` replaced by x.js itself (once,
+    its own relative imports dropped: they name modules inlined before it): anywidget
+    loads `_esm` as one module (a blob), so relative imports cannot resolve."""
+    done = set()
+
+    def inline(m):
+        name = m.group(1)
+        if name in done:
+            return ""
+        done.add(name)
+        return _IMPORT.sub("", asset(f"{name}.js").read_text(encoding="utf-8"))
+
+    return _IMPORT.sub(inline, asset("widget.js").read_text(encoding="utf-8"))

@@ -19,6 +19,7 @@ import html
 import time
 
 from .._text import one_line
+from ..core.constraint_results import widget_fields as constraint_fields
 from ..core.states import RowState
 
 TOTAL_CHARS = 200_000  # all rows' text together, in one rendering
@@ -40,6 +41,19 @@ def state_label(r) -> str:
         pt = r.prompt_tokens or 1
         return f"unfinished (prefill {min(100, int(100 * r.prefill_done / pt))}%)"
     return "unfinished ({})".format({RowState.DECODE: "decoding"}.get(r.state, r.state))
+
+
+def verdict(r) -> str:
+    """A structured row's constraint and whether its output meets it ("json: valid",
+    "json: invalid: not valid JSON: ... (cut by max_tokens: ...)"), "" otherwise."""
+    con = constraint_fields(r)
+    if not con:
+        return ""
+    if con["parse"] == "pending":
+        return f"{con['con']}: not checked yet"
+    if con["parse"] == "ok":
+        return f"{con['con']}: valid"
+    return f"{con['con']}: invalid: {one_line(con['parse'], 300)}"
 
 
 def _stats(r) -> list:
@@ -80,8 +94,8 @@ def heading(s: dict) -> str:
     parts = ["mlxnb"]
     if s["model"]:
         parts[0] += f" {s['model']}"
-    if s["title"]:
-        parts.append(f"run {s['title']}")
+    if s["title"]:  # the name the user gave with -o
+        parts.append(f"-o {s['title']}")
     parts.append(f"{s['done']}/{s['rows']} rows done")
     parts.append(f"{s['tokens']} tokens")
     if s["tok_s"]:
@@ -103,7 +117,9 @@ def plain(rows, model: str = "", title: str = "", now: float | None = None) -> s
     budget = _row_budget(len(rows))
     for i, r in enumerate(rows, 1):
         lines.append("")
-        lines.append(f"[{i}] {state_label(r)} \u00b7 " + " \u00b7 ".join(_stats(r))
+        v = verdict(r)
+        lines.append(f"[{i}] {state_label(r)} \u00b7 " + (f"{v} \u00b7 " if v else "")
+                     + " \u00b7 ".join(_stats(r))
                      + f" \u00b7 prompt: {one_line(r.prompt, PROMPT_CHARS)}")
         body = _body(r, budget)
         if body:
@@ -132,8 +148,12 @@ def to_html(rows, model: str = "", title: str = "", now: float | None = None) ->
     budget = _row_budget(len(rows))
     for i, r in enumerate(rows, 1):
         state = "done" if r.done else "unfinished"
-        meta = f"[{i}] {state_label(r)} \u00b7 " + " \u00b7 ".join(_stats(r))
-        out.append(f'<div class="mlxnb-results-row" data-state="{state}">'
+        v = verdict(r)
+        meta = f"[{i}] {state_label(r)} \u00b7 " + (f"{v} \u00b7 " if v else "") \
+            + " \u00b7 ".join(_stats(r))
+        con = constraint_fields(r)
+        valid = f' data-valid="{int(con["parse"] == "ok")}"' if v and con["parse"] != "pending" else ""
+        out.append(f'<div class="mlxnb-results-row" data-state="{state}"{valid}>'
                    f'<div style="{_META}"><b>{_E(meta)}</b> \u00b7 '
                    f'<span title="{_E(_clip(r.prompt, 2000))}">'
                    f"{_E(one_line(r.prompt, PROMPT_CHARS))}</span></div>"

@@ -20,7 +20,10 @@ Message protocol (kernel -> front end), one per flush::
      "header": {changed header fields}}
 
 Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}
-(answered with the full state in the traits and {"type": "synced", "seq": n}).
+(answered with the full state in the traits and {"type": "synced", "seq": n}); and
+when a detail view opens, {"type": "row_detail", "id": n, "from": tokens held} or
+{"type": "step_detail", "step": s}, answered with one message each (details.py). The rows opened last are
+also kept in the `details` trait, so a notebook saved with widget state has them.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import anywidget
 import traitlets as t
 
 from .. import _aio
+from . import details as _details
 from . import stepchart as _stepchart
 from . import textview as _textview
 from . import results
@@ -68,6 +72,7 @@ class GenerationWidget(anywidget.AnyWidget):
     steps = t.Dict().tag(sync=True)  # compact step history, see module docstring
     header = t.Dict().tag(sync=True)
     seq = t.Int(0).tag(sync=True)  # last delta message folded into the traits
+    details = t.Dict().tag(sync=True)  # str(row id) -> row_detail, the rows opened last
 
     def __init__(self, engine, rows=None, *, title: str = "", max_rows: int = 200,
                  flush_hz: float = FLUSH_HZ, **kwargs):
@@ -85,6 +90,7 @@ class GenerationWidget(anywidget.AnyWidget):
         self._sent = {}  # id -> {"text": str, field: last value sent}
         self._seq = 0
         self._pending = []  # StepRecords since the last flush
+        self._step0 = None  # the engine step before this widget's first: a run counts from 1
         self._hist = {k: [] for k in STEP_KEYS}
         self._snaps = []
         self._rate = deque()  # (t, tokens) of recent steps, for the aggregate tok/s
@@ -234,7 +240,7 @@ class GenerationWidget(anywidget.AnyWidget):
         out = {"id": r.id}
         if sent is None:
             sent = self._sent[r.id] = {"text": ""}
-            out.update(prompt=r.prompt[:PROMPT_CHARS], prompt_tokens=r.prompt_tokens,
+            out.update(prompt=_prompt(r.prompt), prompt_tokens=r.prompt_tokens,
                        t_submit=_r(r.t_submit, 3))
         for k, v in self._row_fields(r).items():
             if sent.get(k, ...) != v:
@@ -252,6 +258,8 @@ class GenerationWidget(anywidget.AnyWidget):
         recs, self._pending = self._pending, []
         if not recs:
             return None
+        if self._step0 is None:
+            self._step0 = recs[0].step - 1
         for rec in recs:
             self._rate.append((rec.t, rec.tokens or rec.batch_size))
         new = _stepchart.points(recs, max_points)
@@ -276,7 +284,7 @@ class GenerationWidget(anywidget.AnyWidget):
             "kv": e.steps[-1].kv_bytes if e.steps and e.running else 0,
             "now": round(now, 3), "live": bool(self._live),
             "mode": "dashboard" if self.dashboard else "run", "title": self.title,
-            "max_rows": self.max_rows,
+            "max_rows": self.max_rows, "step0": self._step0,
             # a server engine: KV as a fraction of its cache, or None = not reported
             "kv_unit": getattr(e, "kv_unit", "bytes"),
             "batch_reported": getattr(e, "batch_reported", True),
@@ -286,7 +294,7 @@ class GenerationWidget(anywidget.AnyWidget):
 
     # -- full state ----------------------------------------------------------------------
     def _row_full(self, r) -> dict:
-        d = {"id": r.id, "prompt": r.prompt[:PROMPT_CHARS], "prompt_tokens": r.prompt_tokens,
+        d = {"id": r.id, "prompt": _prompt(r.prompt), "prompt_tokens": r.prompt_tokens,
              "t_submit": _r(r.t_submit, 3), "text": r.text}
         d.update(self._row_fields(r))
         if getattr(r, "drafted_spans", None):  # [start, end) of text from accepted drafts
@@ -330,6 +338,21 @@ class GenerationWidget(anywidget.AnyWidget):
             else:
                 for r in live:
                     r.cancel()
+        elif kind == "row_detail":
+            rid = content.get("id")
+            row = self._rows.get(rid) if isinstance(rid, int) else None
+            start = content.get("from", 0)  # tokens the view already holds
+            start = start if isinstance(start, int) and start > 0 else 0
+            if row is not None:
+                d = _details.row_detail(row, self.engine, start)
+                self.send(d)
+                if row.done:  # a finished row's detail no longer changes: keep it
+                    whole = d if not start else _details.row_detail(row, self.engine)
+                    self.details = _details.keep(self.details, rid, whole)
+        elif kind == "step_detail":
+            n = content.get("step")
+            if isinstance(n, int) and not isinstance(n, bool):
+                self.send(_details.step_detail(self.engine.steps, n, self._rows))
         elif kind == "sync":
             self.sync_now()
             # Only a live kernel answers: a view restored from saved widget state whose
@@ -397,6 +420,15 @@ class GenerationWidget(anywidget.AnyWidget):
 
     def __repr__(self):
         return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"
+
+
+def _prompt(p: str) -> str:
+    """A prompt for the widget's column: its head and its tail when it is long, since
+    rows made from one template differ anywhere, often near the end."""
+    if len(p) <= PROMPT_CHARS:
+        return p
+    half = (PROMPT_CHARS - 3) // 2
+    return p[:half] + " \u2026 " + p[-half:]
 
 
 def _short_model_name(name: str) -> str:

@@ -40,6 +40,7 @@ from .precompile import Precompiler
 from .sampling import BatchSampler
 from .setup import BatchModel
 from .speculate import Speculation
+from .stepsplit import StepSplit
 
 
 class BatchExecutor:
@@ -70,10 +71,12 @@ class BatchExecutor:
         self.nsteps = 0
         self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
         self.precompiler.start()
+        # every step's time split (stepsplit.py); a profiler's tracer rides on it
+        self.split = self.tracer = self.prefill.tracer = StepSplit()
 
     def trace(self, tracer) -> None:
         """Report each tick's parts to `tracer(name, seconds)` (_trace.py); None: off."""
-        self.tracer = self.prefill.tracer = self.masks.tracer = tracer
+        self.split.user = self.masks.tracer = tracer
 
     def _reset_batch(self):
         self.ids: List[int] = []  # row ids in batch order
@@ -182,7 +185,7 @@ class BatchExecutor:
             self.spec.observe(decoded, *(verified[3:] if verified else (1, now - t)))
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
-                      self._ids_tuple, share, other)
+                      self._ids_tuple, share, other, self.split.take(now - t))
         if verified is not None:
             st.drafted, st.accepted = verified[0], verified[1]
         return st, launched is not None or verified is not None, read_firsts

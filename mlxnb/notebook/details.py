@@ -1,0 +1,151 @@
+"""What the widget's detail views show, built when a view opens (never streamed).
+
+The front end asks with a custom message and gets one answer:
+
+    {"type": "row_detail", "id": n}   ->  {"type": "row_detail", "id": n, "trace": [...],
+                                            "tokens": {...} or None, "why": str}
+    {"type": "step_detail", "step": s} -> {"type": "step_detail", "step": s, ...}
+
+row: its life (`Row.trace`, times rounded to 0.1 ms) and its tokens as the token view
+shows them: each token's text, its probability under the distribution it was drawn
+from and the top alternatives (rows run with `--logprobs K`; others get their tokens
+and `why` says how to see probabilities), the sampling in force (temperature and
+filters), the constraint if any. A token that came from an accepted speculative
+draft is marked (`Row.drafted`: the indices of such tokens).
+
+step: one `StepRecord` (the batch, the rows that prefilled and how much, the rows
+that ended, the time split, KV bytes and budget), with the rows' prompts for labels.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Optional
+
+from .._text import one_line
+from ..core.constraint_params import kind_of
+
+MAX_TOKENS = 4096  # tokens of one row sent to the token view
+KEEP_ROWS = 8  # rows' details kept in the widget's traits (saved with widget state)
+KEEP_TOKENS = 1024  # tokens of each kept row
+LABEL_CHARS = 60
+
+
+def _r(x, nd=4):
+    return None if x is None else round(float(x), nd)
+
+
+def compact_trace(row) -> list:
+    """`row.trace` with times rounded (what the widget keeps in its traits)."""
+    out = []
+    for p in getattr(row, "trace", None) or []:
+        out.append({k: (_r(v) if isinstance(v, float) else v) for k, v in p.items()})
+    return out
+
+
+def _piece(tok, tid: int, cache: dict) -> str:
+    s = cache.get(tid)
+    if s is None:
+        try:
+            s = cache[tid] = tok.decode([tid])
+        except Exception:  # a tokenizer that cannot decode one id alone
+            s = cache[tid] = f"<{tid}>"
+    return s
+
+
+def sampling(row) -> dict:
+    p = row.params
+    out = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+           "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
+           "logprobs": p.logprobs}
+    kind = kind_of(p)
+    if kind is not None:
+        out["constraint"] = kind
+    return out
+
+
+def token_view(row, tokenizer, start: int = 0) -> dict:
+    """The row's tokens from `start` on (a view holding the first `start` asks for the
+    rest only), for the token view; with no tokenizer (a closed engine, a server) just
+    what is known without one."""
+    toks = list(row.tokens[:MAX_TOKENS])
+    lps = row.logprobs if getattr(row, "logprobs", None) else None
+    drafts = set(getattr(row, "drafted", None) or ())
+    cache: dict = {}
+    items = []
+    for i in range(min(start, len(toks)), len(toks)):
+        tid = toks[i]
+        it = {"i": i, "id": int(tid)}
+        if tokenizer is not None:
+            it["s"] = _piece(tokenizer, int(tid), cache)
+        if lps is not None and i < len(lps) and lps[i] is not None:
+            rec = lps[i]
+            lp = rec.get("logprob")
+            it["p"] = None if lp is None or lp == -math.inf else _r(math.exp(lp), 5)
+            alts = []
+            for aid, alp in rec.get("top", [])[:10]:
+                alt = {"id": int(aid), "p": _r(math.exp(alp), 5)}
+                if tokenizer is not None:
+                    alt["s"] = _piece(tokenizer, int(aid), cache)
+                alts.append(alt)
+            it["top"] = alts
+        if i in drafts:
+            it["draft"] = True
+        items.append(it)
+    return {"items": items, "start": min(start, len(toks)),
+            "more": max(0, len(row.tokens) - len(toks)),
+            "probs": lps is not None, "sampling": sampling(row)}
+
+
+def row_detail(row, engine, start: int = 0) -> dict:
+    tok = getattr(engine, "tokenizer", None)
+    d = {"type": "row_detail", "id": row.id, "trace": compact_trace(row),
+         "tokens": token_view(row, tok, start)}
+    if d["tokens"]["probs"]:
+        d["why"] = ""
+    else:
+        d["why"] = ("probabilities are kept for rows that ask: run the cell with "
+                    "--logprobs 5 to see each token's probability and alternatives")
+    return d
+
+
+def find_step(steps, n: int):
+    """The StepRecord numbered `n` in `steps` (ordered by number), or None."""
+    if not steps:
+        return None
+    i = bisect.bisect_left(steps, n, key=lambda s: s.step)
+    return steps[i] if i < len(steps) and steps[i].step == n else None
+
+
+def step_detail(steps, n: int, rows: dict, label_rows: Optional[dict] = None) -> dict:
+    """One step for the step inspector; `rows`: the widget's rows by id (labels)."""
+    rec = find_step(steps, n)
+    if rec is None:
+        return {"type": "step_detail", "step": n, "missing": True}
+    d = rec.to_dict()
+    d.pop("row_kv_bytes", None)  # per-row bytes: the KV chart has them
+    d.update(type="step_detail", ms=_r(1000 * rec.dt_s, 3),
+             split={k: _r(1000 * v, 3) for k, v in d.get("split", {}).items()},
+             t=_r(rec.t), dt_s=_r(rec.dt_s, 6))
+    ids = set(d.get("batch_ids", [])) | {int(k) for k in d.get("prefill_rows", {})} | \
+        set(d.get("ended", []))
+    d["labels"] = {str(i): one_line(rows[i].prompt, LABEL_CHARS) for i in ids if i in rows}
+    d["finish"] = {str(i): rows[i].finish_reason for i in d.get("ended", []) if i in rows}
+    return d
+
+
+def keep(details: dict, rid: int, d: dict) -> dict:
+    """The widget's `details` trait with row `rid`'s detail added last (its tokens cut
+    to KEEP_TOKENS), the oldest dropped beyond KEEP_ROWS; a new dict (traitlets syncs
+    on reassignment)."""
+    d = dict(d)
+    tv = d.get("tokens")
+    if tv and len(tv["items"]) > KEEP_TOKENS:
+        d["tokens"] = {**tv, "items": tv["items"][:KEEP_TOKENS],
+                       "more": tv["more"] + len(tv["items"]) - KEEP_TOKENS}
+    out = {k: v for k, v in details.items() if k != str(rid)}
+    out[str(rid)] = d
+    while len(out) > KEEP_ROWS:
+        out.pop(next(iter(out)))
+    return out

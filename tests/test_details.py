@@ -1,0 +1,123 @@
+"""The widget's detail views' data (details.py): asked for by the front end when a
+view opens, answered once; checked against the rows and steps themselves."""
+
+import asyncio
+import math
+
+from mlxnb import Engine
+from mlxnb.notebook import details
+from mlxnb.notebook.widget import GenerationWidget
+from test_widget import FakeEngine, capture, customs, settle
+
+
+def _ask(w, msg):
+    msgs = capture(w)
+    w._on_front_msg(w, msg, [])
+    return customs(msgs)
+
+
+def test_row_detail_gives_each_tokens_probability_and_alternatives(tiny, arun):
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        run = eng.generate(["hello there", "abc"], max_tokens=12, chat=False,
+                           temperature=0.8, top_p=0.9, logprobs=3, seed=1)
+        w = GenerationWidget(eng, run.rows)
+        await run
+        free = eng.generate(["no logprobs here"], max_tokens=5, chat=False)
+        await free
+        w2 = GenerationWidget(eng, free.rows)
+        out = _ask(w, {"type": "row_detail", "id": run.rows[0].id})
+        out2 = _ask(w2, {"type": "row_detail", "id": free.rows[0].id})
+        kept = dict(w.details)
+        await eng.aclose()
+        return run.rows[0], out, out2, kept, eng
+
+    row, [d], [d2], kept, eng = arun(main)
+    assert d["type"] == "row_detail" and d["id"] == row.id
+    tv = d["tokens"]
+    assert tv["probs"] and len(tv["items"]) == row.ntok == 12
+    for it, lp, tid in zip(tv["items"], row.logprobs, row.tokens):
+        assert it["id"] == tid
+        assert math.isclose(it["p"], math.exp(lp["logprob"]), abs_tol=1e-5)
+        assert 1 <= len(it["top"]) <= 3
+        assert [a["id"] for a in it["top"]] == [t for t, _ in lp["top"]][:len(it["top"])]
+        assert isinstance(it["s"], str)
+    assert "".join(it["s"] for it in tv["items"]) == row.text  # byte tokens: exact
+    assert tv["sampling"]["temperature"] == 0.8 and tv["sampling"]["top_p"] == 0.9
+    assert [p["phase"] for p in d["trace"]][0] == "queued" and d["trace"][-1]["phase"] == "finish"
+    assert kept == {str(row.id): d}  # a finished row's detail is kept in the traits
+    # a row that did not ask for logprobs: its tokens, and how to see probabilities
+    assert not d2["tokens"]["probs"] and "p" not in d2["tokens"]["items"][0]
+    assert "--logprobs" in d2["why"]
+
+
+def test_step_detail_matches_the_step_record(tiny, arun):
+    async def main():
+        eng = Engine(tiny, kv_budget="64MB", max_batch=4, warmup=False)
+        run = eng.generate(["hello there", "abc", "a third prompt"], max_tokens=6, chat=False)
+        w = GenerationWidget(eng, run.rows)
+        await run
+        ended = next(s for s in eng.steps if s.ended)
+        pre = next(s for s in eng.steps if s.prefill_rows)
+        a = _ask(w, {"type": "step_detail", "step": ended.step})
+        b = _ask(w, {"type": "step_detail", "step": pre.step})
+        c = _ask(w, {"type": "step_detail", "step": 10 ** 9})
+        bad = _ask(w, {"type": "step_detail", "step": "1"}) + _ask(w, {"type": "row_detail", "id": [1]})
+        await eng.aclose()
+        return ended, pre, a, b, c, bad, run
+
+    ended, pre, [a], [b], [c], bad, run = arun(main)
+    assert a["step"] == ended.step and a["ended"] == list(ended.ended)
+    assert a["batch_ids"] == list(ended.batch_ids) and a["batch_size"] == ended.batch_size
+    assert a["finish"] == {str(i): "length" for i in ended.ended}
+    assert math.isclose(a["ms"], 1000 * ended.dt_s, abs_tol=1e-3)
+    assert math.isclose(sum(a["split"].values()), a["ms"], rel_tol=1e-3, abs_tol=0.01)
+    assert a["kv_budget"] == 64 << 20 and a["kv_bytes"] == ended.kv_bytes
+    assert b["prefill_rows"] == {str(k): v for k, v in pre.prefill_rows.items()}
+    assert set(b["labels"]) >= set(b["prefill_rows"])
+    assert c == {"type": "step_detail", "step": 10 ** 9, "missing": True}
+    assert bad == []  # not a step number, not a row id: no answer, no error
+
+
+def test_kept_details_are_bounded():
+    d = {"type": "row_detail", "tokens": {"items": [{"i": i} for i in range(5000)], "more": 0}}
+    kept = {}
+    for rid in range(20):
+        kept = details.keep(kept, rid, d)
+    assert list(kept) == [str(i) for i in range(12, 20)]
+    assert len(kept["19"]["tokens"]["items"]) == details.KEEP_TOKENS
+    assert kept["19"]["tokens"]["more"] == 5000 - details.KEEP_TOKENS
+    assert len(d["tokens"]["items"]) == 5000  # the answer sent is not cut
+
+
+def test_row_detail_without_a_tokenizer_still_answers():
+    async def main():
+        eng = FakeEngine(step_s=0.001)
+        rows = [eng.submit("p", max_tokens=4)]
+        w = GenerationWidget(eng, rows)
+        await settle(w, eng)
+        return _ask(w, {"type": "row_detail", "id": rows[0].id}), rows[0]
+
+    [d], row = asyncio.run(main())
+    assert [it["id"] for it in d["tokens"]["items"]] == row.tokens
+    assert "s" not in d["tokens"]["items"][0]
+
+
+def test_a_running_rows_view_asks_only_for_the_tokens_it_lacks():
+    """While a row runs its open view asks again with `from` (the tokens it holds): the
+    answer carries only the rest, numbered on; a finished row is kept whole."""
+    async def main():
+        eng = FakeEngine(step_s=0.001)
+        rows = [eng.submit("p", max_tokens=12)]
+        w = GenerationWidget(eng, rows)
+        await settle(w, eng)
+        part = _ask(w, {"type": "row_detail", "id": rows[0].id, "from": 5})
+        bad = _ask(w, {"type": "row_detail", "id": rows[0].id, "from": "x"})
+        return part, bad, dict(w.details), rows[0]
+
+    [part], [bad], kept, row = asyncio.run(main())
+    tv = part["tokens"]
+    assert tv["start"] == 5 and [it["i"] for it in tv["items"]] == list(range(5, row.ntok))
+    assert [it["id"] for it in tv["items"]] == row.tokens[5:]
+    assert bad["tokens"]["start"] == 0 and len(bad["tokens"]["items"]) == row.ntok
+    assert len(kept[str(row.id)]["tokens"]["items"]) == row.ntok  # kept whole
