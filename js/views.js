@@ -243,6 +243,15 @@ export function tokenInfo(it, sampling) {
   return parts.join(" · ");
 }
 
+/** A speculating row's drafts, `draft` = [accepted, verified]: one line for the row's
+ * detail and the token count's tooltip; "" for a row that verified none. */
+export function draftText(draft, ntok) {
+  if (!draft || !draft[1]) return "";
+  const [acc, prop] = draft;
+  const share = ntok ? ` · ${acc} of its ${ntok} tokens came from drafts` : "";
+  return `speculation: ${acc} of ${prop} drafted tokens accepted (${pct(acc / prop)})${share}`;
+}
+
 export function samplingText(s) {
   if (!s) return "";
   const t = s.temperature ?? 0;

@@ -2,7 +2,7 @@
 // view, a reopened notebook) and then from ~15 Hz "delta" custom messages; everything
 // is redrawn at most once per animation frame. Charts are plain <canvas>.
 import { CHART_TITLES, applyMessage, badgeKind, badgeText, bandAt, formatDuration, formatRate, headerParts, isStale, laneAt, layoutFor, liveNow, moreLabel, oneLine, rowColor, shouldTakeTraits, stateFromTraits, tailText } from "./lib.js";
-import { STEP_LEGEND, commonParts, kernelGone, nearestIndex, pickVisible, promptLabel, samplingText, showPiece, stampPhases, stepAxis, stepLines, tokenInfo, tokenShade, verdict, waterfall } from "./views.js";
+import { STEP_LEGEND, commonParts, draftText, kernelGone, nearestIndex, pickVisible, promptLabel, samplingText, showPiece, stampPhases, stepAxis, stepLines, tokenInfo, tokenShade, verdict, waterfall } from "./views.js";
 import { applyTheme, colors, drawKV, drawSteps, drawTimeline, h, setAttr, setText } from "./charts.js";
 
 const ROW_LIMIT = 12; // rows listed before the "N more rows" control
@@ -232,6 +232,8 @@ function render({ model, el }) {
       wf.append(line);
     }
     dBody.append(h("div", "mlxnb-detail-sub", "life of the row"), wf);
+    const spec = r ? draftText(r.draft, r.ntok) : "";
+    if (spec) dBody.append(h("div", "mlxnb-detail-note mlxnb-spec", spec + " (dotted underline below)"));
     const tv = d && d.tokens;
     if (!tv) {
       dBody.append(h("div", "mlxnb-detail-note", stale || !st.header.live && !d
@@ -403,6 +405,8 @@ function render({ model, el }) {
     setText(v.inner, expandedRow ? text
       : r.state === "done" || stale ? oneLine(text, 400) : tailText(text, 240));
     setText(v.ntok, `${r.ntok ?? 0} tok`);
+    setAttr(v.ntok, "title", draftText(r.draft, r.ntok));
+    setAttr(v.e, "data-spec", r.draft && r.draft[1] ? "1" : "");
     setText(v.rate, r.tok_s != null ? `${formatRate(r.tok_s)} tok/s` : "");
     setText(v.ttft, r.ttft != null ? `ttft ${formatDuration(r.ttft)}` : "");
     v.stop.disabled = Boolean(v.stopped) || r.state === "done" || stale || pending();

@@ -136,3 +136,12 @@ test("a run's steps count from 1; a dashboard keeps the engine's numbers", () =>
   assert.equal(dash.name, "step");
   assert.equal(stepAxis({ mode: "run" }).label(7), "7"); // a header without step0 (older state)
 });
+
+test("a speculating row says how many drafted tokens it accepted; others say nothing", async () => {
+  const { draftText } = await import("../views.js");
+  assert.equal(draftText(undefined, 10), "");
+  assert.equal(draftText([0, 0], 10), "");
+  const t = draftText([31, 40], 50);
+  assert.match(t, /31 of 40 drafted tokens accepted \(77.5%\)/);
+  assert.match(t, /31 of its 50 tokens came from drafts/);
+});
