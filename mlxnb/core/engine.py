@@ -51,6 +51,11 @@ from .worker.warmup import warm_up
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
 
 
+def _admitted(rows: List[Row], now: float) -> None:
+    for row in rows:
+        row.state, row.t_admit = PREFILL, now
+
+
 class Engine(Listeners, Closing):
     """Continuous-batching generation on one MLX model.
 
@@ -365,9 +370,7 @@ class Engine(Listeners, Closing):
                     self._idle.set_result(None)
                 await self._wake.wait()
                 continue
-            now = self.clock()
-            for row in admits:
-                row.state, row.t_admit = PREFILL, now
+            _admitted(admits, self.clock())  # (a loop variable here would hold a row)
             t0 = time.perf_counter()
             # Let the worker run decode steps back to back. Rows queued for room need
             # no shorter streak: room comes from a row finishing, which ends it.
