@@ -266,3 +266,23 @@ def test_a_row_that_breaks_an_unenforced_key_is_not_valid_and_says_which(tiny, a
         assert (r.finish_reason, r.text, r.valid) == ("stop", "[1, 1]", False)
         assert "uniqueItems" in r.constraint_error and "\n" not in r.constraint_error
         assert r.json is None and "uniqueItems" in r.json_error
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": 10, "not": {"multipleOf": 1}},  # no integer passes
+    {"type": "number", "minimum": 10, "not": {"minimum": 0}},  # no number >= 10 passes
+])
+def test_a_number_cut_by_max_tokens_is_checked_against_unenforced_keys(tiny, arun, schema):
+    """A top-level number cut by max_tokens has no finished value in the matcher (it
+    could still grow), so its text is what the full schema checks."""
+    async def main():
+        eng = make(tiny)
+        worker = eng.submit("x", chat=False, json_schema=schema, max_tokens=3)
+        loop = eng.submit("x", chat=False, json_schema=schema, max_tokens=3, stop=["zz"])
+        await eng.wait()
+        await eng.aclose()
+        return worker, loop
+
+    for r in arun(main):  # checked on the worker, and on the loop (a stop-string row)
+        assert r.finish_reason == "length" and len(r.text) == 3, (r.finish_reason, r.text)
+        assert r.valid is False and "schema's not at" in r.constraint_error, (r.text, r.constraint_error)
