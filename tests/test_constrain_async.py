@@ -147,3 +147,60 @@ def test_held_rows_end_when_cancelled_or_closed(tiny, arun, monkeypatch):
         return a.finish_reason, b.finish_reason, eng.queued
 
     assert arun(main) == ("cancelled", "cancelled", 0)
+
+
+JOIN_SCRIPT = r"""
+import asyncio, json, sys, time
+from mlxnb import Engine
+from mlxnb.models.tiny import tiny_model
+
+N = 2000  # required properties: ~110 KB of schema, near the size limit
+schema = {"type": "object", "required": [f"property_{i}" for i in range(N)],
+          "properties": {f"property_{i}": {"type": "integer"} for i in range(N)},
+          "additionalProperties": False}
+
+async def main():
+    eng = Engine(tiny_model(vocab="smollm2"), kv_budget=None, warmup=False)
+    free = eng.submit("free", chat=False, max_tokens=2000)
+    while len(free.tokens) < 5:
+        await asyncio.sleep(0.005)
+    small = {"type": "integer", "maximum": 9}  # done at its first token
+    rows = [eng.submit(f"j{i}", chat=False, max_tokens=12, json_schema=s)
+            for i, s in enumerate([schema, small, schema, small])]
+    # from here: a submit itself may hold the loop up to SUBMIT_WAIT_S (by design)
+    seen, times = len(free.tokens), [time.perf_counter()]
+    while not all(r.done for r in rows):
+        if len(free.tokens) != seen:
+            seen = len(free.tokens)
+            times.append(time.perf_counter())
+        await asyncio.sleep(0.002)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    print(json.dumps({"gap": max(gaps), "median": sorted(gaps)[len(gaps) // 2],
+                      "rows": [r.finish_reason for r in rows]}))
+    await eng.aclose()
+
+asyncio.run(main())
+"""
+
+
+def test_rows_with_a_large_schema_join_without_stalling_a_running_row():
+    """Rows with a ~110 KB schema, and rows whose schema is met at their first token,
+    join a batch where a free row decodes: its tokens keep coming. A fresh
+    interpreter, so the first JSON rows of a process are measured: a finished row's
+    full check needs jsonschema, whose import (1-2 s) ran on the worker as the first
+    of them finished, and stopped the whole batch meanwhile."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    out = subprocess.run([sys.executable, "-c", JOIN_SCRIPT], env=env, cwd=repo,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["rows"] == ["length", "stop"] * 2, got
+    # a few steps at most (the joined rows' first masks); the import stalled ~2.8 s
+    assert got["gap"] < max(0.3, 5 * got["median"]), got

@@ -76,12 +76,14 @@ def _json_opts() -> dict:
     return _JSON_OPTS
 _warming = threading.Lock()
 _warmed = False
+_jsonschema_ready = threading.Event()
 
 
 def _warm_jsonschema() -> None:
     """Import jsonschema on a thread of its own, once: it takes 1-2 s (its format
-    checkers build a parser at import), which the first finished JSON row would
-    otherwise spend on the worker, stalling its batch."""
+    checkers build a parser at import). A JSON row's verdict waits for it
+    (`_compile_checked`), so no row's full check imports it: on the worker that
+    import stalled every row of the batch, on the loop every cell."""
     global _warmed
     with _warming:
         if _warmed:
@@ -93,6 +95,8 @@ def _warm_jsonschema() -> None:
             import jsonschema  # noqa: F401
         except Exception:
             log.debug("importing jsonschema failed", exc_info=True)
+        finally:
+            _jsonschema_ready.set()
 
     threading.Thread(target=work, daemon=True, name="mlxnb-jsonschema").start()
 
@@ -281,6 +285,8 @@ class Constraints:
                 self._probe(key[0], self._template(p).deep_copy())
             finally:
                 timer.cancel()
+            if key[0] == "json_schema":  # its rows' full check needs it (above)
+                _jsonschema_ready.wait(COMPILE_TIMEOUT_S)
         except ValueError as e:
             why = str(e)
         except BaseException as e:  # a Rust panic is a BaseException
