@@ -288,3 +288,27 @@ def test_a_number_cut_by_max_tokens_is_checked_against_unenforced_keys(tiny, aru
     for r in arun(main):  # checked on the worker, and on the loop (a stop-string row)
         assert r.finish_reason == "length" and len(r.text) == 3, (r.finish_reason, r.text)
         assert r.valid is False and "schema's not at" in r.constraint_error, (r.text, r.constraint_error)
+
+
+def test_a_recursive_ref_beside_annotations_runs(tiny, arun):
+    """SchemaStore's schemas often describe a $ref beside it (VS Code's
+    markdownDescription); llguidance refuses a recursive $ref with a sibling key it
+    does not know, so the mask's copy goes without annotations (the full check after
+    reads the schema as given)."""
+    schema = {"$ref": "#/definitions/node", "definitions": {"node": {
+        "description": "a number, or a list of nodes",
+        "anyOf": [{"type": "integer", "title": "leaf"},
+                  {"type": "array", "maxItems": 2,
+                   "items": {"$ref": "#/definitions/node", "markdownDescription": "a"}}]}}}
+
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("x", chat=False, json_schema=schema, max_tokens=24, seed=s,
+                           temperature=1.0) for s in range(6)]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    for r in arun(main):
+        assert r.finish_reason in ("stop", "length") and r.error is None, r.error
+        assert r.finish_reason == "length" or r.valid, (r.text, r.constraint_error)

@@ -21,7 +21,8 @@ from concurrent.futures import Future, TimeoutError as _Timeout
 from typing import Any, Dict, Optional, Tuple
 
 from .._log import log
-from .constraint_params import _WHAT, _key, _short, kind_of, one_line
+from .constraint_params import (_WHAT, _key, _short, kind_of, one_line,
+                                without_annotations)
 from .constraint_results import _CACHE, _VALUE, verdict
 
 
@@ -59,7 +60,8 @@ def _grammar(kind: str, value) -> str:
         # %json inside Lark, to capture the whole value: a finished row's check reads
         # its text there (the worker holds the matcher, not the text)
         return LLM.grammar_from_lark(f"start: {_VALUE}\n{_VALUE}[capture]: %json "
-                                     + json.dumps(dict(value, **{"x-guidance": opts})))
+                                     + json.dumps(dict(without_annotations(value),
+                                                       **{"x-guidance": opts})))
     if kind == "regex":
         return LLM.grammar_from_regex(value)
     if kind == "choices":

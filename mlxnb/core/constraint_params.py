@@ -167,3 +167,29 @@ def one_line(msg, n: int = 300) -> str:
     s = re.sub(r"(?:\bat )?\b\d+\(\d+\):\s*", "", s).replace(" (in regex)", "")
     s = _BUILT_AT.sub("llguidance", s)
     return s if len(s) <= n else s[: n - 1] + "…"
+
+
+# Keys that say nothing about what is valid. llguidance refuses a recursive $ref with
+# any sibling key, annotations included (SchemaStore's schemas often describe a $ref
+# beside it), so the mask's copy of a schema goes without them; the full check after
+# generating reads the schema as given.
+_ANNOTATIONS = frozenset({"description", "markdownDescription", "title", "examples",
+                          "$comment", "deprecationMessage", "errorMessage",
+                          "markdownEnumDescriptions", "enumDescriptions", "doNotSuggest"})
+_NAMED = frozenset({"properties", "patternProperties", "definitions", "$defs",
+                    "dependentSchemas", "dependencies"})  # maps of names (kept) to schemas
+_DATA = frozenset({"enum", "const", "default", "required", "dependentRequired",
+                   "x-guidance"})  # values, not schemas
+
+
+def without_annotations(node, named: bool = False):
+    """A JSON schema (or with `named` a map of names to schemas) without annotation
+    keys, at any depth; values that are data (enum, const, default, ...) unchanged."""
+    if isinstance(node, list):
+        return [without_annotations(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if named:
+        return {k: without_annotations(v) for k, v in node.items()}
+    return {k: v if k in _DATA else without_annotations(v, k in _NAMED)
+            for k, v in node.items() if k not in _ANNOTATIONS}
