@@ -68,9 +68,10 @@ class Engine(Listeners, Closing):
     wait) and, with `warmup`, runs a few tokens through the common batch paths once
     (warmup.py: the first use of each kernel costs seconds on some backends, which
     the first rows would otherwise wait for; `warmup_s` says how long it took).
-    Other engines keep generating meanwhile; build it from another thread (for
-    example `await asyncio.to_thread(Engine, name)` in a notebook) to keep this
-    loop's rows streaming too.
+    Other engines keep generating meanwhile, between the set-up's jobs on the shared
+    worker (each job a pause for their rows: fusing and probing the model, each
+    warm-up tick, each prefill-rate run); build it from another thread (for example
+    `await asyncio.to_thread(Engine, name)` in a notebook) to keep this loop free.
     `fuse`: concatenate each layer's q/k/v and gate/up projection weights so each
     group is one matmul (fuse.py; same outputs; bf16 decode steps 2-25% faster on
     an H200; quantized layers are left alone, where it measured no gain). It changes
