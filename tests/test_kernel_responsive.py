@@ -83,7 +83,9 @@ def test_a_trivial_cell_answers_while_a_schema_compiles_or_a_server_is_silent(
         assert submit_s < 1.0 and trivial_s < 1.0, (submit_s, trivial_s)
         status, out, _ = run("r = await asyncio.wait_for(r, 30); "
                              "print(r.finish_reason, '|', r.error)")
-        assert status == "ok" and out.startswith("error |") and "limit of 2000" in out, out
+        # over llguidance's limit; or, on a machine busy enough, over the time bound
+        assert status == "ok" and out.startswith("error |") and (
+            "limit of 2000" in out or "took longer than" in out), out
         assert out.count("\n") == 1, out
 
         run("%load_ext mlxnb")
