@@ -21,8 +21,8 @@ from concurrent.futures import Future, TimeoutError as _Timeout
 from typing import Any, Dict, Optional, Tuple
 
 from .._log import log
-from .constraint_params import (_WHAT, _key, _short, kind_of, one_line,
-                                without_annotations)
+from .constraint_params import (_EMPTY, _FIX, _WHAT, _explain, _key, _short, kind_of,
+                                one_line, without_annotations)
 from .constraint_results import _CACHE, _VALUE, verdict
 
 
@@ -115,39 +115,6 @@ def _limits():
     # not verbose: a failing row's error is then its reason alone, without the
     # parser's state and the grammar
     return llg.LLParserLimits(verbose_errors=False)
-_EMPTY = {
-    "json_schema": "no JSON value satisfies json_schema (a $ref loop with no way out, or "
-                   "keys that contradict each other); fix the schema",
-    "regex": "regex matches no text at all; fix the pattern",
-    "choices": "choices admit no text; give at least one non-empty choice",
-    "grammar": "grammar derives no text (does every alternative of a rule recurse "
-               "into itself?); give each recursive rule an alternative that ends",
-}
-_FIX = {
-    "json_schema": "mark more properties required, or split the schema into smaller ones",
-    "regex": "simplify the pattern",
-    "choices": "give fewer choices",
-    "grammar": "write recursion on the left (items: items \"a\" | \"a\") and give every "
-               "recursive rule an alternative that ends",
-}
-
-
-def _explain(kind: str, err: str) -> str:
-    """llguidance's failure at the first tokens of a fresh matcher as one line:
-    which of its limits, and what to change."""
-    m = re.search(r"Current row has (\d+) items; max is (\d+)", err)
-    if m:
-        return (f"{kind} is over llguidance's limit of {m[2]} alternatives at one point "
-                f"(it has {m[1]}); {_FIX[kind]}")
-    m = re.search(r"Too many items \(limit (\d+)", err)
-    if m:
-        return (f"{kind} is over llguidance's limit of {m[1]} parser items per token "
-                f"(a right-recursive rule, or one that never ends?); {_FIX[kind]}")
-    if "NoExtensionBias" in err:
-        return _EMPTY[kind]
-    return f"{kind} fails at its first tokens: {one_line(err, 200)}; {_FIX[kind]}"
-
-
 def _too_slow(what: str) -> str:
     return (f"compiling {what} took longer than {COMPILE_TIMEOUT_S:g} s (the limit); "
             f"simplify it: {_FIX[what]}")
@@ -177,15 +144,31 @@ class Constraints:
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
+        self._llt_lock = threading.Lock()
         self._llt = None
         # constraint -> (grammar, {lane: compiled matcher}); lane "check" is the loop's
         self._cache: "OrderedDict[tuple, Tuple[str, Dict[Any, Any]]]" = OrderedDict()
         self._refused: "OrderedDict[tuple, str]" = OrderedDict()  # constraint -> why
         self._pending: Dict[tuple, Compiling] = {}  # constraints being compiled
 
+    def warm(self) -> None:
+        """Build llguidance's view of the tokenizer on a thread of its own, now: it
+        holds the GIL for up to ~0.7 s at a time (SmolLM2's 49k tokens), which at
+        the first constrained submit would freeze the loop that long."""
+        if importlib.util.find_spec("llguidance") is None:
+            return
+
+        def work():
+            try:
+                self.lltokenizer()
+            except Exception:  # the first constrained submit says why, in one line
+                log.debug("building llguidance's tokenizer failed", exc_info=True)
+
+        threading.Thread(target=work, daemon=True, name="mlxnb-lltokenizer").start()
+
     def lltokenizer(self):
         """llguidance's view of the tokenizer (built once: ~0.4 s for 49k tokens)."""
-        with self._lock:
+        with self._llt_lock:  # not self._lock: a submit must not wait on the build
             if self._llt is None:
                 try:
                     import llguidance

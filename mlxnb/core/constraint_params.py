@@ -1,5 +1,6 @@
 """A structured row's constraint keywords: their values normalized, checked before
-anything compiles, and llguidance's errors as one line."""
+anything compiles, a schema's copy for the mask (no annotations), and llguidance's
+errors as one line that says what to change."""
 
 from __future__ import annotations
 
@@ -193,3 +194,37 @@ def without_annotations(node, named: bool = False):
         return {k: without_annotations(v) for k, v in node.items()}
     return {k: v if k in _DATA else without_annotations(v, k in _NAMED)
             for k, v in node.items() if k not in _ANNOTATIONS}
+
+
+# What a constraint that cannot run is told: why, and what to change.
+_EMPTY = {
+    "json_schema": "no JSON value satisfies json_schema (a $ref loop with no way out, or "
+                   "keys that contradict each other); fix the schema",
+    "regex": "regex matches no text at all; fix the pattern",
+    "choices": "choices admit no text; give at least one non-empty choice",
+    "grammar": "grammar derives no text (does every alternative of a rule recurse "
+               "into itself?); give each recursive rule an alternative that ends",
+}
+_FIX = {
+    "json_schema": "mark more properties required, or split the schema into smaller ones",
+    "regex": "simplify the pattern",
+    "choices": "give fewer choices",
+    "grammar": "write recursion on the left (items: items \"a\" | \"a\") and give every "
+               "recursive rule an alternative that ends",
+}
+
+
+def _explain(kind: str, err: str) -> str:
+    """llguidance's failure at the first tokens of a fresh matcher as one line:
+    which of its limits, and what to change."""
+    m = re.search(r"Current row has (\d+) items; max is (\d+)", err)
+    if m:
+        return (f"{kind} is over llguidance's limit of {m[2]} alternatives at one point "
+                f"(it has {m[1]}); {_FIX[kind]}")
+    m = re.search(r"Too many items \(limit (\d+)", err)
+    if m:
+        return (f"{kind} is over llguidance's limit of {m[1]} parser items per token "
+                f"(a right-recursive rule, or one that never ends?); {_FIX[kind]}")
+    if "NoExtensionBias" in err:
+        return _EMPTY[kind]
+    return f"{kind} fails at its first tokens: {one_line(err, 200)}; {_FIX[kind]}"

@@ -128,6 +128,7 @@ class Engine(Listeners, Closing):
             # Validation and checks of finished texts run here; the worker compiles
             # matchers. (Constraints holds no MLX arrays and locks its own state.)
             self.constraints = Constraints(tok)
+            self.constraints.warm()  # while the model sets up, not at the first submit
             self._exec = on_worker(BatchExecutor, m, tok, prefill_chunk, prefix_bytes,
                                    fuse, kv_bits, kv_group_size, fill_threads,
                                    self.constraints)
