@@ -80,7 +80,9 @@ def test_a_trivial_cell_answers_while_a_schema_compiles_or_a_server_is_silent(
                                   "json_schema=big)")
         _, out, trivial_s = run("print(1 + 1)")
         assert status == "ok" and out.strip() == "2"
-        assert submit_s < 1.0 and trivial_s < 1.0, (submit_s, trivial_s)
+        # the submit waits 0.3 s for the verdict, then returns (the compile takes ~1 s
+        # alone, 4-5 s on a machine this busy); the next cell answers at once
+        assert submit_s < 2.0 and trivial_s < 1.0, (submit_s, trivial_s)
         status, out, _ = run("r = await asyncio.wait_for(r, 30); "
                              "print(r.finish_reason, '|', r.error)")
         # over llguidance's limit; or, on a machine busy enough, over the time bound
