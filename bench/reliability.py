@@ -3,7 +3,8 @@ rows cost the rows and the memory of a long-lived kernel.
 
   python -m bench reliability stall    # decode rate of a running engine during (a) a
                                        # load stalled on the hub, (b) a second
-                                       # Engine('default') built beside it
+                                       # Engine('default') built beside it (and its
+                                       # rows' longest wait for a token then)
   python -m bench reliability cycles   # RSS of a real kernel over 5 x (%mlxnb load ->
                                        # %%generate -> await -> %mlxnb unload -> gc)
   python -m bench reliability rows     # bytes kept per finished row, handles dropped
@@ -108,12 +109,21 @@ async def stall(args):
     t = time.perf_counter()
     task = asyncio.create_task(asyncio.to_thread(Engine, "default", loop=loop,
                                                  kv_budget=None))
-    during = []
+    # the running rows' rate, and the longest time none of them got a token: the new
+    # engine's set-up runs as separate jobs on the shared worker, each one a pause
+    n_start = n0 = sum(r.ntok for r in rows)
+    last, gap = time.perf_counter(), 0.0
     while not task.done():
-        during.append(await rate(rows, 0.5))
+        await asyncio.sleep(0.005)
+        n, now = sum(r.ntok for r in rows), time.perf_counter()
+        if n != n0:
+            n0, gap, last = n, max(gap, now - last), now
+    gap = max(gap, time.perf_counter() - last)
     second = await task
-    out["second_engine_load_s"] = round(time.perf_counter() - t, 2)
-    out["during_second_engine_load"] = round(statistics.mean(during), 1) if during else None
+    took = time.perf_counter() - t
+    out["second_engine_load_s"] = round(took, 2)
+    out["during_second_engine_load"] = round((n0 - n_start) / took, 1)
+    out["longest_gap_s_during_second_engine_load"] = round(gap, 3)
     out["after"] = round(await rate(rows, 3.0), 1)
     eng.cancel_all()
     await second.aclose()

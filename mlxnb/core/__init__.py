@@ -31,8 +31,9 @@ Threads. MLX keeps arrays on thread-local streams, so the rule is about threads:
   graph, no other array read) that only the worker reads, after it has joined
   their futures. They also advance llguidance matchers, which the worker reads
   only after that join.
-* `constrain.Constraints` holds no MLX arrays and locks its own caches: the loop
-  validates parameters and checks finished texts with it, the worker compiles
+* `constrain.Constraints` holds no MLX arrays and locks its own caches: a thread
+  of its own compiles and probes each new constraint (the loop waits for it at
+  most briefly), the loop checks finished texts with it, the worker copies
   matchers from it.
 
 tests/test_layout.py checks the import side of this: no loop-side module imports

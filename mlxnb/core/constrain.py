@@ -21,16 +21,23 @@ from concurrent.futures import Future, TimeoutError as _Timeout
 from typing import Any, Dict, Optional, Tuple
 
 from .._log import log
-from .constraint_params import _WHAT, _key, _short, kind_of, one_line
+from .constraint_params import (_EMPTY, _FIX, _WHAT, _explain, _key, _short, kind_of,
+                                one_line, without_annotations)
 from .constraint_results import _CACHE, _VALUE, verdict
 
 
-# Bounds on compiling a constraint, which runs while the kernel's loop waits: the
-# compile time of llguidance grows faster than the schema (1,000 optional properties
-# 0.1 s, 3,000 2.4 s, 15,000 10-20 s), and a 100 KB schema is already far past what
-# a model writes well.
+# Bounds on compiling a constraint. It runs on a thread of its own, never on the
+# kernel's loop; llguidance's compile time grows faster than the schema (1,000
+# optional properties 0.1 s, 3,000 2.4 s, 15,000 10-20 s), and a 100 KB schema is
+# already far past what a model writes well.
 MAX_CONSTRAINT_CHARS = 128_000
 COMPILE_TIMEOUT_S = 5.0
+# How long a submit waits for its constraint's verdict before returning: ordinary
+# constraints compile well within it, so their errors still raise at the submit; a
+# slower one goes on in the background and holds its rows in the queue until ready
+# (or ends them with `error` and the one-line reason). One wait per compile, shared
+# by every submit of that constraint meanwhile.
+SUBMIT_WAIT_S = 0.3
 _PROBE_TOKENS = 4  # tokens a fresh matcher is walked at validation (see _probe)
 
 
@@ -53,7 +60,8 @@ def _grammar(kind: str, value) -> str:
         # %json inside Lark, to capture the whole value: a finished row's check reads
         # its text there (the worker holds the matcher, not the text)
         return LLM.grammar_from_lark(f"start: {_VALUE}\n{_VALUE}[capture]: %json "
-                                     + json.dumps(dict(value, **{"x-guidance": opts})))
+                                     + json.dumps(dict(without_annotations(value),
+                                                       **{"x-guidance": opts})))
     if kind == "regex":
         return LLM.grammar_from_regex(value)
     if kind == "choices":
@@ -70,12 +78,14 @@ def _json_opts() -> dict:
     return _JSON_OPTS
 _warming = threading.Lock()
 _warmed = False
+_jsonschema_ready = threading.Event()
 
 
 def _warm_jsonschema() -> None:
     """Import jsonschema on a thread of its own, once: it takes 1-2 s (its format
-    checkers build a parser at import), which the first finished JSON row would
-    otherwise spend on the worker, stalling its batch."""
+    checkers build a parser at import). A JSON row's verdict waits for it
+    (`_compile_checked`), so no row's full check imports it: on the worker that
+    import stalled every row of the batch, on the loop every cell."""
     global _warmed
     with _warming:
         if _warmed:
@@ -87,6 +97,8 @@ def _warm_jsonschema() -> None:
             import jsonschema  # noqa: F401
         except Exception:
             log.debug("importing jsonschema failed", exc_info=True)
+        finally:
+            _jsonschema_ready.set()
 
     threading.Thread(target=work, daemon=True, name="mlxnb-jsonschema").start()
 
@@ -103,62 +115,18 @@ def _limits():
     # not verbose: a failing row's error is then its reason alone, without the
     # parser's state and the grammar
     return llg.LLParserLimits(verbose_errors=False)
-_EMPTY = {
-    "json_schema": "no JSON value satisfies json_schema (a $ref loop with no way out, or "
-                   "keys that contradict each other); fix the schema",
-    "regex": "regex matches no text at all; fix the pattern",
-    "choices": "choices admit no text; give at least one non-empty choice",
-    "grammar": "grammar derives no text (does every alternative of a rule recurse "
-               "into itself?); give each recursive rule an alternative that ends",
-}
-_FIX = {
-    "json_schema": "mark more properties required, or split the schema into smaller ones",
-    "regex": "simplify the pattern",
-    "choices": "give fewer choices",
-    "grammar": "write recursion on the left (items: items \"a\" | \"a\") and give every "
-               "recursive rule an alternative that ends",
-}
+def _too_slow(what: str) -> str:
+    return (f"compiling {what} took longer than {COMPILE_TIMEOUT_S:g} s (the limit); "
+            f"simplify it: {_FIX[what]}")
 
 
-def _explain(kind: str, err: str) -> str:
-    """llguidance's failure at the first tokens of a fresh matcher as one line:
-    which of its limits, and what to change."""
-    m = re.search(r"Current row has (\d+) items; max is (\d+)", err)
-    if m:
-        return (f"{kind} is over llguidance's limit of {m[2]} alternatives at one point "
-                f"(it has {m[1]}); {_FIX[kind]}")
-    m = re.search(r"Too many items \(limit (\d+)", err)
-    if m:
-        return (f"{kind} is over llguidance's limit of {m[1]} parser items per token "
-                f"(a right-recursive rule, or one that never ends?); {_FIX[kind]}")
-    if "NoExtensionBias" in err:
-        return _EMPTY[kind]
-    return f"{kind} fails at its first tokens: {one_line(err, 200)}; {_FIX[kind]}"
+class Compiling(Future):
+    """The verdict on one constraint being compiled on a thread of its own: a result
+    of None when its rows can run, or a one-line ValueError. `t0`: when it began."""
 
-
-def _bounded(fn, what: str):
-    """fn() on a thread of its own, waited for at most COMPILE_TIMEOUT_S: llguidance
-    compiles with the GIL released but cannot be stopped, so past the bound the
-    compile is left to finish (its result dropped) and the caller gets a ValueError.
-    An interrupt ends the wait at once."""
-    fut: Future = Future()
-
-    def work():
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # handed to the waiting thread
-            fut.set_exception(e)
-
-    threading.Thread(target=work, daemon=True, name="mlxnb-constraint").start()
-    deadline = time.monotonic() + COMPILE_TIMEOUT_S
-    while True:
-        try:  # short waits: a pending interrupt is raised between them
-            return fut.result(max(0.0, min(0.1, deadline - time.monotonic())))
-        except _Timeout:
-            if time.monotonic() < deadline:
-                continue
-        raise ValueError(f"compiling {what} took longer than {COMPILE_TIMEOUT_S:g} s (the "
-                         f"limit); simplify it: {_FIX[what]}") from None
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.t0 = kind, time.monotonic()
 
 
 # -- per engine: the compiler ---------------------------------------------------------
@@ -176,14 +144,31 @@ class Constraints:
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
+        self._llt_lock = threading.Lock()
         self._llt = None
         # constraint -> (grammar, {lane: compiled matcher}); lane "check" is the loop's
         self._cache: "OrderedDict[tuple, Tuple[str, Dict[Any, Any]]]" = OrderedDict()
         self._refused: "OrderedDict[tuple, str]" = OrderedDict()  # constraint -> why
+        self._pending: Dict[tuple, Compiling] = {}  # constraints being compiled
+
+    def warm(self) -> None:
+        """Build llguidance's view of the tokenizer on a thread of its own, now: it
+        holds the GIL for up to ~0.7 s at a time (SmolLM2's 49k tokens), which at
+        the first constrained submit would freeze the loop that long."""
+        if importlib.util.find_spec("llguidance") is None:
+            return
+
+        def work():
+            try:
+                self.lltokenizer()
+            except Exception:  # the first constrained submit says why, in one line
+                log.debug("building llguidance's tokenizer failed", exc_info=True)
+
+        threading.Thread(target=work, daemon=True, name="mlxnb-lltokenizer").start()
 
     def lltokenizer(self):
         """llguidance's view of the tokenizer (built once: ~0.4 s for 49k tokens)."""
-        with self._lock:
+        with self._llt_lock:  # not self._lock: a submit must not wait on the build
             if self._llt is None:
                 try:
                     import llguidance
@@ -211,41 +196,107 @@ class Constraints:
         m = self._template(p, lane)
         return None if m is None else m.deep_copy()
 
-    def validate(self, p) -> None:
+    def validate(self, p, wait: Optional[float] = None) -> Optional[Compiling]:
         """Compile `p`'s constraint (cached) and walk a copy of it over its first
         tokens, or raise a one-line ValueError: for a constraint that cannot compile,
         is too large or slow to, admits no text, or runs into one of llguidance's
-        limits where every row would end in error at its first token."""
+        limits where every row would end in error at its first token.
+
+        The compile runs on a thread of its own, bounded by COMPILE_TIMEOUT_S; the
+        caller waits for it at most `wait` seconds from its start (None: until the
+        verdict). None when the constraint is ready; the pending `Compiling` when its
+        verdict is still to come (an interrupt ends the wait, not the compile)."""
+        fut = self.pending(p)
+        if fut is None:
+            return None
+        end = None if wait is None else fut.t0 + wait
+        while not fut.done():
+            left = 0.1 if end is None else min(0.1, end - time.monotonic())
+            if left <= 0:
+                return fut
+            try:  # short waits: a pending interrupt is raised between them
+                fut.result(left)
+            except _Timeout:
+                continue
+            except ValueError:
+                break
+        err = fut.exception()
+        if err is not None:
+            raise ValueError(str(err)) from None
+        return None
+
+    def pending(self, p) -> Optional[Compiling]:
+        """The verdict on `p`'s constraint, started now if it is not under way: None
+        when it is ready (or `p` has none), else a `Compiling` (maybe done already,
+        with its ValueError)."""
         key = _key(p)
         if key is None:
-            return
+            return None
         with self._lock:
-            if key in self._refused:  # its compile may sit in the cache: refuse first
-                raise ValueError(self._refused[key])
+            fut = self._pending.get(key)
+            if fut is not None:
+                return fut
+            why = self._refused.get(key)  # its compile may sit in the cache: refuse first
             hit = self._cache.get(key)
-            if hit is not None and 0 in hit[1]:
-                return
-        if len(key[1]) > MAX_CONSTRAINT_CHARS:
-            raise ValueError(f"{key[0]} is {len(key[1]):,} characters, over the limit of "
-                             f"{MAX_CONSTRAINT_CHARS:,}; {_FIX[key[0]]}")
-        self.lltokenizer()  # built once, outside the compile's time bound
+            if why is None and hit is not None and 0 in hit[1]:
+                return None
+            fut = Compiling(key[0])
+            if why is None and len(key[1]) > MAX_CONSTRAINT_CHARS:
+                why = (f"{key[0]} is {len(key[1]):,} characters, over the limit of "
+                       f"{MAX_CONSTRAINT_CHARS:,}; {_FIX[key[0]]}")
+                self._refuse(key, why)
+            if why is not None:
+                fut.set_exception(ValueError(why))
+                return fut
+            self._pending[key] = fut
         if key[0] == "json_schema":
             _warm_jsonschema()
+        threading.Thread(target=self._compile_checked, args=(key, p, fut), daemon=True,
+                         name="mlxnb-constraint").start()
+        return fut
+
+    def _compile_checked(self, key, p, fut: Compiling) -> None:
+        """On its own thread: compile and probe `p`'s constraint, and settle `fut`.
+        llguidance compiles with the GIL released but cannot be stopped, so past the
+        bound the verdict is a refusal and the compile is left to finish unread."""
+        why = None
         try:
-            self._probe(key[0], _bounded(lambda: self._template(p), key[0]).deep_copy())
+            self.lltokenizer()  # built once (~0.4 s for 49k tokens), outside the bound
+            timer = threading.Timer(COMPILE_TIMEOUT_S, self._settle,
+                                    (key, fut, _too_slow(key[0])))
+            timer.daemon = True
+            timer.start()
+            try:
+                self._probe(key[0], self._template(p).deep_copy())
+            finally:
+                timer.cancel()
+            if key[0] == "json_schema":  # its rows' full check needs it (above)
+                _jsonschema_ready.wait(COMPILE_TIMEOUT_S)
         except ValueError as e:
-            # the same verdict next time, without compiling again
-            with self._lock:
-                self._refused[key] = str(e)
-                while len(self._refused) > _CACHE:
-                    self._refused.popitem(last=False)
-            raise
-        except (KeyboardInterrupt, SystemExit):
-            raise
+            why = str(e)
         except BaseException as e:  # a Rust panic is a BaseException
             log.warning("checking a %s constraint failed", key[0], exc_info=True)
-            raise ValueError(f"{key[0]} could not be checked ({type(e).__name__}; the "
-                             f"'mlxnb' logger has the details); {_FIX[key[0]]}") from None
+            why = (f"{key[0]} could not be checked ({type(e).__name__}; the 'mlxnb' "
+                   f"logger has the details); {_FIX[key[0]]}")
+        self._settle(key, fut, why)
+
+    def _settle(self, key, fut: Compiling, why: Optional[str]) -> None:
+        with self._lock:
+            if fut.done():  # the bound ran out first
+                return
+            if self._pending.get(key) is fut:
+                del self._pending[key]
+            if why is not None:  # the same verdict next time, without compiling again
+                self._refuse(key, why)
+        if why is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(ValueError(why))
+
+    def _refuse(self, key, why: str) -> None:  # (under self._lock)
+        self._refused[key] = why
+        while len(self._refused) > _CACHE:
+            self._refused.popitem(last=False)
 
     def _probe(self, kind: str, m) -> None:
         """Walk `m` (a fresh copy) a few tokens, each the lowest-numbered one its mask

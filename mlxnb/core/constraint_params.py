@@ -1,5 +1,6 @@
 """A structured row's constraint keywords: their values normalized, checked before
-anything compiles, and llguidance's errors as one line."""
+anything compiles, a schema's copy for the mask (no annotations), and llguidance's
+errors as one line that says what to change."""
 
 from __future__ import annotations
 
@@ -167,3 +168,63 @@ def one_line(msg, n: int = 300) -> str:
     s = re.sub(r"(?:\bat )?\b\d+\(\d+\):\s*", "", s).replace(" (in regex)", "")
     s = _BUILT_AT.sub("llguidance", s)
     return s if len(s) <= n else s[: n - 1] + "…"
+
+
+# Keys that say nothing about what is valid. llguidance refuses a recursive $ref with
+# any sibling key, annotations included (SchemaStore's schemas often describe a $ref
+# beside it), so the mask's copy of a schema goes without them; the full check after
+# generating reads the schema as given.
+_ANNOTATIONS = frozenset({"description", "markdownDescription", "title", "examples",
+                          "$comment", "deprecationMessage", "errorMessage",
+                          "markdownEnumDescriptions", "enumDescriptions", "doNotSuggest"})
+_NAMED = frozenset({"properties", "patternProperties", "definitions", "$defs",
+                    "dependentSchemas", "dependencies"})  # maps of names (kept) to schemas
+_DATA = frozenset({"enum", "const", "default", "required", "dependentRequired",
+                   "x-guidance"})  # values, not schemas
+
+
+def without_annotations(node, named: bool = False):
+    """A JSON schema (or with `named` a map of names to schemas) without annotation
+    keys, at any depth; values that are data (enum, const, default, ...) unchanged."""
+    if isinstance(node, list):
+        return [without_annotations(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if named:
+        return {k: without_annotations(v) for k, v in node.items()}
+    return {k: v if k in _DATA else without_annotations(v, k in _NAMED)
+            for k, v in node.items() if k not in _ANNOTATIONS}
+
+
+# What a constraint that cannot run is told: why, and what to change.
+_EMPTY = {
+    "json_schema": "no JSON value satisfies json_schema (a $ref loop with no way out, or "
+                   "keys that contradict each other); fix the schema",
+    "regex": "regex matches no text at all; fix the pattern",
+    "choices": "choices admit no text; give at least one non-empty choice",
+    "grammar": "grammar derives no text (does every alternative of a rule recurse "
+               "into itself?); give each recursive rule an alternative that ends",
+}
+_FIX = {
+    "json_schema": "mark more properties required, or split the schema into smaller ones",
+    "regex": "simplify the pattern",
+    "choices": "give fewer choices",
+    "grammar": "write recursion on the left (items: items \"a\" | \"a\") and give every "
+               "recursive rule an alternative that ends",
+}
+
+
+def _explain(kind: str, err: str) -> str:
+    """llguidance's failure at the first tokens of a fresh matcher as one line:
+    which of its limits, and what to change."""
+    m = re.search(r"Current row has (\d+) items; max is (\d+)", err)
+    if m:
+        return (f"{kind} is over llguidance's limit of {m[2]} alternatives at one point "
+                f"(it has {m[1]}); {_FIX[kind]}")
+    m = re.search(r"Too many items \(limit (\d+)", err)
+    if m:
+        return (f"{kind} is over llguidance's limit of {m[1]} parser items per token "
+                f"(a right-recursive rule, or one that never ends?); {_FIX[kind]}")
+    if "NoExtensionBias" in err:
+        return _EMPTY[kind]
+    return f"{kind} fails at its first tokens: {one_line(err, 200)}; {_FIX[kind]}"

@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from .. import _aio
 from ..models import progress
-from .constrain import Constraints
+from .constrain import SUBMIT_WAIT_S, Constraints
 from .constraint_params import kind_of
 from .closing import Closing
 from .messages import Admit, TickReport, WorkerState
@@ -52,6 +52,12 @@ from .worker.warmup import warm_up
 _KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
 
 
+def _admitted(rows: List[Row], now: float, waited_for) -> None:
+    for row in rows:
+        row.state, row.t_admit = PREFILL, now
+        rowtrace.note_admitted(row, waited_for(row))
+
+
 class Engine(Listeners, Closing):
     """Continuous-batching generation on one MLX model.
 
@@ -64,9 +70,10 @@ class Engine(Listeners, Closing):
     wait) and, with `warmup`, runs a few tokens through the common batch paths once
     (warmup.py: the first use of each kernel costs seconds on some backends, which
     the first rows would otherwise wait for; `warmup_s` says how long it took).
-    Other engines keep generating meanwhile; build it from another thread (for
-    example `await asyncio.to_thread(Engine, name)` in a notebook) to keep this
-    loop's rows streaming too.
+    Other engines keep generating meanwhile, between the set-up's jobs on the shared
+    worker (each job a pause for their rows: fusing and probing the model, each
+    warm-up tick, each prefill-rate run); build it from another thread (for example
+    `await asyncio.to_thread(Engine, name)` in a notebook) to keep this loop free.
     `fuse`: concatenate each layer's q/k/v and gate/up projection weights so each
     group is one matmul (fuse.py; same outputs; bf16 decode steps 2-25% faster on
     an H200; quantized layers are left alone, where it measured no gain). It changes
@@ -123,6 +130,7 @@ class Engine(Listeners, Closing):
             # Validation and checks of finished texts run here; the worker compiles
             # matchers. (Constraints holds no MLX arrays and locks its own state.)
             self.constraints = Constraints(tok)
+            self.constraints.warm()  # while the model sets up, not at the first submit
             self._exec = on_worker(BatchExecutor, m, tok, prefill_chunk, prefix_bytes,
                                    fuse, kv_bits, kv_group_size, fill_threads,
                                    self.constraints)
@@ -149,6 +157,7 @@ class Engine(Listeners, Closing):
         self._nsteps = 0
         self._ids = itertools.count()
         self._live: Dict[int, Row] = {}  # unfinished rows, by id
+        self._held: Dict[int, Row] = {}  # rows waiting for their constraint's compile
         self._finished = weakref.WeakValueDictionary()  # finished rows someone holds
         self.finished = Counter()  # finish reason -> rows ended with it
         self._nsubmitted = 0
@@ -188,7 +197,8 @@ class Engine(Listeners, Closing):
 
     @property
     def queued(self) -> int:
-        return len(self.scheduler.queue)
+        """Rows waiting: for room in the batch, or for their constraint's compile."""
+        return len(self.scheduler.queue) + len(self._held)
 
     @property
     def rows(self) -> List[Row]:
@@ -221,7 +231,9 @@ class Engine(Listeners, Closing):
         sp = sampling_params(params)
         if "speculate" not in params and self.speculate is not None:
             sp = dataclasses.replace(sp, speculate=self.speculate)
-        self.constraints.validate(sp)  # a bad schema/regex/grammar raises here
+        # a bad schema/regex/grammar raises here; one still compiling after
+        # SUBMIT_WAIT_S holds its rows in the queue until it is ready (_enqueue)
+        self.constraints.validate(sp, wait=SUBMIT_WAIT_S)
         ids = self.encode(prompt, chat, system)
         if not ids:  # a row with no tokens would sit in 'prefill' forever
             raise ValueError("the prompt encodes to no tokens (the tokenizer drops all of "
@@ -261,9 +273,12 @@ class Engine(Listeners, Closing):
             self.loop = _aio.engine_loop()  # the running (or kernel's) loop, else refuse
         row = Row(next(self._ids), prompt, ids, sp, tag, future=self.loop.create_future(),
                   t0=self._t0, canceller=weakref.WeakMethod(self.cancel))
+        pending = self.constraints.pending(sp) if err is None else None
+        if pending is not None and pending.done():
+            err, pending = (str(pending.exception() or "") or None), None
         self._live[row.id] = row
         try:
-            _aio.call_soon(self.loop, self._enqueue, row, err)
+            _aio.call_soon(self.loop, self._enqueue, row, err, pending)
         except _aio.NoLoopError:
             self._live.pop(row.id, None)
             raise
@@ -277,7 +292,7 @@ class Engine(Listeners, Closing):
         return Run([self.submit_prepared(p, ids, sp) for p, (ids, sp) in
                     zip(prompts, prepared)], meta={"model": self.model_name})
 
-    def _enqueue(self, row: Row, err: Optional[str] = None):
+    def _enqueue(self, row: Row, err: Optional[str] = None, pending=None):
         self._nsubmitted += 1
         if row.done:  # cancelled before it reached the loop
             return
@@ -285,8 +300,34 @@ class Engine(Listeners, Closing):
             self._notify("submit", row)
             self._end(row, Finish.ERROR if err else Finish.CANCELLED, err)
             return
+        if pending is not None:  # its constraint is still compiling (constrain.py)
+            self._held[row.id] = row
+            self._notify("submit", row)
+            pending.add_done_callback(lambda f: self._compiled(row, f))
+            return
         self.scheduler.enqueue(row)
         self._notify("submit", row)
+        self._serve_soon()
+
+    def _compiled(self, row: Row, fut) -> None:
+        """(On the compile's thread.) Hand a held row back to the loop."""
+        try:
+            _aio.call_soon(self.loop, self._release_held, row, fut)
+        except _aio.NoLoopError:  # the loop is gone: nothing serves this row any more
+            pass
+
+    def _release_held(self, row: Row, fut) -> None:
+        if self._held.pop(row.id, None) is None or row.done:
+            return
+        err = fut.exception()
+        if err is not None or self._closed:
+            self._end(row, Finish.ERROR if err else Finish.CANCELLED,
+                      str(err) if err else None)
+        else:
+            self.scheduler.enqueue(row)
+            self._serve_soon()
+
+    def _serve_soon(self) -> None:
         self._ensure_task()
         self._wake.set()
         self._interrupt.set()
@@ -303,7 +344,7 @@ class Engine(Listeners, Closing):
         for row in rows:
             if row.done or self._live.get(row.id) is not row:
                 continue
-            if self.scheduler.dequeue(row):
+            if self._held.pop(row.id, None) is not None or self.scheduler.dequeue(row):
                 self._end(row, Finish.CANCELLED)
             else:
                 self._cancels.append(row.id)
@@ -333,10 +374,8 @@ class Engine(Listeners, Closing):
                     self._idle.set_result(None)
                 await self._wake.wait()
                 continue
-            now = self.clock()
-            for row in admits:
-                row.state, row.t_admit = PREFILL, now
-                rowtrace.note_admitted(row, self.scheduler.waited_for(row))
+            # (in a function: a loop variable here would hold a row)
+            _admitted(admits, self.clock(), self.scheduler.waited_for)
             t0 = time.perf_counter()
             # Let the worker run decode steps back to back. Rows queued for room need
             # no shorter streak: room comes from a row finishing, which ends it.
@@ -445,6 +484,7 @@ class Engine(Listeners, Closing):
         if row.done:
             return
         self._live.pop(row.id, None)
+        self._held.pop(row.id, None)
         self._finished[row.id] = row
         self.finished[reason] += 1
         if checked:

@@ -25,6 +25,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from .. import _aio
 from . import cellparse as cp
+from . import connecting
 from .._text import one_line
 from .magicargs import (_CONNECT, _HELP, _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved,
                         _sendable)
@@ -75,6 +76,7 @@ class MLXNBMagics(Magics):
         return eng
 
     def _engine_for(self, model, quiet):
+        connecting.settle()
         eng = get_engine()
         if eng is None:
             return self._load(model or self.cfg.model, quiet=quiet)
@@ -115,6 +117,7 @@ class MLXNBMagics(Magics):
             if v is not None and v < 1:
                 raise UsageError(f"%mlxnb load: {flag} must be a positive integer; got {v}")
         spec = a.model or self.cfg.model
+        connecting.abandon()  # a local model instead of a connection under way
         eng = get_engine()
         if eng is not None:
             local = getattr(eng, "url", None) is None  # load always means this process
@@ -160,23 +163,32 @@ class MLXNBMagics(Magics):
             raise UsageError(f"{eng.running + eng.queued} rows are still running or queued; "
                              "`%mlxnb stop` them (or `await mlxnb.wait()`) before connecting")
         from ..remote import connect
+        from ..remote.client import PROBE_S
 
+        connecting.abandon()  # a newer connect replaces one still under way
+        more = {} if timeout is None else {"timeout": timeout}
+        loop = _aio.shell_loop()
         try:
-            more = {} if timeout is None else {"timeout": timeout}
-            new = connect(a.url, model=a.model, api_key=key, max_concurrency=mc or 64,
-                          loop=_aio.shell_loop(), **more)
+            new, c = connecting.start(
+                lambda: connect(a.url, model=a.model, api_key=key,
+                                max_concurrency=mc or 64, loop=loop, **more),
+                connecting.shown(a.url), min(PROBE_S, timeout or PROBE_S))
         except ValueError as e:
             raise UsageError(f"%mlxnb connect: {one_line(e, 300)}") from None
-        _S.engine, _S.model_spec = new, new.model_name
-        if eng is not None:
-            _close(eng)
-        charts = (f"{new.metrics_source} /metrics" if new.load.reported
-                  else "server load not reported by this server")
-        print(f"mlxnb: connected to {new.url}, model {new.model_name!r} ({charts}); "
-              "`%mlxnb load` switches back to a local model")
+        if c is not None:  # the server has not answered yet: the kernel goes on
+            _S.connecting = c
+            print(f"mlxnb: connecting to {c.url}: no answer yet (it has up to "
+                  f"{c.bound:g} s); the next %%generate or `%mlxnb status` says how it went")
+            return None
+        connecting.install(new, eng)
         return None
 
     def _cmd_status(self, rest=""):
+        c = connecting.pending()
+        if c is not None and not c.fut.done():
+            print(f"mlxnb: {c.describe()}")
+        else:
+            connecting.settle()
         eng = get_engine()
         if eng is None:
             print(f"mlxnb: no model loaded yet; {self.cfg.model!r} loads on the first "

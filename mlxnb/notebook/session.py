@@ -93,6 +93,7 @@ class _Session:
         self.shell = None
         self.widgets = weakref.WeakSet()  # every widget we showed, for wait()'s sync
         self.closing = set()  # aclose() tasks in flight
+        self.connecting = None  # a %mlxnb connect under way (connecting.py)
 
 
 _S = globals().get("_S") or _Session()

@@ -47,6 +47,7 @@ from . import textview as _textview
 from . import results
 from .frontend import asset, bundle
 from .gone_engine import GoneEngine
+from .rowtable import RowTable
 from .stepchart import MAX_STEP_POINTS, STEP_KEYS
 from ..core.constraint_results import widget_fields as constraint_fields
 from ..core.states import RowState
@@ -66,7 +67,9 @@ class GenerationWidget(anywidget.AnyWidget):
     future; otherwise the given rows only (one `%%generate` cell)."""
 
     _esm = bundle()
-    _css = asset("widget.css")
+    # the text, not the Path: anywidget watches a Path for changes and its watcher keeps
+    # every widget made from it alive for good (and with it the rows it shows)
+    _css = asset("widget.css").read_text(encoding="utf-8")
 
     rows = t.List(t.Dict()).tag(sync=True)  # full row dicts: every delta field + "text"
     steps = t.Dict().tag(sync=True)  # compact step history, see module docstring
@@ -85,7 +88,7 @@ class GenerationWidget(anywidget.AnyWidget):
         self._period = 1.0 / flush_hz
         self._trait_interval = 3.0 if self.dashboard else 1.0
         src = list(engine.rows)[-max_rows:] if self.dashboard else list(rows)
-        self._rows = {r.id: r for r in src}  # insertion order = display order
+        self._rows = RowTable(src)  # display order; finished rows held weakly (rowtable.py)
         self._live = set(self._rows)  # rows not yet reported as done
         self._sent = {}  # id -> {"text": str, field: last value sent}
         self._seq = 0
@@ -159,7 +162,7 @@ class GenerationWidget(anywidget.AnyWidget):
         # Dashboard rows are bounded: drop the oldest finished rows (front end: lib.pruneRows).
         if self.max_rows is None or len(self._rows) <= self.max_rows:
             return
-        for rid in [i for i, r in self._rows.items() if r.done and i not in self._live]:
+        for rid in [i for i in self._rows if self._rows.done(i) and i not in self._live]:
             if len(self._rows) <= self.max_rows:
                 break
             del self._rows[rid]
@@ -200,11 +203,15 @@ class GenerationWidget(anywidget.AnyWidget):
     def _flush(self, send: bool = True) -> None:
         rows = []
         for rid in [i for i in self._rows if i in self._live]:
-            d = self._row_delta(self._rows[rid])
+            r = self._rows.get(rid)
+            d = None if r is None else self._row_delta(r)
             if d is not None:
                 rows.append(d)
-            if self._rows[rid].done:
+            if r is None or r.done:  # its last delta is out: nothing more to diff against
                 self._live.discard(rid)
+                self._sent.pop(rid, None)
+        if not self._live:
+            self._live = set()  # a set keeps its table when emptied; a widget lives long
         steps = self._take_steps(STEPS_PER_FLUSH if send else MAX_STEP_POINTS)
         hdr = self._header()
         hdiff = {k: v for k, v in hdr.items() if self._hdr_sent.get(k, ...) != v}
@@ -304,14 +311,16 @@ class GenerationWidget(anywidget.AnyWidget):
     def _write_traits(self) -> None:
         steps = {k: list(v) for k, v in self._hist.items()}
         steps["snap"] = list(self._snaps)
+        alive = self._rows.values()  # held until the results below are written
         with self.hold_sync():  # one state message for all four traits
-            self.rows = [self._row_full(r) for r in self._rows.values()]
+            self.rows = self._rows.full(self._row_full)
             self.steps = steps
             self.header = self._header()
             self.seq = self._seq
         self._dirty = False
         self._t_traits = time.monotonic()
         self._update_results()
+        del alive
 
     def sync_now(self) -> None:
         """Send what is pending, then write the complete state into the traits, at once.
@@ -408,7 +417,7 @@ class GenerationWidget(anywidget.AnyWidget):
         self._t_results = time.monotonic()
 
     def _update_results(self) -> None:
-        if not self._results_shown:
+        if not self._results_shown or self._rows.lost:  # the last rendering stays whole
             return
         self._t_results = time.monotonic()
         try:

@@ -28,6 +28,9 @@ def connect(url: str, model: Optional[str] = None, api_key: Optional[str] = None
 
     Checks the server at once, within 5 s (or `timeout`, when shorter) in all, on a
     thread of its own: ValueError (one line) when it cannot be reached or does not
-    answer, refuses the key, or lists models and `model` is not one of them."""
+    answer, refuses the key, or lists models and `model` is not one of them. The
+    caller waits for that check (`await asyncio.to_thread(mlxnb.connect, url)` keeps
+    a notebook's loop free meanwhile); `%mlxnb connect` waits at most 0.5 s and
+    lets the check finish in the background (notebook/connecting.py)."""
     return RemoteEngine(url, model, api_key, max_concurrency, timeout=timeout,
                         retries=retries, loop=loop)

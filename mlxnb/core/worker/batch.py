@@ -399,7 +399,9 @@ class BatchExecutor:
                 if (r.matcher is not None and not r.params.stop
                         and ending.reason != Finish.ERROR):
                     # its matcher read exactly the tokens its text decodes from
-                    up.checked, up.constraint_error = True, verdict(r.params, r.matcher)
+                    # (and its text: a value cut by max_tokens has no capture yet)
+                    up.checked, up.constraint_error = True, verdict(r.params, r.matcher,
+                                                                    r.detok.text)
                 drop.add(rid)
                 if rid not in self.ids:
                     rows.pop(rid, None)

@@ -65,30 +65,32 @@ def warm_up(ex: BatchExecutor, max_ticks: int = 200, run=None) -> float:
     # What the workload measured was cold and tiny: the first prefills (beside
     # running rows, and idle ones until a tick has measured its own) are sized by a
     # rate measured for the purpose instead.
-    run(_restart, ex)
+    # each run its own job: the first pays one-off setup (seconds on a cold device),
+    # and other engines' rows get a tick between the two
+    rate = max(run(prefill_rate, ex) for _ in range(2))
+    run(_restart, ex, rate)
     return time.perf_counter() - t0
 
 
-def _restart(ex: BatchExecutor) -> None:
-    ex.policy.reset(prefill_rate(ex))
+def _restart(ex: BatchExecutor, rate: float) -> None:
+    ex.policy.reset(rate)
     ex.nsteps = 0
 
 
 def prefill_rate(ex: BatchExecutor, n: int = 256) -> float:
-    """Prompt tokens/s of a warm n-token prefill (0.0 if it fails): the first estimate
-    for the auto prefill budget. Without it a fresh engine prefilled its first
-    joiners in _AUTO_MIN chunks until ticks measured more; on an H200 each of those
-    chunk shapes was new (CUDA sets up attention per shape), and the mixed bench's
-    joiners waited 1.3 s in such a pass against 0.13 s once the rate was known."""
+    """Prompt tokens/s of an n-token prefill (0.0 if it fails): the first estimate for
+    the auto prefill budget, from a warm run (the best of two). Without it a fresh
+    engine prefilled its first joiners in _AUTO_MIN chunks until ticks measured more;
+    on an H200 each of those chunk shapes was new (CUDA sets up attention per shape),
+    and the mixed bench's joiners waited 1.3 s in such a pass against 0.13 s once the
+    rate was known."""
     ids = mx.array([_ids(n, 4)])
-    took = 0.0
     try:
-        for _ in range(2):  # the first run pays one-off setup
-            cache = ex.make_cache()
-            t = time.perf_counter()
-            ex.model(ids, cache=cache)
-            mx.eval([c.state for c in cache])  # as a prefill chunk: no logits
-            took = time.perf_counter() - t
+        cache = ex.make_cache()
+        t = time.perf_counter()
+        ex.model(ids, cache=cache)
+        mx.eval([c.state for c in cache])  # as a prefill chunk: no logits
+        took = time.perf_counter() - t
     except Exception:
         swallowed("warm-up prefill-rate probe")
         return 0.0
