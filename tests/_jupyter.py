@@ -144,3 +144,43 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+
+
+class Cell:
+    """A kernel's cell runner: `run(code)` -> (status, printed text and error lines,
+    seconds the cell took)."""
+
+    def __init__(self, kc):
+        self.kc = kc
+
+    def run(self, code: str, timeout: float = 60):
+        out = []
+
+        def hook(m):
+            c = m["content"]
+            if m["msg_type"] == "stream":
+                out.append(c["text"])
+            elif m["msg_type"] == "error":
+                out.append(f"{c['ename']}: {c['evalue']}")
+
+        t = time.monotonic()
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+        return reply["content"]["status"], "".join(out), time.monotonic() - t
+
+
+@contextlib.contextmanager
+def python_kernel():
+    """A real ipykernel importing this checkout's mlxnb; yields a `Cell`. The kernel is
+    shut down on exit, whatever happened."""
+    import jupyter_client
+
+    km = jupyter_client.KernelManager(kernel_name="python3")
+    km.start_kernel(env=kernel_env())
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        yield Cell(kc)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -41,30 +41,12 @@ def silent_server():
 @pytest.mark.integration
 def test_a_trivial_cell_answers_while_a_schema_compiles_or_a_server_is_silent(
         tmp_path, silent_server):
-    jc = pytest.importorskip("jupyter_client")
-    from _jupyter import kernel_env
+    pytest.importorskip("jupyter_client")
+    from _jupyter import python_kernel
 
     tiny_dir = save_tiny_model(tmp_path / "tiny", vocab="smollm2")
-    km = jc.KernelManager(kernel_name="python3")
-    km.start_kernel(env=kernel_env())
-    kc = km.client()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(timeout=60)
-
-        def run(code, timeout=60):
-            out = []
-
-            def hook(m):
-                c = m["content"]
-                if m["msg_type"] == "stream":
-                    out.append(c["text"])
-                elif m["msg_type"] == "error":
-                    out.append(f"{c['ename']}: {c['evalue']}")
-
-            t = time.monotonic()
-            reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-            return reply["content"]["status"], "".join(out), time.monotonic() - t
+    with python_kernel() as cell:
+        run = cell.run
 
         status, out, _ = run(textwrap.dedent(f"""
             import asyncio, mlxnb
@@ -101,6 +83,3 @@ def test_a_trivial_cell_answers_while_a_schema_compiles_or_a_server_is_silent(
         time.sleep(2.0)
         status, out, _ = run("%mlxnb status")
         assert status == "error" and "did not answer within 2 s" in out, out
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)

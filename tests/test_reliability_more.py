@@ -612,29 +612,13 @@ def test_in_a_kernel_a_thread_built_engine_serves_and_reserved_names_are_refused
     """In a real kernel an Engine built on a background thread serves on the kernel's
     loop (it bound a fresh loop nobody ran: `await row` hung), and `-o __builtins__`
     is refused with the kernel left working."""
-    jc = pytest.importorskip("jupyter_client")
-    from _jupyter import kernel_env
+    pytest.importorskip("jupyter_client")
+    from _jupyter import python_kernel
 
     tiny_dir = save_tiny_model(tmp_path / "tiny")
-    km = jc.KernelManager(kernel_name="python3")
-    km.start_kernel(env=kernel_env())
-    kc = km.client()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(timeout=60)
-
+    with python_kernel() as cell:
         def run(code, timeout=60):
-            out = []
-
-            def hook(m):
-                c = m["content"]
-                if m["msg_type"] == "stream":
-                    out.append(c["text"])
-                elif m["msg_type"] == "error":
-                    out.append(f"{c['ename']}: {c['evalue']}")
-
-            reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-            return reply["content"]["status"], "".join(out)
+            return cell.run(code, timeout)[:2]
 
         status, out = run(textwrap.dedent(f"""
             import asyncio, threading, mlxnb
@@ -652,6 +636,3 @@ def test_in_a_kernel_a_thread_built_engine_serves_and_reserved_names_are_refused
         assert status == "error" and "UsageError" in out and "__builtins__" in out, out
         status, out = run("print('alive', len([1, 2]))")
         assert status == "ok" and "alive 2" in out, out
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
