@@ -238,6 +238,7 @@ export function tokenInfo(it, sampling) {
   if (it.top && it.top.length) {
     parts.push("top: " + it.top.map((a) => `“${showPiece(a.s ?? `<${a.id}>`)}” ${pct(a.p)}`).join(", "));
   }
+  if (it.allowed != null) parts.push(`${it.allowed} token${it.allowed === 1 ? "" : "s"} allowed by the constraint here`);
   if (it.draft) parts.push("from an accepted draft");
   if (sampling) parts.push(samplingText(sampling));
   return parts.join(" · ");

@@ -121,3 +121,43 @@ def test_a_running_rows_view_asks_only_for_the_tokens_it_lacks():
     assert [it["id"] for it in tv["items"]] == row.tokens[5:]
     assert bad["tokens"]["start"] == 0 and len(bad["tokens"]["items"]) == row.ntok
     assert len(kept[str(row.id)]["tokens"]["items"]) == row.ntok  # kept whole
+
+
+def test_a_structured_rows_tokens_say_how_many_tokens_its_constraint_allowed(tiny, arun):
+    """Each decoded token of a constrained row with logprobs carries the number of
+    tokens its mask allowed at that step: checked by replaying the row's tokens on a
+    fresh copy of its constraint, for rows of different constraints sharing a batch
+    with a free row (so batch positions and the mask stacking both matter)."""
+    import llguidance.numpy as lln
+    import numpy as np
+
+    kinds = [dict(regex="[a-c]{3}[0-9]{5}"), dict(), dict(regex="[a-z]{2}[xy]{6}"),
+             dict(choices=["alpha", "beta", "gamma delta"])]
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        rows = [eng.submit(f"prompt {i}", chat=False, max_tokens=12, logprobs=2,
+                           temperature=0.9, seed=i, **kw) for i, kw in enumerate(kinds)]
+        for r in rows:
+            await r
+        out = [(r.params, list(r.tokens), list(r.logprobs)) for r in rows]
+        cons = eng.constraints
+        await eng.aclose()
+        return out, cons
+
+    out, cons = arun(main)
+    checked = 0
+    for (params, toks, lps), kw in zip(out, kinds):
+        if not kw:
+            assert all("allowed" not in lp for lp in lps)
+            continue
+        m = cons.compile(params)
+        buf = cons.bitmask(1)
+        for i, (tok, lp) in enumerate(zip(toks, lps)):
+            lln.fill_next_token_bitmask(m, buf, 0)
+            want = int(np.bitwise_count(buf.view(np.uint32)).sum())
+            if i > 0:  # the first token comes from the prompt's prefill
+                assert lp.get("allowed") == want, (kw, i, lp, want)
+                checked += 1
+            m.consume_token(tok)
+    assert checked >= 10

@@ -75,6 +75,9 @@ test("a token's line: its probability, the alternatives, the sampling in force",
   assert.match(line, /temperature 0\.7, top-p 0\.9/);
   assert.match(line, /json_schema constraint/);
   assert.match(tokenInfo({ ...it, draft: true }, null), /accepted draft/);
+  assert.match(tokenInfo({ ...it, allowed: 3 }, null), /3 tokens allowed by the constraint here/);
+  assert.match(tokenInfo({ ...it, allowed: 1 }, null), /1 token allowed by/);
+  assert.doesNotMatch(tokenInfo(it, null), /allowed/);
   assert.equal(samplingText({ temperature: 0, top_p: 0.5 }), "greedy (temperature 0; p at T = 1)");
   assert.equal(showPiece(" a "), "·a·");
   assert.equal(showPiece(""), "∅");

@@ -90,6 +90,8 @@ def token_view(row, tokenizer, start: int = 0) -> dict:
                     alt["s"] = _piece(tokenizer, int(aid), cache)
                 alts.append(alt)
             it["top"] = alts
+            if rec.get("allowed") is not None:  # a structured row: tokens its constraint allowed
+                it["allowed"] = int(rec["allowed"])
         if i in drafts:
             it["draft"] = True
         items.append(it)

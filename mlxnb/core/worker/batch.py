@@ -324,7 +324,8 @@ class BatchExecutor:
             idx = mx.array(want)
             # the distribution each row was drawn from (sampling.py)
             top = self.sampler.logprobs(idx, tokens[idx], k)
-            lp = LogprobArrays(want, top.chosen, top.top_ids, top.top_logprobs)
+            lp = LogprobArrays(want, top.chosen, top.top_ids, top.top_logprobs,
+                               self.masks.allowed if self._any_constrained else None)
             mx.async_eval(tokens, *[a for a in (lp.chosen, lp.top_ids, lp.top_logprobs)
                                     if a is not None])
         else:
@@ -420,6 +421,8 @@ class BatchExecutor:
             out[i] = {"logprob": chosen[j],
                       "top": [(t, x) for t, x in zip(top_ids[j][:k], top_lp[j][:k])
                               if x != -math.inf] if top_ids else []}
+            if lp.allowed and i in lp.allowed:
+                out[i]["allowed"] = lp.allowed[i]
         return out
 
     # -- memory ----------------------------------------------------------------------

@@ -16,6 +16,8 @@ class LogprobArrays:
     chosen: mx.array  # [b] the sampled token's logprob
     top_ids: Optional[mx.array]  # [b, k] best alternatives, most likely first
     top_logprobs: Optional[mx.array]  # [b, k]
+    # batch position -> tokens its constraint allowed at this step (structured rows)
+    allowed: Optional[dict] = None
 
 
 @dataclass

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from .._trace import lap, pc
 from ..constrain import Constraints
@@ -57,7 +58,10 @@ class MaskFiller:
         self._next_lane = 0
         self._filler = None  # fill threads: the worker launches the forward meanwhile
         # this launch's masks: (stacking order, the fill tasks making them)
-        self._pending: Optional[Tuple[Any, List[Future]]] = None
+        self._pending: Optional[Tuple[Any, list, List[Future]]] = None
+        # batch position -> how many tokens its constraint allowed, for the last
+        # masks applied (the token view's "n tokens allowed here")
+        self.allowed: Dict[int, int] = {}
         self._advanced = None  # the in-flight step whose tokens the matchers consumed
         self._pos_for = None  # batch rows list -> positions of its constrained rows
         self._pos: List[int] = []  # batch positions of the constrained rows
@@ -130,9 +134,10 @@ class MaskFiller:
                 _feed([feed[j] for j in at.values()])  # rows that left the batch
             if self._filler is None:
                 self._filler = ThreadPoolExecutor(self.threads, "mlxnb-masks")
-            shares, bitmasks, order = plan
-            self._pending = (order, [self._filler.submit(_feed_and_fill, share, toks, bm)
-                                     for share, bm in zip(shares, bitmasks)])
+            shares, bitmasks, order, stacked = plan
+            self._pending = (order, stacked,
+                             [self._filler.submit(_feed_and_fill, share, toks, bm)
+                              for share, bm in zip(shares, bitmasks)])
         if tr:
             lap(tr, "mask.start", t)
 
@@ -154,7 +159,8 @@ class MaskFiller:
         bitmask, matcher, index of its token or -1)] and that bitmask (reused while
         the batch stays: a task writes every word of it, and copies it to the device
         before the next step's fill begins). Then where each constrained row's mask
-        sits once the tasks' masks are stacked (None: in order)."""
+        sits once the tasks' masks are stacked (None: in order), and each stacked
+        mask's row (its index in the batch's constrained rows)."""
         shares, bitmasks, stacked = [], [], []
         for j in range(n):
             rows = [x for lane in self._lanes[j::n] for x in lane]
@@ -162,8 +168,9 @@ class MaskFiller:
             bitmasks.append(self.constraints.bitmask(len(rows)))
             stacked += [k for k, _, _ in rows]
         if stacked == sorted(stacked):
-            return shares, bitmasks, None
-        return shares, bitmasks, mx.array(sorted(range(len(stacked)), key=stacked.__getitem__))
+            return shares, bitmasks, None, stacked
+        return (shares, bitmasks, mx.array(sorted(range(len(stacked)), key=stacked.__getitem__)),
+                stacked)
 
     def apply(self, logits):
         """The batch's logits [B, V] with the constrained rows' masks applied. The
@@ -176,10 +183,13 @@ class MaskFiller:
             t = lap(tr, "mask.launch", t)
         pending, self._pending = self._pending, None
         if pending is None:
+            self.allowed = {}
             return logits
-        order, fills = pending
+        order, stacked, fills = pending
         done = [f.result() for f in fills]
-        busy = sum(secs for secs, _ in done)
+        busy = sum(secs for secs, _, _ in done)
+        counts = [n for _, _, c in done for n in c]
+        self.allowed = {self._pos[k]: n for k, n in zip(stacked, counts)}
         # Next step: the fewest fill threads that finish within the launch. Each
         # busy core beside the worker slows its launch (~10-20% on an H200 host),
         # so threads that would only wait cost time.
@@ -188,7 +198,7 @@ class MaskFiller:
             t = lap(tr, "mask.join", t)
         if self._shifts is None:
             self._shifts = mx.arange(32, dtype=mx.uint32)
-        words = done[0][1] if len(done) == 1 else mx.concatenate([w for _, w in done])
+        words = done[0][1] if len(done) == 1 else mx.concatenate([w for _, w, _ in done])
         if order is not None:
             words = words[order]  # [constrained rows, W], in batch order
         if len(self._pos) == logits.shape[0]:
@@ -214,9 +224,10 @@ class MaskFiller:
         waited for, so no matcher is read after its row is gone."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            wait(pending[1])
+            wait(pending[2])
         self._advanced = self._pos_for = self._idx = None
         self._pos, self._ids, self._lanes, self._plans = [], [], [], {}
+        self.allowed = {}
 
     def close(self) -> None:
         self.reset()
@@ -242,12 +253,14 @@ def _feed_and_fill(share: list, toks: list, bitmask) -> tuple:
     """Feed each (row, matcher, token index)'s token (none at -1), fill its mask,
     and copy the bitmask to the device here, off the worker (MLX's CUDA arrays are
     managed memory: a host write to a page the device last touched faults it back,
-    ~0.1 ms a step for 32 rows). Returns (seconds it took, words [rows, W])."""
+    ~0.1 ms a step for 32 rows). Returns (seconds it took, words [rows, W], how many
+    tokens each row allows)."""
     t = pc()
     _feed([(m, toks[i]) for _, m, i in share if i >= 0])
     fill(share, bitmask)
     words = mx.array(bitmask)
-    return pc() - t, words
+    counts = np.bitwise_count(bitmask.view(np.uint32)).sum(axis=1).tolist()
+    return pc() - t, words, counts
 
 
 def _feed(pairs: list) -> None:
