@@ -292,8 +292,12 @@ class Engine(Listeners, Closing, Adapters):
         """Submit several prompts as one `Run` (awaitable -> list of results)."""
         prompts = list(prompts)
         prepared = [self.prepare(p, chat=chat, system=system, **dict(params)) for p in prompts]
-        return Run([self.submit_prepared(p, ids, sp) for p, (ids, sp) in
-                    zip(prompts, prepared)], meta={"model": self.model_name})
+        run = Run([self.submit_prepared(p, ids, sp) for p, (ids, sp) in
+                   zip(prompts, prepared)], meta={"model": self.model_name})
+        used = {sp.adapter for _, sp in prepared} - {None}
+        if used:
+            run.meta["adapters"] = {n: self._adapters[n].path for n in sorted(used)}
+        return run
 
     def _enqueue(self, row: Row, err: Optional[str] = None, pending=None):
         self._nsubmitted += 1
