@@ -274,3 +274,24 @@ def test_every_adapted_layer_computes_mlx_lm_per_row(adapters, quantized):
                 checked += 1
     assert checked > 50
     assert aset.select([None, None]) is None  # base-only batches skip the low-rank path
+
+
+def test_unloading_one_keeps_the_others_exact(adapters, refs, arun):
+    # the stacks are rebuilt without the middle slot; the rest keep their weights
+    async def main():
+        eng = engine()
+        try:
+            for n in ("rl", "rd", "tl", "td"):
+                eng.load_adapter(n, adapters[n])
+            eng.unload_adapter("rd")
+            eng.load_adapter("rq", adapters["rq"])
+            plan = [("rl", PROMPTS[0]), ("td", PROMPTS[1]), (None, PROMPTS[2]),
+                    ("tl", PROMPTS[3]), ("rq", PROMPTS[4])]
+            res = await asyncio.gather(*[eng.submit(p, chat=False, max_tokens=N, adapter=a)
+                                         for a, p in plan])
+            for (a, p), r in zip(plan, res):
+                assert r.tokens == refs(a, p, False), a
+        finally:
+            await eng.aclose()
+
+    arun(main)

@@ -50,6 +50,10 @@ class AdapterSet:
         self.version = 0
         self.nbytes = 0  # the stacked weights' bytes
         self._selections: Dict[tuple, Optional[Selection]] = {}  # select's, this version
+        self._keys: Dict[str, tuple] = {}  # name -> its (rank, dtype name) group
+        # the slot layout the stacks were built with (a rebuild reads them back)
+        self._built_names: List[str] = []
+        self._built_layout: Dict[tuple, List[str]] = {}
 
     @property
     def names(self) -> List[str]:
@@ -84,6 +88,8 @@ class AdapterSet:
     def add(self, name: str, files) -> int:
         """Serve `files` as `name` (checked first); returns the stacked bytes."""
         self.check(files)
+        a = next(iter(files.layers.values()))["lora_a"]
+        self._keys[name] = (files.rank, str(a.dtype).split(".")[-1])
         self.adapters[name] = files
         try:
             self._rebuild()
@@ -96,6 +102,7 @@ class AdapterSet:
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
         self._rebuild()
+        self._keys.pop(name, None)
 
     def _rebuild(self):
         targets = {p for f in self.adapters.values() for p in f.layers}
@@ -113,34 +120,54 @@ class AdapterSet:
             w = AdaptedLinear(layer, self)
             object.__setattr__(owner, leaf, w)
             self.wrapped[path] = (owner, leaf, w, shadowed)
-        names = self.names
+        names, layout = self.names, self._groups()
         total = 0
         for path, (_, _, w, _) in self.wrapped.items():
+            old, old_mag = w.groups, w.mag
             w.groups, w.mag, w.dora_slots = {}, None, None
             inp, out = w.dims
-            for key, members in self._groups().items():
+
+            def own(n, leaf):
+                """Adapter n's array for this layer: as read, or out of the stacks
+                the previous build made (it keeps no copy of its own)."""
+                d = self.adapters[n].layers.get(path)
+                if d is None:
+                    return None
+                if d.get(leaf) is not None:
+                    return d[leaf]
+                if leaf == "mag":
+                    return old_mag[self._built_names.index(n)]
+                key = self._keys[n]
+                g = old[key]
+                j = self._built_layout[key].index(n)
+                return g.a[j] if leaf == "lora_a" else g.b[j]
+
+            for key, members in layout.items():
                 if not any(path in self.adapters[n].layers for n in members):
                     continue
                 r, dt = key
-                a = [self.adapters[n].layers.get(path, {}).get("lora_a") for n in members]
-                b = [self.adapters[n].layers.get(path, {}).get("lora_b") for n in members]
                 dtype = getattr(mx, dt)
+                a = [own(n, "lora_a") for n in members]
+                b = [own(n, "lora_b") for n in members]
                 a = mx.stack([x if x is not None else mx.zeros((inp, r), dtype) for x in a])
                 b = mx.stack([x if x is not None else mx.zeros((r, out), dtype) for x in b])
                 w.groups[key] = GroupWeights(a, b)  # [n, in, r], [n, r, out]
-            dora = [n for n in names if "m" in self.adapters[n].layers.get(path, {})]
+            dora = [n for n in names if self.adapters[n].kind == "dora"
+                    and path in self.adapters[n].layers]
             if dora:
                 W, _ = base_weight(w.base)
                 rows = []
                 for n in names + [None]:
-                    f = self.adapters.get(n) if n is not None else None
-                    d = f.layers.get(path, {}) if f is not None else {}
-                    if "m" not in d:
+                    if n not in dora:
                         rows.append(mx.ones((out,), mx.float32))
+                        continue
+                    d = self.adapters[n].layers[path]
+                    if "m" not in d:  # computed by an earlier build
+                        rows.append(own(n, "mag"))
                         continue
                     # mlx-lm's DoRALinear.__call__, term for term (it depends on the
                     # adapter only, so once here instead of every step)
-                    adapted = W + (f.scale * d["lora_b"].T) @ d["lora_a"].T
+                    adapted = W + (self.adapters[n].scale * d["lora_b"].T) @ d["lora_a"].T
                     rows.append((d["m"] / mx.linalg.norm(adapted, axis=1)).astype(mx.float32))
                 w.mag = mx.stack(rows)  # [n_adapters + 1, out]
                 w.dora_slots = mx.array([n in dora for n in names] + [False])
@@ -148,6 +175,13 @@ class AdapterSet:
                 [w.mag] if w.mag is not None else [])
             mx.eval(arrays)
             total += sum(x.nbytes for x in arrays)
+        # The stacks hold every adapter's weights now: drop the arrays as read, so
+        # the adapters cost the stacks' bytes only.
+        for f in self.adapters.values():
+            for d in f.layers.values():
+                d["lora_a"] = d["lora_b"] = None
+                d.pop("m", None)
+        self._built_names, self._built_layout = names, layout
         self.nbytes = total
         self.version += 1
         self._selections.clear()
@@ -155,9 +189,8 @@ class AdapterSet:
     def _groups(self) -> Dict[tuple, List[str]]:
         """(rank, dtype name) -> adapter names in slot order."""
         out: Dict[tuple, List[str]] = {}
-        for n, f in self.adapters.items():
-            a = next(iter(f.layers.values()))["lora_a"]
-            out.setdefault((f.rank, str(a.dtype).split(".")[-1]), []).append(n)
+        for n in self.adapters:
+            out.setdefault(self._keys[n], []).append(n)
         return out
 
     # -- per forward -------------------------------------------------------------------
