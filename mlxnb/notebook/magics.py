@@ -354,7 +354,8 @@ class MLXNBMagics(Magics):
         run = Run(rows, name=a.out, meta={"model": eng.model_name, "options": line.strip(),
                                           "chat": chat, "system": system})
         if adapters:
-            run.meta["adapters"] = {n: getattr(eng.adapters.get(n), "path", n)
+            served = getattr(eng, "adapters", None) or {}  # a server: by name
+            run.meta["adapters"] = {n: getattr(served.get(n), "path", n)
                                     for n in adapters if n is not None}
         if not quiet:
             try:
