@@ -11,7 +11,10 @@ Passes, interleaved in --repeat rounds:
 
 tok/s = tokens / summed step time over the steps with all B rows decoding and no
 prefill (common.decode_window); "ratio" is each round's mixed/none (and base/none),
-median over rounds. Memory: the device bytes the adapters' stacked weights take
+median over rounds. "forward": the model's decode forward alone at batch B on a
+fixed-length cache, steps without and with the mixed selection alternating (--forward
+steps pairs; a loaded machine disturbs adjacent steps least), median of per-pair
+ratios. Memory: the device bytes the adapters' stacked weights take
 (Engine.adapter_bytes), MLX's active memory before and after loading them, against
 the model's own bytes (what a copy of the model per adapter would cost).
 
@@ -97,15 +100,21 @@ async def run(args, model, V, dirs):
     out = dict(rounds=[])
     try:
         warm = common.make_prompts(rng, B, args.prompt, V)
+        t = common.pc()
         await one_pass(eng, warm, args.warm_new, [None] * B)
+        log(f"warm-up pass {common.pc() - t:.1f} s")
         mem0 = mx.get_active_memory()
+        t = common.pc()
         for n, d in zip(names, dirs):
             eng.load_adapter(n, d)
+        log(f"{A} adapters loaded in {common.pc() - t:.1f} s")
         out["adapter_bytes"] = eng.adapter_bytes
         out["active_memory_added"] = mx.get_active_memory() - mem0
         out["file_bytes"] = sum(a.nbytes for a in eng.adapters.values())
         mixed = [names[i * A // B] for i in range(B)]
+        t = common.pc()
         await one_pass(eng, warm, args.warm_new, mixed)  # the shapes' first use
+        log(f"warm-up pass with adapters {common.pc() - t:.1f} s")
         for r in range(args.repeat):
             rnd = {}
             prompts = common.make_prompts(rng, B, args.prompt, V)
@@ -127,6 +136,41 @@ async def run(args, model, V, dirs):
     return out
 
 
+def forward_ratio(model, V, dirs, B, A, steps, prompt):
+    """Median over `steps` adjacent pairs of (base forward s) / (mixed forward s): the
+    decode forward at batch B, rows split evenly over the adapters (AdapterSet used
+    directly, on this thread; no engine)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxnb.core.worker.adapters import AdapterSet
+    from mlxnb.models.adapters import read_adapter
+
+    aset = AdapterSet(model)
+    for k, d in enumerate(dirs):
+        aset.add(f"ad{k}", read_adapter(d))
+    mixed = aset.select([f"ad{i * A // B}" for i in range(B)])
+    cache = make_prompt_cache(model)
+    model(mx.random.randint(2, V, (B, prompt)), cache=cache)
+    mx.eval([c.state for c in cache])
+    y = mx.random.randint(2, V, (B, 1))
+
+    def step(sel):
+        for c in cache:
+            c.offset = prompt  # every step at the same length
+        t = common.pc()
+        with aset.using(sel):
+            out = model(y, cache=cache)
+        mx.eval(out)
+        return common.pc() - t
+
+    step(None), step(mixed)
+    pairs = [(step(None), step(mixed)) for _ in range(steps)]
+    for k in range(A):
+        aset.remove(f"ad{k}")
+    return (statistics.median(a / b for a, b in pairs),
+            statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs))
+
+
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
@@ -144,6 +188,8 @@ def main(argv=None, prog=None):
     ap.add_argument("--new", type=int, default=48, help="new tokens per row")
     ap.add_argument("--warm-new", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--forward-steps", type=int, default=10,
+                    help="pairs of decode forwards in the forward-only comparison (0: skip)")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.batch % args.adapters:
@@ -154,7 +200,15 @@ def main(argv=None, prog=None):
     with tempfile.TemporaryDirectory() as tmp:
         dirs = write_adapters(model, Path(tmp), args.adapters, args.rank, args.scale,
                               args.adapter_dtype)
-        res = asyncio.run(run(args, model, V, dirs))
+        if args.forward_steps:
+            fr = forward_ratio(model, V, dirs, args.batch, args.adapters,
+                               args.forward_steps, args.prompt)
+            log(f"forward only: base {fr[1] * 1e3:.1f} ms, mixed {fr[2] * 1e3:.1f} ms, "
+                f"ratio {fr[0]:.3f}")
+        res = asyncio.run(run(args, model, V, dirs)) if args.repeat else dict(
+            rounds=[], adapter_bytes=0, active_memory_added=0, file_bytes=0)
+        if args.forward_steps:
+            res["forward"] = dict(ratio=fr[0], base_s=fr[1], mixed_s=fr[2])
     rounds = res["rounds"]
 
     def med(key):
@@ -173,6 +227,13 @@ def main(argv=None, prog=None):
         f"| {fmt(med('base'), 3)} |",
         f"| mixed: {args.batch // args.adapters} rows per adapter | {fmt(best['mixed'], 1)} "
         f"| **{fmt(med('mixed'), 3)}** |",
+    ]
+    if "forward" in res:
+        f = res["forward"]
+        lines.append(f"| forward only ({args.forward_steps} adjacent pairs): base "
+                     f"{f['base_s'] * 1e3:.1f} ms, mixed {f['mixed_s'] * 1e3:.1f} ms per "
+                     f"step | | **{f['ratio']:.3f}** |")
+    lines += [
         "", "| memory | MB |", "|---|---|",
         f"| the model's weights | {model_bytes / mb:,.1f} |",
         f"| {args.adapters} adapters' files | {res['file_bytes'] / mb:,.1f} |",

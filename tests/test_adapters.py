@@ -295,3 +295,22 @@ def test_unloading_one_keeps_the_others_exact(adapters, refs, arun):
             await eng.aclose()
 
     arun(main)
+
+
+def test_generate_keeps_each_adapters_path_for_save(adapters, arun, tmp_path):
+    import json
+
+    async def main():
+        eng = engine()
+        try:
+            eng.load_adapter("rl", adapters["rl"])
+            run = eng.generate(["abc", "xyz"], chat=False, max_tokens=4, adapter="rl")
+            await run
+            run.save(tmp_path / "r.jsonl")
+            recs = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+            assert [r["adapter"] for r in recs] == ["rl", "rl"]
+            assert {r["adapter_path"] for r in recs} == {str(adapters["rl"])}
+        finally:
+            await eng.aclose()
+
+    arun(main)
