@@ -314,3 +314,23 @@ def test_generate_keeps_each_adapters_path_for_save(adapters, arun, tmp_path):
             await eng.aclose()
 
     arun(main)
+
+
+def test_speculating_rows_keep_their_adapter(adapters, refs, arun):
+    # lookup drafts are verified in a wider forward: it runs under each row's adapter
+    prompt = "abcabcabcabcabcabcabc"
+
+    async def main():
+        eng = engine()
+        try:
+            eng.load_adapter("rl", adapters["rl"])
+            eng.load_adapter("td", adapters["td"])
+            rows = [eng.submit(prompt, chat=False, max_tokens=N, adapter=a,
+                               speculate="lookup", num_draft=3) for a in ("rl", None, "td")]
+            res = await asyncio.gather(*rows)
+            for a, r in zip(("rl", None, "td"), res):
+                assert r.tokens == refs(a, prompt, False), a
+        finally:
+            await eng.aclose()
+
+    arun(main)
