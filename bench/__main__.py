@@ -28,6 +28,8 @@ BENCHMARKS = {
                                "free-form prompts (--quick: a smoke run)"),
     "token-probs": ("token_probs", "decode tok/s with rows keeping no logprobs, the "
                                    "chosen token's, the top 5 (the token view's cost)"),
+    "adapters": ("adapters", "rows under different LoRA adapters in one batch vs base "
+                             "rows: decode tok/s, and the adapters' memory"),
     "reliability": ("reliability", "a stalled load, load/unload cycles, memory per "
                                    "finished row, detokenizing cost"),
 }

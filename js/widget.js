@@ -399,7 +399,7 @@ function render({ model, el }) {
     setAttr(v.e, "data-valid", vd ? (vd.valid ? "1" : "0") : "");
     setAttr(v.badge, "title", r.con ? `${r.con} constraint` + (vd ? `: ${vd.valid ? "valid" : r.parse}` : "") : "");
     setAttr(v.verdict, "title", vd && !vd.valid ? r.parse : "");
-    setText(v.prompt, promptLabel(r.prompt || "", shared)); setAttr(v.prompt, "title", r.prompt || "");
+    setText(v.prompt, (r.adapter ? "[" + r.adapter + "] " : "") + promptLabel(r.prompt || "", shared)); setAttr(v.prompt, "title", r.prompt || "");
     const text = r.error ? `error: ${r.error}` : r.text || "";
     const expandedRow = v.e.classList.contains("mlxnb-expanded");
     setText(v.inner, expandedRow ? text

@@ -32,6 +32,7 @@ from .. import _aio
 from ..models import progress
 from .constrain import SUBMIT_WAIT_S, Constraints
 from .constraint_params import kind_of
+from .adapters import Adapters
 from .closing import Closing
 from .messages import Admit, TickReport, WorkerState
 from .options import check_options
@@ -58,7 +59,7 @@ def _admitted(rows: List[Row], now: float, waited_for) -> None:
         rowtrace.note_admitted(row, waited_for(row))
 
 
-class Engine(Listeners, Closing):
+class Engine(Listeners, Closing, Adapters):
     """Continuous-batching generation on one MLX model.
 
     `model`: "default" (bundled SmolLM2-135M-Instruct), an mlx-lm hub id, a local
@@ -145,6 +146,7 @@ class Engine(Listeners, Closing):
         self.quantized_attention: bool = facts.quantized_attention
         self._prefix = facts.prefix_reuse
         self.speculation: str = facts.speculation  # 'lookup' or 'off: why'
+        self._adapters = {}  # name -> AdapterInfo (adapters.py)
         self.context_length = getattr(getattr(m, "args", None),
                                       "max_position_embeddings", None)
         # Prompts longer than this many characters cannot fit the context in any
@@ -234,6 +236,7 @@ class Engine(Listeners, Closing):
         # a bad schema/regex/grammar raises here; one still compiling after
         # SUBMIT_WAIT_S holds its rows in the queue until it is ready (_enqueue)
         self.constraints.validate(sp, wait=SUBMIT_WAIT_S)
+        self._check_adapter(sp.adapter)
         ids = self.encode(prompt, chat, system)
         if not ids:  # a row with no tokens would sit in 'prefill' forever
             raise ValueError("the prompt encodes to no tokens (the tokenizer drops all of "
@@ -289,8 +292,12 @@ class Engine(Listeners, Closing):
         """Submit several prompts as one `Run` (awaitable -> list of results)."""
         prompts = list(prompts)
         prepared = [self.prepare(p, chat=chat, system=system, **dict(params)) for p in prompts]
-        return Run([self.submit_prepared(p, ids, sp) for p, (ids, sp) in
-                    zip(prompts, prepared)], meta={"model": self.model_name})
+        run = Run([self.submit_prepared(p, ids, sp) for p, (ids, sp) in
+                   zip(prompts, prepared)], meta={"model": self.model_name})
+        used = {sp.adapter for _, sp in prepared} - {None}
+        if used:
+            run.meta["adapters"] = {n: self._adapters[n].path for n in sorted(used)}
+        return run
 
     def _enqueue(self, row: Row, err: Optional[str] = None, pending=None):
         self._nsubmitted += 1
@@ -505,10 +512,12 @@ class Engine(Listeners, Closing):
             return f"model {self.model_name} (closed) | done {done}"
         chunk = self._report.prefill_chunk  # as the latest tick left it
         mode = "auto" if self.prefill_chunk is None else "fixed"
+        adapters = self.adapter_status()
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
                 f"tokens/step ({mode}) | {self.cache_kinds} | prefix reuse "
-                f"{self._prefix} | speculation {self.speculation}")
+                f"{self._prefix} | speculation {self.speculation}"
+                + (f" | {adapters}" if adapters else ""))
 
     def __repr__(self):
         return f"<mlxnb.Engine {self.status()}>"

@@ -59,6 +59,8 @@ def sampling_params(params: dict) -> SamplingParams:
     except TypeError:
         raise ValueError("stop and logits_processors take a list (stop: strings or "
                          "callables text -> bool)") from None
+    if params.get("adapter") == "base":  # a sweep's name for "no adapter"
+        params["adapter"] = None
     try:
         return SamplingParams(**normalize_constraint(params)).check()
     except TypeError as e:

@@ -48,6 +48,7 @@ class SamplingParams:
     # (0: adaptive)
     speculate: Optional[str] = None
     num_draft: int = 0
+    adapter: Optional[str] = None  # a loaded adapter's name (core/adapters.py); None: base
 
     def check(self) -> "SamplingParams":
         def bad(msg):
@@ -78,6 +79,9 @@ class SamplingParams:
             bad("speculate must be 'lookup' or None" + (
                 " (draft-model speculation is not available in this engine)"
                 if self.speculate == "draft" else "") + f", got {self.speculate!r}")
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            bad(f"adapter must be an adapter's name (a string) or None, got "
+                f"{one_line(repr(self.adapter), 60)}")
         check_constraint(self)
         return self
 

@@ -89,6 +89,9 @@ class Run:
             }
             if isinstance(r.tag, dict):
                 rec.update(r.tag)
+            adapter = getattr(r.params, "adapter", None)
+            if adapter is not None or "adapters" in self.meta:
+                rec["adapter"] = adapter or "base"
             rec.update(constraint_fields(r))
             out.append(rec)
         return out
@@ -116,6 +119,8 @@ class Run:
             params["stop"] = [s for s in params["stop"] if isinstance(s, str)]
             rec.update(params=params, token_ids=list(r.tokens), logprobs=r.logprobs,
                        model=self.meta.get("model"))
+            if params.get("adapter") is not None:
+                rec["adapter_path"] = self.meta.get("adapters", {}).get(params["adapter"])
             line = json.dumps(rec, ensure_ascii=False, default=_json_default)
             try:
                 line.encode("utf-8")

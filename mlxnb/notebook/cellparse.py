@@ -47,7 +47,7 @@ RESERVED = frozenset({
     "row", "prompt", "text", "finish_reason", "state", "prompt_tokens",
     "cached_tokens", "tokens", "ttft_s", "tok_s", "error", "temp", "seed", "sample",
     "prompt_index", "max_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
-    "constraint", "valid", "json_error", "json",
+    "constraint", "valid", "json_error", "json", "adapter", "adapter_path",
 })
 
 

@@ -126,7 +126,10 @@ _HELP = """%mlxnb subcommands:
   %mlxnb connect URL [--model NAME] [--api-key-env VAR] [--max-concurrency N]
                [--timeout S]  an OpenAI-compatible server (vLLM, mlx_lm.server ...);
                            S: longest wait for a row's next tokens (default 60)
-  %mlxnb status            model, rows running / queued / done, KV memory
+  %mlxnb adapter load NAME PATH | list | unload NAME
+                           LoRA/DoRA adapters (mlx_lm.lora's directories) for
+                           %%generate --adapter base,NAME,...
+  %mlxnb status            model, rows running / queued / done, KV memory, adapters
   %mlxnb stop [all|NAME]   cancel every unfinished row (or one Run/Row variable)
   %mlxnb dashboard         a live widget of every row of every cell
   %mlxnb wait              how to wait (await mlxnb.wait() in a cell)

@@ -26,6 +26,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from .. import _aio
 from . import cellparse as cp
 from . import connecting
+from .adaptermagic import adapter_command, adapter_names, expand_adapters
 from .._text import one_line
 from .magicargs import (_CONNECT, _HELP, _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved,
                         _sendable)
@@ -98,7 +99,7 @@ class MLXNBMagics(Magics):
         fn = getattr(self, f"_cmd_{sub}", None) if sub else self._cmd_help
         if fn is None:
             raise UsageError(f"%mlxnb: unknown subcommand {sub!r}; use one of load, "
-                             "connect, status, stop, dashboard, wait, unload")
+                             "connect, adapter, status, stop, dashboard, wait, unload")
         if rest and sub in _NO_ARGS:  # `%mlxnb unload now` must not ignore "now"
             raise UsageError(f"%mlxnb {sub} takes no arguments; got {rest!r}")
         return fn(rest)
@@ -182,6 +183,10 @@ class MLXNBMagics(Magics):
             return None
         connecting.install(new, eng)
         return None
+
+    def _cmd_adapter(self, rest=""):
+        adapter_command(lambda load: self._engine_for(None, False) if load else get_engine(),
+                        rest)
 
     def _cmd_status(self, rest=""):
         c = connecting.pending()
@@ -277,6 +282,9 @@ class MLXNBMagics(Magics):
               "output, verified in one forward; same tokens) or 'off'.")
     @argument("--num-draft", default=None, metavar="K",
               help="Drafts per verification (1-16; 0 = adaptive, the default).")
+    @argument("--adapter", nargs="+", action="extend", default=None, metavar="NAMES",
+              help="Adapter for every row (%%mlxnb adapter load); a comma list runs "
+                   "each prompt under each, in one batch: base,ft1,ft2 (base: none).")
     @argument("--model", default=None, help="Model the cell expects (loads it if no "
               "model is loaded yet).")
     @argument("-o", "--out", dest="out", default=None, metavar="NAME",
@@ -324,6 +332,10 @@ class MLXNBMagics(Magics):
         quiet = c.quiet if a.quiet is None else a.quiet
         grid = cp.build_grid(cp.split_body(cell), self.shell.user_ns, sweeps, n,
                              limit=c.max_rows)
+        adapters = adapter_names(a.adapter)
+        grid = expand_adapters(grid, adapters)
+        if c.max_rows is not None and len(grid) > c.max_rows:
+            raise cp._too_many(len(grid), c.max_rows)
 
         common = dict(stop=tuple(stop), logprobs=lp, **cp.speculation(
             a.speculate, a.num_draft, c.speculate, c.num_draft), **cp.constraint_params(
@@ -341,6 +353,10 @@ class MLXNBMagics(Magics):
                 for g, (ids, sp) in zip(grid, prepared)]
         run = Run(rows, name=a.out, meta={"model": eng.model_name, "options": line.strip(),
                                           "chat": chat, "system": system})
+        if adapters:
+            served = getattr(eng, "adapters", None) or {}  # a server: by name
+            run.meta["adapters"] = {n: getattr(served.get(n), "path", n)
+                                    for n in adapters if n is not None}
         if not quiet:
             try:
                 from .widget import GenerationWidget

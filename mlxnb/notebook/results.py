@@ -58,6 +58,9 @@ def verdict(r) -> str:
 
 def _stats(r) -> list:
     out = [f"{r.ntok} tok"]
+    adapter = getattr(getattr(r, "params", None), "adapter", None)
+    if adapter is not None:
+        out.insert(0, f"adapter {adapter}")
     if r.tok_s is not None:
         out.append(f"{r.tok_s:.1f} tok/s")
     if r.ttft_s is not None:

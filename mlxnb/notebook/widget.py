@@ -249,6 +249,8 @@ class GenerationWidget(anywidget.AnyWidget):
             sent = self._sent[r.id] = {"text": ""}
             out.update(prompt=_prompt(r.prompt), prompt_tokens=r.prompt_tokens,
                        t_submit=_r(r.t_submit, 3))
+            if getattr(r.params, "adapter", None) is not None:  # its label on the row
+                out["adapter"] = r.params.adapter
         for k, v in self._row_fields(r).items():
             if sent.get(k, ...) != v:
                 out[k] = sent[k] = v
@@ -303,6 +305,8 @@ class GenerationWidget(anywidget.AnyWidget):
     def _row_full(self, r) -> dict:
         d = {"id": r.id, "prompt": _prompt(r.prompt), "prompt_tokens": r.prompt_tokens,
              "t_submit": _r(r.t_submit, 3), "text": r.text}
+        if getattr(r.params, "adapter", None) is not None:
+            d["adapter"] = r.params.adapter
         d.update(self._row_fields(r))
         if getattr(r, "drafted_spans", None):  # [start, end) of text from accepted drafts
             d["drafted_spans"] = [list(x) for x in r.drafted_spans]

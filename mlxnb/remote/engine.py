@@ -172,6 +172,11 @@ class RemoteEngine(Listeners):
             raise ValueError(f"{given[0]}= constrains tokens on a model in this process; a "
                              "remote server does not take it here (use `%mlxnb load`)")
         sp = sampling_params(params)
+        if sp.adapter is not None and self.models and sp.adapter not in self.models:
+            # servers serve adapters by model name (vLLM --lora-modules NAME=PATH)
+            raise ValueError(f"the server does not serve adapter {sp.adapter!r} by name; "
+                             f"it lists {model_list_text(self.models)} (start vLLM with "
+                             f"--enable-lora --lora-modules {sp.adapter}=PATH)")
         if any(callable(s) for s in sp.stop):
             raise ValueError("a remote server takes stop strings only, not callables")
         check_text(prompt, system)
@@ -232,8 +237,9 @@ class RemoteEngine(Listeners):
         path = "/chat/completions" if req.chat else "/completions"
         row.state, row.t_admit = PREFILL, self.clock()
         try:
+            # a row's adapter goes out as the request's model (vLLM's LoRA modules)
             await self.client.stream(path, wire.request_body(row.prompt, req, row.params,
-                                                             self.model),
+                                                             row.params.adapter or self.model),
                                      lambda obj: self._on_data(row, obj),
                                      lambda text: self._on_comment(row, text))
             if row._capped:

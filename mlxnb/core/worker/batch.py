@@ -30,6 +30,7 @@ from ..constraint_results import verdict
 from ..messages import (Admit, Emitted, LoadFacts, StepStat, TickReport, Updates,
                         WorkerState)
 from ..states import Finish, RowState
+from .adapters import AdapterSet
 from .caches import aligned_views, left_padded
 from .decoding import HISTORY, RowDecoder
 from .inflight import InFlight, LogprobArrays
@@ -59,9 +60,11 @@ class BatchExecutor:
         self.prefix = PrefixStore(prefix_bytes, self.make_cache) if (
             prefix_bytes and self.setup.prefix_reusable) else None
         self.shapes = ShapeMemory()
+        self.adapters = AdapterSet(model)  # LoRA/DoRA rows (adapters.py)
         self.policy = PrefillPolicy(prefill_chunk)
         self.prefill = Prefill(model, self.make_cache, self.policy, self.shapes,
-                               self.prefix, pad_safe=self.setup.pad_safe)
+                               self.prefix, pad_safe=self.setup.pad_safe,
+                               adapters=self.adapters)
         self._cold_launch = False  # a new decode batch shape (set by _align), this tick
         # constrain.py: per-row grammars; masks.py: their masks each step
         self.constraints = constraints or Constraints(tokenizer)
@@ -89,6 +92,7 @@ class BatchExecutor:
         self.drop: set = set()
         self._batch_rows, self._want_lp, self._any_procs, self._headroom = [], [], False, 0
         self._ids_tuple: tuple = ()  # self.ids, shared by step records until it changes
+        self._row_adapters: tuple = ()  # each batch row's adapter name (None: base)
         self._any_constrained = False
         self.masks.reset()
 
@@ -289,6 +293,7 @@ class BatchExecutor:
         self._want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
         self._any_procs = any(r.processors for r in rows)
         self._any_constrained = any(r.matcher is not None for r in rows)
+        self._row_adapters = tuple(r.params.adapter for r in rows)
         # steps until the first row has launched all its tokens
         self._headroom = min((r.params.max_tokens - r.launched for r in rows), default=0)
         if not self.caches:
@@ -305,7 +310,8 @@ class BatchExecutor:
         rows, want, procs = self._batch_rows, self._want_lp, self._any_procs
         tr = self.tracer
         t = pc() if tr else 0.0
-        logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
+        with self.adapters.using(self.adapters.select(self._row_adapters)):
+            logits = self.model(self.y[:, None], cache=self.views)[:, -1, :]  # [B, V]
         if want or procs or self.sampler.needs_float32:
             logits = logits.astype(mx.float32)
         if procs:

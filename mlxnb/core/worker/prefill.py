@@ -175,8 +175,10 @@ class Prefill:
     groups hold prompts of one length only, unbucketed, so none is padded."""
 
     def __init__(self, model, make_cache: Callable[[], list], policy: PrefillPolicy,
-                 shapes: ShapeMemory, prefix=None, pad_safe: bool = True):
+                 shapes: ShapeMemory, prefix=None, pad_safe: bool = True,
+                 adapters=None):
         self.model, self.make_cache, self.policy = model, make_cache, policy
+        self.adapters = adapters  # adapters.AdapterSet: each row's LoRA/DoRA
         self.shapes, self.prefix = shapes, prefix
         self.pad_safe = pad_safe
         self.tracer = None  # BatchExecutor.trace
@@ -321,7 +323,7 @@ class Prefill:
             return None
         head = self.waiting.popleft()
         if self.prefix is not None:
-            hit = self.prefix.lookup(head.ids)
+            hit = self.prefix.lookup(head.ids, head.params.adapter)
             if hit.tokens:
                 g = PrefillGroup([head], hit.cache, hit.tokens, batched=False)
                 g.cached = hit.tokens
@@ -340,7 +342,8 @@ class Prefill:
             w = max(width, round_up(len(a.ids) - 1, step))
             if (len(group) + 1) * w > max(budget, width):
                 break
-            if self.prefix is not None and self.prefix.lookup(a.ids).tokens:
+            if self.prefix is not None and self.prefix.lookup(
+                    a.ids, a.params.adapter).tokens:
                 break  # it prefills faster on its own, from the reused prefix
             group.append(self.waiting.popleft())
             width = w
@@ -360,7 +363,12 @@ class Prefill:
             cols = g.tokens[:, g.pos:g.pos + n]
             tr = self.tracer
             t = pc() if tr else 0.0
-            self.model(cols, cache=g.views)
+            if self.adapters is not None:
+                with self.adapters.using(self.adapters.select(
+                        tuple(a.params.adapter for a in g.admits))):
+                    self.model(cols, cache=g.views)
+            else:
+                self.model(cols, cache=g.views)
             if tr:
                 t = lap(tr, "prefill.fwd_build", t)
             mx.eval([c.state for c in g.cache])
@@ -389,4 +397,5 @@ class Prefill:
         layers = [(c.keys, c.values) for c in g.cache]
         for i, (a, length) in enumerate(zip(g.admits, g.lengths)):
             if length:
-                self.prefix.add(a.ids[:length], layers, i, g.width - length if g.batched else 0)
+                self.prefix.add(a.ids[:length], layers, i, g.width - length if g.batched else 0,
+                                a.params.adapter)

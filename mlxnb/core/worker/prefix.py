@@ -9,6 +9,8 @@ lookup takes the longest common prefix with any entry and hands out slices of it
 Only models whose layers are all full-attention KV take part: rotating windows
 would need the evicted tokens back, and a recurrent state holds no per-position
 history to cut at a prefix.
+Entries are keyed by the adapter the prompt ran under as well (`ns`): KV computed
+with one LoRA adapter (or none) is never handed to a row that uses another.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class PrefixStore:
         self.make_cache = make_cache
         self.max_entries = max_entries
         self.min_tokens = min_tokens
-        # key tokens -> (per-layer [(keys, values)] sliced to [1, H, n, *], bytes)
+        # (adapter, key tokens) -> (per-layer [(keys, values)] sliced to [1, H, n, *], bytes)
         self._entries: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.nbytes = 0
 
@@ -61,11 +63,14 @@ class PrefixStore:
     def supports(cache: list) -> bool:
         return all(type(c) in _KINDS for c in cache)
 
-    def lookup(self, ids: List[int]) -> "PrefixHit":
-        """A fresh single-row cache holding the first n tokens of `ids` (n = 0: none)."""
+    def lookup(self, ids: List[int], ns=None) -> "PrefixHit":
+        """A fresh single-row cache holding the first n tokens of `ids` (n = 0: none),
+        from entries made under the same adapter `ns` (None: none)."""
         best, best_key = 0, None
         for key in self._entries:
-            n = _common_prefix(key, ids)
+            if key[0] != ns:
+                continue
+            n = _common_prefix(key[1], ids)
             if n > best:
                 best, best_key = n, key
         best = min(best, len(ids) - 1)
@@ -81,13 +86,13 @@ class PrefixStore:
                 c.load(_slice(keys, upto), _slice(values, upto))
         return PrefixHit(best, cache)
 
-    def add(self, ids: List[int], layers: list, row: int, start: int) -> None:
+    def add(self, ids: List[int], layers: list, row: int, start: int, ns=None) -> None:
         """Remember `ids` as held by `layers` ([(keys, values)] of a batch) at `row`,
-        positions start .. start + len(ids)."""
+        positions start .. start + len(ids), computed under adapter `ns`."""
         n = len(ids)
         if self.max_bytes <= 0 or n < self.min_tokens:
             return
-        key = tuple(ids)
+        key = (ns, tuple(ids))
         if key in self._entries:
             self._entries.move_to_end(key)
             return

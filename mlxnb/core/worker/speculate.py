@@ -193,7 +193,8 @@ class Speculation:
         padded = mx.array([d + [0] * (W - 1 - len(d)) for d in drafts], dtype=ex.y.dtype)
         inp = mx.concatenate([ex.y[:, None], padded], axis=1)  # [B, W]
         before_verify(ex.caches)
-        full = ex.model(inp, cache=ex.views)  # [B, W, V]
+        with ex.adapters.using(ex.adapters.select(ex._row_adapters)):  # each row's LoRA
+            full = ex.model(inp, cache=ex.views)  # [B, W, V]
         if want or ex._any_procs or ex.sampler.needs_float32:
             full = full.astype(mx.float32)
         if ex._any_procs or ex._any_constrained:  # such rows take position 0 only

@@ -1,0 +1,146 @@
+"""Named LoRA/DoRA adapters over an Engine's one base model (the loop side).
+
+    eng.load_adapter("ft1", "adapters/ft1")    # an mlx-lm adapter directory
+    eng.submit(prompt, adapter="ft1")          # per row; None or "base": no adapter
+    eng.adapters                               # {name: AdapterInfo}
+    eng.unload_adapter("ft1")                  # refused while unfinished rows use it
+
+The files are read on a thread of their own (a slow disk never stalls the worker);
+the worker then fits them to the model's linears between ticks (worker/adapters.py),
+so rows already running keep going and later steps see the new adapter. Their
+stacked bytes come out of the KV budget once per engine, not per row.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from .._text import fmt_bytes
+from . import _threads
+
+__all__ = ["AdapterInfo", "Adapters"]
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: str
+    kind: str  # "lora" | "dora"
+    rank: int
+    scale: float
+    layers: int  # linears it adapts
+    nbytes: int  # its weights as read
+
+
+def _read_on_thread(path, timeout: Optional[float]):
+    """models.adapters.read_adapter(path) on a thread of its own, bounded in time."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work():
+        _threads._WORKER_TIDS.add(threading.get_native_id())  # it runs MLX
+        try:
+            from ..models.adapters import read_adapter
+
+            fut.set_result(read_adapter(path))
+        except BaseException as e:
+            fut.set_exception(e)
+
+    threading.Thread(target=work, daemon=True, name="mlxnb-adapter").start()
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise ValueError(f"reading the adapter at {str(path)!r} took longer than "
+                         f"{timeout:g} s; check the file system") from None
+
+
+class Adapters:
+    """Engine's adapter methods (a mixin: it uses the Engine's worker, executor,
+    rows and scheduler)."""
+
+    _adapters: Dict[str, AdapterInfo]
+    _adapter_bytes: int = 0
+
+    @property
+    def adapters(self) -> Dict[str, AdapterInfo]:
+        """The adapters loaded, by name, in load order."""
+        return dict(self._adapters)
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes the loaded adapters' weights take on the device (once per engine)."""
+        return self._adapter_bytes
+
+    def load_adapter(self, name: str, path) -> AdapterInfo:
+        """Serve the mlx-lm adapter directory `path` (LoRA or DoRA, as `mlx_lm.lora`
+        writes it) as `name`. Rows ask for it with `submit(..., adapter=name)`.
+        ValueError (one line) for anything that cannot be served."""
+        from ..models.adapters import check_adapter_name
+
+        self._check_open()
+        check_adapter_name(name)
+        if name in self._adapters:
+            raise ValueError(f"an adapter named {name!r} is already loaded (from "
+                             f"{self._adapters[name].path}); unload it first or pick "
+                             "another name")
+        files = _read_on_thread(path, _threads.LOAD_TIMEOUT_S)
+        if self.kv_budget is not None:
+            # an upper bound: stacks hold at most the file's bytes plus zeros for
+            # layers other adapters cover and DoRA's per-slot magnitudes
+            if self._adapter_bytes + files.nbytes >= self.kv_budget:
+                raise ValueError(
+                    f"adapters would take {fmt_bytes(self._adapter_bytes + files.nbytes)}"
+                    f" of the kv_budget of {fmt_bytes(self.kv_budget)}; raise kv_budget")
+        ex = self._exec
+        if ex is None:
+            self._check_open()
+        nbytes = self._on_worker(ex.adapters.add, name, files)
+        info = AdapterInfo(name, files.path, files.kind, files.rank, files.scale,
+                           len(files.layers), files.nbytes)
+        self._adapters[name] = info
+        self._set_adapter_bytes(nbytes)
+        return info
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name`; refused while unfinished rows use it (await them or
+        cancel them first), so no row changes adapter midway."""
+        self._check_open()
+        if name not in self._adapters:
+            raise ValueError(f"no adapter named {name!r} is loaded "
+                             f"({self._loaded_names()})")
+        users = sum(1 for r in self._live.values() if r.params.adapter == name)
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {users} unfinished row(s); "
+                             "await or cancel them, then unload it")
+        ex = self._exec
+        self._on_worker(ex.adapters.remove, name)
+        del self._adapters[name]
+        self._set_adapter_bytes(self._on_worker(lambda: ex.adapters.nbytes))
+
+    def _set_adapter_bytes(self, nbytes: int) -> None:
+        self._adapter_bytes = nbytes
+        if self.kv_budget is not None:
+            self.scheduler.kv_budget = max(self.kv_budget - nbytes, 0)
+
+    def _loaded_names(self) -> str:
+        return ("loaded: " + ", ".join(self._adapters)) if self._adapters else \
+            "none is loaded; load one with load_adapter(name, path)"
+
+    def _check_adapter(self, adapter: Optional[str]) -> None:
+        if adapter is not None and adapter not in self._adapters:
+            raise ValueError(f"no adapter named {adapter!r} is loaded "
+                             f"({self._loaded_names()}); load it with "
+                             "load_adapter(name, path) or %mlxnb adapter load NAME PATH")
+
+    def adapter_status(self) -> str:
+        """'ft1 (lora r8, 1.2 MB, 3 rows), ...' or '' when none is loaded."""
+        if not self._adapters:
+            return ""
+        rows = Counter(r.params.adapter for r in self._live.values())
+        parts = [f"{n} ({a.kind} r{a.rank}, {fmt_bytes(a.nbytes)}, {rows.get(n, 0)} rows)"
+                 for n, a in self._adapters.items()]
+        return (f"adapters {', '.join(parts)}; {fmt_bytes(self._adapter_bytes)} on "
+                f"device, base rows {rows.get(None, 0)}")

@@ -1,0 +1,336 @@
+"""LoRA/DoRA adapters in one batch: each row's greedy tokens equal mlx-lm's own
+generation with that adapter loaded into a separate copy of the model, for LoRA and
+DoRA, on a float and a 4-bit model, alone and mixed with other adapters and base
+rows in one batch (one row joining mid-run); adapters trained with mlx_lm.lora too."""
+
+import asyncio
+
+import pytest
+
+import mlxnb
+from adapter_kit import (base_model, random_adapter, reference_tokens, train_adapter,
+                         write_data)
+
+N = 20
+PROMPTS = ["hello there", "the quick brown fox", "abc", "Q: what is 2 plus 3? A:",
+           "mixing adapters in one batch", "x"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """name -> directory: random LoRA (rank 4) and DoRA (rank 8), a LoRA on two
+    projections of the last layer only, and a LoRA and a DoRA trained by mlx_lm.lora."""
+    from mlxnb.models.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    out = {
+        "rl": random_adapter(root / "rl", "lora", rank=4, scale=2.0, seed=1),
+        "rd": random_adapter(root / "rd", "dora", rank=8, scale=1.5, seed=2),
+        "rq": random_adapter(root / "rq", "lora", rank=8, scale=20.0, seed=3,
+                             keys=["self_attn.q_proj", "mlp.down_proj"], num_layers=1),
+    }
+    model_dir = save_tiny_model(root / "tiny")
+    data = write_data(root / "data")
+    out["tl"] = train_adapter(model_dir, data, root / "tl", "lora", seed=0)
+    out["td"] = train_adapter(model_dir, data, root / "td", "dora", seed=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs(adapters):
+    """(adapter name or None, prompt, quantized) -> mlx-lm's greedy tokens, memoized."""
+    memo = {}
+
+    def get(name, prompt, quantized):
+        key = (name, prompt, quantized)
+        if key not in memo:
+            memo[key] = reference_tokens(adapters.get(name), prompt, N, quantized)
+        return memo[key]
+
+    return get
+
+
+def engine(quantized=False, **kw):
+    kw = dict(dict(warmup=False, kv_budget=None, max_batch=16), **kw)
+    return mlxnb.Engine(base_model(quantized), **kw)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
+def test_each_adapter_alone_matches_mlx_lm(adapters, refs, quantized, arun):
+    async def main():
+        eng = engine(quantized)
+        try:
+            for name, path in adapters.items():
+                eng.load_adapter(name, path)
+            for name in adapters:
+                row = await eng.submit(PROMPTS[3], chat=False, max_tokens=N, adapter=name)
+                assert row.error is None
+                assert row.tokens == refs(name, PROMPTS[3], quantized), name
+                # the adapter changes the output: the comparison is not base vs base
+                assert row.tokens != refs(None, PROMPTS[3], quantized), name
+        finally:
+            await eng.aclose()
+
+    arun(main)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
+def test_mixed_batch_with_a_joiner_matches_mlx_lm_per_row(adapters, refs, quantized, arun):
+    # three adapters (LoRA r4, DoRA r8, a LoRA on part of the model) and base rows
+    # in one batch; the last row (DoRA) joins while the others decode
+    plan = list(zip(PROMPTS, ["rl", None, "rd", "rq", "rl", "rd"]))
+    plan += [(PROMPTS[1], "tl"), (PROMPTS[2], "td"), (PROMPTS[4], None)]
+    plan.append(plan.pop(5))
+
+    async def main():
+        eng = engine(quantized)
+        try:
+            for name, path in adapters.items():
+                eng.load_adapter(name, path)
+            rows = [eng.submit(p, chat=False, max_tokens=N, adapter=a) for p, a in plan[:-1]]
+            while not any(r.state == "decode" for r in rows):
+                await asyncio.sleep(0.001)
+            p, a = plan[-1]
+            rows.append(eng.submit(p, chat=False, max_tokens=N, adapter=a))
+            assert not rows[-1].done and any(r.state == "decode" for r in rows[:-1])
+            res = await asyncio.gather(*rows)
+            for (p, a), r in zip(plan, res):
+                assert r.error is None
+                assert r.tokens == refs(a, p, quantized), (a, p)
+                assert r.params["adapter"] == a
+        finally:
+            await eng.aclose()
+
+    arun(main)
+
+
+def test_seeded_sampling_is_per_row_with_adapters(adapters, arun):
+    async def main():
+        eng = engine()
+        try:
+            eng.load_adapter("rd", adapters["rd"])
+            kw = dict(chat=False, max_tokens=N, temperature=0.9, seed=7)
+            alone = await eng.submit(PROMPTS[0], adapter="rd", **kw)
+            rows = [eng.submit(PROMPTS[0], adapter=a, **kw) for a in ("rd", None, "rd")]
+            res = await asyncio.gather(*rows)
+            assert res[0].tokens == res[2].tokens == alone.tokens
+            assert res[1].tokens != alone.tokens  # the base row under the same seed
+        finally:
+            await eng.aclose()
+
+    arun(main)
+
+
+def test_prefix_reuse_is_keyed_by_adapter(adapters, refs, arun):
+    prompt = "a shared system prompt that is long enough to reuse"
+
+    async def main():
+        eng = engine(prefix_cache="16MB")
+        try:
+            eng.load_adapter("rl", adapters["rl"])
+            eng.load_adapter("rd", adapters["rd"])
+            first = await eng.submit(prompt, chat=False, max_tokens=N, adapter="rl")
+            again = await eng.submit(prompt, chat=False, max_tokens=N, adapter="rl")
+            other = await eng.submit(prompt, chat=False, max_tokens=N, adapter="rd")
+            base = await eng.submit(prompt, chat=False, max_tokens=N)
+            assert again.cached_tokens > 0  # same adapter: the prefix is reused
+            assert other.cached_tokens == 0 and base.cached_tokens == 0
+            assert first.tokens == again.tokens == refs("rl", prompt, False)
+            assert other.tokens == refs("rd", prompt, False)
+            assert base.tokens == refs(None, prompt, False)
+        finally:
+            await eng.aclose()
+
+    arun(main)
+
+
+def test_structured_rows_with_an_adapter(adapters, arun):
+    async def main():
+        eng = engine()
+        try:
+            eng.load_adapter("tl", adapters["tl"])
+            row = await eng.submit("pick", chat=False, max_tokens=8, adapter="tl",
+                                   choices=["yes", "no"])
+            assert row.text in ("yes", "no") and row.error is None
+        finally:
+            await eng.aclose()
+
+    arun(main)
+
+
+def test_unload_is_refused_while_rows_use_it(adapters, arun):
+    async def main():
+        eng = engine()
+        try:
+            eng.load_adapter("rl", adapters["rl"])
+            row = eng.submit(PROMPTS[0], chat=False, max_tokens=200, adapter="rl")
+            with pytest.raises(ValueError, match="in use by 1 unfinished row"):
+                eng.unload_adapter("rl")
+            row.cancel()
+            await row
+            eng.unload_adapter("rl")
+            assert eng.adapters == {} and eng.adapter_bytes == 0
+            with pytest.raises(ValueError, match="no adapter named 'rl' is loaded"):
+                eng.submit(PROMPTS[0], adapter="rl")
+            # with none left the model is its own again: no wrapper in any layer
+            assert "AdaptedLinear" not in repr([type(getattr(m, n, None)).__name__
+                                                 for _, m in eng.model.named_modules()
+                                                 for n in ("q_proj", "down_proj")])
+            base = await eng.submit(PROMPTS[0], chat=False, max_tokens=N)
+            assert base.tokens == reference_tokens(None, PROMPTS[0], N)
+        finally:
+            await eng.aclose()
+
+    arun(main)
+
+
+def test_bad_adapters_get_one_line_reasons(adapters, tmp_path):
+    import json
+
+    eng = engine()
+    try:
+        full = tmp_path / "full"
+        full.mkdir()
+        (full / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "full"}))
+        cases = [("f", full, "full fine-tune.*load it as a model"),
+                 ("m", tmp_path / "missing", "no adapter directory"),
+                 ("base", adapters["rl"], "'base' names the model without an adapter"),
+                 ("bad name!", adapters["rl"], "short identifier")]
+        other = tmp_path / "wide"
+        import mlx.core as mx
+        random_adapter(other, "lora", rank=4)
+        w = mx.load(str(other / "adapters.safetensors"))
+        w = {k: mx.zeros((v.shape[0] * 2, v.shape[1])) if k.endswith("lora_a") else v
+             for k, v in w.items()}
+        mx.save_safetensors(str(other / "adapters.safetensors"), w)
+        cases.append(("w", other, "does not fit this model"))
+        for name, path, msg in cases:
+            with pytest.raises(ValueError, match=msg) as e:
+                eng.load_adapter(name, path)
+            assert "\n" not in str(e.value)
+        eng.load_adapter("rl", adapters["rl"])
+        with pytest.raises(ValueError, match="already loaded"):
+            eng.load_adapter("rl", adapters["rd"])
+        assert list(eng.adapters) == ["rl"]
+    finally:
+        eng.close()
+
+
+def test_adapter_bytes_count_once_against_the_kv_budget(adapters):
+    eng = engine(kv_budget="64MB")
+    try:
+        before = eng.scheduler.kv_budget
+        infos = [eng.load_adapter(n, adapters[n]) for n in ("rl", "rd", "tl")]
+        # stacked over one copy of the base weights: about the files' own bytes
+        # (DoRA adds a magnitude row per slot), nowhere near a model copy each
+        model_bytes = sum(v.nbytes for _, v in __import__("mlx.utils").utils.tree_flatten(
+            eng.model.parameters()))
+        assert 0 < eng.adapter_bytes <= 1.5 * sum(i.nbytes for i in infos)
+        assert eng.adapter_bytes < 0.5 * model_bytes
+        assert eng.scheduler.kv_budget == before - eng.adapter_bytes
+        assert "rl (lora r4" in eng.status() and "rd (dora r8" in eng.status()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
+def test_every_adapted_layer_computes_mlx_lm_per_row(adapters, quantized):
+    """Layer by layer, for a prefill chunk [B, L, D] and a decode step [B, 1, D]: a
+    row alone is bit for bit mlx-lm's LoRALinear/DoRALinear; rows of a mixed batch
+    are within float noise of it (BLAS sums a base product of more rows in another
+    order, batch or no batch, so bits are not promised there)."""
+    import mlx.core as mx
+    from mlx_lm.tuner.utils import load_adapters
+
+    from mlxnb.core.worker.adapters import AdapterSet
+    from mlxnb.models.adapters import read_adapter
+
+    names = ["rl", "rd", "rq", "td"]
+    model, _ = base_model(quantized)
+    aset = AdapterSet(model)
+    for n in names:
+        aset.add(n, read_adapter(adapters[n]))
+    refs = {}
+    for n in names:
+        ref, _ = base_model(quantized)
+        load_adapters(ref, str(adapters[n]))
+        refs[n] = dict(ref.named_modules())
+    mixed = ["rd", None, "rl", "rq", "td", "rd"]
+    checked = 0
+    for path, (_, _, layer, _) in aset.wrapped.items():
+        for length in (5, 1):
+            x = mx.random.normal((len(mixed), length, layer.dims[0]),
+                                 key=mx.random.key(length))
+            with aset.using(aset.select(mixed)):
+                y = layer(x)
+            for i, a in enumerate(mixed):
+                mod = refs[a][path] if a is not None else layer.base
+                want = mod(x[i:i + 1])
+                with aset.using(aset.select([a])):
+                    alone = layer(x[i:i + 1])
+                assert mx.array_equal(alone, want).item(), (path, a, length)
+                err = mx.abs(y[i:i + 1] - want).max().item()
+                assert err <= 1e-5 * max(1.0, mx.abs(want).max().item()), (path, a, err)
+                checked += 1
+    assert checked > 50
+    assert aset.select([None, None]) is None  # base-only batches skip the low-rank path
+
+
+def test_unloading_one_keeps_the_others_exact(adapters, refs, arun):
+    # the stacks are rebuilt without the middle slot; the rest keep their weights
+    async def main():
+        eng = engine()
+        try:
+            for n in ("rl", "rd", "tl", "td"):
+                eng.load_adapter(n, adapters[n])
+            eng.unload_adapter("rd")
+            eng.load_adapter("rq", adapters["rq"])
+            plan = [("rl", PROMPTS[0]), ("td", PROMPTS[1]), (None, PROMPTS[2]),
+                    ("tl", PROMPTS[3]), ("rq", PROMPTS[4])]
+            res = await asyncio.gather(*[eng.submit(p, chat=False, max_tokens=N, adapter=a)
+                                         for a, p in plan])
+            for (a, p), r in zip(plan, res):
+                assert r.tokens == refs(a, p, False), a
+        finally:
+            await eng.aclose()
+
+    arun(main)
+
+
+def test_generate_keeps_each_adapters_path_for_save(adapters, arun, tmp_path):
+    import json
+
+    async def main():
+        eng = engine()
+        try:
+            eng.load_adapter("rl", adapters["rl"])
+            run = eng.generate(["abc", "xyz"], chat=False, max_tokens=4, adapter="rl")
+            await run
+            run.save(tmp_path / "r.jsonl")
+            recs = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+            assert [r["adapter"] for r in recs] == ["rl", "rl"]
+            assert {r["adapter_path"] for r in recs} == {str(adapters["rl"])}
+        finally:
+            await eng.aclose()
+
+    arun(main)
+
+
+def test_speculating_rows_keep_their_adapter(adapters, refs, arun):
+    # lookup drafts are verified in a wider forward: it runs under each row's adapter
+    prompt = "abcabcabcabcabcabcabc"
+
+    async def main():
+        eng = engine()
+        try:
+            eng.load_adapter("rl", adapters["rl"])
+            eng.load_adapter("td", adapters["td"])
+            rows = [eng.submit(prompt, chat=False, max_tokens=N, adapter=a,
+                               speculate="lookup", num_draft=3) for a in ("rl", None, "td")]
+            res = await asyncio.gather(*rows)
+            for a, r in zip(("rl", None, "td"), res):
+                assert r.tokens == refs(a, prompt, False), a
+        finally:
+            await eng.aclose()
+
+    arun(main)
