@@ -482,7 +482,7 @@ def test_a_cancelled_row_keeps_every_character_it_decoded(tiny, arun):
 
 
 def test_step_history_is_bounded_and_numbered_on(tiny, arun, monkeypatch):
-    import mlxnb.core.engine as me
+    import mlxnb.core.reports as me
 
     monkeypatch.setattr(me, "_KEEP_STEPS", 32)
 

@@ -31,10 +31,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 from .. import _aio
 from ..models import progress
 from .constrain import SUBMIT_WAIT_S, Constraints
-from .constraint_params import kind_of
 from .adapters import Adapters
 from .closing import Closing
-from .messages import Admit, TickReport, WorkerState
+from .reports import Reports
+from .messages import Admit, WorkerState
 from .options import check_options
 from .states import Finish
 from .worker.batch import BatchExecutor
@@ -46,12 +46,8 @@ from . import rowtrace
 from .run import Run
 from ._threads import LOAD_TIMEOUT_S, load_bounded, mlx_worker
 from .._text import fmt_bytes, parse_bytes
-from ._trace import timed
 from .scheduler import Scheduler
 from .worker.warmup import warm_up
-
-_KEEP_STEPS = 200_000  # step records kept in `Engine.steps` (oldest dropped first)
-
 
 def _admitted(rows: List[Row], now: float, waited_for) -> None:
     for row in rows:
@@ -59,7 +55,7 @@ def _admitted(rows: List[Row], now: float, waited_for) -> None:
         rowtrace.note_admitted(row, waited_for(row))
 
 
-class Engine(Listeners, Closing, Adapters):
+class Engine(Listeners, Closing, Adapters, Reports):
     """Continuous-batching generation on one MLX model.
 
     `model`: "default" (bundled SmolLM2-135M-Instruct), an mlx-lm hub id, a local
@@ -155,7 +151,7 @@ class Engine(Listeners, Closing, Adapters):
         self.max_prompt_chars = (self.context_length * longest
                                  if self.context_length and longest else None)
         self.scheduler = Scheduler(max_batch, self.kv_budget, self.kv_bytes_for)
-        self.steps: List[StepRecord] = []  # the latest _KEEP_STEPS steps
+        self.steps: List[StepRecord] = []  # the latest reports._KEEP_STEPS steps
         self._nsteps = 0
         self._ids = itertools.count()
         self._live: Dict[int, Row] = {}  # unfinished rows, by id
@@ -410,99 +406,6 @@ class Engine(Listeners, Closing, Adapters):
         ex = self._exec
         if ex is not None:  # (a closed engine has no ticks to report)
             self._on_worker(ex.trace, tracer)
-
-    @timed("apply")
-    def _apply(self, report: TickReport, dt: float):
-        """The one place worker results reach rows: tokens, text deltas, states."""
-        now = self.clock()
-        live = self._live
-        # the steps this tick took get the next numbers; prefill rides on its first
-        # (a tick with prefill work takes one step), rows end in its last
-        first, last = self._nsteps, self._nsteps + len(report.steps) - 1
-        first_s = report.steps[0].seconds + dt - sum(st.seconds for st in report.steps) \
-            if report.steps else 0.0
-        chunks, ended = {}, []
-        for e in report.emitted:
-            row = live.get(e.row_id)
-            if row is None:  # ended on this side first (cancel, close)
-                continue
-            if e.token is not None:
-                if row.t_first is None:
-                    row.t_first = now
-                if e.drafted:
-                    row.drafted.append(len(row.tokens))
-                row.tokens.append(e.token)
-                if e.logprob is not None:
-                    row.logprobs.append(e.logprob)
-            if e.text:
-                if e.drafted:
-                    row.mark_drafted(len(row.text), len(row.text) + len(e.text))
-                row.text += e.text  # rebinds a new str: readers see old or new, whole
-        for rid, up in report.updates.items():
-            row = live.get(rid)
-            if row is None:
-                continue
-            if up.state:
-                row.state = up.state
-            if up.cached_tokens is not None and not row.cached_tokens:
-                rowtrace.note_prefix(row, now - dt, up.cached_tokens)
-            if up.prefill_done is not None:
-                n = up.prefill_done - max(row.prefill_done, up.cached_tokens or 0)
-                if n > 0:
-                    chunks[rid] = n
-                    rowtrace.note_chunk(row, first, now - dt + first_s, first_s, n)
-                row.prefill_done = up.prefill_done
-            if up.cached_tokens is not None:
-                row.cached_tokens = up.cached_tokens
-            if up.draft_proposed:
-                row.draft_proposed += up.draft_proposed
-                row.draft_accepted += up.draft_accepted
-            if up.finish:
-                ended.append(rid)
-                rowtrace.note_end(row, last if report.steps else None)
-                if row.t_first is None and up.finish == Finish.STOP:
-                    row.t_first = now
-                self._end(row, up.finish, up.error, checked=up.checked,
-                          constraint_error=up.constraint_error)
-        # The first step also carries the loop's share of the round trip.
-        worker = sum(st.seconds for st in report.steps)
-        t = now - dt
-        for i, st in enumerate(report.steps):
-            secs = st.seconds + ((dt - worker) if i == 0 else 0.0)
-            t += secs
-            split = tuple(st.split) + ((dt - worker) if i == 0 else 0.0,) if st.split else ()
-            rec = StepRecord(self._nsteps, t, secs, st.decoded, st.prefill_tokens,
-                             st.kv_bytes, st.batch_ids, st.batch_share, st.prefill_bytes,
-                             st.read, prefill_rows=chunks if i == 0 else None,
-                             ended=tuple(ended) if self._nsteps == last else (),
-                             split=split, kv_budget=self.kv_budget,
-                             drafted=st.drafted, accepted=st.accepted)
-            self._nsteps += 1
-            self.steps.append(rec)
-            self._notify("step", rec)
-        if len(self.steps) > _KEEP_STEPS + _KEEP_STEPS // 16:  # a kernel may run for days
-            del self.steps[:len(self.steps) - _KEEP_STEPS]
-
-    def _end(self, row: Row, reason: Finish, error: Optional[str] = None, *,
-             checked: bool = False, constraint_error: Optional[str] = None):
-        """Finish a row (on the loop): its last fields, its future, its callbacks.
-        A constrained row's text is checked here unless the worker `checked` it."""
-        self.scheduler.release(row.id)
-        if row.done:
-            return
-        self._live.pop(row.id, None)
-        self._held.pop(row.id, None)
-        self._finished[row.id] = row
-        self.finished[reason] += 1
-        if checked:
-            row.constraint_error = constraint_error
-        elif reason in (Finish.STOP, Finish.LENGTH) and kind_of(row.params) is not None:
-            try:
-                row.constraint_error = self.constraints.check(row.params, row.text)
-            except Exception as e:  # the row's result stands; the check says it failed
-                row.constraint_error = f"could not be checked: {type(e).__name__}: {e}"
-        row._finish(reason, error)
-        self._notify("finish", row)
 
     def status(self) -> str:
         kv = self.steps[-1].kv_bytes if self.steps else 0
