@@ -50,7 +50,7 @@ test: system-deps browser-deps $(TEST_STAMP)
 	$(BIN)/python -m bench speculate --quick > /dev/null
 
 # The unit tier: the tiny random-weight model, no kernels, subprocesses, servers or
-# bundled model (about two and a half minutes on 2 cores).
+# bundled model (about three minutes on 2 cores).
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "$(UNIT)"
 
