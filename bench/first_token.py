@@ -27,7 +27,7 @@ KINDS = (("greedy", {}), ("sampled", {"temperature": 0.8}),
          ("top_p", {"temperature": 0.8, "top_p": 0.9}))
 
 
-async def _child(shape: str, dtype: str, t_start: float) -> dict:
+async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True) -> dict:
     """`t_start`: the wall-clock time the parent started this process."""
     import mlxnb
     from . import common
@@ -35,12 +35,12 @@ async def _child(shape: str, dtype: str, t_start: float) -> dict:
     out = {"import_s": time.time() - t_start}
     t = time.perf_counter()
     if shape == "default":
-        eng = mlxnb.Engine("default", max_batch=32)
+        eng = mlxnb.Engine("default", max_batch=32, warmup=warmup)
         prompts = ["Tell me about cats.", "Write a haiku about rain.",
                    "What is two plus two?", "Name three rivers."]
     else:
         model, tok, _ = common.build_model(shape, dtype)
-        eng = mlxnb.Engine((model, tok), max_batch=32, kv_budget=None)
+        eng = mlxnb.Engine((model, tok), max_batch=32, kv_budget=None, warmup=warmup)
         prompts = [common.as_text([5 + i] * (20 + 7 * i)) for i in range(4)]
     out["engine_s"] = time.perf_counter() - t
     out["warmup_s"] = eng.warmup_s
@@ -63,7 +63,8 @@ def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
         t_start = float(argv[3])
-        print("RESULT " + json.dumps(asyncio.run(_child(argv[1], argv[2], t_start))))
+        res = asyncio.run(_child(argv[1], argv[2], t_start, warmup=argv[4:] != ["--no-warmup"]))
+        print("RESULT " + json.dumps(res))
         return 0
     from . import common
 
@@ -74,6 +75,8 @@ def main(argv=None, prog=None):
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
     ap.add_argument("--fresh", action="store_true", help="an empty MLXNB_CACHE per process")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="Engine(warmup=False): the first rows compile what they use")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     report = common.Report(NAME, RESULT, TITLE, args, argv)
@@ -85,7 +88,8 @@ def main(argv=None, prog=None):
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         cmd = [sys.executable, "-m", "bench", NAME, "--child", args.shape, args.dtype]
         # the child measures from this moment (wall clock): its interpreter start counts
-        r = subprocess.run(cmd + [repr(time.time())], env=env,
+        extra = ["--no-warmup"] if args.no_warmup else []
+        r = subprocess.run(cmd + [repr(time.time())] + extra, env=env,
                            capture_output=True, text=True, cwd=str(common.ROOT))
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if r.returncode or not line:
@@ -100,6 +104,7 @@ def main(argv=None, prog=None):
     table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     table += ["| " + " | ".join(str(r.get(k)) for k in keys) + " |" for r in rows]
     what = "each process with an empty MLXNB_CACHE" if args.fresh else "processes sharing one cache"
+    what += ", Engine(warmup=False)" if args.no_warmup else ""
     report.write(f"{args.shape} {args.dtype}, {what}; seconds.\n\n" + "\n".join(table) + "\n",
                  {"rows": rows})
     print("\n".join(table))
