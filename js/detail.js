@@ -103,14 +103,14 @@ export function detailPanel({ model, cvStep, view: state, schedule, pinRow }) {
     openStep(hit.steps[i]);
   });
 
-  function drawRow(id) {
+  // What the row view shows now, kept so that a running row's news (an answer every
+  // second) updates its life and appends its new tokens: redrawing thousands of
+  // tokens each time would cost the page more than the news, and lose the list's
+  // scroll position.
+  let shown = null;
+
+  function lifeOf(id, r, trace) {
     const { st, stale } = state();
-    const r = st.rows.get(id), d = rowDetails.get(id);
-    setText(dTitle, `row ${id}` + (r ? ` · ${oneLine(r.prompt || "", 80)}` : ""));
-    setAttr(el, "data-kind", "row"); setAttr(el, "data-id", id);
-    dBody.textContent = "";
-    const trace = d && d.trace && d.trace.length ? d.trace : r ? stampPhases(r) : [];
-    setAttr(el, "data-trace", d && d.trace ? "kernel" : "stamps");
     const wf = h("div", "mlxnb-wf");
     const now = liveNow({ ...st.header, live: st.header.live && !stale }, st.recvAt, performance.now());
     for (const b of waterfall(trace, now)) {
@@ -123,21 +123,47 @@ export function detailPanel({ model, cvStep, view: state, schedule, pinRow }) {
       line.append(h("span", "mlxnb-wf-label", b.label), track, h("span", "mlxnb-wf-text", b.text));
       wf.append(line);
     }
-    dBody.append(h("div", "mlxnb-detail-sub", "life of the row"), wf);
+    return wf;
+  }
+
+  const tokensTitle = (tv) => `tokens (${tv.items.length}${tv.more ? ` of ${tv.items.length + tv.more}` : ""})` +
+    (tv.probs ? ": shaded by how unlikely each was (the stronger, the less likely)" : "");
+
+  function drawRow(id) {
+    const { st, stale } = state();
+    const r = st.rows.get(id), d = rowDetails.get(id);
+    setText(dTitle, `row ${id}` + (r ? ` · ${oneLine(r.prompt || "", 80)}` : ""));
+    setAttr(el, "data-kind", "row"); setAttr(el, "data-id", id);
+    const trace = d && d.trace && d.trace.length ? d.trace : r ? stampPhases(r) : [];
+    setAttr(el, "data-trace", d && d.trace ? "kernel" : "stamps");
+    const wf = lifeOf(id, r, trace);
     const spec = r ? draftText(r.draft, r.ntok) : "";
-    if (spec) dBody.append(h("div", "mlxnb-detail-note mlxnb-spec", spec + " (dotted underline below)"));
+    const specText = spec ? spec + " (dotted underline below)" : "";
     const tv = d && d.tokens;
+    if (shown && shown.id === id && tv && shown.list.more(tv)) {
+      shown.wf.replaceWith(wf); shown.wf = wf;
+      setText(shown.spec, specText); shown.spec.hidden = !spec;
+      setText(shown.sub, tokensTitle(tv));
+      shown.list.add(tv);
+      return;
+    }
+    shown = null;
+    dBody.textContent = "";
+    const specEl = h("div", "mlxnb-detail-note mlxnb-spec", specText);
+    specEl.hidden = !spec;
+    dBody.append(h("div", "mlxnb-detail-sub", "life of the row"), wf, specEl);
     if (!tv) {
       dBody.append(h("div", "mlxnb-detail-note", stale || !st.header.live && !d
         ? "tokens: open this row while its kernel runs to see them"
         : "tokens: asking the kernel…"));
       return;
     }
-    dBody.append(h("div", "mlxnb-detail-sub",
-      `tokens (${tv.items.length}${tv.more ? ` of ${tv.items.length + tv.more}` : ""})` +
-      (tv.probs ? ": shaded by how unlikely each was (the stronger, the less likely)" : "")));
+    const sub = h("div", "mlxnb-detail-sub", tokensTitle(tv));
+    dBody.append(sub);
     if (d.why) dBody.append(h("div", "mlxnb-detail-note", d.why));
-    dBody.append(...tokenList(tv));
+    const list = tokenList(tv);
+    dBody.append(list.box, list.info);
+    shown = { id, wf, spec: specEl, sub, list };
   }
 
   function tokenList(tv) {
@@ -148,14 +174,22 @@ export function detailPanel({ model, cvStep, view: state, schedule, pinRow }) {
     claimKeys(box, ["ArrowLeft", "ArrowRight", "ArrowUp", "ArrowDown", "Home", "End"]);
     const info = h("div", "mlxnb-tokinfo");
     info.setAttribute("aria-live", "polite");
-    const spans = tv.items.map((it) => {
-      const e = h("span", "mlxnb-tok", showPiece(it.s ?? `<${it.id}>`));
-      e.dataset.i = it.i;
-      if (it.p != null) { e.dataset.p = it.p; e.style.background = `rgba(228, 155, 38, ${tokenShade(it.p)})`; }
-      if (it.draft) e.dataset.draft = "1";
-      e.setAttribute("role", "option");
-      return e;
-    });
+    const spans = [];
+    let cur = tv;
+    const add = (next) => {
+      cur = next;
+      for (const it of next.items.slice(spans.length)) {
+        const e = h("span", "mlxnb-tok", showPiece(it.s ?? `<${it.id}>`));
+        e.dataset.i = it.i;
+        if (it.p != null) { e.dataset.p = it.p; e.style.background = `rgba(228, 155, 38, ${tokenShade(it.p)})`; }
+        if (it.draft) e.dataset.draft = "1";
+        e.setAttribute("role", "option");
+        spans.push(e);
+        // a line may break between any two tokens (their text has no spaces:
+        // showPiece writes them as "·"), so a long row wraps instead of running off
+        box.append(e, document.createElement("wbr"));
+      }
+    };
     const select = (i) => {
       if (i < 0 || i >= spans.length) return;
       if (selTok >= 0 && spans[selTok]) {
@@ -164,12 +198,10 @@ export function detailPanel({ model, cvStep, view: state, schedule, pinRow }) {
       }
       selTok = i; spans[i].classList.add("mlxnb-tok-sel");
       spans[i].setAttribute("aria-selected", "true");
-      setText(info, tokenInfo(tv.items[i], tv.sampling));
+      setText(info, tokenInfo(cur.items[i], cur.sampling));
       setAttr(info, "data-i", i);
     };
-    // a line may break between any two tokens (their text has no spaces: showPiece
-    // writes them as "·"), so a long row wraps instead of running off the side
-    for (const e of spans) box.append(e, document.createElement("wbr"));
+    add(tv);
     const pick = (ev) => { const i = ev.target.dataset && ev.target.dataset.i; if (i != null) select(+i); };
     box.addEventListener("mouseover", pick);
     box.addEventListener("click", pick);
@@ -184,13 +216,17 @@ export function detailPanel({ model, cvStep, view: state, schedule, pinRow }) {
     });
     setText(info, `${samplingText(tv.sampling)}. Hover, tap or use the arrow keys on a token.`);
     if (selTok >= 0) select(selTok);
-    return [box, info];
+    // the same tokens and more (a running row's later answer): appended, not redrawn
+    const more = (next) => next.probs === cur.probs && next.items.length >= spans.length &&
+      (spans.length === 0 || next.items[spans.length - 1].id === cur.items[spans.length - 1].id);
+    return { box, info, add, more };
   }
 
   function drawStep(step) {
     const { st } = state();
     const d = stepDetails.get(step);
     const base = stepAxis(st.header).base;
+    shown = null;
     setText(dTitle, "step inspector");
     setAttr(el, "data-kind", "step"); setAttr(el, "data-step", step);
     dBody.textContent = "";
@@ -219,7 +255,7 @@ export function detailPanel({ model, cvStep, view: state, schedule, pinRow }) {
     if (!dirty) return;
     dirty = false;
     el.hidden = !open;
-    if (!open) { setAttr(el, "data-kind", ""); return; }
+    if (!open) { setAttr(el, "data-kind", ""); shown = null; return; }
     const a = document.activeElement, refocus = a && el.contains(a) && a.className;
     if (open.kind === "row") drawRow(open.id); else drawStep(open.step);
     if (refocus) { const e = el.querySelector("." + refocus.split(" ")[0]); if (e) e.focus(); }

@@ -206,6 +206,8 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path, app):
             print(f"\n[{app}] live row view: {d['title']} {d['wf']} {len(d['toks'])} tokens")
             assert not d["hidden"] and d["kind"] == "row" and d["trace"] == "kernel", d
             assert all(p is not None for _, p in d["toks"]), d["toks"][:3]
+            # the list is kept as the row's news comes: its new tokens are appended
+            page.evaluate("() => { document.querySelector('.mlxnb-tokens').dataset.probe = '1'; }")
             while not (root / "expected.json").exists():
                 assert left() > 90, "the run never finished"
                 page.wait_for_timeout(200)
@@ -218,6 +220,7 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path, app):
                       and d["wf"][-1][0] == "finish", left, "the opened row's last tokens")
             ps = [float(p) for _, p in d["toks"]]
             assert max(abs(a - b) for a, b in zip(ps, exp["p"][opened])) < 1e-4
+            assert page.evaluate("() => document.querySelector('.mlxnb-tokens').dataset.probe") == "1"
 
             # row 0 by mouse: token 0's probability as the sampler gave it, in its line
             prompts.nth(0).click()
@@ -246,6 +249,14 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path, app):
                 walk.append((key, d["info"][:12], d["activeCell"], d["active"]))
                 assert d["info"].startswith(f"token {want}:"), walk
                 assert d["activeCell"] == cell0 and "mlxnb-tokens" in d["active"], walk
+            # Tab order: the step chart, the panel's close button, its token list, the
+            # rows' prompts
+            order = []
+            for key in ["Shift+Tab", "Shift+Tab", "Tab", "Tab", "Tab"]:
+                page.keyboard.press(key)
+                order.append(page.evaluate(DETAIL_JS)["active"].split(" ")[0])
+            assert order == ["mlxnb-detail-close", "mlxnb-chart-step", "mlxnb-detail-close",
+                             "mlxnb-tokens", "mlxnb-prompt"], order
             p_shown = float(page.locator(".mlxnb-tok").nth(0).get_attribute("data-p"))
             assert abs(p_shown - exp["p"][0][0]) < 1e-4
 
@@ -327,13 +338,19 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path, app):
             assert page.evaluate(DETAIL_JS)["hidden"]
 
             # (d) save with widget state, shut everything down, reopen without a kernel
-            page.locator(".jp-Notebook").first.click()
-            page.keyboard.press("Control+s")
-            for _ in range(40):
-                page.wait_for_timeout(250)
-                meta = json.dumps(_saved(root / "e2e.ipynb").get("metadata", {}).get("widgets", {}))
-                if "step_details" in meta and "batch_ids" in meta:
-                    break
+            for attempt in range(3):  # File > Save Notebook, until the state is on disk
+                page.locator(".lm-MenuBar-item", has_text="File").first.click()
+                page.locator("li.lm-Menu-item[data-command='docmanager:save']").first.click()
+                for _ in range(40):
+                    page.wait_for_timeout(250)
+                    meta = json.dumps(_saved(root / "e2e.ipynb").get("metadata", {})
+                                      .get("widgets", {}))
+                    if "step_details" in meta and "batch_ids" in meta:
+                        break
+                else:
+                    continue
+                break
+            assert "step_details" in meta and "batch_ids" in meta, meta[:300]
             for sess in _sessions(base, token):
                 req = urllib.request.Request(
                     f"{base}/api/sessions/{sess['id']}?token={token}", method="DELETE")
