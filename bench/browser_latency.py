@@ -12,8 +12,10 @@ while the rows decode, the page times a trivial cell again and again, two ways:
   kernel  an execute request `1` on the page's kernel connection, call to reply.
 
 The same before the view opens, and after the run is stopped (the baseline). Prints
-one JSON line per phase: median, p90 and max in ms, and how many rows were decoding
-at each sample.
+one JSON line per phase: median, p90 and max in ms, how many rows were decoding at
+each sample, and the share of the phase the page spent in long tasks (main-thread
+work over 50 ms). First, without a browser, the kernel's own share: how late the
+event loop that runs the engine and the widget wakes from a 10 ms sleep.
 
   python -m bench browser-latency                    # the tiny model, 32 rows
   python -m bench browser-latency --model default    # the bundled SmolLM2
@@ -22,6 +24,7 @@ at each sample.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime
 import importlib.util
@@ -82,8 +85,48 @@ def _notebook(path: Path, model: str, rows: int, max_tokens: int) -> None:
     nbformat.write(nb, path)
 
 
-def _summary(phase: str, samples: list) -> dict:
-    out = {"phase": phase, "n": len(samples)}
+# Long tasks (main-thread work over 50 ms) the page ran, from a given time on: how
+# busy rendering kept the page that also has to show the cell's reply.
+LONG_JS = """() => { if (!window.__long) { window.__long = [];
+  new PerformanceObserver((l) => window.__long.push(...l.getEntries().map((e) => [e.startTime, e.duration])))
+    .observe({type: 'longtask', buffered: true}); } return performance.now(); }"""
+BUSY_JS = """(t0) => { const now = performance.now();
+  const ms = window.__long.filter(([t]) => t >= t0).reduce((a, [, d]) => a + d, 0);
+  return {busy_share: +(ms / (now - t0)).toFixed(3), long_tasks: window.__long.filter(([t]) => t >= t0).length}; }"""
+
+
+async def _loop_lag(model: str, rows: int, max_tokens: int, view: bool) -> dict:
+    """The kernel's own share, without a browser: how late a 10 ms sleep wakes on the
+    event loop that runs the engine's loop side and the widget (its messages dropped),
+    every row decoding; with `view`, a token view's request every 100 ms."""
+    from mlxnb import Engine
+    from mlxnb.notebook.widget import GenerationWidget
+
+    eng = Engine(model, warmup=False, max_batch=rows)
+    run = eng.generate([f"Row {i}: write about the number {i}." for i in range(rows)],
+                       max_tokens=max_tokens, chat=False, temperature=0, logprobs=5)
+    w = GenerationWidget(eng, run.rows)
+    w.comm.publish_msg = lambda *a, **k: None
+    while not all(r.state == "decode" for r in run.rows):
+        await asyncio.sleep(0.05)
+    lags = []
+    for i in range(200):
+        if view and i % 10 == 0:
+            r0 = run.rows[0]
+            w._on_front_msg(w, {"type": "row_detail", "id": r0.id, "from": max(0, r0.ntok - 60)}, [])
+        t = time.perf_counter()
+        await asyncio.sleep(0.01)
+        lags.append(1000 * (time.perf_counter() - t - 0.01))
+    decoding = sum(r.state == "decode" for r in run.rows)
+    await eng.aclose()
+    return {"phase": f"kernel loop lag, {rows} rows decoding, widget" + (", token view asking" if view else ""),
+            "n": len(lags), "lag": {"median_ms": round(statistics.median(lags), 2),
+                                    "p90_ms": round(common.p90(lags), 2), "max_ms": round(max(lags), 1)},
+            "decoding_rows_at_end": decoding, "load_avg_1m": round(os.getloadavg()[0], 1)}
+
+
+def _summary(phase: str, samples: list, busy: dict | None = None) -> dict:
+    out = {"phase": phase, "n": len(samples), **(busy or {})}
     for way in ("cell", "kernel"):
         xs = [s[way] for s in samples]
         out[way] = {"median_ms": round(statistics.median(xs), 1), "p90_ms": round(common.p90(xs), 1),
@@ -150,15 +193,17 @@ def run(a) -> list:
                     f"the rows never all decoded: {s}; {said}"
                 page.wait_for_timeout(100)
 
+            page.evaluate(LONG_JS)
+
             def sample(all_decoding: bool) -> list:
-                out = []
+                out, t0 = [], page.evaluate("() => performance.now()")
                 while len(out) < a.samples:
                     r = page.evaluate(TIME_JS)
                     if all_decoding and r["decoding"] < a.rows:
                         break  # a row ended: the rest is not "every row decoding"
                     out.append(r)
                     page.wait_for_timeout(a.gap_ms)
-                return out
+                return out, page.evaluate(BUSY_JS, t0)
 
             closed = sample(True)
             page.locator(".mlxnb-widget .mlxnb-prompt").nth(0).click()  # the token view
@@ -171,9 +216,9 @@ def run(a) -> list:
                 page.wait_for_timeout(250)
             page.wait_for_timeout(1000)
             idle = sample(False)
-    return [_summary(f"{a.rows} rows decoding, no detail view", closed),
-            _summary(f"{a.rows} rows decoding, token view open", viewing),
-            _summary("rows stopped, token view open (baseline)", idle)]
+    return [_summary(f"{a.rows} rows decoding, no detail view", *closed),
+            _summary(f"{a.rows} rows decoding, token view open", *viewing),
+            _summary("rows stopped, token view open (baseline)", *idle)]
 
 
 def main(argv=None, prog=None):
@@ -200,6 +245,14 @@ def main(argv=None, prog=None):
     result = f"browser-latency-{datetime.date.today().isoformat()}"
     report = common.Report(NAME, result, TITLE, a, argv)
     lines = []
+    if a.model == "tiny":
+        from mlxnb.models.tiny import save_tiny_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = str(save_tiny_model(Path(tmp) / "tiny"))
+            for view in (False, True):
+                lines.append(json.dumps(asyncio.run(_loop_lag(path, a.rows, a.max_tokens, view))))
+                print(lines[-1], flush=True)
     for s in run(a):
         lines.append(json.dumps(s))
         print(lines[-1], flush=True)
