@@ -393,3 +393,31 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path, app):
             page.locator(".mlxnb-widget").first.screenshot(path=str(tmp_path / "reopened.png"))
     errors = [e for e in errors if not (app == "notebook" and e == NB7_OWN_ERROR)]
     assert not errors, "\n".join(errors)
+
+
+def test_the_contrast_probe_finds_faint_text(tmp_path):
+    """CONTRAST_JS on a page made to fail: grey text on white, light text on a
+    translucent shading, translucent text (a theme's secondary colour) -- each
+    measured as drawn, so the check above can catch a view that breaks AA."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    html = """<body style="background:#fff"><div class="mlxnb-widget" data-theme="light">
+      <div class="mlxnb-detail">
+        <span class="ok" style="color:#333">fine</span>
+        <span class="grey" style="color:#aaa">grey</span>
+        <span class="shaded" style="color:#666;background:rgba(0,0,0,0.5)">shaded</span>
+        <span class="faint" style="color:rgba(0,0,0,0.3)">faint</span>
+        <span class="tint" style="color:#000;background:rgba(0,0,0,0.1)">tint</span>
+        <span class="hidden" style="color:#fff;display:none">hidden</span>
+      </div></div></body>"""
+    with chromium_page(tmp_path, height=400) as page:
+        page.set_content(html)
+        got = dict(page.evaluate(CONTRAST_JS)["texts"])
+    assert got["ok"] >= 4.5, got
+    # #aaa on white is 2.32:1; #666 over 50 % black on white (#808080) 1.6:1;
+    # 30 % black on white (#b3b3b3) 2.1:1
+    assert abs(got["grey"] - 2.32) < 0.02 and got["shaded"] < 2 and got["faint"] < 2.2, got
+    # black on a 10 % black tint over white is still ~16:1 (taken as opaque: 1:1)
+    assert got["tint"] > 15, got
+    assert "hidden" not in got
