@@ -23,6 +23,8 @@ BENCHMARKS = {
     "remote": ("remote", "mlxnb.connect vs a plain httpx client against one mlx_lm.server"),
     "widget-traffic": ("widget_traffic", "the live widget's messages/s, bytes per token "
                                          "and time on the kernel's loop"),
+    "browser-latency": ("browser_latency", "a trivial cell's latency from a real browser "
+                                           "while 32 rows stream into an open token view"),
     "speculate": ("speculate", "speculative decoding (prompt lookup) off vs on: decode "
                                "tok/s, acceptance and tokens per step, copy-heavy and "
                                "free-form prompts (--quick: a smoke run)"),

@@ -295,6 +295,13 @@ export function stepLines(d, base = 0) {
   return lines;
 }
 
+/** The step inspector's line for a step it has no record of: still asking the
+ *  kernel, or none answered (a saved notebook keeps the steps inspected live only). */
+export function stepNote(n, asking) {
+  return asking ? `step ${n}: asking the kernel…`
+    : `step ${n}: not inspected while the kernel ran (inspect steps while it runs; the notebook keeps those)`;
+}
+
 function formatKB(n) {
   if (n == null) return "–";
   const u = ["B", "KB", "MB", "GB"];

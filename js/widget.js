@@ -1,9 +1,11 @@
 // mlxnb generation widget (anywidget ESM). State comes from the synced traits (a new
 // view, a reopened notebook) and then from ~15 Hz "delta" custom messages; everything
-// is redrawn at most once per animation frame. Charts are plain <canvas>.
+// is redrawn at most once per animation frame. Charts are plain <canvas> (charts.js);
+// the detail panel (a row's life and tokens, the step inspector) is detail.js.
 import { CHART_TITLES, applyMessage, badgeKind, badgeText, bandAt, formatDuration, formatRate, headerParts, isStale, laneAt, layoutFor, liveNow, moreLabel, oneLine, rowColor, shouldTakeTraits, stateFromTraits, tailText } from "./lib.js";
-import { STEP_LEGEND, commonParts, draftText, kernelGone, nearestIndex, pickVisible, promptLabel, samplingText, showPiece, stampPhases, stepAxis, stepLines, tokenInfo, tokenShade, verdict, waterfall } from "./views.js";
+import { STEP_LEGEND, commonParts, draftText, kernelGone, pickVisible, promptLabel, verdict } from "./views.js";
 import { applyTheme, colors, drawKV, drawSteps, drawTimeline, h, setAttr, setText } from "./charts.js";
+import { detailPanel } from "./detail.js";
 
 const ROW_LIMIT = 12; // rows listed before the "N more rows" control
 const STALE_MS = 5000; // a sync request unanswered this long: no kernel runs the rows
@@ -38,21 +40,12 @@ function render({ model, el }) {
   const cvKV = chart("mlxnb-chart-kv", CHART_TITLES.kv);
   const cvStep = chart("mlxnb-chart-step", stepKey);
   const cvTime = chart("mlxnb-chart-timeline", CHART_TITLES.timeline);
-  // The detail panel: a row's life and tokens, or one step (opened by a click or key).
-  const detail = h("div", "mlxnb-detail");
-  detail.hidden = true;
-  const dHead = h("div", "mlxnb-detail-head"), dTitle = h("span", "mlxnb-detail-title");
-  const dClose = h("button", "mlxnb-detail-close", "close");
-  dClose.title = "close the detail view (Esc)";
-  const dBody = h("div", "mlxnb-detail-body");
-  dHead.append(dTitle, dClose);
-  detail.append(dHead, dBody);
   const rowsEl = h("div", "mlxnb-rows");
   const more = h("button", "mlxnb-more");
-  root.append(head, charts, detail, rowsEl, more);
-  cvStep.tabIndex = 0;
-  cvStep.setAttribute("role", "button");
-  cvStep.setAttribute("aria-label", "step time chart: click a step, or Enter and arrow keys, to inspect it");
+  // The detail panel: a row's life and tokens, or one step (opened by a click or key).
+  const detail = detailPanel({ model, cvStep, view: () => ({ st, stale }), schedule: () => schedule(),
+    pinRow: (id) => { highlight(id, true); if (hl !== id) highlight(id, true); } });
+  root.append(head, charts, detail.el, rowsEl, more);
   el.append(root);
 
   const readTraits = () => ({ rows: model.get("rows"), steps: model.get("steps"),
@@ -113,22 +106,7 @@ function render({ model, el }) {
   const onCommLive = () => { commDown = true; if (st.header.live) ask(true); };
   const onMsg = (msg) => {
     heard();
-    if (msg && msg.type === "row_detail") {
-      const old = rowDetails.get(msg.id), tv = msg.tokens;
-      if (tv && tv.start > 0) { // the rest of a running row's tokens: append
-        const have = old && old.tokens ? old.tokens.items : null;
-        if (!have || have.length !== tv.start) { askDetail({ type: "row_detail", id: msg.id }); return; }
-        msg = { ...msg, tokens: { ...tv, start: 0, items: have.concat(tv.items) } };
-      }
-      rowDetails.set(msg.id, msg);
-      if (view && view.kind === "row" && view.id === msg.id) { detailDirty = true; schedule(); }
-      return;
-    }
-    if (msg && msg.type === "step_detail") {
-      stepDetails.set(msg.step, msg);
-      if (view && view.kind === "step" && view.step === msg.step) { detailDirty = true; schedule(); }
-      return;
-    }
+    if (detail.onMsg(msg)) return;
     const res = applyMessage(st, msg, performance.now());
     if (res.gap) return ask();
     if (!res.applied) return;
@@ -146,11 +124,12 @@ function render({ model, el }) {
       st = stateFromTraits(t);
       st.recvAt = performance.now();
       dirty = new Set(st.rows.keys()); relayout = true;
-      takeDetails(); detailDirty = true;
+      detail.takeSaved();
       schedule();
     });
   };
-  const events = ["change:rows", "change:steps", "change:header", "change:seq", "change:details"];
+  const events = ["change:rows", "change:steps", "change:header", "change:seq", "change:details",
+    "change:step_details"];
   model.on("msg:custom", onMsg);
   model.on("comm_live_update", onCommLive);
   for (const ev of events) model.on(ev, onTraits);
@@ -159,167 +138,7 @@ function render({ model, el }) {
   // Catch up on what was sent before us; with no answer the view is a saved snapshot.
   if (st.header.live) ask();
 
-  // ------------------------------------------------------------ detail views
-  // Their data comes when one opens (row_detail / step_detail answers); rows opened
-  // while the kernel ran are also in the "details" trait, so a saved notebook has them.
-  let view = null, detailDirty = false, selTok = -1, askedDetailAt = 0;
-  const rowDetails = new Map(), stepDetails = new Map();
-  function takeDetails() {
-    const saved = model.get("details") || {};
-    for (const [k, v] of Object.entries(saved)) if (!rowDetails.has(+k)) rowDetails.set(+k, v);
-  }
-  takeDetails();
-  const canAsk = () => st.header.live !== undefined && !stale;
-  const askDetail = (msg) => {
-    if (!canAsk()) return;
-    askedDetailAt = performance.now();
-    try { model.send(msg); } catch (e) { /* no kernel connection (a static export) */ }
-  };
-  const openRow = (id) => {
-    view = { kind: "row", id }; selTok = -1; detailDirty = true;
-    highlight(id, true); if (hl !== id) highlight(id, true);
-    askDetail({ type: "row_detail", id });
-    schedule();
-  };
-  const openStep = (step) => {
-    view = { kind: "step", step }; detailDirty = true;
-    if (!stepDetails.has(step)) askDetail({ type: "step_detail", step });
-    schedule();
-  };
-  const closeDetail = () => { view = null; detailDirty = true; schedule(); };
-  dClose.addEventListener("click", closeDetail);
-  root.addEventListener("keydown", (ev) => { if (ev.key === "Escape" && view) closeDetail(); });
-  const stepIndex = () => {
-    const hit = cvStep._hit;
-    if (!hit || !hit.steps.length) return -1;
-    return view && view.kind === "step" ? hit.steps.indexOf(view.step) : -1;
-  };
-  cvStep.addEventListener("click", (ev) => {
-    const hit = cvStep._hit;
-    if (!hit) return;
-    const i = nearestIndex(hit.xs, ev.clientX - cvStep.getBoundingClientRect().left);
-    if (i >= 0) openStep(hit.steps[i]);
-  });
-  cvStep.addEventListener("keydown", (ev) => {
-    const hit = cvStep._hit;
-    if (!hit || !hit.steps.length) return;
-    let i = stepIndex();
-    if (ev.key === "Enter" || ev.key === " ") i = i < 0 ? hit.steps.length - 1 : i;
-    else if (ev.key === "ArrowLeft") i = Math.max(0, (i < 0 ? hit.steps.length : i) - 1);
-    else if (ev.key === "ArrowRight") i = Math.min(hit.steps.length - 1, i + 1);
-    else return;
-    ev.preventDefault();
-    openStep(hit.steps[i]);
-  });
-
-  function drawRowDetail(id) {
-    const r = st.rows.get(id), d = rowDetails.get(id);
-    setText(dTitle, `row ${id}` + (r ? ` · ${oneLine(r.prompt || "", 80)}` : ""));
-    setAttr(detail, "data-kind", "row"); setAttr(detail, "data-id", id);
-    dBody.textContent = "";
-    const trace = d && d.trace && d.trace.length ? d.trace : r ? stampPhases(r) : [];
-    setAttr(detail, "data-trace", d && d.trace ? "kernel" : "stamps");
-    const wf = h("div", "mlxnb-wf");
-    const now = liveNow({ ...st.header, live: st.header.live && !stale }, st.recvAt, performance.now());
-    for (const b of waterfall(trace, now)) {
-      const line = h("div", "mlxnb-wf-row");
-      line.dataset.phase = b.phase;
-      const track = h("span", "mlxnb-wf-track"), bar = h("span", "mlxnb-wf-bar");
-      bar.style.left = `${b.left}%`; bar.style.width = b.width ? `${b.width}%` : "2px";
-      if (r) bar.style.background = b.phase === "queued" ? "" : rowColor(id);
-      track.append(bar);
-      line.append(h("span", "mlxnb-wf-label", b.label), track, h("span", "mlxnb-wf-text", b.text));
-      wf.append(line);
-    }
-    dBody.append(h("div", "mlxnb-detail-sub", "life of the row"), wf);
-    const spec = r ? draftText(r.draft, r.ntok) : "";
-    if (spec) dBody.append(h("div", "mlxnb-detail-note mlxnb-spec", spec + " (dotted underline below)"));
-    const tv = d && d.tokens;
-    if (!tv) {
-      dBody.append(h("div", "mlxnb-detail-note", stale || !st.header.live && !d
-        ? "tokens: open this row while its kernel runs to see them"
-        : "tokens: asking the kernel…"));
-      return;
-    }
-    dBody.append(h("div", "mlxnb-detail-sub",
-      `tokens (${tv.items.length}${tv.more ? ` of ${tv.items.length + tv.more}` : ""})` +
-      (tv.probs ? ": shaded by how unlikely each was (darker = less likely)" : "")));
-    if (d.why) dBody.append(h("div", "mlxnb-detail-note", d.why));
-    const box = h("div", "mlxnb-tokens");
-    box.tabIndex = 0;
-    box.setAttribute("role", "listbox");
-    box.setAttribute("aria-label", "tokens: arrow keys move, the line below describes the token");
-    const info = h("div", "mlxnb-tokinfo");
-    info.setAttribute("aria-live", "polite");
-    const spans = tv.items.map((it) => {
-      const e = h("span", "mlxnb-tok", showPiece(it.s ?? `<${it.id}>`));
-      e.dataset.i = it.i;
-      if (it.p != null) { e.dataset.p = it.p; e.style.background = `rgba(228, 155, 38, ${tokenShade(it.p)})`; }
-      if (it.draft) e.dataset.draft = "1";
-      e.setAttribute("role", "option");
-      return e;
-    });
-    const select = (i) => {
-      if (i < 0 || i >= spans.length) return;
-      if (selTok >= 0 && spans[selTok]) spans[selTok].classList.remove("mlxnb-tok-sel");
-      selTok = i; spans[i].classList.add("mlxnb-tok-sel");
-      spans[i].setAttribute("aria-selected", "true");
-      setText(info, tokenInfo(tv.items[i], tv.sampling));
-      setAttr(info, "data-i", i);
-    };
-    box.append(...spans);
-    box.addEventListener("mouseover", (ev) => { const i = ev.target.dataset && ev.target.dataset.i; if (i != null) select(+i); });
-    box.addEventListener("click", (ev) => { const i = ev.target.dataset && ev.target.dataset.i; if (i != null) select(+i); });
-    box.addEventListener("keydown", (ev) => {
-      const k = { ArrowRight: 1, ArrowDown: 1, ArrowLeft: -1, ArrowUp: -1 }[ev.key];
-      if (ev.key === "Home") select(0);
-      else if (ev.key === "End") select(spans.length - 1);
-      else if (k) select(Math.max(0, Math.min(spans.length - 1, (selTok < 0 ? -1 : selTok) + k)));
-      else return;
-      ev.preventDefault();
-      spans[selTok].scrollIntoView({ block: "nearest" });
-    });
-    dBody.append(box, info);
-    setText(info, `${samplingText(tv.sampling)}. Hover, tap or use the arrow keys on a token.`);
-    if (selTok >= 0) select(selTok);
-  }
-
-  function drawStepDetail(step) {
-    const d = stepDetails.get(step);
-    const base = stepAxis(st.header).base;
-    setText(dTitle, "step inspector");
-    setAttr(detail, "data-kind", "step"); setAttr(detail, "data-step", step);
-    dBody.textContent = "";
-    if (!d) {
-      dBody.append(h("div", "mlxnb-detail-note", canAsk()
-        ? `step ${step - base}: asking the kernel…` : `step ${step - base}: the kernel is needed to inspect a step`));
-      return;
-    }
-    const list = h("ul", "mlxnb-step-lines");
-    for (const line of stepLines(d, base)) list.append(h("li", "", line));
-    dBody.append(list);
-  }
-
-  function drawDetail() {
-    // a running row's life grows: ask again now and then while it is open
-    if (view && view.kind === "row") {
-      const r = st.rows.get(view.id);
-      // ... and once more when it ends, for its last tokens and its finish
-      const last = r && r.state === "done" && !view.final;
-      if (last) view.final = true;
-      if (r && (last || r.state !== "done") && performance.now() - askedDetailAt > (last ? 0 : 1000)) {
-        const d = rowDetails.get(view.id); // only the tokens the view has not got yet
-        askDetail({ type: "row_detail", id: view.id, from: d && d.tokens ? d.tokens.items.length : 0 });
-      }
-    }
-    if (!detailDirty) return;
-    detailDirty = false;
-    detail.hidden = !view;
-    if (!view) { setAttr(detail, "data-kind", ""); return; }
-    const a = document.activeElement, refocus = a && detail.contains(a) && a.className;
-    if (view.kind === "row") drawRowDetail(view.id); else drawStepDetail(view.step);
-    if (refocus) { const e = detail.querySelector("." + refocus.split(" ")[0]); if (e) e.focus(); }
-  }
+  root.addEventListener("keydown", (ev) => { if (ev.key === "Escape" && detail.isOpen()) detail.close(); });
 
   const highlight = (id, pin = false) => {
     if (pinned && !pin) return;
@@ -372,9 +191,9 @@ function render({ model, el }) {
     // the prompt cell opens the row's detail: its life and its tokens
     prompt.tabIndex = 0;
     prompt.setAttribute("role", "button");
-    prompt.addEventListener("click", (ev) => { ev.stopPropagation(); openRow(id); });
+    prompt.addEventListener("click", (ev) => { ev.stopPropagation(); detail.openRow(id); });
     prompt.addEventListener("keydown", (ev) => {
-      if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); openRow(id); }
+      if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); detail.openRow(id); }
     });
     e.addEventListener("mouseenter", () => highlight(id));
     e.addEventListener("mouseleave", () => highlight(null));
@@ -470,15 +289,15 @@ function render({ model, el }) {
     drawHeader();
     const c = colors(root);
     drawKV(cvKV, st, c, hl);
-    const rt = drawSteps(cvStep, st, c, view && view.kind === "step" ? view.step : null);
+    const rt = drawSteps(cvStep, st, c, detail.stepShown());
     keyEls.clip.hidden = !(rt && rt.clipped);
     keyEls.b.hidden = st.header.batch_reported === false;
     const live = st.header.live && !stale; // a stale view's clock stands still
-    const rd = hl != null ? rowDetails.get(hl) : null;
-    const marks = rd && rd.trace ? rd.trace.filter((p) => p.phase === "prefill" && p.t1 != null).map((p) => p.t1) : null;
+    const tr = detail.rowTrace(hl);
+    const marks = tr ? tr.filter((p) => p.phase === "prefill" && p.t1 != null).map((p) => p.t1) : null;
     drawTimeline(cvTime, st, c, liveNow({ ...st.header, live }, st.recvAt, performance.now()),
       hl, live, marks);
-    drawDetail();
+    detail.draw();
   }
 
   // Canvases and the row layout follow the output area's width.

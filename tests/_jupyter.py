@@ -53,10 +53,11 @@ DARK_THEME = {"@jupyterlab/apputils-extension/themes.jupyterlab-settings":
 
 @contextlib.contextmanager
 def jupyter_lab(root_dir: Path, work_dir: Path, startup_timeout: float = 60.0,
-                app: str = "lab", settings: dict | None = None):
+                app: str = "lab", settings: dict | None = None, args: tuple = ()):
     """Start `jupyter lab` (app="lab") or Notebook 7 (app="notebook") serving
     `root_dir`; yield (base_url, token). `work_dir` holds the server's config/runtime/
-    settings/workspaces and its log (server.log); `settings` adds user settings."""
+    settings/workspaces and its log (server.log); `settings` adds user settings,
+    `args` command-line options."""
     work_dir = Path(work_dir)
     dirs = {k: work_dir / k for k in ("config", "runtime", "workspaces", "settings", "data")}
     for d in dirs.values():
@@ -86,6 +87,7 @@ def jupyter_lab(root_dir: Path, work_dir: Path, startup_timeout: float = 60.0,
     else:
         cmd += [f"--JupyterNotebookApp.user_settings_dir={dirs['settings']}",
                 f"--JupyterNotebookApp.workspaces_dir={dirs['workspaces']}"]
+    cmd += list(args)
     log = open(work_dir / "server.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             cwd=str(root_dir), start_new_session=True)

@@ -63,10 +63,15 @@ def test_step_detail_matches_the_step_record(tiny, arun):
         b = _ask(w, {"type": "step_detail", "step": pre.step})
         c = _ask(w, {"type": "step_detail", "step": 10 ** 9})
         bad = _ask(w, {"type": "step_detail", "step": "1"}) + _ask(w, {"type": "row_detail", "id": [1]})
+        kept = dict(w.step_details)
         await eng.aclose()
-        return ended, pre, a, b, c, bad, run
+        return ended, pre, a, b, c, bad, run, kept
 
-    ended, pre, [a], [b], [c], bad, run = arun(main)
+    ended, pre, [a], [b], [c], bad, run, kept = arun(main)
+    # the steps inspected are kept in the traits (a saved notebook has them), not a
+    # step the engine never had
+    assert kept == {str(ended.step): a, str(pre.step): b} or \
+        (ended.step == pre.step and kept == {str(pre.step): b})
     assert a["step"] == ended.step and a["ended"] == list(ended.ended)
     assert a["batch_ids"] == list(ended.batch_ids) and a["batch_size"] == ended.batch_size
     assert a["finish"] == {str(i): "length" for i in ended.ended}
@@ -161,3 +166,14 @@ def test_a_structured_rows_tokens_say_how_many_tokens_its_constraint_allowed(tin
                 checked += 1
             m.consume_token(tok)
     assert checked >= 10
+
+
+def test_kept_steps_are_bounded_and_latest_last():
+    kept = {}
+    for n in range(details.KEEP_STEPS + 10):
+        kept = details.keep_step(kept, {"type": "step_detail", "step": n, "batch_ids": [n]})
+    assert len(kept) == details.KEEP_STEPS
+    assert list(kept)[0] == "10" and list(kept)[-1] == str(details.KEEP_STEPS + 9)
+    again = details.keep_step(kept, {"type": "step_detail", "step": 20, "batch_ids": [20]})
+    assert list(again)[-1] == "20" and len(again) == details.KEEP_STEPS
+    assert details.keep_step(again, {"type": "step_detail", "step": 5, "missing": True}) is again

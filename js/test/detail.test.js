@@ -3,7 +3,7 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { BADGES, contrast, parseColor } from "../lib.js";
 import {
-  SHADE_RGB, blend, nearestIndex, samplingText, showPiece, stampPhases, stepLines, tokenInfo,
+  SHADE_RGB, blend, nearestIndex, samplingText, showPiece, stampPhases, stepLines, stepNote, tokenInfo,
   tokenShade, waterfall,
 } from "../views.js";
 
@@ -98,4 +98,9 @@ test("the step inspector says which rows did what and where the time went", () =
   assert.match(stepLines({ step: 9, missing: true })[0], /no longer kept/);
   assert.equal(nearestIndex([0, 10, 20], 13), 1);
   assert.equal(nearestIndex([], 3), -1);
+});
+
+test("a step with no record: asking while a kernel may answer, else why it cannot be shown", () => {
+  assert.equal(stepNote(7, true), "step 7: asking the kernel…");
+  assert.match(stepNote(7, false), /^step 7: not inspected while the kernel ran/);
 });

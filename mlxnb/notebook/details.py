@@ -15,6 +15,9 @@ draft is marked (`Row.drafted`: the indices of such tokens).
 
 step: one `StepRecord` (the batch, the rows that prefilled and how much, the rows
 that ended, the time split, KV bytes and budget), with the rows' prompts for labels.
+
+Finished rows and steps opened while the kernel runs are kept in the widget's traits
+(`keep`, `keep_step`), so a notebook saved with widget state opens them without one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..core.constraint_params import kind_of
 MAX_TOKENS = 4096  # tokens of one row sent to the token view
 KEEP_ROWS = 8  # rows' details kept in the widget's traits (saved with widget state)
 KEEP_TOKENS = 1024  # tokens of each kept row
+KEEP_STEPS = 64  # steps inspected last, kept in the traits likewise (~0.5 KB each)
 LABEL_CHARS = 60
 
 
@@ -149,5 +153,18 @@ def keep(details: dict, rid: int, d: dict) -> dict:
     out = {k: v for k, v in details.items() if k != str(rid)}
     out[str(rid)] = d
     while len(out) > KEEP_ROWS:
+        out.pop(next(iter(out)))
+    return out
+
+
+def keep_step(kept: dict, d: dict) -> dict:
+    """The widget's `step_details` trait with step detail `d` added last, the oldest
+    dropped beyond KEEP_STEPS; a step the engine no longer has is not kept."""
+    if d.get("missing"):
+        return kept
+    key = str(d["step"])
+    out = {k: v for k, v in kept.items() if k != key}
+    out[key] = d
+    while len(out) > KEEP_STEPS:
         out.pop(next(iter(out)))
     return out

@@ -17,17 +17,18 @@ def asset(name: str) -> Path:
     return package.parent / "js" / name
 
 
-def bundle() -> str:
-    """widget.js with each `import ... from "./x.js";` replaced by x.js itself (once,
-    its own relative imports dropped: they name modules inlined before it): anywidget
-    loads `_esm` as one module (a blob), so relative imports cannot resolve."""
+def bundle(entry: str = "widget") -> str:
+    """`entry`.js with each `import ... from "./x.js";` replaced by x.js itself, its own
+    imports inlined first (depth first, each module once): anywidget loads `_esm` as one
+    module (a blob), so relative imports cannot resolve. The modules share one scope,
+    so their top-level names must differ (tests/test_frontend.py checks)."""
     done = set()
 
-    def inline(m):
-        name = m.group(1)
+    def inline(name: str) -> str:
         if name in done:
             return ""
         done.add(name)
-        return _IMPORT.sub("", asset(f"{name}.js").read_text(encoding="utf-8"))
+        src = asset(f"{name}.js").read_text(encoding="utf-8")
+        return _IMPORT.sub(lambda m: inline(m.group(1)), src)
 
-    return _IMPORT.sub(inline, asset("widget.js").read_text(encoding="utf-8"))
+    return inline(entry)

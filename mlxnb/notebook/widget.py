@@ -22,8 +22,9 @@ Message protocol (kernel -> front end), one per flush::
 Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}
 (answered with the full state in the traits and {"type": "synced", "seq": n}); and
 when a detail view opens, {"type": "row_detail", "id": n, "from": tokens held} or
-{"type": "step_detail", "step": s}, answered with one message each (details.py). The rows opened last are
-also kept in the `details` trait, so a notebook saved with widget state has them.
+{"type": "step_detail", "step": s}, answered with one message each (details.py). The rows
+and steps opened last are also kept in the `details` and `step_details` traits, so a
+notebook saved with widget state has them.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class GenerationWidget(anywidget.AnyWidget):
     header = t.Dict().tag(sync=True)
     seq = t.Int(0).tag(sync=True)  # last delta message folded into the traits
     details = t.Dict().tag(sync=True)  # str(row id) -> row_detail, the rows opened last
+    step_details = t.Dict().tag(sync=True)  # str(step) -> step_detail, the steps opened last
 
     def __init__(self, engine, rows=None, *, title: str = "", max_rows: int = 200,
                  flush_hz: float = FLUSH_HZ, **kwargs):
@@ -365,7 +367,9 @@ class GenerationWidget(anywidget.AnyWidget):
         elif kind == "step_detail":
             n = content.get("step")
             if isinstance(n, int) and not isinstance(n, bool):
-                self.send(_details.step_detail(self.engine.steps, n, self._rows))
+                d = _details.step_detail(self.engine.steps, n, self._rows)
+                self.send(d)
+                self.step_details = _details.keep_step(self.step_details, d)
         elif kind == "sync":
             self.sync_now()
             # Only a live kernel answers: a view restored from saved widget state whose
