@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -136,16 +138,28 @@ async def run(args, model, V, dirs):
     return out
 
 
-def forward_ratio(model, V, dirs, B, A, steps, prompt):
+def count_ops(outputs) -> collections.Counter:
+    """The primitives in the graph of `outputs` (not evaluated), by name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "g.dot"
+        mx.export_to_dot(str(path), *outputs)
+        return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle',
+                                              path.read_text()))
+
+
+def forward_ratio(model, V, dirs, B, A, steps, prompt, options):
     """Median over `steps` adjacent pairs of (base forward s) / (mixed forward s): the
     decode forward at batch B, rows split evenly over the adapters (AdapterSet used
-    directly, on this thread; no engine)."""
+    directly, on this thread; no engine), on the model's projections fused as the
+    engine fuses them; and the MLX ops in each forward's graph."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxnb.core.worker.adapters import AdapterSet
+    from mlxnb.core.worker.fuse import fuse_projections
     from mlxnb.models.adapters import read_adapter
 
-    aset = AdapterSet(model)
+    fuse_projections(model, lambda: model(mx.array([[0]]), cache=make_prompt_cache(model)))
+    aset = AdapterSet(model, **options)
     for k, d in enumerate(dirs):
         aset.add(f"ad{k}", read_adapter(d))
     mixed = aset.select([f"ad{i * A // B}" for i in range(B)])
@@ -154,21 +168,29 @@ def forward_ratio(model, V, dirs, B, A, steps, prompt):
     mx.eval([c.state for c in cache])
     y = mx.random.randint(2, V, (B, 1))
 
-    def step(sel):
+    def forward(sel):
         for c in cache:
             c.offset = prompt  # every step at the same length
-        t = common.pc()
         with aset.using(sel):
-            out = model(y, cache=cache)
-        mx.eval(out)
+            return model(y, cache=cache)
+
+    def step(sel):
+        t = common.pc()
+        mx.eval(forward(sel))
         return common.pc() - t
 
+    ops = {}
+    for k, s in (("base", None), ("mixed", mixed)):
+        out = forward(s)
+        ops[k] = count_ops([out])
+        mx.eval(out)  # the cache's update: not in the next forward's graph
     step(None), step(mixed)
     pairs = [(step(None), step(mixed)) for _ in range(steps)]
     for k in range(A):
         aset.remove(f"ad{k}")
     return (statistics.median(a / b for a, b in pairs),
-            statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs))
+            statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            ops)
 
 
 def main(argv=None, prog=None):
@@ -182,6 +204,14 @@ def main(argv=None, prog=None):
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--scale", type=float, default=20.0)
+    ap.add_argument("--lowrank", default="stacked", choices=["stacked", "gather"],
+                    help="the low-rank update: every adapter's A/B side by side, masked "
+                         "per row (stacked), or gather_mm per row (gather)")
+    ap.add_argument("--no-share", action="store_true",
+                    help="stacked: one update per projection, not one per fused q/k/v "
+                         "or gate/up group")
+    ap.add_argument("--cast", action="store_true",
+                    help="hold the adapters in the base weights' dtype")
     ap.add_argument("--adapter-dtype", default="float32",
                     help="the adapters' weights (mlx_lm.lora trains float32)")
     ap.add_argument("--prompt", type=int, default=32, help="prompt length (tokens)")
@@ -195,6 +225,10 @@ def main(argv=None, prog=None):
     if args.batch % args.adapters:
         ap.error("--batch must split evenly over --adapters")
     report = common.Report(NAME, RESULT, TITLE, args, argv)
+    from mlxnb.core.worker import adapters as worker_adapters
+
+    options = dict(formulation=args.lowrank, share=not args.no_share, cast=args.cast)
+    worker_adapters.DEFAULTS.update(options)  # the engine's AdapterSet too
     model, _, V = common.build_model(args.shape, args.dtype)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     with tempfile.TemporaryDirectory() as tmp:
@@ -202,13 +236,15 @@ def main(argv=None, prog=None):
                               args.adapter_dtype)
         if args.forward_steps:
             fr = forward_ratio(model, V, dirs, args.batch, args.adapters,
-                               args.forward_steps, args.prompt)
+                               args.forward_steps, args.prompt, options)
             log(f"forward only: base {fr[1] * 1e3:.1f} ms, mixed {fr[2] * 1e3:.1f} ms, "
-                f"ratio {fr[0]:.3f}")
+                f"ratio {fr[0]:.3f}; MLX ops per forward: base {sum(fr[3]['base'].values())}"
+                f", mixed {sum(fr[3]['mixed'].values())}")
         res = asyncio.run(run(args, model, V, dirs)) if args.repeat else dict(
             rounds=[], adapter_bytes=0, active_memory_added=0, file_bytes=0)
         if args.forward_steps:
-            res["forward"] = dict(ratio=fr[0], base_s=fr[1], mixed_s=fr[2])
+            res["forward"] = dict(ratio=fr[0], base_s=fr[1], mixed_s=fr[2],
+                                  ops={k: dict(v) for k, v in fr[3].items()})
     rounds = res["rounds"]
 
     def med(key):
@@ -221,6 +257,10 @@ def main(argv=None, prog=None):
         f"{args.shape} {args.dtype}, B={args.batch} split evenly over {args.adapters} "
         f"rank-{args.rank} LoRA adapters ({args.adapter_dtype}) on every projection of "
         f"every layer; prompts {args.prompt} tokens, {args.new} new; {len(rounds)} rounds",
+        f"update: {args.lowrank}" + ("" if args.lowrank != "stacked" else
+                                     ", one per projection" if args.no_share else
+                                     ", one per fused q/k/v and gate/up group")
+        + (", adapters cast to the model's dtype" if args.cast else ""),
         "", "| pass | tok/s (best round) | / none (median of rounds) |", "|---|---|---|",
         f"| none: no adapter loaded, {args.batch} rows | {fmt(best['none'], 1)} | 1 |",
         f"| base: {args.adapters} loaded, {args.batch} base rows | {fmt(best['base'], 1)} "
@@ -233,6 +273,12 @@ def main(argv=None, prog=None):
         lines.append(f"| forward only ({args.forward_steps} adjacent pairs): base "
                      f"{f['base_s'] * 1e3:.1f} ms, mixed {f['mixed_s'] * 1e3:.1f} ms per "
                      f"step | | **{f['ratio']:.3f}** |")
+        ops = {k: sum(v.values()) for k, v in f["ops"].items()}
+        added = collections.Counter(f["ops"]["mixed"])
+        added.subtract(f["ops"]["base"])
+        lines += ["", f"MLX ops per decode forward: base {ops['base']}, mixed "
+                  f"{ops['mixed']} (+{ops['mixed'] - ops['base']}: "
+                  + ", ".join(f"{k} {v:+d}" for k, v in added.most_common() if v) + ")"]
     lines += [
         "", "| memory | MB |", "|---|---|",
         f"| the model's weights | {model_bytes / mb:,.1f} |",

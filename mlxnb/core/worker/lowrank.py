@@ -1,48 +1,99 @@
 """The batched low-rank layer: one base product for the whole batch, each row's own
-LoRA/DoRA update added on top, gathered per row.
+LoRA/DoRA update added on top.
 
-An `AdaptedLinear` stands in for one of the model's linears (nn.Linear,
-nn.QuantizedLinear, or a part of a fused projection: fuse.py) over the one copy of
-its weights. For each group of adapters of one rank and dtype it holds the stacked
-low-rank weights A [n, in, r] and B [n, r, out]; before each forward the worker sets
-the batch's `Selection` (adapters.py): per group, each row's slot and scale (0 for
-rows that use no adapter of that group). The update is mlx-lm's, row by row:
+The update is mlx-lm's, row by row:
 
     LoRALinear:  y + (scale * ((x @ A) @ B)).astype(x.dtype)
     DoRALinear:  (m / ||W + scale B^T A^T||_row).astype(x.dtype) * (x @ W^T + ...) + bias
 
-with the same operations in the same order, so a row's tokens match mlx-lm's own
-generation with that adapter. `mx.gather_mm` multiplies each row by its own slot's
-matrices without copying them per row. A batch whose rows use no adapter runs the
-base linear alone (`Selection` None): such rows pay one attribute read per layer.
-Groups never pad ranks: zero columns change how BLAS splits the sum over r, and so
-the last bits of the update.
+`Stacked` computes it for every row at once with no gather: each loaded adapter's
+A side by side, A_all [in, C] (C = the adapters' ranks summed), and their B below
+each other, B_all [C, out]:
+
+    z = (x @ A_all) * mask      mask [B, 1, C]: 1 on the columns of the row's adapter
+    y + (scale_row * (z @ B_all)).astype(x.dtype)
+
+A row's masked z holds its own adapter's x @ A and zeros, so z @ B_all is its own
+(x @ A) @ B plus zero products, and the scale comes after, as in mlx-lm. Where the
+engine fuses q/k/v (or gate/up) into one matmul (fuse.py) one `Stacked` serves the
+whole group: A_all holds every part's A (one product of the shared input), B_all is
+block-diagonal onto the fused output, so a fused group pays one update, not one
+per part. A decode step on a GPU is host-bound (a cost per MLX op), so the number
+of ops per layer is what this layout cuts; `gathered.py` keeps the per-row
+`gather_mm` formulation, whose A product does not grow with the adapters loaded.
+
+An `AdaptedLinear` stands in for one of the model's linears (nn.Linear,
+nn.QuantizedLinear, or a part of a fused projection left unshared) over the one copy
+of its weights. A batch whose rows use no adapter runs the base linear alone
+(`Selection` None): such rows pay one attribute read per layer.
 """
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-__all__ = ["AdaptedLinear", "Selection", "GroupWeights", "base_weight", "linear_dims"]
+__all__ = ["AdaptedLinear", "FusedUpdate", "Selection", "Stacked", "base_weight",
+           "linear_dims"]
 
-GroupKey = Tuple[int, str]  # (rank, dtype name)
-
-
-class Selection(NamedTuple):
-    """Which adapter each row of the next forward uses (built per batch shape)."""
-
-    groups: Dict[GroupKey, tuple]  # key -> (slot [B] uint32, scale [B, 1, 1] float32)
-    slots: mx.array  # [B] uint32: each row's adapter slot; rows without one: n_adapters
-    dora: bool  # some row uses a DoRA adapter
-    rows: int  # B
+Layout = Tuple[Tuple[str, int], ...]  # (adapter name, columns) per block of A_all
 
 
-class GroupWeights(NamedTuple):
-    a: mx.array  # [n, in, r]
-    b: mx.array  # [n, r, out]
+class Selection:
+    """Which adapter each row of the next forward uses (built per batch makeup)."""
+
+    def __init__(self, adapters: Sequence[Optional[str]], names: List[str],
+                 scales: Dict[str, float], dora: bool, layouts: List[tuple],
+                 groups: Optional[dict] = None):
+        self.rows = len(adapters)  # B
+        # [B] uint32: each row's adapter slot; rows without one: len(names)
+        self.slots = mx.array([names.index(a) if a is not None else len(names)
+                               for a in adapters], mx.uint32)
+        self.dora = dora  # some row uses a DoRA adapter
+        # [B, 1, 1] each row's adapter's scale (0 for base rows), by dtype
+        self._scales = {mx.float32: mx.array([scales.get(a, 0.0) for a in adapters],
+                                             mx.float32)[:, None, None]}
+        # per layout id: [B, C] 1 on the columns of the row's adapter, else 0
+        self.masks = []
+        for layout, dtype in layouts:
+            cols = [np.full(w, 1.0, np.float32) for _, w in layout]
+            zero = [np.zeros_like(c) for c in cols]
+            m = np.stack([np.concatenate([c if n == a else z for (n, _), c, z
+                                          in zip(layout, cols, zero)])
+                          for a in adapters])
+            self.masks.append(mx.array(m).astype(dtype))
+        self.groups = groups  # gathered.py's: key -> (slot [B] uint32, scale [B, 1, 1])
+
+    def scale(self, dtype) -> mx.array:
+        s = self._scales.get(dtype)
+        if s is None:  # the scale as mlx-lm's `scale * z` rounds it: in z's dtype
+            s = self._scales[dtype] = self._scales[mx.float32].astype(dtype)
+        return s
+
+
+def _low(x, a, mask, b, scale):
+    """[B, L, out]: each row's scale * ((x @ A) @ B), in x's dtype (x [B, L, in], a
+    [in, C], mask [B, C], b [C, out], scale [B, 1, 1] float32)."""
+    u = ((x @ a) * mask[:, None, :]) @ b
+    return (scale.astype(u.dtype) * u).astype(x.dtype)
+
+
+@mx.compile
+def _update(x, a, mask, b, y, scale):
+    return y + _low(x, a, mask, b, scale)
+
+
+@mx.compile
+def _decode_update(x, a, mask, b, y, scale):
+    # L == 1: two plain 2-D matmuls (no per-matmul flatten around them), the mask
+    # without a broadcast, and the scale, cast and add in one kernel; each MLX op
+    # costs host time on a GPU, where a decode step is host-bound
+    z = (x.reshape(x.shape[0], -1) @ a) * mask  # [B, C]
+    u = (z @ b).reshape(y.shape)  # [B, 1, out]
+    return y + (scale.astype(u.dtype) * u).astype(x.dtype)
 
 
 def linear_dims(layer) -> Optional[Tuple[int, int]]:
@@ -74,6 +125,85 @@ def base_weight(layer):
     return w, (layer.bias if "bias" in layer else None)
 
 
+class Stacked:
+    """Every adapter's low-rank weights for one input's linear(s), side by side.
+
+    `parts`: (path, out columns) of each linear whose output this update adds to, in
+    output order (one for a plain linear; the parts of a fused group). `blocks`:
+    (path, adapter name, A [in, r], B [r, out_part]) for each adapter covering a
+    part. DoRA: `mag` [n_adapters + 1, out] m / ||adapted W|| per slot (1 where the
+    slot is LoRA, does not cover the column, or is "no adapter"); `dora_cols` [same]
+    bool: the slot is a DoRA adapter covering that column."""
+
+    def __init__(self, parts, blocks, dtype, layout_id, layout: Layout,
+                 mag=None, dora_cols=None, base=None, bias=None):
+        offsets, o = {}, 0
+        for path, width in parts:
+            offsets[path] = (o, o + width)
+            o += width
+        self.offsets = offsets  # path -> its output columns (o0, o1)
+        self.blocks: Dict[Tuple[str, str], Tuple[int, int]] = {}  # -> A_all columns
+        a_cols, b_rows, c = [], [], 0
+        for path, name, a, b in blocks:
+            o0, o1 = offsets[path]
+            r = a.shape[1]
+            self.blocks[(path, name)] = (c, c + r)
+            c += r
+            a_cols.append(a.astype(dtype))
+            # a B row block: this adapter's B in its part's columns, zeros elsewhere
+            pad = [(0, 0), (o0, o - o1)]
+            b_rows.append(mx.pad(b.astype(dtype), pad) if len(parts) > 1 else
+                          b.astype(dtype))
+        self.a = mx.concatenate(a_cols, axis=1)  # [in, C]
+        self.b = mx.concatenate(b_rows, axis=0)  # [C, out]
+        self.layout_id, self.layout = layout_id, layout
+        self.mag, self.dora_cols = mag, dora_cols
+        self.base = base  # DoRA on a quantized linear: the layer, to dequantize
+        self.bias = bias  # [out] or None
+
+    def arrays(self) -> List[mx.array]:
+        return [x for x in (self.a, self.b, self.mag, self.dora_cols) if x is not None]
+
+    def weights(self, path: str, name: str):
+        """(A, B) of adapter `name` on `path` out of the stacks, or None."""
+        cols = self.blocks.get((path, name))
+        if cols is None:
+            return None
+        (c0, c1), (o0, o1) = cols, self.offsets[path]
+        return self.a[:, c0:c1], self.b[c0:c1, o0:o1]
+
+    def mag_row(self, path: str, slot: int) -> mx.array:
+        o0, o1 = self.offsets[path]
+        return self.mag[slot, o0:o1]
+
+    def __call__(self, x, y, sel: Selection):
+        # x [B, L, in], y [B, L, out]: the base product (with its bias)
+        mask, scale = sel.masks[self.layout_id], sel.scale(mx.float32)
+        if not (sel.dora and self.mag is not None):
+            update = _decode_update if x.shape[1] == 1 else _update
+            return update(x, self.a, mask, self.b, y, scale)
+        low = _low(x, self.a, mask, self.b, scale)
+        mag = self.mag[sel.slots][:, None, :].astype(x.dtype)  # [B, 1, out]
+        if self.base is None and self.bias is None:
+            return mag * (y + low)  # LoRA and base rows: a magnitude of exactly 1
+        # DoRA's base product has no bias, and is x @ dequantized(W)^T on a quantized
+        # layer: computed for the batch only while a DoRA row is in it
+        if self.base is not None:
+            yd = x @ base_weight(self.base)[0].T
+        else:
+            yd = y - self.bias
+        dora = mag * (yd + low)
+        if self.bias is not None:
+            dora = dora + self.bias
+        return mx.where(self.dora_cols[sel.slots][:, None, :], dora, y + low)
+
+
+def _check(x, sel: Selection):
+    if x.ndim != 3 or x.shape[0] != sel.rows:
+        raise ValueError(f"adapters need [batch, length, dims] inputs with one row "
+                         f"per selected row; got shape {tuple(x.shape)}")
+
+
 class AdaptedLinear:
     """A plain callable set on the owner module as an instance attribute: the base
     linear stays where it was in the parameter tree; unwrapping deletes the
@@ -83,51 +213,27 @@ class AdaptedLinear:
         self.base = base
         self.owner = owner  # adapters.AdapterSet: holds `sel` for the forward
         self.dims = linear_dims(base)
-        self.quantized = isinstance(base, nn.QuantizedLinear)
-        self.bias = ((base.bias if "bias" in base else None) if self.quantized
-                     else base_weight(base)[1])
-        self.groups: Dict[GroupKey, GroupWeights] = {}
-        # DoRA only: m / ||adapted W|| per slot [n_adapters + 1, out] (1 where the slot
-        # is LoRA, does not cover this layer, or is "no adapter"), and which slots are
-        # DoRA adapters covering this layer [n_adapters + 1]
-        self.mag: Optional[mx.array] = None
-        self.dora_slots: Optional[mx.array] = None
+        self.update = None  # Stacked or gathered.Gathered, set by the owner
 
     def __call__(self, x):  # x: [B, L, in] (prefill chunk or decode step)
         y = self.base(x)  # [B, L, out]: the one base product
         sel = self.owner.sel
+        if sel is None or self.update is None:
+            return y
+        _check(x, sel)
+        return self.update(x, y, sel)
+
+
+class FusedUpdate:
+    """Set as a fused projection's `adapter` (fuse.py): one `Stacked` update of the
+    fused product for all its parts."""
+
+    def __init__(self, fused, owner, update: Stacked):
+        self.fused, self.owner, self.update = fused, owner, update
+
+    def __call__(self, x, y):  # y: [B, L, sum of the parts' out]
+        sel = self.owner.sel
         if sel is None:
             return y
-        if x.ndim != 3 or x.shape[0] != sel.rows:
-            raise ValueError(f"adapters need [batch, length, dims] inputs with one row "
-                             f"per selected row; got shape {tuple(x.shape)}")
-        low = None
-        for key, w in self.groups.items():
-            g = sel.groups.get(key)
-            if g is None:  # no row of this batch uses an adapter of this group
-                continue
-            slot, scale = g
-            z = mx.gather_mm(mx.gather_mm(x, w.a, rhs_indices=slot), w.b,
-                             rhs_indices=slot)  # [B, L, r] then [B, L, out]
-            z = (scale.astype(z.dtype) * z).astype(x.dtype)
-            low = z if low is None else low + z
-        if low is None:
-            return y
-        if not (sel.dora and self.mag is not None):
-            return y + low
-        mag = self.mag[sel.slots][:, None, :].astype(x.dtype)  # [B, 1, out]
-        if not self.quantized and self.bias is None:
-            # LoRA and base rows: a magnitude of exactly 1
-            return mag * (y + low)
-        # DoRA's base product has no bias, and is x @ dequantized(W)^T on a quantized
-        # layer: computed for the batch only while a DoRA row is in it
-        if self.quantized:
-            w, _ = base_weight(self.base)
-            yd = x @ w.T
-        else:
-            yd = y - self.bias
-        dora = mag * (yd + low)
-        if self.bias is not None:
-            dora = dora + self.bias
-        is_dora = self.dora_slots[sel.slots][:, None, None]  # [B, 1, 1]
-        return mx.where(is_dora, dora, y + low)
+        _check(x, sel)
+        return self.update(x, y, sel)
