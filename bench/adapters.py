@@ -204,9 +204,11 @@ def main(argv=None, prog=None):
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--scale", type=float, default=20.0)
-    ap.add_argument("--lowrank", default="stacked", choices=["stacked", "gather"],
+    ap.add_argument("--lowrank", default="auto", choices=["auto", "stacked", "gather"],
                     help="the low-rank update: every adapter's A/B side by side, masked "
-                         "per row (stacked), or gather_mm per row (gather)")
+                         "per row (stacked), gather_mm per row (gather), or the "
+                         "engine's choice for the device (auto: stacked on a GPU, "
+                         "gather on a CPU)")
     ap.add_argument("--no-share", action="store_true",
                     help="stacked: one update per projection, not one per fused q/k/v "
                          "or gate/up group")
@@ -227,6 +229,8 @@ def main(argv=None, prog=None):
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     from mlxnb.core.worker import adapters as worker_adapters
 
+    if args.lowrank == "auto":
+        args.lowrank = worker_adapters.auto_formulation()
     options = dict(formulation=args.lowrank, share=not args.no_share, cast=args.cast)
     worker_adapters.DEFAULTS.update(options)  # the engine's AdapterSet too
     model, _, V = common.build_model(args.shape, args.dtype)
@@ -251,7 +255,8 @@ def main(argv=None, prog=None):
         xs = [r[key] / r["none"] for r in rounds if r[key] and r["none"]]
         return statistics.median(xs) if xs else None
 
-    best = {k: max((r[k] or 0) for r in rounds) for k in ("none", "base", "mixed")}
+    best = {k: max(((r[k] or 0) for r in rounds), default=None)
+            for k in ("none", "base", "mixed")}
     mb = 1 << 20
     lines = [
         f"{args.shape} {args.dtype}, B={args.batch} split evenly over {args.adapters} "

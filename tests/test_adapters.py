@@ -50,13 +50,22 @@ def refs(adapters):
     return get
 
 
+@pytest.fixture(params=["stacked", "gather"])
+def formulation(request, monkeypatch):
+    """The engine's low-rank update (the default picks one by device: both run)."""
+    from mlxnb.core.worker import adapters as worker_adapters
+
+    monkeypatch.setitem(worker_adapters.DEFAULTS, "formulation", request.param)
+    return request.param
+
+
 def engine(quantized=False, **kw):
     kw = dict(dict(warmup=False, kv_budget=None, max_batch=16), **kw)
     return mlxnb.Engine(base_model(quantized), **kw)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
-def test_each_adapter_alone_matches_mlx_lm(adapters, refs, quantized, arun):
+def test_each_adapter_alone_matches_mlx_lm(adapters, refs, quantized, formulation, arun):
     async def main():
         eng = engine(quantized)
         try:
@@ -75,7 +84,8 @@ def test_each_adapter_alone_matches_mlx_lm(adapters, refs, quantized, arun):
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
-def test_mixed_batch_with_a_joiner_matches_mlx_lm_per_row(adapters, refs, quantized, arun):
+def test_mixed_batch_with_a_joiner_matches_mlx_lm_per_row(adapters, refs, quantized,
+                                                          formulation, arun):
     # three adapters (LoRA r4, DoRA r8, a LoRA on part of the model) and base rows
     # in one batch; the last row (DoRA) joins while the others decode
     plan = list(zip(PROMPTS, ["rl", None, "rd", "rq", "rl", "rd"]))
@@ -105,7 +115,8 @@ def test_mixed_batch_with_a_joiner_matches_mlx_lm_per_row(adapters, refs, quanti
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
-def test_lora_rows_mixed_with_base_rows_match_mlx_lm(adapters, refs, quantized, arun):
+def test_lora_rows_mixed_with_base_rows_match_mlx_lm(adapters, refs, quantized,
+                                                     formulation, arun):
     # no DoRA row: the batch takes the stacked update's fast path at every step
     plan = [(PROMPTS[0], "rl"), (PROMPTS[1], None), (PROMPTS[2], "tl"),
             (PROMPTS[3], "rq"), (PROMPTS[4], "rl")]
@@ -321,7 +332,7 @@ def test_every_adapted_layer_computes_mlx_lm_per_row(adapters, quantized, formul
     assert aset.select([None, None]) is None  # base-only batches skip the low-rank path
 
 
-def test_unloading_one_keeps_the_others_exact(adapters, refs, arun):
+def test_unloading_one_keeps_the_others_exact(adapters, refs, formulation, arun):
     # the stacks are rebuilt without the middle slot; the rest keep their weights
     async def main():
         eng = engine()

@@ -26,12 +26,21 @@ from .gathered import Gathered
 from .lowrank import (AdaptedLinear, FusedUpdate, Selection, Stacked, base_weight,
                       linear_dims)
 
-__all__ = ["AdapterSet", "DEFAULTS", "FORMULATIONS"]
+__all__ = ["AdapterSet", "DEFAULTS", "FORMULATIONS", "auto_formulation"]
 
-FORMULATIONS = ("stacked", "gather")
+FORMULATIONS = ("auto", "stacked", "gather")
 # the options of the AdapterSet an engine's worker builds (bench/adapters.py sets
 # them to compare formulations)
-DEFAULTS = dict(formulation="stacked", share=True, cast=False)
+DEFAULTS = dict(formulation="auto", share=True, cast=False)
+
+
+def auto_formulation() -> str:
+    """The formulation for the default device. A GPU decode step is host-bound: a
+    cost per MLX op, where the stacked update adds the fewest ops (and gather_mm is
+    slow on some backends). A CPU is bound by arithmetic: the stacked update
+    multiplies every row by every loaded adapter's columns (and zero blocks in a
+    fused group's B), the gathered one by its own adapter's only."""
+    return "gather" if mx.default_device().type == mx.DeviceType.cpu else "stacked"
 
 
 def _resolve(model, path: str):
@@ -54,7 +63,8 @@ def _resolve(model, path: str):
 
 class AdapterSet:
     """`formulation`: "stacked" (lowrank.Stacked; `share`: one update per fused
-    q/k/v or gate/up group) or "gather" (gathered.Gathered). `cast`: hold the
+    q/k/v or gate/up group), "gather" (gathered.Gathered), or "auto" (by the default
+    device: auto_formulation). `cast`: hold the
     adapters in the base weights' dtype (bfloat16 on a bfloat16 model) instead of
     their own; mlx-lm computes in theirs, so a row's tokens may then differ from its
     generation in the last bits of a bfloat16 model."""
@@ -67,6 +77,8 @@ class AdapterSet:
         if formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {', '.join(FORMULATIONS)}; "
                              f"got {formulation!r}")
+        if formulation == "auto":
+            formulation = auto_formulation()
         self.model = model
         self.formulation, self.cast = formulation, cast
         self.share = share and formulation == "stacked"
