@@ -35,11 +35,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlxnb  # noqa: I001  (first: it puts OpenBLAS under MLX on Linux CPU)
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-
-import mlxnb
 
 from . import common
 from .common import fmt, log
