@@ -212,8 +212,12 @@ def main(argv=None, prog=None):
     ap.add_argument("--no-share", action="store_true",
                     help="stacked: one update per projection, not one per fused q/k/v "
                          "or gate/up group")
-    ap.add_argument("--cast", action="store_true",
-                    help="hold the adapters in the base weights' dtype")
+    ap.add_argument("--cast", action=argparse.BooleanOptionalAction,
+                    help="hold the adapters in the base weights' dtype (default: with "
+                         "the stacked update)")
+    ap.add_argument("--fold", action=argparse.BooleanOptionalAction,
+                    help="stacked: decode steps scale before the B product and add "
+                         "with one addmm (default: on)")
     ap.add_argument("--adapter-dtype", default="float32",
                     help="the adapters' weights (mlx_lm.lora trains float32)")
     ap.add_argument("--prompt", type=int, default=32, help="prompt length (tokens)")
@@ -231,7 +235,11 @@ def main(argv=None, prog=None):
 
     if args.lowrank == "auto":
         args.lowrank = worker_adapters.auto_formulation()
-    options = dict(formulation=args.lowrank, share=not args.no_share, cast=args.cast)
+    for k in ("cast", "fold"):
+        if getattr(args, k) is None:
+            setattr(args, k, args.lowrank == "stacked")
+    options = dict(formulation=args.lowrank, share=not args.no_share, cast=args.cast,
+                   fold=args.fold)
     worker_adapters.DEFAULTS.update(options)  # the engine's AdapterSet too
     model, _, V = common.build_model(args.shape, args.dtype)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -265,7 +273,9 @@ def main(argv=None, prog=None):
         f"update: {args.lowrank}" + ("" if args.lowrank != "stacked" else
                                      ", one per projection" if args.no_share else
                                      ", one per fused q/k/v and gate/up group")
-        + (", adapters cast to the model's dtype" if args.cast else ""),
+        + (", adapters cast to the model's dtype" if args.cast else "")
+        + (", scale folded into the mask, one addmm" if args.fold and
+           args.lowrank == "stacked" else ""),
         "", "| pass | tok/s (best round) | / none (median of rounds) |", "|---|---|---|",
         f"| none: no adapter loaded, {args.batch} rows | {fmt(best['none'], 1)} | 1 |",
         f"| base: {args.adapters} loaded, {args.batch} base rows | {fmt(best['base'], 1)} "

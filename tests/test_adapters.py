@@ -266,18 +266,22 @@ def test_adapter_bytes_count_once_against_the_kv_budget(adapters):
         eng.close()
 
 
-@pytest.mark.parametrize("quantized, formulation, fused", [
-    (False, "stacked", False), (False, "stacked", True), (False, "gather", False),
-    (True, "stacked", False), (True, "gather", False)],
-    ids=["float", "float-fused", "float-gather", "4bit", "4bit-gather"])
+@pytest.mark.parametrize("quantized, formulation, fused, fold", [
+    (False, "stacked", False, False), (False, "stacked", True, False),
+    (False, "stacked", True, True), (False, "gather", False, False),
+    (True, "stacked", False, False), (True, "stacked", False, True),
+    (True, "gather", False, False)],
+    ids=["float", "float-fused", "float-fused-fold", "float-gather", "4bit", "4bit-fold",
+         "4bit-gather"])
 def test_every_adapted_layer_computes_mlx_lm_per_row(adapters, quantized, formulation,
-                                                     fused):
+                                                     fused, fold):
     """Layer by layer, for a prefill chunk [B, L, D] and a decode step [B, 1, D]: rows
     of a mixed batch and a row alone are within float noise of mlx-lm's
     LoRALinear/DoRALinear (BLAS sums a base product of more rows, and the stacked
     formulation's products over every adapter's columns, in another order); the
     gathered formulation computes a row alone bit for bit as mlx-lm does. `fused`:
-    q/k/v and gate/up fused as the engine fuses them, one update per group."""
+    q/k/v and gate/up fused as the engine fuses them, one update per group; `fold`:
+    decode steps scale before the B product and add with one addmm."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.tuner.utils import load_adapters
@@ -292,7 +296,7 @@ def test_every_adapted_layer_computes_mlx_lm_per_row(adapters, quantized, formul
     if fused:
         assert fuse_projections(model, lambda: model(
             mx.array([[0]]), cache=make_prompt_cache(model))) > 0
-    aset = AdapterSet(model, formulation=formulation)
+    aset = AdapterSet(model, formulation=formulation, fold=fold)
     paths = set()
     for n in names:
         files = read_adapter(adapters[n])

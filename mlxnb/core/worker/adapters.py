@@ -31,7 +31,8 @@ __all__ = ["AdapterSet", "DEFAULTS", "FORMULATIONS", "auto_formulation"]
 FORMULATIONS = ("auto", "stacked", "gather")
 # the options of the AdapterSet an engine's worker builds (bench/adapters.py sets
 # them to compare formulations)
-DEFAULTS = dict(formulation="auto", share=True, cast=False)
+# (cast, fold None: on with the stacked formulation, which is for host-bound devices)
+DEFAULTS = dict(formulation="auto", share=True, cast=None, fold=None)
 
 
 def auto_formulation() -> str:
@@ -64,24 +65,30 @@ def _resolve(model, path: str):
 class AdapterSet:
     """`formulation`: "stacked" (lowrank.Stacked; `share`: one update per fused
     q/k/v or gate/up group), "gather" (gathered.Gathered), or "auto" (by the default
-    device: auto_formulation). `cast`: hold the
-    adapters in the base weights' dtype (bfloat16 on a bfloat16 model) instead of
-    their own; mlx-lm computes in theirs, so a row's tokens may then differ from its
-    generation in the last bits of a bfloat16 model."""
+    device: auto_formulation). `cast`: hold the adapters in the base weights' dtype
+    (bfloat16 on a bfloat16 model) instead of their own, as mlx-lm's fused models
+    do; mlx-lm's LoRALinear computes in theirs. `fold`: stacked decode steps scale
+    before the B product and add with one addmm. Either changes the last bits of a
+    row's update against mlx-lm's LoRALinear, for fewer or cheaper ops."""
 
     def __init__(self, model, formulation: Optional[str] = None,
-                 share: Optional[bool] = None, cast: Optional[bool] = None):
+                 share: Optional[bool] = None, cast: Optional[bool] = None,
+                 fold: Optional[bool] = None):
         formulation = DEFAULTS["formulation"] if formulation is None else formulation
         share = DEFAULTS["share"] if share is None else share
         cast = DEFAULTS["cast"] if cast is None else cast
+        fold = DEFAULTS["fold"] if fold is None else fold
         if formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {', '.join(FORMULATIONS)}; "
                              f"got {formulation!r}")
         if formulation == "auto":
             formulation = auto_formulation()
+        cast = formulation == "stacked" if cast is None else cast
+        fold = formulation == "stacked" if fold is None else fold
         self.model = model
         self.formulation, self.cast = formulation, cast
         self.share = share and formulation == "stacked"
+        self.fold = fold and formulation == "stacked"
         self.adapters: Dict[str, object] = {}  # name -> AdapterFiles, in slot order
         self.units: Dict[tuple, object] = {}  # unit key -> AdaptedLinear / FusedUpdate
         self.wrapped: Dict[str, tuple] = {}  # path -> (owner, leaf, AdaptedLinear, shadowed)
@@ -339,7 +346,7 @@ class AdapterSet:
         dora = any(a is not None and self.adapters[a].kind == "dora" for a in adapters)
         scales = {n: f.scale for n, f in self.adapters.items()}
         layouts = sorted(self._layouts, key=self._layouts.get)
-        return Selection(adapters, self.names, scales, dora, layouts, groups)
+        return Selection(adapters, self.names, scales, dora, layouts, groups, self.fold)
 
     @contextlib.contextmanager
     def using(self, sel: Optional[Selection]):

@@ -47,7 +47,7 @@ class Selection:
 
     def __init__(self, adapters: Sequence[Optional[str]], names: List[str],
                  scales: Dict[str, float], dora: bool, layouts: List[tuple],
-                 groups: Optional[dict] = None):
+                 groups: Optional[dict] = None, fold: bool = False):
         self.rows = len(adapters)  # B
         # [B] uint32: each row's adapter slot; rows without one: len(names)
         self.slots = mx.array([names.index(a) if a is not None else len(names)
@@ -57,14 +57,16 @@ class Selection:
         self._scales = {mx.float32: mx.array([scales.get(a, 0.0) for a in adapters],
                                              mx.float32)[:, None, None]}
         # per layout id: [B, C] 1 on the columns of the row's adapter, else 0
-        self.masks = []
+        # `fold`: also the masks times each row's scale (`folded`), for the decode
+        # update that adds with one addmm
+        self.masks, self.folded = [], ([] if fold else None)
         for layout, dtype in layouts:
-            cols = [np.full(w, 1.0, np.float32) for _, w in layout]
-            zero = [np.zeros_like(c) for c in cols]
-            m = np.stack([np.concatenate([c if n == a else z for (n, _), c, z
-                                          in zip(layout, cols, zero)])
-                          for a in adapters])
+            m = np.stack([np.concatenate([np.full(w, float(n == a), np.float32)
+                                          for n, w in layout]) for a in adapters])
             self.masks.append(mx.array(m).astype(dtype))
+            if fold:
+                s = np.array([scales.get(a, 0.0) for a in adapters], np.float32)
+                self.folded.append(mx.array(m * s[:, None]).astype(dtype))
         self.groups = groups  # gathered.py's: key -> (slot [B] uint32, scale [B, 1, 1])
 
     def scale(self, dtype) -> mx.array:
@@ -94,6 +96,15 @@ def _decode_update(x, a, mask, b, y, scale):
     z = (x.reshape(x.shape[0], -1) @ a) * mask  # [B, C]
     u = (z @ b).reshape(y.shape)  # [B, 1, out]
     return y + (scale.astype(u.dtype) * u).astype(x.dtype)
+
+
+def _folded_update(x, a, mask, b, y):
+    # L == 1, `mask` times each row's scale: y + z @ B in one addmm. The scale
+    # multiplies before the B product and the add happens inside it, so the last
+    # bits differ from mlx-lm's order; one kernel fewer than _decode_update
+    n = x.shape[0]
+    z = (x.reshape(n, -1) @ a) * mask  # [B, C]
+    return mx.addmm(y.reshape(n, -1), z, b).reshape(y.shape).astype(y.dtype)
 
 
 def linear_dims(layer) -> Optional[Tuple[int, int]]:
@@ -180,8 +191,11 @@ class Stacked:
         # x [B, L, in], y [B, L, out]: the base product (with its bias)
         mask, scale = sel.masks[self.layout_id], sel.scale(mx.float32)
         if not (sel.dora and self.mag is not None):
-            update = _decode_update if x.shape[1] == 1 else _update
-            return update(x, self.a, mask, self.b, y, scale)
+            if x.shape[1] > 1:
+                return _update(x, self.a, mask, self.b, y, scale)
+            if sel.folded is not None:
+                return _folded_update(x, self.a, sel.folded[self.layout_id], self.b, y)
+            return _decode_update(x, self.a, mask, self.b, y, scale)
         low = _low(x, self.a, mask, self.b, scale)
         mag = self.mag[sel.slots][:, None, :].astype(x.dtype)  # [B, 1, out]
         if self.base is None and self.bias is None:
