@@ -280,6 +280,8 @@ class AdapterSet:
         if self.cast:
             dtype = (first.scales.dtype if quantized else
                      fused.linear.weight.dtype if fused is not None else first.weight.dtype)
+            if mag is not None:  # as mlx-lm's `(m / denom).astype(x.dtype)` rounds it
+                mag = mag.astype(dtype)
         else:
             dts = {x.dtype for blk in blocks for x in blk[2:]}
             dtype = dts.pop() if len(dts) == 1 else mx.float32

@@ -65,11 +65,11 @@ class Gathered:
             return y
         if not (sel.dora and self.mag is not None):
             return y + low
-        mag = self.mag[sel.slots][:, None, :].astype(x.dtype)  # [B, 1, out]
+        mag = self.mag[sel.slot_col].astype(x.dtype)  # [B, 1, out]
         if self.base is None and self.bias is None:
             return mag * (y + low)
         yd = x @ base_weight(self.base)[0].T if self.base is not None else y - self.bias
         dora = mag * (yd + low)
         if self.bias is not None:
             dora = dora + self.bias
-        return mx.where(self.dora_cols[sel.slots][:, None, :], dora, y + low)
+        return mx.where(self.dora_cols[sel.slot_col], dora, y + low)

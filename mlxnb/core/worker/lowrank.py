@@ -50,8 +50,10 @@ class Selection:
                  groups: Optional[dict] = None, fold: bool = False):
         self.rows = len(adapters)  # B
         # [B] uint32: each row's adapter slot; rows without one: len(names)
-        self.slots = mx.array([names.index(a) if a is not None else len(names)
-                               for a in adapters], mx.uint32)
+        slots = np.array([names.index(a) if a is not None else len(names)
+                          for a in adapters], np.uint32)
+        self.slots = mx.array(slots)
+        self.slot_col = mx.array(slots[:, None])  # [B, 1]: [n + 1, out] -> [B, 1, out]
         self.dora = dora  # some row uses a DoRA adapter
         # [B, 1, 1] each row's adapter's scale (0 for base rows), by dtype
         self._scales = {mx.float32: mx.array([scales.get(a, 0.0) for a in adapters],
@@ -187,19 +189,24 @@ class Stacked:
         o0, o1 = self.offsets[path]
         return self.mag[slot, o0:o1]
 
+    def _plus_low(self, x, y, sel: Selection):
+        """y + each row's low-rank update."""
+        mask, scale = sel.masks[self.layout_id], sel.scale(mx.float32)
+        if x.shape[1] > 1:
+            return _update(x, self.a, mask, self.b, y, scale)
+        if sel.folded is not None:
+            return _folded_update(x, self.a, sel.folded[self.layout_id], self.b, y)
+        return _decode_update(x, self.a, mask, self.b, y, scale)
+
     def __call__(self, x, y, sel: Selection):
         # x [B, L, in], y [B, L, out]: the base product (with its bias)
-        mask, scale = sel.masks[self.layout_id], sel.scale(mx.float32)
         if not (sel.dora and self.mag is not None):
-            if x.shape[1] > 1:
-                return _update(x, self.a, mask, self.b, y, scale)
-            if sel.folded is not None:
-                return _folded_update(x, self.a, sel.folded[self.layout_id], self.b, y)
-            return _decode_update(x, self.a, mask, self.b, y, scale)
-        low = _low(x, self.a, mask, self.b, scale)
-        mag = self.mag[sel.slots][:, None, :].astype(x.dtype)  # [B, 1, out]
+            return self._plus_low(x, y, sel)
+        mag = self.mag[sel.slot_col].astype(x.dtype)  # [B, 1, out]
         if self.base is None and self.bias is None:
-            return mag * (y + low)  # LoRA and base rows: a magnitude of exactly 1
+            # LoRA and base rows: a magnitude of exactly 1
+            return mag * self._plus_low(x, y, sel)
+        low = _low(x, self.a, sel.masks[self.layout_id], self.b, sel.scale(mx.float32))
         # DoRA's base product has no bias, and is x @ dequantized(W)^T on a quantized
         # layer: computed for the batch only while a DoRA row is in it
         if self.base is not None:
@@ -209,7 +216,7 @@ class Stacked:
         dora = mag * (yd + low)
         if self.bias is not None:
             dora = dora + self.bias
-        return mx.where(self.dora_cols[sel.slots][:, None, :], dora, y + low)
+        return mx.where(self.dora_cols[sel.slot_col], dora, y + low)
 
 
 def _check(x, sel: Selection):
