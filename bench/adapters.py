@@ -14,7 +14,8 @@ prefill (common.decode_window); "ratio" is each round's mixed/none (and base/non
 median over rounds. "forward": the model's decode forward alone at batch B on a
 fixed-length cache, steps without and with the mixed selection alternating (--forward
 steps pairs; a loaded machine disturbs adjacent steps least), median of per-pair
-ratios. Memory: the device bytes the adapters' stacked weights take
+ratios, of wall time and of the process's CPU time (which other processes move
+less), with the MLX ops in each forward's graph. Memory: the device bytes the adapters' stacked weights take
 (Engine.adapter_bytes), MLX's active memory before and after loading them, against
 the model's own bytes (what a copy of the model per adapter would cost).
 
@@ -33,6 +34,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import mlxnb  # noqa: I001  (first: it puts OpenBLAS under MLX on Linux CPU)
@@ -175,9 +177,12 @@ def forward_ratio(model, V, dirs, B, A, steps, prompt, options):
             return model(y, cache=cache)
 
     def step(sel):
-        t = common.pc()
+        t, c = common.pc(), time.process_time()
         mx.eval(forward(sel))
+        cpu.append(time.process_time() - c)
         return common.pc() - t
+
+    cpu = []  # the process's CPU seconds per step (all threads): less moved by load
 
     ops = {}
     for k, s in (("base", None), ("mixed", mixed)):
@@ -186,11 +191,13 @@ def forward_ratio(model, V, dirs, B, A, steps, prompt, options):
         mx.eval(out)  # the cache's update: not in the next forward's graph
     step(None), step(mixed)
     pairs = [(step(None), step(mixed)) for _ in range(steps)]
+    cpu = cpu[-2 * steps:]
+    cpu_ratio = statistics.median(a / b for a, b in zip(cpu[::2], cpu[1::2]))
     for k in range(A):
         aset.remove(f"ad{k}")
     return (statistics.median(a / b for a, b in pairs),
             statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
-            ops)
+            ops, cpu_ratio)
 
 
 def main(argv=None, prog=None):
@@ -250,12 +257,13 @@ def main(argv=None, prog=None):
             fr = forward_ratio(model, V, dirs, args.batch, args.adapters,
                                args.forward_steps, args.prompt, options)
             log(f"forward only: base {fr[1] * 1e3:.1f} ms, mixed {fr[2] * 1e3:.1f} ms, "
-                f"ratio {fr[0]:.3f}; MLX ops per forward: base {sum(fr[3]['base'].values())}"
+                f"ratio {fr[0]:.3f} (CPU time {fr[4]:.3f}); MLX ops per forward: base "
+                f"{sum(fr[3]['base'].values())}"
                 f", mixed {sum(fr[3]['mixed'].values())}")
         res = asyncio.run(run(args, model, V, dirs)) if args.repeat else dict(
             rounds=[], adapter_bytes=0, active_memory_added=0, file_bytes=0)
         if args.forward_steps:
-            res["forward"] = dict(ratio=fr[0], base_s=fr[1], mixed_s=fr[2],
+            res["forward"] = dict(ratio=fr[0], base_s=fr[1], mixed_s=fr[2], cpu_ratio=fr[4],
                                   ops={k: dict(v) for k, v in fr[3].items()})
     rounds = res["rounds"]
 
@@ -287,7 +295,9 @@ def main(argv=None, prog=None):
         f = res["forward"]
         lines.append(f"| forward only ({args.forward_steps} adjacent pairs): base "
                      f"{f['base_s'] * 1e3:.1f} ms, mixed {f['mixed_s'] * 1e3:.1f} ms per "
-                     f"step | | **{f['ratio']:.3f}** |")
+                     f"step | | **{f['ratio']:.3f}** |",
+                     f"| forward only, the process's CPU time per step (all threads) | | "
+                     f"{f['cpu_ratio']:.3f} |")
         ops = {k: sum(v.values()) for k, v in f["ops"].items()}
         added = collections.Counter(f["ops"]["mixed"])
         added.subtract(f["ops"]["base"])

@@ -10,17 +10,21 @@ The update is mlx-lm's, row by row:
 A side by side, A_all [in, C] (C = the adapters' ranks summed), and their B below
 each other, B_all [C, out]:
 
-    z = (x @ A_all) * mask      mask [B, 1, C]: 1 on the columns of the row's adapter
+    z = (x @ A_all) * mask      mask [B, C]: 1 on the columns of the row's adapter
     y + (scale_row * (z @ B_all)).astype(x.dtype)
 
 A row's masked z holds its own adapter's x @ A and zeros, so z @ B_all is its own
-(x @ A) @ B plus zero products, and the scale comes after, as in mlx-lm. Where the
-engine fuses q/k/v (or gate/up) into one matmul (fuse.py) one `Stacked` serves the
-whole group: A_all holds every part's A (one product of the shared input), B_all is
-block-diagonal onto the fused output, so a fused group pays one update, not one
-per part. A decode step on a GPU is host-bound (a cost per MLX op), so the number
-of ops per layer is what this layout cuts; `gathered.py` keeps the per-row
-`gather_mm` formulation, whose A product does not grow with the adapters loaded.
+(x @ A) @ B plus zero products (BLAS may sum them in another order: the last bits
+can differ from mlx-lm's). Decode steps may fold each row's scale into the mask and
+add with one `addmm` (AdapterSet(fold=True)): a kernel fewer, the scale applied
+before the B product. Where the engine fuses q/k/v (or gate/up) into one matmul
+(fuse.py) one `Stacked` serves the whole group: A_all holds every part's A (one
+product of the shared input), B_all is block-diagonal onto the fused output, so a
+fused group pays one update, not one per part. A decode step on a GPU is host-bound
+(a cost per MLX op), so the number of ops per layer is what this layout cuts: three
+kernels per distinct input; `gathered.py` keeps the per-row `gather_mm`
+formulation, whose products do not grow with the adapters loaded (for a CPU, bound
+by arithmetic).
 
 An `AdaptedLinear` stands in for one of the model's linears (nn.Linear,
 nn.QuantizedLinear, or a part of a fused projection left unshared) over the one copy
@@ -85,8 +89,8 @@ def _low(x, a, mask, b, scale):
     return (scale.astype(u.dtype) * u).astype(x.dtype)
 
 
-@mx.compile
 def _update(x, a, mask, b, y, scale):
+    # prefill chunks and verify steps: shapes vary too much to compile for
     return y + _low(x, a, mask, b, scale)
 
 
