@@ -293,11 +293,11 @@ def main(argv=None, prog=None):
     ]
     if "forward" in res:
         f = res["forward"]
-        lines.append(f"| forward only ({args.forward_steps} adjacent pairs): base "
+        lines += [f"| forward only ({args.forward_steps} adjacent pairs): base "
                      f"{f['base_s'] * 1e3:.1f} ms, mixed {f['mixed_s'] * 1e3:.1f} ms per "
                      f"step | | **{f['ratio']:.3f}** |",
                      f"| forward only, the process's CPU time per step (all threads) | | "
-                     f"{f['cpu_ratio']:.3f} |")
+                     f"{f['cpu_ratio']:.3f} |"]
         ops = {k: sum(v.values()) for k, v in f["ops"].items()}
         added = collections.Counter(f["ops"]["mixed"])
         added.subtract(f["ops"]["base"])

@@ -190,7 +190,7 @@ def test_structured_rows_with_an_adapter(adapters, arun):
     arun(main)
 
 
-def test_unload_is_refused_while_rows_use_it(adapters, arun):
+def test_unload_is_refused_while_rows_use_it(adapters, formulation, arun):
     async def main():
         eng = engine()
         try:
@@ -334,6 +334,35 @@ def test_every_adapted_layer_computes_mlx_lm_per_row(adapters, quantized, formul
                 checked += 1
     assert checked > 50
     assert aset.select([None, None]) is None  # base-only batches skip the low-rank path
+
+
+@pytest.mark.parametrize("formulation", ["stacked", "gather"])
+def test_removing_every_adapter_frees_their_memory(adapters, formulation):
+    # the stacked update keeps A under a plain linear's own rows: removing the
+    # adapters gives the linear an array of its own again, and the rows go
+    import gc
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxnb.core.worker.adapters import AdapterSet
+    from mlxnb.core.worker.fuse import fuse_projections
+    from mlxnb.models.adapters import read_adapter
+
+    model, _ = base_model()
+    fuse_projections(model, lambda: model(mx.array([[0]]), cache=make_prompt_cache(model)))
+    mx.eval(model.parameters())
+    gc.collect()
+    before = mx.get_active_memory()
+    aset = AdapterSet(model, formulation=formulation)
+    for n in ("rl", "rd", "tl"):
+        aset.add(n, read_adapter(adapters[n]))
+    assert mx.get_active_memory() > before
+    for n in ("rl", "rd", "tl"):
+        aset.remove(n)
+    gc.collect()
+    assert mx.get_active_memory() == before
+    assert aset.nbytes == 0
 
 
 def test_unloading_one_keeps_the_others_exact(adapters, refs, formulation, arun):

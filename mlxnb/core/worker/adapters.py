@@ -182,7 +182,8 @@ class AdapterSet:
             hook.update = upd
             arrays = upd.arrays()
             mx.eval(arrays)
-            total += sum(x.nbytes for x in arrays)
+            total += upd.nbytes if isinstance(upd, Stacked) else sum(
+                x.nbytes for x in arrays)
         # The stacks hold every adapter's weights now: drop the arrays as read, so
         # the adapters cost the stacks' bytes only.
         for f in self.adapters.values():
@@ -212,6 +213,8 @@ class AdapterSet:
 
     def _unwrap(self, key):
         hook = self.units.pop(key)
+        if isinstance(hook.update, Stacked):
+            hook.update.unmerge()
         if key[0] == "fused":
             hook.fused.adapter = None
             return
@@ -288,7 +291,11 @@ class AdapterSet:
         layout = tuple((n, a.shape[1]) for _, n, a, _ in blocks)
         lid = self._layouts.setdefault((layout, dtype), len(self._layouts))
         widths = [(p, linear_dims(layer)[1]) for p, layer in parts]
-        return Stacked(widths, blocks, dtype, lid, layout, mag, cols, base, bias)
+        # a plain linear (or fused group): A_all goes under its rows (Stacked._merge)
+        lin = (fused.linear if len(parts) > 1 else
+               first if type(first) is nn.Linear else None)
+        return Stacked(widths, blocks, dtype, lid, layout, mag, cols, base, bias,
+                       lin if self.fold else None)
 
     def _gathered(self, part, inp, own, names, mag, cols, base, bias):
         path, layer = part

@@ -153,7 +153,7 @@ class Stacked:
     bool: the slot is a DoRA adapter covering that column."""
 
     def __init__(self, parts, blocks, dtype, layout_id, layout: Layout,
-                 mag=None, dora_cols=None, base=None, bias=None):
+                 mag=None, dora_cols=None, base=None, bias=None, lin=None):
         offsets, o = {}, 0
         for path, width in parts:
             offsets[path] = (o, o + width)
@@ -177,9 +177,64 @@ class Stacked:
         self.mag, self.dora_cols = mag, dora_cols
         self.base = base  # DoRA on a quantized linear: the layer, to dequantize
         self.bias = bias  # [out] or None
+        self.lin = self.wcat = self.bcat = None
+        if lin is not None and lin.weight.dtype == dtype:
+            self._merge(lin, o)
+
+    def _merge(self, lin, out: int):
+        """Hold A_all^T below the plain linear's rows, W' [out + C, in]: one matmul
+        gives the base product and x @ A_all together. The linear keeps a view of
+        its rows of W' (no second copy of the model's weights)."""
+        c = self.a.shape[1]
+        self.wcat = mx.concatenate([lin.weight, self.a.T], axis=0)  # [out + C, in]
+        lin.weight = self.wcat[:out]
+        if "bias" in lin:
+            self.bcat = mx.concatenate([lin.bias, mx.zeros((c,), lin.bias.dtype)])
+            lin.bias = self.bcat[:out]
+        self.a = self.wcat[out:].T  # [in, C]
+        # B with zero columns under W's A rows: addmm onto the whole [B, out + C]
+        self.bpad = mx.pad(self.b, [(0, 0), (0, c)])  # [C, out + C]
+        self.b = self.bpad[:, :out]
+        self.lin, self.out = lin, out
+
+    def unmerge(self):
+        """Give the linear its rows back as an array of their own (W' goes)."""
+        if self.lin is not None:
+            self.lin.weight = mx.array(self.lin.weight)
+            if self.bcat is not None:
+                self.lin.bias = mx.array(self.lin.bias)
+            mx.eval(self.lin.parameters())
+            self.lin = None
 
     def arrays(self) -> List[mx.array]:
-        return [x for x in (self.a, self.b, self.mag, self.dora_cols) if x is not None]
+        own = [self.a, self.b, self.mag, self.dora_cols]
+        if self.lin is not None:  # the linear's views too: no slice left in its graph
+            own += [self.wcat, self.bcat, self.bpad, self.lin.weight,
+                    self.lin.get("bias")]
+        return [x for x in own if x is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """The adapters' bytes (a merged linear's own rows of W' not counted)."""
+        b = self.bpad if self.lin is not None else self.b
+        return self.a.size * self.a.itemsize + b.nbytes + sum(
+            x.nbytes for x in (self.mag, self.dora_cols) if x is not None)
+
+    def apply(self, x, sel: Selection, base, wide: bool = False):
+        """base(x) plus each row's update. A merged linear's decode step without a
+        DoRA row: one matmul for the base product and x @ A_all, the masked z and
+        one addmm: [B, 1, out] (`wide`: [B, 1, out + C], for a fused group's parts
+        to slice)."""
+        if (self.lin is None or x.shape[1] != 1 or sel.folded is None
+                or (sel.dora and self.mag is not None)):
+            return self(x, base(x), sel)
+        n = x.shape[0]
+        x2 = x.reshape(n, -1)
+        y2 = (x2 @ self.wcat.T if self.bcat is None else
+              mx.addmm(self.bcat, x2, self.wcat.T))  # [B, out + C]: y and x @ A_all
+        z = y2[:, self.out:] * sel.folded[self.layout_id]  # [B, C]
+        y2 = mx.addmm(y2, z, self.bpad)
+        return (y2 if wide else y2[:, :self.out]).reshape(n, 1, -1)
 
     def weights(self, path: str, name: str):
         """(A, B) of adapter `name` on `path` out of the stacks, or None."""
@@ -241,12 +296,13 @@ class AdaptedLinear:
         self.update = None  # Stacked or gathered.Gathered, set by the owner
 
     def __call__(self, x):  # x: [B, L, in] (prefill chunk or decode step)
-        y = self.base(x)  # [B, L, out]: the one base product
         sel = self.owner.sel
         if sel is None or self.update is None:
-            return y
+            return self.base(x)  # [B, L, out]: the one base product
         _check(x, sel)
-        return self.update(x, y, sel)
+        if isinstance(self.update, Stacked):
+            return self.update.apply(x, sel, self.base)
+        return self.update(x, self.base(x), sel)
 
 
 class FusedUpdate:
@@ -256,9 +312,11 @@ class FusedUpdate:
     def __init__(self, fused, owner, update: Stacked):
         self.fused, self.owner, self.update = fused, owner, update
 
-    def __call__(self, x, y):  # y: [B, L, sum of the parts' out]
+    def __call__(self, x):
+        """The fused product with each row's update ([B, L, sum of the parts' out],
+        or wider: the parts slice theirs), or None for the plain product."""
         sel = self.owner.sel
         if sel is None:
-            return y
+            return None
         _check(x, sel)
-        return self.update(x, y, sel)
+        return self.update.apply(x, sel, self.fused.linear, wide=True)
