@@ -211,11 +211,9 @@ def main(argv=None, prog=None):
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--scale", type=float, default=20.0)
-    ap.add_argument("--lowrank", default="auto", choices=["auto", "stacked", "gather"],
+    ap.add_argument("--lowrank", default="stacked", choices=["stacked", "gather"],
                     help="the low-rank update: every adapter's A/B side by side, masked "
-                         "per row (stacked), gather_mm per row (gather), or the "
-                         "engine's choice for the device (auto: stacked on a GPU, "
-                         "gather on a CPU)")
+                         "per row (stacked, the engine's), or gather_mm per row (gather)")
     ap.add_argument("--no-share", action="store_true",
                     help="stacked: one update per projection, not one per fused q/k/v "
                          "or gate/up group")
@@ -240,8 +238,6 @@ def main(argv=None, prog=None):
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     from mlxnb.core.worker import adapters as worker_adapters
 
-    if args.lowrank == "auto":
-        args.lowrank = worker_adapters.auto_formulation()
     for k in ("cast", "fold"):
         if getattr(args, k) is None:
             setattr(args, k, args.lowrank == "stacked")

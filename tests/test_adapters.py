@@ -52,7 +52,7 @@ def refs(adapters):
 
 @pytest.fixture(params=["stacked", "gather"])
 def formulation(request, monkeypatch):
-    """The engine's low-rank update (the default picks one by device: both run)."""
+    """The engine's low-rank update: the stacked one (its default) and the gathered."""
     from mlxnb.core.worker import adapters as worker_adapters
 
     monkeypatch.setitem(worker_adapters.DEFAULTS, "formulation", request.param)

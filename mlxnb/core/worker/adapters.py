@@ -26,22 +26,12 @@ from .gathered import Gathered
 from .lowrank import (AdaptedLinear, FusedUpdate, Selection, Stacked, base_weight,
                       linear_dims)
 
-__all__ = ["AdapterSet", "DEFAULTS", "FORMULATIONS", "auto_formulation"]
+__all__ = ["AdapterSet", "DEFAULTS", "FORMULATIONS"]
 
-FORMULATIONS = ("auto", "stacked", "gather")
+FORMULATIONS = ("stacked", "gather")
 # the options of the AdapterSet an engine's worker builds (bench/adapters.py sets
-# them to compare formulations)
-# (cast, fold None: on with the stacked formulation, which is for host-bound devices)
-DEFAULTS = dict(formulation="auto", share=True, cast=None, fold=None)
-
-
-def auto_formulation() -> str:
-    """The formulation for the default device. A GPU decode step is host-bound: a
-    cost per MLX op, where the stacked update adds the fewest ops (and gather_mm is
-    slow on some backends). A CPU is bound by arithmetic: the stacked update
-    multiplies every row by every loaded adapter's columns (and zero blocks in a
-    fused group's B), the gathered one by its own adapter's only."""
-    return "gather" if mx.default_device().type == mx.DeviceType.cpu else "stacked"
+# them to compare formulations; cast, fold None: on with the stacked formulation)
+DEFAULTS = dict(formulation="stacked", share=True, cast=None, fold=None)
 
 
 def _resolve(model, path: str):
@@ -64,8 +54,7 @@ def _resolve(model, path: str):
 
 class AdapterSet:
     """`formulation`: "stacked" (lowrank.Stacked; `share`: one update per fused
-    q/k/v or gate/up group), "gather" (gathered.Gathered), or "auto" (by the default
-    device: auto_formulation). `cast`: hold the adapters in the base weights' dtype
+    q/k/v or gate/up group) or "gather" (gathered.Gathered). `cast`: hold the adapters in the base weights' dtype
     (bfloat16 on a bfloat16 model) instead of their own, as mlx-lm's fused models
     do; mlx-lm's LoRALinear computes in theirs. `fold`: stacked decode steps scale
     before the B product and add with one addmm. Either changes the last bits of a
@@ -81,8 +70,6 @@ class AdapterSet:
         if formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {', '.join(FORMULATIONS)}; "
                              f"got {formulation!r}")
-        if formulation == "auto":
-            formulation = auto_formulation()
         cast = formulation == "stacked" if cast is None else cast
         fold = formulation == "stacked" if fold is None else fold
         self.model = model

@@ -15,16 +15,18 @@ each other, B_all [C, out]:
 
 A row's masked z holds its own adapter's x @ A and zeros, so z @ B_all is its own
 (x @ A) @ B plus zero products (BLAS may sum them in another order: the last bits
-can differ from mlx-lm's). Decode steps may fold each row's scale into the mask and
-add with one `addmm` (AdapterSet(fold=True)): a kernel fewer, the scale applied
-before the B product. Where the engine fuses q/k/v (or gate/up) into one matmul
+can differ from mlx-lm's). Where the engine fuses q/k/v (or gate/up) into one matmul
 (fuse.py) one `Stacked` serves the whole group: A_all holds every part's A (one
-product of the shared input), B_all is block-diagonal onto the fused output, so a
-fused group pays one update, not one per part. A decode step on a GPU is host-bound
-(a cost per MLX op), so the number of ops per layer is what this layout cuts: three
-kernels per distinct input; `gathered.py` keeps the per-row `gather_mm`
-formulation, whose products do not grow with the adapters loaded (for a CPU, bound
-by arithmetic).
+product of the shared input), B_all is block-diagonal onto the fused output.
+
+A decode step on a GPU is host-bound (a cost per MLX op, matmuls the dearest), so
+ops are what this layout saves. With `fold` (AdapterSet's default for this
+formulation) a plain linear's A_all^T sits under its own weight rows, W' [out + C,
+in], the linear keeping a view of its rows: the base matmul yields x @ A_all too,
+each row's scale rides in the mask, and one addmm adds z @ B_all. A decode step
+then adds, per distinct input, a mask multiply, an addmm and slices, no matmul.
+`gathered.py` keeps the per-row `gather_mm` formulation, whose products do not grow
+with the adapters loaded (and whose row alone is bit for bit mlx-lm's).
 
 An `AdaptedLinear` stands in for one of the model's linears (nn.Linear,
 nn.QuantizedLinear, or a part of a fused projection left unshared) over the one copy
