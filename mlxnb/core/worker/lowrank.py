@@ -62,8 +62,8 @@ class Selection:
         self.slot_col = mx.array(slots[:, None])  # [B, 1]: [n + 1, out] -> [B, 1, out]
         self.dora = dora  # some row uses a DoRA adapter
         # [B, 1, 1] each row's adapter's scale (0 for base rows), by dtype
-        self._scales = {mx.float32: mx.array([scales.get(a, 0.0) for a in adapters],
-                                             mx.float32)[:, None, None]}
+        self._scales = {mx.float32: mx.array(np.array(
+            [scales.get(a, 0.0) for a in adapters], np.float32)[:, None, None])}
         # per layout id: [B, C] 1 on the columns of the row's adapter, else 0
         # `fold`: also the masks times each row's scale (`folded`), for the decode
         # update that adds with one addmm
