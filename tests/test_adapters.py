@@ -423,3 +423,38 @@ def test_speculating_rows_keep_their_adapter(adapters, refs, arun):
             await eng.aclose()
 
     arun(main)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_stacked_update_of_a_linear_with_bias(fold):
+    # the merged layout keeps the bias on the linear's own rows only (zeros under A)
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from mlxnb.core.worker.lowrank import Selection, Stacked
+
+    mx.random.seed(3)
+    lin = nn.Linear(16, 8, bias=True)
+    lin.bias = mx.random.normal((8,))
+    ref = LoRALinear.from_base(nn.Linear(16, 8, bias=True), r=4, scale=3.0)
+    ref.linear.update(lin.parameters())
+    ref.lora_a = mx.random.normal((16, 4))
+    ref.lora_b = mx.random.normal((4, 8))
+    other = (mx.random.normal((16, 2)), mx.random.normal((2, 8)))
+    layout = (("a", 4), ("o", 2))
+    st = Stacked([("p", 8)], [("p", "a", ref.lora_a, ref.lora_b), ("p", "o", *other)],
+                 mx.float32, 0, layout, lin=lin if fold else None)
+    assert (st.lin is not None) == fold
+    sel = Selection(["a", None, "a"], ["a", "o"], {"a": 3.0, "o": 5.0}, False,
+                    [(layout, mx.float32)], fold=fold)
+    base = nn.Linear(16, 8, bias=True)
+    base.update(ref.linear.parameters())
+    for length in (1, 3):
+        x = mx.random.normal((3, length, 16))
+        y = st.apply(x, sel, lin)
+        assert y.shape == (3, length, 8)
+        for i, want in enumerate([ref(x[0:1]), base(x[1:2]), ref(x[2:3])]):
+            assert mx.allclose(y[i:i + 1], want, atol=1e-5).item(), (length, i)
+    st.unmerge()
+    assert lin.weight.shape == (8, 16) and lin.bias.shape == (8,)
