@@ -14,7 +14,8 @@ prefill (common.decode_window); "ratio" is each round's mixed/none (and base/non
 median over rounds. "forward": the model's decode forward alone at batch B on a
 fixed-length cache, steps without and with the mixed selection alternating (--forward
 steps pairs; a loaded machine disturbs adjacent steps least), median of per-pair
-ratios. Memory: the device bytes the adapters' stacked weights take
+ratios, of wall time and of the process's CPU time (which other processes move
+less), with the MLX ops in each forward's graph. Memory: the device bytes the adapters' stacked weights take
 (Engine.adapter_bytes), MLX's active memory before and after loading them, against
 the model's own bytes (what a copy of the model per adapter would cost).
 
@@ -27,17 +28,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
+import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import mlxnb  # noqa: I001  (first: it puts OpenBLAS under MLX on Linux CPU)
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-
-import mlxnb
 
 from . import common
 from .common import fmt, log
@@ -136,16 +140,28 @@ async def run(args, model, V, dirs):
     return out
 
 
-def forward_ratio(model, V, dirs, B, A, steps, prompt):
+def count_ops(outputs) -> collections.Counter:
+    """The primitives in the graph of `outputs` (not evaluated), by name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "g.dot"
+        mx.export_to_dot(str(path), *outputs)
+        return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle',
+                                              path.read_text()))
+
+
+def forward_ratio(model, V, dirs, B, A, steps, prompt, options):
     """Median over `steps` adjacent pairs of (base forward s) / (mixed forward s): the
     decode forward at batch B, rows split evenly over the adapters (AdapterSet used
-    directly, on this thread; no engine)."""
+    directly, on this thread; no engine), on the model's projections fused as the
+    engine fuses them; and the MLX ops in each forward's graph."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxnb.core.worker.adapters import AdapterSet
+    from mlxnb.core.worker.fuse import fuse_projections
     from mlxnb.models.adapters import read_adapter
 
-    aset = AdapterSet(model)
+    fuse_projections(model, lambda: model(mx.array([[0]]), cache=make_prompt_cache(model)))
+    aset = AdapterSet(model, **options)
     for k, d in enumerate(dirs):
         aset.add(f"ad{k}", read_adapter(d))
     mixed = aset.select([f"ad{i * A // B}" for i in range(B)])
@@ -154,21 +170,34 @@ def forward_ratio(model, V, dirs, B, A, steps, prompt):
     mx.eval([c.state for c in cache])
     y = mx.random.randint(2, V, (B, 1))
 
-    def step(sel):
+    def forward(sel):
         for c in cache:
             c.offset = prompt  # every step at the same length
-        t = common.pc()
         with aset.using(sel):
-            out = model(y, cache=cache)
-        mx.eval(out)
+            return model(y, cache=cache)
+
+    def step(sel):
+        t, c = common.pc(), time.process_time()
+        mx.eval(forward(sel))
+        cpu.append(time.process_time() - c)
         return common.pc() - t
 
+    cpu = []  # the process's CPU seconds per step (all threads): less moved by load
+
+    ops = {}
+    for k, s in (("base", None), ("mixed", mixed)):
+        out = forward(s)
+        ops[k] = count_ops([out])
+        mx.eval(out)  # the cache's update: not in the next forward's graph
     step(None), step(mixed)
     pairs = [(step(None), step(mixed)) for _ in range(steps)]
+    cpu = cpu[-2 * steps:]
+    cpu_ratio = statistics.median(a / b for a, b in zip(cpu[::2], cpu[1::2]))
     for k in range(A):
         aset.remove(f"ad{k}")
     return (statistics.median(a / b for a, b in pairs),
-            statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs))
+            statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            ops, cpu_ratio)
 
 
 def main(argv=None, prog=None):
@@ -182,6 +211,18 @@ def main(argv=None, prog=None):
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--scale", type=float, default=20.0)
+    ap.add_argument("--lowrank", default="stacked", choices=["stacked", "gather"],
+                    help="the low-rank update: every adapter's A/B side by side, masked "
+                         "per row (stacked, the engine's), or gather_mm per row (gather)")
+    ap.add_argument("--no-share", action="store_true",
+                    help="stacked: one update per projection, not one per fused q/k/v "
+                         "or gate/up group")
+    ap.add_argument("--cast", action=argparse.BooleanOptionalAction,
+                    help="hold the adapters in the base weights' dtype (default: with "
+                         "the stacked update)")
+    ap.add_argument("--fold", action=argparse.BooleanOptionalAction,
+                    help="stacked: decode steps scale before the B product and add "
+                         "with one addmm (default: on)")
     ap.add_argument("--adapter-dtype", default="float32",
                     help="the adapters' weights (mlx_lm.lora trains float32)")
     ap.add_argument("--prompt", type=int, default=32, help="prompt length (tokens)")
@@ -195,6 +236,14 @@ def main(argv=None, prog=None):
     if args.batch % args.adapters:
         ap.error("--batch must split evenly over --adapters")
     report = common.Report(NAME, RESULT, TITLE, args, argv)
+    from mlxnb.core.worker import adapters as worker_adapters
+
+    for k in ("cast", "fold"):
+        if getattr(args, k) is None:
+            setattr(args, k, args.lowrank == "stacked")
+    options = dict(formulation=args.lowrank, share=not args.no_share, cast=args.cast,
+                   fold=args.fold)
+    worker_adapters.DEFAULTS.update(options)  # the engine's AdapterSet too
     model, _, V = common.build_model(args.shape, args.dtype)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     with tempfile.TemporaryDirectory() as tmp:
@@ -202,25 +251,35 @@ def main(argv=None, prog=None):
                               args.adapter_dtype)
         if args.forward_steps:
             fr = forward_ratio(model, V, dirs, args.batch, args.adapters,
-                               args.forward_steps, args.prompt)
+                               args.forward_steps, args.prompt, options)
             log(f"forward only: base {fr[1] * 1e3:.1f} ms, mixed {fr[2] * 1e3:.1f} ms, "
-                f"ratio {fr[0]:.3f}")
+                f"ratio {fr[0]:.3f} (CPU time {fr[4]:.3f}); MLX ops per forward: base "
+                f"{sum(fr[3]['base'].values())}"
+                f", mixed {sum(fr[3]['mixed'].values())}")
         res = asyncio.run(run(args, model, V, dirs)) if args.repeat else dict(
             rounds=[], adapter_bytes=0, active_memory_added=0, file_bytes=0)
         if args.forward_steps:
-            res["forward"] = dict(ratio=fr[0], base_s=fr[1], mixed_s=fr[2])
+            res["forward"] = dict(ratio=fr[0], base_s=fr[1], mixed_s=fr[2], cpu_ratio=fr[4],
+                                  ops={k: dict(v) for k, v in fr[3].items()})
     rounds = res["rounds"]
 
     def med(key):
         xs = [r[key] / r["none"] for r in rounds if r[key] and r["none"]]
         return statistics.median(xs) if xs else None
 
-    best = {k: max((r[k] or 0) for r in rounds) for k in ("none", "base", "mixed")}
+    best = {k: max(((r[k] or 0) for r in rounds), default=None)
+            for k in ("none", "base", "mixed")}
     mb = 1 << 20
     lines = [
         f"{args.shape} {args.dtype}, B={args.batch} split evenly over {args.adapters} "
         f"rank-{args.rank} LoRA adapters ({args.adapter_dtype}) on every projection of "
         f"every layer; prompts {args.prompt} tokens, {args.new} new; {len(rounds)} rounds",
+        f"update: {args.lowrank}" + ("" if args.lowrank != "stacked" else
+                                     ", one per projection" if args.no_share else
+                                     ", one per fused q/k/v and gate/up group")
+        + (", adapters cast to the model's dtype" if args.cast else "")
+        + (", scale folded into the mask, one addmm" if args.fold and
+           args.lowrank == "stacked" else ""),
         "", "| pass | tok/s (best round) | / none (median of rounds) |", "|---|---|---|",
         f"| none: no adapter loaded, {args.batch} rows | {fmt(best['none'], 1)} | 1 |",
         f"| base: {args.adapters} loaded, {args.batch} base rows | {fmt(best['base'], 1)} "
@@ -230,9 +289,17 @@ def main(argv=None, prog=None):
     ]
     if "forward" in res:
         f = res["forward"]
-        lines.append(f"| forward only ({args.forward_steps} adjacent pairs): base "
+        lines += [f"| forward only ({args.forward_steps} adjacent pairs): base "
                      f"{f['base_s'] * 1e3:.1f} ms, mixed {f['mixed_s'] * 1e3:.1f} ms per "
-                     f"step | | **{f['ratio']:.3f}** |")
+                     f"step | | **{f['ratio']:.3f}** |",
+                     f"| forward only, the process's CPU time per step (all threads) | | "
+                     f"{f['cpu_ratio']:.3f} |"]
+        ops = {k: sum(v.values()) for k, v in f["ops"].items()}
+        added = collections.Counter(f["ops"]["mixed"])
+        added.subtract(f["ops"]["base"])
+        lines += ["", f"MLX ops per decode forward: base {ops['base']}, mixed "
+                  f"{ops['mixed']} (+{ops['mixed'] - ops['base']}: "
+                  + ", ".join(f"{k} {v:+d}" for k, v in added.most_common() if v) + ")"]
     lines += [
         "", "| memory | MB |", "|---|---|",
         f"| the model's weights | {model_bytes / mb:,.1f} |",

@@ -88,8 +88,9 @@ class Adapters:
                              "another name")
         files = _read_on_thread(path, _threads.LOAD_TIMEOUT_S)
         if self.kv_budget is not None:
-            # an upper bound: stacks hold at most the file's bytes plus zeros for
-            # layers other adapters cover and DoRA's per-slot magnitudes
+            # a quick refusal on the file's bytes; the stacks (a fused group's B rows
+            # span its whole output, DoRA adds per-slot magnitudes) come out of the
+            # budget once built
             if self._adapter_bytes + files.nbytes >= self.kv_budget:
                 raise ValueError(
                     f"adapters would take {fmt_bytes(self._adapter_bytes + files.nbytes)}"

@@ -1,11 +1,13 @@
 """The adapters an engine serves over its one base model, on the worker.
 
-`AdapterSet` fits adapters read by models/adapters.py to the model's linears: each
-linear some adapter targets is wrapped once by a `lowrank.AdaptedLinear`, which
-holds every adapter's weights for it stacked by (rank, dtype) group. Adding or
-removing an adapter rebuilds those stacks (slots are positions in `names`) and
-bumps `version`, so the executor rebuilds its per-batch `Selection`s. With no
-adapter loaded the model is untouched; when the last one goes, so do the wrappers.
+`AdapterSet` fits adapters read by models/adapters.py to the model's linears. Each
+linear some adapter targets gets one update (lowrank.py) holding every adapter's
+weights for it: a `lowrank.AdaptedLinear` wraps the linear, or, where the engine
+fused q/k/v or gate/up into one matmul (fuse.py), one update of the fused product
+serves the whole group. Adding or removing an adapter rebuilds those updates
+(slots are positions in `names`) and bumps `version`, so the executor rebuilds its
+per-batch `Selection`s. With no adapter loaded the model is untouched; when the
+last one goes, so do the wrappers.
 
 The executor brackets every forward with `using(selection)`: the wrappers read
 `sel` while the forward builds its graph (on this thread only).
@@ -18,9 +20,18 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .lowrank import AdaptedLinear, GroupWeights, Selection, base_weight, linear_dims
+import mlx.nn as nn
 
-__all__ = ["AdapterSet"]
+from .gathered import Gathered
+from .lowrank import (AdaptedLinear, FusedUpdate, Selection, Stacked, base_weight,
+                      linear_dims)
+
+__all__ = ["AdapterSet", "DEFAULTS", "FORMULATIONS"]
+
+FORMULATIONS = ("stacked", "gather")
+# the options of the AdapterSet an engine's worker builds (bench/adapters.py sets
+# them to compare formulations; cast, fold None: on with the stacked formulation)
+DEFAULTS = dict(formulation="stacked", share=True, cast=None, fold=None)
 
 
 def _resolve(model, path: str):
@@ -42,18 +53,40 @@ def _resolve(model, path: str):
 
 
 class AdapterSet:
-    def __init__(self, model):
+    """`formulation`: "stacked" (lowrank.Stacked; `share`: one update per fused
+    q/k/v or gate/up group) or "gather" (gathered.Gathered). `cast`: hold the adapters in the base weights' dtype
+    (bfloat16 on a bfloat16 model) instead of their own, as mlx-lm's fused models
+    do; mlx-lm's LoRALinear computes in theirs. `fold`: stacked decode steps scale
+    before the B product and add with one addmm. Either changes the last bits of a
+    row's update against mlx-lm's LoRALinear, for fewer or cheaper ops."""
+
+    def __init__(self, model, formulation: Optional[str] = None,
+                 share: Optional[bool] = None, cast: Optional[bool] = None,
+                 fold: Optional[bool] = None):
+        formulation = DEFAULTS["formulation"] if formulation is None else formulation
+        share = DEFAULTS["share"] if share is None else share
+        cast = DEFAULTS["cast"] if cast is None else cast
+        fold = DEFAULTS["fold"] if fold is None else fold
+        if formulation not in FORMULATIONS:
+            raise ValueError(f"formulation must be one of {', '.join(FORMULATIONS)}; "
+                             f"got {formulation!r}")
+        cast = formulation == "stacked" if cast is None else cast
+        fold = formulation == "stacked" if fold is None else fold
         self.model = model
+        self.formulation, self.cast = formulation, cast
+        self.share = share and formulation == "stacked"
+        self.fold = fold and formulation == "stacked"
         self.adapters: Dict[str, object] = {}  # name -> AdapterFiles, in slot order
+        self.units: Dict[tuple, object] = {}  # unit key -> AdaptedLinear / FusedUpdate
         self.wrapped: Dict[str, tuple] = {}  # path -> (owner, leaf, AdaptedLinear, shadowed)
         self.sel: Optional[Selection] = None  # set around each forward (using)
         self.version = 0
         self.nbytes = 0  # the stacked weights' bytes
         self._selections: Dict[tuple, Optional[Selection]] = {}  # select's, this version
         self._keys: Dict[str, tuple] = {}  # name -> its (rank, dtype name) group
-        # the slot layout the stacks were built with (a rebuild reads them back)
-        self._built_names: List[str] = []
-        self._built_layout: Dict[tuple, List[str]] = {}
+        self._updates: Dict[str, object] = {}  # path -> the update holding its weights
+        self._layouts: Dict[tuple, int] = {}  # (Stacked layout, dtype) -> id
+        self._built_names: List[str] = []  # the slot order of the last build
 
     @property
     def names(self) -> List[str]:
@@ -106,85 +139,167 @@ class AdapterSet:
 
     def _rebuild(self):
         targets = {p for f in self.adapters.values() for p in f.layers}
-        for path in [p for p in self.wrapped if p not in targets]:
-            owner, leaf, _, shadowed = self.wrapped.pop(path)
-            if shadowed is None:
-                object.__delattr__(owner, leaf)  # the module child shows again
-            else:
-                object.__setattr__(owner, leaf, shadowed)
-        for path in sorted(targets - set(self.wrapped)):
+        plan: Dict[tuple, list] = {}  # unit key -> [(path, layer)] in output order
+        for path in sorted(targets):
             owner, leaf, layer = _resolve(self.model, path)
-            # An instance attribute: the base linear stays in the parameter tree
-            # (nn.Module.__setattr__ would drop it from there).
-            shadowed = owner.__dict__.get(leaf)  # a fused part, or None
-            w = AdaptedLinear(layer, self)
-            object.__setattr__(owner, leaf, w)
-            self.wrapped[path] = (owner, leaf, w, shadowed)
-        names, layout = self.names, self._groups()
+            if isinstance(layer, AdaptedLinear):
+                layer = layer.base
+            fused = getattr(layer, "fused", None)  # fuse.py's part of a fused group
+            if self.share and fused is not None:
+                prefix = path.rsplit(".", 1)[0]
+                plan[("fused", id(fused))] = [(f"{prefix}.{n}", getattr(owner, n))
+                                              for n in fused.names]
+            else:
+                plan[("linear", path)] = [(path, layer)]
+        old = self._updates
+        for key in [k for k in self.units if k not in plan]:
+            self._unwrap(key)
+        for key, parts in plan.items():
+            if key not in self.units:
+                self._wrap(key, parts)
+        names = self.names
+        self._layouts = {}
+        self._updates = {}
         total = 0
-        for path, (_, _, w, _) in self.wrapped.items():
-            old, old_mag = w.groups, w.mag
-            w.groups, w.mag, w.dora_slots = {}, None, None
-            inp, out = w.dims
-
-            def own(n, leaf):
-                """Adapter n's array for this layer: as read, or out of the stacks
-                the previous build made (it keeps no copy of its own)."""
-                d = self.adapters[n].layers.get(path)
-                if d is None:
-                    return None
-                if d.get(leaf) is not None:
-                    return d[leaf]
-                if leaf == "mag":
-                    return old_mag[self._built_names.index(n)]
-                key = self._keys[n]
-                g = old[key]
-                j = self._built_layout[key].index(n)
-                return g.a[j] if leaf == "lora_a" else g.b[j]
-
-            for key, members in layout.items():
-                if not any(path in self.adapters[n].layers for n in members):
-                    continue
-                r, dt = key
-                dtype = getattr(mx, dt)
-                a = [own(n, "lora_a") for n in members]
-                b = [own(n, "lora_b") for n in members]
-                a = mx.stack([x if x is not None else mx.zeros((inp, r), dtype) for x in a])
-                b = mx.stack([x if x is not None else mx.zeros((r, out), dtype) for x in b])
-                w.groups[key] = GroupWeights(a, b)  # [n, in, r], [n, r, out]
-            dora = [n for n in names if self.adapters[n].kind == "dora"
-                    and path in self.adapters[n].layers]
-            if dora:
-                W, _ = base_weight(w.base)
-                rows = []
-                for n in names + [None]:
-                    if n not in dora:
-                        rows.append(mx.ones((out,), mx.float32))
-                        continue
-                    d = self.adapters[n].layers[path]
-                    if "m" not in d:  # computed by an earlier build
-                        rows.append(own(n, "mag"))
-                        continue
-                    # mlx-lm's DoRALinear.__call__, term for term (it depends on the
-                    # adapter only, so once here instead of every step)
-                    adapted = W + (self.adapters[n].scale * d["lora_b"].T) @ d["lora_a"].T
-                    rows.append((d["m"] / mx.linalg.norm(adapted, axis=1)).astype(mx.float32))
-                w.mag = mx.stack(rows)  # [n_adapters + 1, out]
-                w.dora_slots = mx.array([n in dora for n in names] + [False])
-            arrays = [x for g in w.groups.values() for x in g] + (
-                [w.mag] if w.mag is not None else [])
+        for key, parts in plan.items():
+            upd = self._build(parts, names, old)
+            for path, _ in parts:
+                self._updates[path] = upd
+            hook = self.units[key]
+            hook.update = upd
+            arrays = upd.arrays()
             mx.eval(arrays)
-            total += sum(x.nbytes for x in arrays)
+            total += upd.nbytes if isinstance(upd, Stacked) else sum(
+                x.nbytes for x in arrays)
         # The stacks hold every adapter's weights now: drop the arrays as read, so
         # the adapters cost the stacks' bytes only.
         for f in self.adapters.values():
             for d in f.layers.values():
                 d["lora_a"] = d["lora_b"] = None
                 d.pop("m", None)
-        self._built_names, self._built_layout = names, layout
+        self._built_names = names
         self.nbytes = total
         self.version += 1
         self._selections.clear()
+
+    def _wrap(self, key, parts):
+        if key[0] == "fused":
+            fused = parts[0][1].fused
+            hook = FusedUpdate(fused, self, None)
+            fused.adapter = hook
+        else:
+            path = key[1]
+            owner, leaf, layer = _resolve(self.model, path)
+            # An instance attribute: the base linear stays in the parameter tree
+            # (nn.Module.__setattr__ would drop it from there).
+            shadowed = owner.__dict__.get(leaf)  # a fused part, or None
+            hook = AdaptedLinear(layer, self)
+            object.__setattr__(owner, leaf, hook)
+            self.wrapped[path] = (owner, leaf, hook, shadowed)
+        self.units[key] = hook
+
+    def _unwrap(self, key):
+        hook = self.units.pop(key)
+        if isinstance(hook.update, Stacked):
+            hook.update.unmerge()
+        if key[0] == "fused":
+            hook.fused.adapter = None
+            return
+        owner, leaf, _, shadowed = self.wrapped.pop(key[1])
+        if shadowed is None:
+            object.__delattr__(owner, leaf)  # the module child shows again
+        else:
+            object.__setattr__(owner, leaf, shadowed)
+
+    def _own(self, n: str, path: str, old: dict):
+        """Adapter n's (A, B, m or None) for `path`, or None: as read, or out of the
+        update the previous build made (it keeps no copy of its own)."""
+        d = self.adapters[n].layers.get(path)
+        if d is None:
+            return None
+        if d.get("lora_a") is not None:
+            return d["lora_a"], d["lora_b"], d.get("m")
+        a, b = old[path].weights(path, n)
+        return a, b, None
+
+    def _build(self, parts, names: List[str], old: dict):
+        """The update over `parts` [(path, layer)] for the adapters `names`."""
+        inp = linear_dims(parts[0][1])[0]
+        first = parts[0][1]
+        own = {(p, n): self._own(n, p, old) for p, _ in parts for n in names}
+        # DoRA: m / ||adapted W|| per slot and output column
+        dora = {(p, n) for (p, n), w in own.items()
+                if w is not None and self.adapters[n].kind == "dora"}
+        mag = cols = None
+        if dora:
+            mags, flags = [], []
+            for p, layer in parts:
+                out = linear_dims(layer)[1]
+                W = None
+                rows, fl = [], []
+                for slot, n in enumerate(names + [None]):
+                    fl.append(mx.full((out,), (p, n) in dora))
+                    if (p, n) not in dora:
+                        rows.append(mx.ones((out,), mx.float32))
+                    elif own[(p, n)][2] is None:  # computed by an earlier build
+                        rows.append(old[p].mag_row(p, self._built_names.index(n)))
+                    else:
+                        # mlx-lm's DoRALinear.__call__, term for term (it depends on
+                        # the adapter only, so once here instead of every step)
+                        a, b, m = own[(p, n)]
+                        if W is None:
+                            W, _ = base_weight(layer)
+                        adapted = W + (self.adapters[n].scale * b.T) @ a.T
+                        rows.append((m / mx.linalg.norm(adapted, axis=1)).astype(mx.float32))
+                mags.append(mx.stack(rows))
+                flags.append(mx.stack(fl))
+            mag = mx.concatenate(mags, axis=1)  # [n_adapters + 1, out]
+            cols = mx.concatenate(flags, axis=1)  # [n_adapters + 1, out] bool
+        quantized = isinstance(first, nn.QuantizedLinear)
+        fused = getattr(first, "fused", None)
+        if len(parts) > 1:
+            lin = fused.linear
+            bias = lin.bias if "bias" in lin else None
+        else:
+            bias = base_weight(first)[1]
+        base = first if quantized else None
+        if self.formulation == "gather":
+            return self._gathered(parts[0], inp, own, names, mag, cols, base, bias)
+        blocks = [(p, n) + own[(p, n)][:2] for p, _ in parts for n in names
+                  if own[(p, n)] is not None]
+        if self.cast:
+            dtype = (first.scales.dtype if quantized else
+                     fused.linear.weight.dtype if fused is not None else first.weight.dtype)
+            if mag is not None:  # as mlx-lm's `(m / denom).astype(x.dtype)` rounds it
+                mag = mag.astype(dtype)
+        else:
+            dts = {x.dtype for blk in blocks for x in blk[2:]}
+            dtype = dts.pop() if len(dts) == 1 else mx.float32
+        layout = tuple((n, a.shape[1]) for _, n, a, _ in blocks)
+        lid = self._layouts.setdefault((layout, dtype), len(self._layouts))
+        widths = [(p, linear_dims(layer)[1]) for p, layer in parts]
+        # a plain linear (or fused group): A_all goes under its rows (Stacked._merge)
+        lin = (fused.linear if len(parts) > 1 else
+               first if type(first) is nn.Linear else None)
+        return Stacked(widths, blocks, dtype, lid, layout, mag, cols, base, bias,
+                       lin if self.fold else None)
+
+    def _gathered(self, part, inp, own, names, mag, cols, base, bias):
+        path, layer = part
+        out = linear_dims(layer)[1]
+        groups, members = {}, {}
+        for key, ns in self._groups().items():
+            if not any(own[(path, n)] is not None for n in ns):
+                continue
+            r, dt = key
+            dtype = getattr(mx, dt)
+            ws = [own[(path, n)] for n in ns]
+            a = mx.stack([w[0] if w else mx.zeros((inp, r), dtype) for w in ws])
+            b = mx.stack([w[1] if w else mx.zeros((r, out), dtype) for w in ws])
+            groups[key], members[key] = (a, b), ns  # [n, in, r], [n, r, out]
+        g = Gathered(path, groups, members, mag, cols, base, bias)
+        g.covered = {n for n in names if own[(path, n)] is not None}
+        return g
 
     def _groups(self) -> Dict[tuple, List[str]]:
         """(rank, dtype name) -> adapter names in slot order."""
@@ -210,23 +325,24 @@ class AdapterSet:
     def _select(self, adapters: tuple) -> Optional[Selection]:
         if all(a is None for a in adapters):
             return None
-        names = self.names
         missing = sorted({a for a in adapters if a is not None and a not in self.adapters})
         if missing:
             raise ValueError(f"adapter {missing[0]!r} is not loaded")
-        groups = {}
-        for key, members in self._groups().items():
-            local = {n: i for i, n in enumerate(members)}
-            if not any(a in local for a in adapters):
-                continue
-            slot = mx.array([local.get(a, 0) for a in adapters], mx.uint32)
-            scale = mx.array([self.adapters[a].scale if a in local else 0.0
-                              for a in adapters], mx.float32)[:, None, None]
-            groups[key] = (slot, scale)
-        slots = mx.array([names.index(a) if a is not None else len(names)
-                          for a in adapters], mx.uint32)
+        groups = None
+        if self.formulation == "gather":
+            groups = {}
+            for key, members in self._groups().items():
+                local = {n: i for i, n in enumerate(members)}
+                if not any(a in local for a in adapters):
+                    continue
+                slot = mx.array([local.get(a, 0) for a in adapters], mx.uint32)
+                scale = mx.array([self.adapters[a].scale if a in local else 0.0
+                                  for a in adapters], mx.float32)[:, None, None]
+                groups[key] = (slot, scale)
         dora = any(a is not None and self.adapters[a].kind == "dora" for a in adapters)
-        return Selection(groups, slots, dora, len(adapters))
+        scales = {n: f.scale for n, f in self.adapters.items()}
+        layouts = sorted(self._layouts, key=self._layouts.get)
+        return Selection(adapters, self.names, scales, dora, layouts, groups, self.fold)
 
     @contextlib.contextmanager
     def using(self, sel: Optional[Selection]):

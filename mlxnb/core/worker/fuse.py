@@ -42,11 +42,17 @@ class _Fused:
         dims = [m["weight"].shape[0] for m in linears]
         self.bounds = [(sum(dims[:i]), sum(dims[:i + 1])) for i in range(len(dims))]
         self._x = self._y = None
+        # x -> the fused product with each row's LoRA/DoRA update, or None for the
+        # plain one (adapters.py sets it while an adapter covers a part of this group)
+        self.adapter = None
         self.products = 0  # fused products computed (the probe's count)
 
     def part(self, i: int, x: mx.array) -> mx.array:
         if self._x is not x:
-            self._x, self._y = x, self.linear(x)
+            y = self.adapter(x) if self.adapter is not None else None
+            if y is None:
+                y = self.linear(x)  # [B, L, sum of the parts' out]
+            self._x, self._y = x, y
             self.products += 1
         a, b = self.bounds[i]
         y = self._y[..., a:b]
