@@ -330,20 +330,22 @@ def test_verified_point_drafts_keep_the_rows_distribution(name):
 
 # -- the step policy --------------------------------------------------------------------
 
-def _cost(a, b):
-    from mlxnb.core.worker.speculate import StepCost
+def _times(a, b, B=(1, 8), plain_extra=0.0):
+    """Step times a + b * (rows x width) seconds, plain steps `plain_extra` more."""
+    from mlxnb.core.worker.specpolicy import StepTimes
 
-    c = StepCost()
-    for n in (1, 4, 8, 16, 40):
-        c.observe(n, a + b * n)
-    assert c.ab == pytest.approx((a, b))
-    return c
+    t = StepTimes()
+    for rows in B:
+        t.observe_plain(rows, a + b * rows + plain_extra)
+        for w in (2, 5):
+            t.observe_spec(rows, w, a + b * rows * w, rows)
+    return t
 
 
 def test_width_follows_the_cost_of_a_step_and_the_rows_acceptance():
-    from mlxnb.core.worker.speculate import best_width
+    from mlxnb.core.worker.specpolicy import best_width
 
-    host_bound, compute_bound = _cost(0.005, 0.0), _cost(0.09, 0.013)
+    host_bound, compute_bound = _times(0.005, 0.0), _times(0.09, 0.013)
     # a step costs the same whatever it feeds: verify every draft
     assert best_width(host_bound, [0.2], [6]) == 7
     # each position costs: a draft that rarely holds is not worth its position
@@ -351,3 +353,49 @@ def test_width_follows_the_cost_of_a_step_and_the_rows_acceptance():
     assert best_width(compute_bound, [0.95], [4]) > 1
     # one row's drafts do not pay for widening seven others
     assert best_width(compute_bound, [0.6] + [0.0] * 7, [4] + [0] * 7) == 1
+    # a verification that waits for the step in flight costs more than the
+    # pipelined plain step: drafts must make up for the lost overlap
+    waits = _times(0.005, 0.0, plain_extra=-0.003)  # plain 2 ms, verify 5 ms
+    assert best_width(waits, [0.3], [4]) == 1
+    assert best_width(waits, [0.9], [8]) == 9
+
+
+def test_nothing_measured_tries_a_verification_and_then_measures_it():
+    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+
+    t = StepTimes()
+    assert best_width(t, [0.5], [4]) == 5  # nothing known: try the drafts
+    t.observe_plain(1, 0.010)
+    assert t.verify_s(1, 5) == 0.010  # no verification measured: a plain step's cost
+    t.observe_spec(1, 5, 0.030, 2)
+    assert t.verify_s(1, 9) == 0.030 and t.verify_s(1, 5) == 0.030
+    t.observe_spec(1, 3, 0.020, 2)
+    assert t.verify_s(1, 9) == pytest.approx(0.050)  # the line through widths 3 and 5
+
+
+def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():
+    from mlxnb.core.worker.specpolicy import StepTimes
+
+    t = StepTimes()
+    t.observe_plain(8, 0.010)  # 800 tok/s plain
+    for _ in range(StepTimes.MIN_SPEC - 1):
+        t.observe_spec(8, 5, 0.020, 15)  # 750 tok/s speculating: slower
+        assert t.allowed(8)
+    t.observe_spec(8, 5, 0.020, 15)
+    holds = []
+    for _ in range(2):  # off for a hold, then tried again; the next hold is longer
+        n = 0
+        while not t.allowed(8):
+            n += 1
+        holds.append(n)
+        for _ in range(StepTimes.MIN_SPEC):
+            t.observe_spec(8, 5, 0.020, 15)
+    assert holds == [StepTimes.HOLD, 2 * StepTimes.HOLD] and t.holds == 3
+    assert t.allowed(1)  # another batch size is judged on its own
+    # where it pays, it stays on
+    t2 = StepTimes()
+    t2.observe_plain(8, 0.010)
+    for _ in range(50):
+        t2.observe_spec(8, 5, 0.020, 17)  # 850 tok/s
+        assert t2.allowed(8)
+    assert t2.holds == 0

@@ -153,12 +153,14 @@ class BatchExecutor:
         self._filter()
         n_read = len(emitted)
         joining = bool(self.prefill.ready)
-        verified = None  # a verify step's (proposed, accepted, taken, width, seconds)
+        verified = None  # a verify step's (proposed, accepted, taken, width)
+        drained = False  # the step in flight was read before this step's launch
         try:
             self._join(updates)
             launched = None
             if self.ids:
                 if self.spec.wanted(self):
+                    drained = self.inflight is not None
                     verified = self.spec.step(self, updates, emitted)
                 if verified is None:
                     launched = self._launch(updates)
@@ -186,7 +188,7 @@ class BatchExecutor:
         now = time.perf_counter()
         if decoded and not prefill_tokens:
             self.policy.observe_decode(now - t)
-            self.spec.observe(decoded, *(verified[3:] if verified else (1, now - t)))
+            self.spec.observe(decoded, now - t, verified, drained, done is not None)
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
                       self._ids_tuple, share, other, self.split.take(now - t))

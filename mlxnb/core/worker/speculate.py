@@ -20,16 +20,38 @@ comes from position 0, processed and masked as in a plain step); logprobs are th
 of each position's distribution. Rejected positions leave the cache (rollback.py).
 
 Verification needs each row's latest token on the host (the drafts follow it), so a
-verification step is not pipelined: it first reads the step in flight, which it does
-only when some row, not paused (lookup.py), has its last tokens matching earlier
-ones (`Speculation.wanted`). It then verifies at the width that gives the most
-expected tokens per second -- from each row's acceptance so far and the measured
-cost of a step per token fed (`StepCost`) -- unless that width is one.
+verification step is not pipelined: it first reads the step in flight. It does so only
+when some row, not paused, is `ready` (its drafts likely to follow its next token)
+and the policy (specpolicy.py) expects verifying to give more tokens per second than
+a plain step -- from each row's acceptance so far and the measured wall time of
+plain and verification steps at this batch size -- and then verifies at the width
+that gives the most. A guard measures the tokens per second speculating steps really
+gave against plain steps and turns speculation off at a batch size where it loses.
+
+Draft sources. Rows name theirs in `SamplingParams.speculate`; the verifier asks a
+source (registered by its `mode`, `Speculation.register`) two things, on the worker
+thread:
+
+    attach(row, ids) -> RowPolicy | None
+        A joining row (a decoding.RowDecoder; `ids` its prompt tokens): the row's
+        per-row state, kept as `row.spec`. It subclasses specpolicy.RowPolicy (draft
+        length `k`, pauses, acceptance `q`), gets every token the row takes, in
+        order, through `extend(tokens)`, and says through `ready()`, host-only and
+        before the step in flight is read, whether it would draft after one more
+        token. None: the row does not speculate.
+    propose(rows, limits) -> List[List[int]]
+        After the step in flight is read: for each row (RowDecoders in batch order,
+        only rows of this source), up to limits[i] tokens proposed to follow the
+        tokens it has taken so far ([]: none this step). Rows paused by their
+        policy come with limit 0.
+
+The verifier checks every row's proposals in one batched target forward, feeds the
+result back through `row.spec.verified(proposed, accepted)`, and rolls back the
+cache.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -37,12 +59,12 @@ import mlx.core as mx
 from ..messages import Emitted, Updates
 from .decoding import HISTORY
 from .inflight import InFlight
-from .lookup import RowLookup
+from .lookup import LookupSource
 from .rollback import before_verify, rollback, unsupported_reason
+from .specpolicy import StepTimes, best_width
 
-__all__ = ["Speculation", "StepCost", "accept_drafts", "best_width", "MAX_SPEC_BATCH", "MODES"]
+__all__ = ["Speculation", "accept_drafts", "MAX_SPEC_BATCH"]
 
-MODES = ("lookup",)  # what SamplingParams.speculate takes, besides None
 MAX_SPEC_BATCH = 32  # larger batches are bound by the device: extra positions cost
 
 
@@ -55,135 +77,109 @@ def accept_drafts(toks: mx.array, drafts: mx.array):
     return acc, mx.take_along_axis(toks, acc[:, None], axis=1)[:, 0]
 
 
-class StepCost:
-    """What a decode step costs as a function of the tokens it feeds (rows x width):
-    seconds ~ a + b * tokens, fitted online to decode-only steps (an average per
-    token count, then a least-squares line through those). Host-bound steps (a
-    small model on a GPU) give b ~ 0: verifying is nearly free; compute-bound ones
-    (a CPU, large batches) give a b that makes wide verifications pay only for
-    drafts likely to hold. Until two token counts are measured, b is taken as 0."""
-
-    ALPHA = 0.2
-
-    def __init__(self):
-        self.mean: Dict[int, float] = {}
-        self.ab = None  # (a, b) once fitted
-        self.nsteps = 0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        old = self.mean.get(tokens)
-        self.mean[tokens] = seconds if old is None else old + self.ALPHA * (seconds - old)
-        self.nsteps += 1
-        if len(self.mean) >= 2:
-            xs, ys = list(self.mean), list(self.mean.values())
-            mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            sxx = sum((x - mx_) ** 2 for x in xs)
-            b = max(0.0, sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sxx)
-            self.ab = (max(my - b * mx_, 1e-6), b)
-
-    def seconds(self, tokens: int) -> float:
-        """A measured token count's own average (step costs jump where kernels
-        change, e.g. BLAS at some widths), else the line."""
-        seen = self.mean.get(tokens)
-        if seen is not None and self.ab is not None:
-            return seen
-        if self.ab is None:
-            return 1.0  # unknown: every width costs the same
-        a, b = self.ab
-        return a + b * tokens
-
-
-def expected_accepts(q: float, k: int) -> float:
-    """Drafts held of k when each holds with probability q given the ones before."""
-    if k <= 0:
-        return 0.0
-    return q * (1 - q ** k) / (1 - q) if q < 1 else float(k)
-
-
-def best_width(cost: StepCost, qs: List[float], lens: List[int]) -> int:
-    """The verification width (1 = a plain step) with the most expected tokens per
-    second for rows whose drafts hold with probabilities `qs` and are `lens` long."""
-    B = len(lens)
-    best_w, best = 1, B / cost.seconds(B)
-    for w in range(2, max(lens) + 2):
-        toks = B + sum(expected_accepts(q, min(n, w - 1)) for q, n in zip(qs, lens))
-        v = toks / cost.seconds(B * w)
-        if v > best:
-            best_w, best = w, v
-    return best_w
-
-
 class Speculation:
-    """The executor's speculation state: which rows draft, and the verify step."""
+    """The executor's speculation state: draft sources, the policy's measurements,
+    and the verification step."""
 
     def __init__(self, row_cache: list):
         self.off_reason = unsupported_reason(row_cache)  # None: rows may speculate
-        self.cost = StepCost()
+        self.times = StepTimes()
+        self.sources: Dict[str, object] = {}
+        self.register(LookupSource())
+        self._ready: List[int] = []  # batch positions of rows ready this step
 
     @property
     def facts(self) -> str:
-        return self.off_reason or "lookup"
+        return self.off_reason or "/".join(self.sources)
+
+    def register(self, source) -> None:
+        """Add a draft source (see the module docstring) under its `mode`."""
+        self.sources[source.mode] = source
 
     def attach(self, r, ids: List[int]) -> None:
-        """Give a joining row its lookup state if it speculates and can."""
-        p = r.params
-        if (self.off_reason is None and p.speculate in MODES and not r.processors
+        """Give a joining row its draft state if it speculates and can."""
+        src = self.sources.get(r.params.speculate)
+        if (src is not None and self.off_reason is None and not r.processors
                 and r.matcher is None):
-            r.lookup = RowLookup(ids, p.num_draft)
+            r.spec = src.attach(r, ids)
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        """A decode-only step of `rows` rows, `width` positions each, took this long."""
-        self.cost.observe(rows * width, seconds)
+    def observe(self, rows: int, seconds: float, verified: Optional[tuple],
+                drained: bool, pipelined: bool) -> None:
+        """A decode-only step of `rows` rows took `seconds` of wall time: a
+        verification (`verified`), a plain step that read the step in flight to
+        draft and did not (`drained`), or a plain step of the pipeline that read
+        the one before it (`pipelined`)."""
+        if verified is not None:
+            self.times.observe_spec(rows, verified[3], seconds, verified[2])
+        elif drained:
+            self.times.observe_spec(rows, 1, seconds, rows)
+        elif pipelined:
+            self.times.observe_plain(rows, seconds)
 
     def wanted(self, ex) -> bool:
-        """Worth reading the step in flight now to draft? Some row, not paused, has
-        its last tokens matching earlier ones, and the best case (each such row
-        drafting its k) would pay; counts down paused rows' pauses."""
+        """Worth reading the step in flight now to draft? Some row, not paused, is
+        ready, and the best case (each such row drafting its k) would pay; counts
+        down paused rows' pauses and the guard's hold."""
         rows = ex._batch_rows
-        if len(rows) > MAX_SPEC_BATCH:
+        B = len(rows)
+        if B > MAX_SPEC_BATCH:
             return False
         if ex.inflight is not None and ex.inflight.firsts:
             return False  # a first token to show: keep the plain step (its TTFT)
-        qs, ks, fixed = [], [], False
-        for r in rows:
-            lk = r.lookup
-            if lk is not None and not lk.paused() and lk.primed():
-                fixed = fixed or lk.fixed  # a user-given num_draft: whatever it costs
-                qs.append(lk.q)
-                ks.append(lk.k)
+        qs, ks, fixed, ready = [], [], False, []
+        for i, r in enumerate(rows):
+            s = r.spec
+            if s is not None and not s.paused() and s.ready():
+                fixed = fixed or s.fixed  # a user-given num_draft: whatever it costs
+                qs.append(s.q)
+                ks.append(max(0, min(s.k, r.params.max_tokens - r.launched - 2)))
+                ready.append(i)
                 continue
             qs.append(0.0)
             ks.append(0)
-        # the best case (every primed row drafts its k) must pay for the read
-        return fixed or (any(ks) and best_width(self.cost, qs, ks) > 1)
+        self._ready = ready
+        if not any(ks) or not self.times.allowed(B):
+            return False
+        return fixed or best_width(self.times, qs, ks) > 1
 
     def step(self, ex, updates: Updates, emitted: List[Emitted]) -> Optional[tuple]:
         """Verify drafts for this step if that is expected to pay: (drafts proposed,
-        accepted, tokens taken, width, seconds it took), else None (the caller
-        launches a plain step). Reads the step in flight first."""
+        accepted, tokens taken, width), else None (the caller launches a plain
+        step). Reads the step in flight first."""
         if ex.inflight is not None:
             done, ex.inflight = ex.inflight, None
             ex._read(done, updates, emitted)
-        # the read above waited for the previous step's forward: not this step's cost
-        t0 = time.perf_counter()
-        drafts, qs, drop, forced = [], [], ex.drop, 0
-        for r in ex._batch_rows:
-            lk = r.lookup
-            live = lk is not None and r.id not in drop
-            d = lk.draft(r.params.max_tokens - r.launched - 1) if live else []
-            if live and not d and lk.was_primed:
-                lk.no_draft()
-            drafts.append(d)
-            qs.append(lk.q if live else 0.0)
-            if live and lk.fixed:  # the user's num_draft: verified whatever it costs
+        rows, drop = ex._batch_rows, ex.drop
+        drafts = self._propose(rows, drop)
+        qs, forced = [], 0
+        for i, (r, d) in enumerate(zip(rows, drafts)):
+            s = r.spec
+            qs.append(s.q if s is not None else 0.0)
+            if d and s.fixed:  # the user's num_draft: verified whatever it costs
                 forced = max(forced, len(d))
+        for i in self._ready:  # ready, read at once, and nothing to draft: a failure
+            if not drafts[i] and rows[i].id not in drop:
+                rows[i].spec.verified(0, 0)
         if not any(drafts):
             return None
-        w = max(best_width(self.cost, qs, [len(d) for d in drafts]), forced + 1)
+        w = max(best_width(self.times, qs, [len(d) for d in drafts]), forced + 1)
         if w == 1:
             return None
-        out = self._verify(ex, [d[:w - 1] for d in drafts], updates, emitted)
-        return out + (time.perf_counter() - t0,)
+        return self._verify(ex, [d[:w - 1] for d in drafts], updates, emitted)
+
+    def _propose(self, rows, drop) -> List[List[int]]:
+        """Each batch row's drafts, from its own source."""
+        out: List[List[int]] = [[] for _ in rows]
+        by_mode: Dict[str, List[int]] = {}
+        for i, r in enumerate(rows):
+            if r.spec is not None and r.id not in drop and r.spec.pause == 0:
+                by_mode.setdefault(r.params.speculate, []).append(i)
+        for mode, idx in by_mode.items():
+            sub = [rows[i] for i in idx]
+            limits = [r.params.max_tokens - r.launched - 1 for r in sub]
+            for i, n, d in zip(idx, limits, self.sources[mode].propose(sub, limits)):
+                out[i] = list(d)[:max(0, n)]
+        return out
 
     def _verify(self, ex, drafts: List[List[int]], updates: Updates,
                 emitted: List[Emitted]) -> Tuple[int, int, int, int]:
@@ -234,7 +230,7 @@ class Speculation:
                 up = updates.of(rid)
                 up.draft_proposed += len(dr)
                 up.draft_accepted += a
-                r.lookup.verified(len(dr), a)
+                r.spec.verified(len(dr), a)
                 proposed, accepted = proposed + len(dr), accepted + a
             taken += a + 1
             ex._take(r, T[i][:a + 1], [lps.get((i, j)) for j in range(a + 1)], one,
