@@ -160,8 +160,8 @@ class BatchExecutor:
             launched = None
             if self.ids:
                 if self.spec.wanted(self):
-                    drained = self.inflight is not None
                     verified = self.spec.step(self, updates, emitted)
+                    drained = self.spec.drained
                 if verified is None:
                     launched = self._launch(updates)
         except Exception as e:  # a forward error fails this step's rows only

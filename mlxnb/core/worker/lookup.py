@@ -54,9 +54,11 @@ class RowLookup(RowPolicy):
     def draft(self, limit: int) -> List[int]:
         """Up to min(k, limit) tokens that followed the latest earlier occurrence of
         the row's last n tokens; [] when paused or nothing matches."""
-        if self.pause > 0:
-            return []
-        k = min(self.k, limit)
+        return [] if self.pause > 0 else self.follow(min(self.k, limit))
+
+    def follow(self, k: int) -> List[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the row's
+        last n tokens, the longest n first."""
         if k <= 0:
             return []
         seq = self.seq
@@ -78,4 +80,4 @@ class LookupSource:
         return RowLookup(ids, row.params.num_draft)
 
     def propose(self, rows, limits: List[int]) -> List[List[int]]:
-        return [r.spec.draft(n) for r, n in zip(rows, limits)]
+        return [r.spec.follow(n) for r, n in zip(rows, limits)]

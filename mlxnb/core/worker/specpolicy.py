@@ -166,16 +166,20 @@ class StepTimes:
         return max(my + b * (W - mx_), min(ys))
 
 
-def best_width(times: StepTimes, qs: List[float], lens: List[int]) -> int:
+def best_width(times: StepTimes, qs: List[float], lens: List[int],
+               live: Optional[List[float]] = None) -> int:
     """The verification width (1 = a plain step) with the most expected tokens per
-    second for rows whose drafts hold with probabilities `qs` and are `lens` long."""
+    second for rows whose drafts hold with probabilities `qs` and are `lens` long,
+    and count at all with probabilities `live` (a guess that must hold first)."""
     B = len(lens)
     plain = times.plain_s(B)
     if plain is None:
         return max(lens) + 1  # nothing measured yet: try it, then measure
+    live = live or [1.0] * B
     best_w, best = 1, B / plain
     for w in range(2, max(lens) + 2):
-        toks = B + sum(expected_accepts(q, min(n, w - 1)) for q, n in zip(qs, lens))
+        toks = B + sum(g * expected_accepts(q, min(n, w - 1))
+                       for q, n, g in zip(qs, lens, live))
         v = toks / times.verify_s(B, w)
         if v > best:
             best_w, best = w, v

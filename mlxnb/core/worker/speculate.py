@@ -87,6 +87,7 @@ class Speculation:
         self.sources: Dict[str, object] = {}
         self.register(LookupSource())
         self._ready: List[int] = []  # batch positions of rows ready this step
+        self.drained = False  # the last `step` read the step in flight first
 
     @property
     def facts(self) -> str:
@@ -117,9 +118,9 @@ class Speculation:
             self.times.observe_plain(rows, seconds)
 
     def wanted(self, ex) -> bool:
-        """Worth reading the step in flight now to draft? Some row, not paused, is
-        ready, and the best case (each such row drafting its k) would pay; counts
-        down paused rows' pauses and the guard's hold."""
+        """Worth drafting this step? Some row, not paused, is ready, and the best
+        case (each such row drafting its k) would pay; counts down paused rows'
+        pauses and the guard's hold."""
         rows = ex._batch_rows
         B = len(rows)
         if B > MAX_SPEC_BATCH:
@@ -140,35 +141,57 @@ class Speculation:
         self._ready = ready
         if not any(ks) or not self.times.allowed(B):
             return False
-        return fixed or best_width(self.times, qs, ks) > 1
+        ahead = ex.inflight is not None and not ex._any_constrained
+        return fixed or best_width(self.times, qs, ks, qs if ahead else None) > 1
 
     def step(self, ex, updates: Updates, emitted: List[Emitted]) -> Optional[tuple]:
         """Verify drafts for this step if that is expected to pay: (drafts proposed,
         accepted, tokens taken, width), else None (the caller launches a plain
-        step). Reads the step in flight first."""
-        if ex.inflight is not None:
-            done, ex.inflight = ex.inflight, None
+        step). `drained`: whether it read the step in flight before launching.
+
+        With a step in flight (and no constrained row, whose mask needs the token
+        in flight read first), it drafts one step ahead: a row's proposal follows
+        the tokens already read, its first token a guess for the token in flight,
+        the rest its drafts; the verification feeds [the token in flight, as it
+        computes, + the drafts], and the step in flight is read while the
+        verification computes. The drafts are checked against what the model
+        computes after the real token, so the rule is exact whatever the guess:
+        a wrong guess only makes drafts that fail. No proposal: nothing was read,
+        and the plain step that follows stays pipelined."""
+        done = ex.inflight
+        ahead = done is not None and not ex._any_constrained
+        self.drained = done is not None and not ahead
+        if self.drained:
+            ex.inflight = None
             ex._read(done, updates, emitted)
         rows, drop = ex._batch_rows, ex.drop
-        drafts = self._propose(rows, drop)
-        qs, forced = [], 0
-        for i, (r, d) in enumerate(zip(rows, drafts)):
+        props = self._propose(rows, drop, ahead)
+        # drafting ahead, the first proposed token stands for the one in flight
+        drafts = [p[1:] for p in props] if ahead else props
+        qs, live, forced = [], [], 0
+        for r, d in zip(rows, drafts):
             s = r.spec
-            qs.append(s.q if s is not None else 0.0)
+            q = s.q if s is not None else 0.0
+            qs.append(q)
+            live.append(q if ahead else 1.0)  # the guess must hold too
             if d and s.fixed:  # the user's num_draft: verified whatever it costs
                 forced = max(forced, len(d))
-        for i in self._ready:  # ready, read at once, and nothing to draft: a failure
+        for i in self._ready:  # ready, and nothing to draft: counted as a failure
             if not drafts[i] and rows[i].id not in drop:
                 rows[i].spec.verified(0, 0)
         if not any(drafts):
             return None
-        w = max(best_width(self.times, qs, [len(d) for d in drafts]), forced + 1)
+        w = max(best_width(self.times, qs, [len(d) for d in drafts], live), forced + 1)
         if w == 1:
             return None
-        return self._verify(ex, [d[:w - 1] for d in drafts], updates, emitted)
+        ex.inflight = None
+        self.drained = done is not None
+        return self._verify(ex, [d[:w - 1] for d in drafts], done if ahead else None,
+                            updates, emitted)
 
-    def _propose(self, rows, drop) -> List[List[int]]:
-        """Each batch row's drafts, from its own source."""
+    def _propose(self, rows, drop, ahead: bool) -> List[List[int]]:
+        """Each batch row's proposal from its own source: its k drafts (one more,
+        the guess, when drafting ahead), within its max_tokens."""
         out: List[List[int]] = [[] for _ in rows]
         by_mode: Dict[str, List[int]] = {}
         for i, r in enumerate(rows):
@@ -176,13 +199,14 @@ class Speculation:
                 by_mode.setdefault(r.params.speculate, []).append(i)
         for mode, idx in by_mode.items():
             sub = [rows[i] for i in idx]
-            limits = [r.params.max_tokens - r.launched - 1 for r in sub]
+            # launched counts the token in flight: drafts may fill the rest
+            limits = [min(r.spec.k + ahead, r.params.max_tokens - r.launched - 1 + ahead)
+                      for r in sub]
             for i, n, d in zip(idx, limits, self.sources[mode].propose(sub, limits)):
                 out[i] = list(d)[:max(0, n)]
         return out
 
-    def _verify(self, ex, drafts: List[List[int]], updates: Updates,
-                emitted: List[Emitted]) -> Tuple[int, int, int, int]:
+    def _verify(self, ex, drafts: List[List[int]], done, updates: Updates, emitted: List[Emitted]) -> Tuple[int, int, int, int]:
         rows, ids = ex._batch_rows, list(ex.ids)
         want = ex._want_lp
         W = 1 + max(len(d) for d in drafts)
@@ -206,14 +230,17 @@ class Speculation:
         acc, nxt = accept_drafts(toks, d)
         ex.sampler.advance(acc + 1)
         lp = None
+        outs = [toks, acc, nxt]
         if want:
             flat = [i * W + j for i in want for j in range(W)]
             k = max(rows[i].params.logprobs for i in want)
             idx = mx.array(flat)
             lp = ex.sampler.logprobs(idx, toks.reshape(-1)[idx], k)
-            mx.eval(toks, acc, nxt, *[a for a in lp if a is not None])
-        else:
-            mx.eval(toks, acc, nxt)
+            outs += [a for a in lp if a is not None]
+        if done is not None:  # read the step in flight while this one computes
+            mx.async_eval(*outs)
+            ex._read(done, updates, emitted)
+        mx.eval(*outs)
         T, A = toks.tolist(), acc.tolist()
         lps = self._logprobs(ex, lp, want, ids, W) if lp is not None else {}
         ex.y = nxt
