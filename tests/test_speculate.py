@@ -155,6 +155,118 @@ def test_a_seeded_sampled_row_is_the_same_alone_batched_and_without_speculation(
     assert sum(r.draft_accepted for r in alone) > 0
 
 
+def test_pipelined_verification_trims_padding_and_stays_identical(tiny, arun):
+    """Verifications launched without a read (wide.py) roll rejected positions into
+    left padding on the device; long rows gather enough of it to be trimmed."""
+    long = 160
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        base = [(await eng.submit(p, max_tokens=long, chat=False)).tokens
+                for p in PROMPTS[:3]]
+        rows = [eng.submit(p, max_tokens=long, chat=False, speculate="lookup",
+                           num_draft=6) for p in PROMPTS[:3]]
+        res = [await r for r in rows]
+        spec = eng._exec.spec
+        await eng.aclose()
+        return base, res, spec
+
+    base, res, spec = arun(main)
+    assert [r.tokens for r in res] == base
+    assert all(len(r.tokens) == long for r in res)  # max_tokens holds exactly
+    assert spec.wide > 0 and spec.trims > 0
+    assert sum(r.draft_accepted for r in res) > 0
+
+
+def test_rows_joining_mid_run_in_a_mixed_batch_keep_their_tokens(tiny, arun):
+    """Greedy speculating rows, rows without speculation and seeded sampled rows
+    share the batch, and rows join while verifications are in flight: every row
+    gets the tokens it gets alone without speculation."""
+    import asyncio
+
+    kinds = [dict(speculate="lookup", num_draft=4), dict(speculate=None),
+             dict(speculate="lookup", temperature=0.7, seed=3), dict(speculate="lookup")]
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False, streak_s=0)
+        base = []
+        for p, kw in zip(PROMPTS, kinds):
+            kw = {**kw, "speculate": None}
+            base.append((await eng.submit(p, max_tokens=N, chat=False, **kw)).tokens)
+        first = eng.submit(PROMPTS[0], max_tokens=N, chat=False, **kinds[0])
+        while sum(s.drafted for s in eng.steps) == 0:  # verifications under way
+            await asyncio.sleep(0)
+        late = [eng.submit(p, max_tokens=N, chat=False, **kw)
+                for p, kw in zip(PROMPTS[1:], kinds[1:])]
+        res = [await first] + [await r for r in late]
+        await eng.aclose()
+        return base, res, len(first.tokens)
+
+    base, res, _ = arun(main)
+    assert [r.tokens for r in res] == base
+    assert res[0].draft_accepted > 0 and res[1].draft_proposed == 0
+
+
+class _Scrambled:
+    """A draft source that proposes what the target will say, with a token changed
+    here and there, and junk: whatever it proposes, outputs must not change."""
+
+    mode = "lookup"
+
+    def __init__(self, refs):
+        self.refs = refs  # prompt's first token -> reference output
+
+    def attach(self, row, ids):
+        from mlxnb.core.worker.specpolicy import RowPolicy
+
+        class State(RowPolicy):
+            def __init__(s):
+                super().__init__(row.params.num_draft)
+                s.taken, s.ref = [], self.refs[tuple(ids)]
+
+            def extend(s, toks):
+                s.taken.extend(toks)
+
+        return State()
+
+    def propose(self, rows, limits, after):
+        out = []
+        for r, n, a in zip(rows, limits, after):
+            st = r.spec
+            pos = len(st.taken) + len(a)
+            d = list(st.ref[pos:pos + n])
+            if len(d) > 2 and pos % 3 == 0:
+                d[2] = (d[2] + 1) % 256  # a wrong draft after two right ones
+            if pos % 7 == 0:
+                d = [(x * 31 + 7) % 256 for x in d]  # junk
+            out.append(d)
+        return out
+
+
+def test_any_draft_source_leaves_greedy_output_identical(tiny, arun):
+    """The verifier's rule, not the drafts, decides the tokens: a source proposing
+    right, wrong and junk drafts (through the documented interface) changes
+    nothing, alone or batched, and its right drafts are taken."""
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        base = [await eng.submit(p, max_tokens=N, chat=False) for p in PROMPTS]
+        refs = {tuple(eng.encode(p, chat=False)): r.tokens for p, r in zip(PROMPTS, base)}
+        eng._exec.spec.register(_Scrambled(refs))
+        alone = [await eng.submit(p, max_tokens=N, chat=False, speculate="lookup")
+                 for p in PROMPTS]
+        rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup", num_draft=5)
+                for p in PROMPTS]
+        batched = [await r for r in rows]
+        await eng.aclose()
+        return base, alone, batched
+
+    base, alone, batched = arun(main)
+    for got in (alone, batched):
+        assert [r.tokens for r in got] == [r.tokens for r in base]
+        assert sum(r.draft_accepted for r in got) > 0
+        assert sum(r.draft_accepted for r in got) < sum(r.draft_proposed for r in got)
+
+
 def test_a_row_cancelled_mid_verification_leaves_the_others(tiny, arun):
     async def main():
         eng = Engine(tiny, kv_budget=None, warmup=False, streak_s=0)

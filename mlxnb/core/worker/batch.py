@@ -42,6 +42,7 @@ from .sampling import BatchSampler
 from .setup import BatchModel
 from .speculate import Speculation
 from .stepsplit import StepSplit
+from .wide import read_wide
 
 
 class BatchExecutor:
@@ -72,6 +73,7 @@ class BatchExecutor:
         self.spec = Speculation(self.make_cache())  # speculate.py: drafts and their checks
         self._reset_batch()
         self.nsteps = 0
+        self._wide_read = (0, 0)  # the last pipelined verification read: (drafts, accepted)
         self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
         self.precompiler.start()
         # every step's time split (stepsplit.py); a profiler's tracer rides on it
@@ -160,9 +162,12 @@ class BatchExecutor:
             launched = None
             if self.ids:
                 if self.spec.wanted(self):
-                    verified = self.spec.step(self, updates, emitted)
-                    drained = self.spec.drained
-                if verified is None:
+                    if self.spec.pipelined(self):  # read back a step later (wide.py)
+                        launched = self.spec.launch(self)
+                    else:
+                        verified = self.spec.step(self, updates, emitted)
+                        drained = self.spec.drained
+                if verified is None and launched is None:
                     launched = self._launch(updates)
         except Exception as e:  # a forward error fails this step's rows only
             self._fail_batch(updates, e)
@@ -188,12 +193,16 @@ class BatchExecutor:
         now = time.perf_counter()
         if decoded and not prefill_tokens:
             self.policy.observe_decode(now - t)
-            self.spec.observe(decoded, now - t, verified, drained, done is not None)
+            wide = launched.tokens.shape[1] if launched and launched.accepted is not None else 0
+            self.spec.observe(decoded, now - t, verified, drained, done is not None,
+                              wide, len(emitted) - n_read)
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
                       self._ids_tuple, share, other, self.split.take(now - t))
         if verified is not None:
             st.drafted, st.accepted = verified[0], verified[1]
+        elif done is not None and done.accepted is not None:
+            st.drafted, st.accepted = self._wide_read
         return st, launched is not None or verified is not None, read_firsts
 
     def _streak_goes_on(self, launched: bool, read_firsts: bool, updates: Updates,
@@ -375,6 +384,9 @@ class BatchExecutor:
 
     # -- reading back --------------------------------------------------------------
     def _read(self, inflight: InFlight, updates: Updates, emitted: List[Emitted]) -> None:
+        if inflight.accepted is not None:  # a pipelined verification
+            self._wide_read = read_wide(self, inflight, updates, emitted)
+            return
         tr = self.tracer
         t0 = pc() if tr else 0.0
         toks = inflight.tokens.tolist()  # the one host sync per step

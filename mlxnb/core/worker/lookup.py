@@ -56,16 +56,17 @@ class RowLookup(RowPolicy):
         the row's last n tokens; [] when paused or nothing matches."""
         return [] if self.pause > 0 else self.follow(min(self.k, limit))
 
-    def follow(self, k: int) -> List[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the row's
-        last n tokens, the longest n first."""
+    def follow(self, k: int, after: List[int] = ()) -> List[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the last n
+        tokens of the row's tokens + `after`, the longest n first."""
         if k <= 0:
             return []
         seq = self.seq
+        tail = (seq[-MAX_N:] + list(after))[-MAX_N:] if after else seq[-MAX_N:]
         for n in range(MAX_N, MIN_N - 1, -1):
-            if len(seq) <= n:
+            if len(tail) < n or len(seq) <= n:
                 continue
-            p = self.index[n].get(tuple(seq[-n:]))
+            p = self.index[n].get(tuple(tail[-n:]))
             if p is not None:
                 return seq[p:p + k]
         return []
@@ -79,5 +80,5 @@ class LookupSource:
     def attach(self, row, ids: List[int]) -> RowLookup:
         return RowLookup(ids, row.params.num_draft)
 
-    def propose(self, rows, limits: List[int]) -> List[List[int]]:
-        return [r.spec.follow(n) for r, n in zip(rows, limits)]
+    def propose(self, rows, limits: List[int], after: List[List[int]]) -> List[List[int]]:
+        return [r.spec.follow(n, a) for r, n, a in zip(rows, limits, after)]

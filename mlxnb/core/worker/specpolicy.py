@@ -37,6 +37,7 @@ class RowPolicy:
         self.pause = 0  # steps left without drafting
         self.next_pause = 4
         self.proposed = self.accepted = 0  # totals (tests, status)
+        self.stale = False  # its last verification rejected a draft (wide.py)
         # per draft token: held after held ones (successes) and the first that did
         # not (failures), decayed: q is the chance the next draft token holds
         self._held, self._missed = 1.0, 1.0

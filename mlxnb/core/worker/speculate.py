@@ -62,6 +62,7 @@ from .inflight import InFlight
 from .lookup import LookupSource
 from .rollback import before_verify, rollback, unsupported_reason
 from .specpolicy import StepTimes, best_width
+from .wide import flat_only, launch_wide
 
 __all__ = ["Speculation", "accept_drafts", "MAX_SPEC_BATCH"]
 
@@ -88,6 +89,9 @@ class Speculation:
         self.register(LookupSource())
         self._ready: List[int] = []  # batch positions of rows ready this step
         self.drained = False  # the last `step` read the step in flight first
+        self.flat = flat_only(row_cache)  # verification can be pipelined (wide.py)
+        self.slack = 0  # rejected positions that may sit as padding (wide.py)
+        self.trims = self.wide = 0  # counts (tests, bench): trims, pipelined verifications
 
     @property
     def facts(self) -> str:
@@ -105,13 +109,17 @@ class Speculation:
             r.spec = src.attach(r, ids)
 
     def observe(self, rows: int, seconds: float, verified: Optional[tuple],
-                drained: bool, pipelined: bool) -> None:
+                drained: bool, pipelined: bool, wide: int = 0, read: int = 0) -> None:
         """A decode-only step of `rows` rows took `seconds` of wall time: a
-        verification (`verified`), a plain step that read the step in flight to
-        draft and did not (`drained`), or a plain step of the pipeline that read
-        the one before it (`pipelined`)."""
+        verification (`verified`), a pipelined one of width `wide` (which read
+        `read` tokens of the step before), a plain step that read the step in
+        flight to draft and did not (`drained`), or a plain step of the pipeline
+        that read the one before it (`pipelined`)."""
         if verified is not None:
             self.times.observe_spec(rows, verified[3], seconds, verified[2])
+        elif wide:
+            if pipelined:
+                self.times.observe_spec(rows, wide, seconds, read)
         elif drained:
             self.times.observe_spec(rows, 1, seconds, rows)
         elif pipelined:
@@ -139,7 +147,9 @@ class Speculation:
             qs.append(0.0)
             ks.append(0)
         self._ready = ready
-        if not any(ks) or not self.times.allowed(B):
+        if not any(ks):
+            return False
+        if not self.times.allowed(B) and not fixed:  # the guard holds it off
             return False
         ahead = ex.inflight is not None and not ex._any_constrained
         return fixed or best_width(self.times, qs, ks, qs if ahead else None) > 1
@@ -165,7 +175,7 @@ class Speculation:
             ex.inflight = None
             ex._read(done, updates, emitted)
         rows, drop = ex._batch_rows, ex.drop
-        props = self._propose(rows, drop, ahead)
+        props = self._propose(rows, drop, [[] for _ in rows], ahead)
         # drafting ahead, the first proposed token stands for the one in flight
         drafts = [p[1:] for p in props] if ahead else props
         qs, live, forced = [], [], 0
@@ -189,9 +199,10 @@ class Speculation:
         return self._verify(ex, [d[:w - 1] for d in drafts], done if ahead else None,
                             updates, emitted)
 
-    def _propose(self, rows, drop, ahead: bool) -> List[List[int]]:
-        """Each batch row's proposal from its own source: its k drafts (one more,
-        the guess, when drafting ahead), within its max_tokens."""
+    def _propose(self, rows, drop, after: List[List[int]], ahead: bool) -> List[List[int]]:
+        """Each batch row's proposal from its own source, following its tokens read
+        and `after` (those assumed of the step in flight): its k drafts (one more,
+        the guess, when drafting `ahead`), within its max_tokens."""
         out: List[List[int]] = [[] for _ in rows]
         by_mode: Dict[str, List[int]] = {}
         for i, r in enumerate(rows):
@@ -199,12 +210,56 @@ class Speculation:
                 by_mode.setdefault(r.params.speculate, []).append(i)
         for mode, idx in by_mode.items():
             sub = [rows[i] for i in idx]
-            # launched counts the token in flight: drafts may fill the rest
-            limits = [min(r.spec.k + ahead, r.params.max_tokens - r.launched - 1 + ahead)
-                      for r in sub]
-            for i, n, d in zip(idx, limits, self.sources[mode].propose(sub, limits)):
+            # launched counts the step in flight once: drafts may fill the rest
+            limits = [min(r.spec.k + ahead, r.params.max_tokens - r.launched - 1 + ahead
+                          - len(after[i])) for i, r in zip(idx, sub)]
+            props = self.sources[mode].propose(sub, limits, [after[i] for i in idx])
+            for i, n, d in zip(idx, limits, props):
                 out[i] = list(d)[:max(0, n)]
         return out
+
+    def pipelined(self, ex) -> bool:
+        """Can this batch's verification be launched without reading it back at
+        once? Plain KV caches only, and no row whose step needs the host: logprobs,
+        logits processors, a constraint (they verify in `step`)."""
+        return (self.flat and not ex._want_lp and not ex._any_procs
+                and not ex._any_constrained)
+
+    def launch(self, ex) -> Optional[InFlight]:
+        """A pipelined verification (wide.py) if one is expected to pay, else None
+        (the caller launches a plain step). Nothing is read here: proposals follow
+        the tokens read so far and what the step in flight is assumed to give --
+        a verification's drafts unless the one before it showed them stale, then
+        its next token, which the proposal's first token guesses."""
+        done = ex.inflight
+        rows, drop = ex._batch_rows, ex.drop
+        ahead = done is not None
+        after: List[List[int]] = [[] for _ in rows]
+        if done is not None and done.drafts:
+            for i, r in enumerate(rows):
+                dr = done.drafts.get(r.id)
+                if dr and r.spec is not None and not r.spec.stale:
+                    after[i] = dr
+        props = self._propose(rows, drop, after, ahead)
+        drafts = [p[1:] for p in props] if ahead else props
+        qs, live, forced = [], [], 0
+        for r, d, a in zip(rows, drafts, after):
+            s = r.spec
+            q = s.q if s is not None else 0.0
+            qs.append(q)
+            live.append(q ** (len(a) + 1) if ahead else 1.0)  # what it assumed held
+            if d and s.fixed:
+                forced = max(forced, len(d))
+        for i in self._ready:
+            if not drafts[i] and rows[i].id not in drop:
+                rows[i].spec.verified(0, 0)
+        if not any(drafts):
+            return None
+        w = max(best_width(self.times, qs, [len(d) for d in drafts], live), forced + 1)
+        if w == 1:
+            return None
+        self.wide += 1
+        return launch_wide(ex, [d[:w - 1] for d in drafts])
 
     def _verify(self, ex, drafts: List[List[int]], done, updates: Updates, emitted: List[Emitted]) -> Tuple[int, int, int, int]:
         rows, ids = ex._batch_rows, list(ex.ids)
