@@ -40,9 +40,10 @@ async def _run(eng, prompts, spec, batched, **kw):
             for p in prompts]
 
 
-def _parity(model, arun, **engine_kw):
+def _parity(model, arun, way=None, **engine_kw):
     async def main():
         eng = Engine(model, kv_budget=None, warmup=False, **engine_kw)
+        eng._exec.spec.times.only = way  # pipelined ("wide") or read back ("sync")
         base = [r.tokens for r in await _run(eng, PROMPTS, None, batched=False)]
         alone = await _run(eng, PROMPTS, "lookup", batched=False)
         batched = await _run(eng, PROMPTS, "lookup", batched=True)
@@ -59,8 +60,9 @@ def _parity(model, arun, **engine_kw):
     return alone, batched
 
 
-def test_greedy_lookup_is_token_identical_alone_and_batched(tiny, arun):
-    _parity(tiny, arun)
+@pytest.mark.parametrize("way", [None, "wide", "sync"])
+def test_greedy_lookup_is_token_identical_alone_and_batched(tiny, arun, way):
+    _parity(tiny, arun, way)
 
 
 def test_greedy_lookup_is_token_identical_with_sliding_windows(tiny_swa, arun):
@@ -162,6 +164,7 @@ def test_pipelined_verification_trims_padding_and_stays_identical(tiny, arun):
 
     async def main():
         eng = Engine(tiny, kv_budget=None, warmup=False)
+        eng._exec.spec.times.only = "wide"
         base = [(await eng.submit(p, max_tokens=long, chat=False)).tokens
                 for p in PROMPTS[:3]]
         rows = [eng.submit(p, max_tokens=long, chat=False, speculate="lookup",
@@ -178,7 +181,8 @@ def test_pipelined_verification_trims_padding_and_stays_identical(tiny, arun):
     assert sum(r.draft_accepted for r in res) > 0
 
 
-def test_rows_joining_mid_run_in_a_mixed_batch_keep_their_tokens(tiny, arun):
+@pytest.mark.parametrize("way", ["wide", "sync"])
+def test_rows_joining_mid_run_in_a_mixed_batch_keep_their_tokens(tiny, arun, way):
     """Greedy speculating rows, rows without speculation and seeded sampled rows
     share the batch, and rows join while verifications are in flight: every row
     gets the tokens it gets alone without speculation."""
@@ -189,6 +193,7 @@ def test_rows_joining_mid_run_in_a_mixed_batch_keep_their_tokens(tiny, arun):
 
     async def main():
         eng = Engine(tiny, kv_budget=None, warmup=False, streak_s=0)
+        eng._exec.spec.times.only = way
         base = []
         for p, kw in zip(PROMPTS, kinds):
             kw = {**kw, "speculate": None}
@@ -243,7 +248,8 @@ class _Scrambled:
         return out
 
 
-def test_any_draft_source_leaves_greedy_output_identical(tiny, arun):
+@pytest.mark.parametrize("way", ["wide", "sync"])
+def test_any_draft_source_leaves_greedy_output_identical(tiny, arun, way):
     """The verifier's rule, not the drafts, decides the tokens: a source proposing
     right, wrong and junk drafts (through the documented interface) changes
     nothing, alone or batched, and its right drafts are taken."""
@@ -252,6 +258,7 @@ def test_any_draft_source_leaves_greedy_output_identical(tiny, arun):
         base = [await eng.submit(p, max_tokens=N, chat=False) for p in PROMPTS]
         refs = {tuple(eng.encode(p, chat=False)): r.tokens for p, r in zip(PROMPTS, base)}
         eng._exec.spec.register(_Scrambled(refs))
+        eng._exec.spec.times.only = way
         alone = [await eng.submit(p, max_tokens=N, chat=False, speculate="lookup")
                  for p in PROMPTS]
         rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup", num_draft=5)
@@ -511,3 +518,23 @@ def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():
         t2.observe_spec(8, 5, 0.020, 17)  # 850 tok/s
         assert t2.allowed(8)
     assert t2.holds == 0
+
+
+def test_the_faster_way_of_verifying_is_kept_and_the_other_tried_again():
+    from mlxnb.core.worker.specpolicy import StepTimes
+
+    t = StepTimes()
+    seen = []
+    for _ in range(2 * StepTimes.MIN_SPEC):  # each way tried first
+        way = t.way(4)
+        seen.append(way)
+        t.observe_spec(4, 3, 0.01, 8 if way == "wide" else 6, way)
+    assert seen == ["wide"] * StepTimes.MIN_SPEC + ["sync"] * StepTimes.MIN_SPEC
+    later = []
+    for _ in range(StepTimes.REPROBE + StepTimes.MIN_SPEC):
+        way = t.way(4)
+        later.append(way)
+        t.observe_spec(4, 3, 0.01, 8 if way == "wide" else 6, way)
+    # kept the faster, then tried the slower for MIN_SPEC steps
+    assert later.count("sync") == StepTimes.MIN_SPEC and later[0] == "wide"
+    assert t.way(4) == "wide" and t.way(8) == "wide"  # a new batch size starts over

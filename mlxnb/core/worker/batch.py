@@ -199,10 +199,11 @@ class BatchExecutor:
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
                       self._ids_tuple, share, other, self.split.take(now - t))
+        wd, wa = self._wide_read  # pipelined verifications read this step
+        self._wide_read = (0, 0)
         if verified is not None:
-            st.drafted, st.accepted = verified[0], verified[1]
-        elif done is not None and done.accepted is not None:
-            st.drafted, st.accepted = self._wide_read
+            wd, wa = wd + verified[0], wa + verified[1]
+        st.drafted, st.accepted = wd, wa
         return st, launched is not None or verified is not None, read_firsts
 
     def _streak_goes_on(self, launched: bool, read_firsts: bool, updates: Updates,
@@ -385,7 +386,8 @@ class BatchExecutor:
     # -- reading back --------------------------------------------------------------
     def _read(self, inflight: InFlight, updates: Updates, emitted: List[Emitted]) -> None:
         if inflight.accepted is not None:  # a pipelined verification
-            self._wide_read = read_wide(self, inflight, updates, emitted)
+            d, a = read_wide(self, inflight, updates, emitted)
+            self._wide_read = (self._wide_read[0] + d, self._wide_read[1] + a)
             return
         tr = self.tracer
         t0 = pc() if tr else 0.0

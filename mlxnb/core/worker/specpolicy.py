@@ -112,6 +112,7 @@ class StepTimes:
     FLOOR = 0.97
     MIN_SPEC = 6  # speculating steps measured before the guard judges them
     HOLD, MAX_HOLD = 32, 2048
+    REPROBE = 96  # speculating steps between tries of the way not chosen
 
     def __init__(self):
         self.plain: Dict[int, float] = {}  # B -> seconds
@@ -120,6 +121,33 @@ class StepTimes:
         self._held: Dict[int, int] = {}  # B -> steps left off
         self._hold: Dict[int, int] = {}  # B -> the next hold
         self.holds = 0  # times the guard turned speculation off (tests, status)
+        # B -> {way: [tokens/s average, steps]}: "wide" (pipelined, wide.py) or
+        # "sync" (read back at once), and B -> [steps since a try of the other, way
+        # being tried, steps left of that try]
+        self._ways: Dict[int, Dict[str, list]] = {}
+        self._probe: Dict[int, list] = {}
+        self.only: Optional[str] = None  # "wide" or "sync": that way always (tests, bench)
+
+    def way(self, B: int) -> str:
+        """Pipelined or read-back verification at batch size B: each is tried for
+        MIN_SPEC steps, then the one that gave more tokens per second is kept, and
+        the other tried again every REPROBE steps (the text decides which wins:
+        long copies favour pipelining, copies with edits break its chains)."""
+        if self.only is not None:
+            return self.only
+        w = self._ways.setdefault(B, {"wide": [None, 0], "sync": [None, 0]})
+        for name in ("wide", "sync"):
+            if w[name][1] < self.MIN_SPEC:
+                return name
+        best = max(w, key=lambda n: w[n][0])
+        other = "sync" if best == "wide" else "wide"
+        p = self._probe.setdefault(B, [0, None, 0])
+        if p[2] > 0:
+            return p[1]
+        if p[0] >= self.REPROBE:
+            p[:] = [0, other, self.MIN_SPEC]
+            return other
+        return best
 
     def _avg(self, old: Optional[float], x: float) -> float:
         return x if old is None else old + self.ALPHA * (x - old)
@@ -127,11 +155,18 @@ class StepTimes:
     def observe_plain(self, B: int, seconds: float) -> None:
         self.plain[B] = self._avg(self.plain.get(B), seconds)
 
-    def observe_spec(self, B: int, width: int, seconds: float, tokens: int) -> None:
+    def observe_spec(self, B: int, width: int, seconds: float, tokens: int,
+                     way: str = "sync") -> None:
         """A speculating step: `width` 1 for a plain step that drafted nothing."""
         if width > 1:
             v = self.verify.setdefault(B, {})
             v[width] = self._avg(v.get(width), seconds)
+        w = self._ways.setdefault(B, {"wide": [None, 0], "sync": [None, 0]})[way]
+        w[0], w[1] = self._avg(w[0], tokens / seconds), w[1] + 1
+        p = self._probe.setdefault(B, [0, None, 0])
+        p[0] += 1
+        if p[2] > 0 and p[1] == way:
+            p[2] -= 1
         s = self._spec.setdefault(B, [None, 0])
         s[0], s[1] = self._avg(s[0], tokens / seconds), s[1] + 1
         plain = self.plain.get(B)

@@ -119,7 +119,7 @@ class Speculation:
             self.times.observe_spec(rows, verified[3], seconds, verified[2])
         elif wide:
             if pipelined:
-                self.times.observe_spec(rows, wide, seconds, read)
+                self.times.observe_spec(rows, wide, seconds, read, "wide")
         elif drained:
             self.times.observe_spec(rows, 1, seconds, rows)
         elif pipelined:
@@ -219,11 +219,13 @@ class Speculation:
         return out
 
     def pipelined(self, ex) -> bool:
-        """Can this batch's verification be launched without reading it back at
-        once? Plain KV caches only, and no row whose step needs the host: logprobs,
-        logits processors, a constraint (they verify in `step`)."""
+        """Launch this batch's verification without reading it back at once?
+        Where it can -- plain KV caches only, no row whose step needs the host
+        (logprobs, logits processors, a constraint: they verify in `step`) -- and
+        where the policy measured it the faster way (`StepTimes.way`)."""
         return (self.flat and not ex._want_lp and not ex._any_procs
-                and not ex._any_constrained)
+                and not ex._any_constrained
+                and self.times.way(len(ex._batch_rows)) == "wide")
 
     def launch(self, ex) -> Optional[InFlight]:
         """A pipelined verification (wide.py) if one is expected to pay, else None
