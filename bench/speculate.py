@@ -12,6 +12,9 @@ token-identical (greedy), so both runs decode the same tokens.
                  the summed time of those steps
   accept         accepted drafts / drafts verified
   tok/step       tokens each row took per decode-only step (lookup run)
+  pipelined      verifying steps launched without reading the step in flight
+
+--way wide|sync: verify only one way (default: the policy picks by measured speed).
 
 --quick: the tiny random-weight model, a few tokens: a smoke run in seconds.
 
@@ -52,6 +55,8 @@ async def _pass(eng, prompts, B, n, spec):
     accepted, decode steps, token lists)."""
     prop = acc = 0
     steps_before = len(eng.steps)
+    sp = eng._exec.spec
+    wide0, sync0 = sp.wide, sp.sync
     toks = []
     for i in range(0, len(prompts), B):
         rows, res, _ = await _wave(eng, prompts[i:i + B], n, spec)
@@ -62,8 +67,10 @@ async def _pass(eng, prompts, B, n, spec):
     steps = [s for s in eng.steps[steps_before:] if s.batch_size and not s.prefill_tokens]
     ntok, secs = sum(s.tokens for s in steps), sum(s.dt_s for s in steps)
     per_row = sum(s.tokens / s.batch_size for s in steps)
+    wide, sync = sp.wide - wide0, sp.sync - sync0
     return dict(tok_s=ntok / secs if secs else 0.0, tokens=ntok, proposed=prop,
-                accepted=acc, tok_per_step=per_row / max(len(steps), 1), toks=toks)
+                accepted=acc, tok_per_step=per_row / max(len(steps), 1), toks=toks,
+                pipelined=wide / (wide + sync) if wide + sync else 0.0)
 
 
 def main(argv=None, prog=None):
@@ -78,6 +85,9 @@ def main(argv=None, prog=None):
                     help="measure layer-skip and random drafts offline instead")
     ap.add_argument("--quick", action="store_true",
                     help="tiny random-weight model, few tokens: a smoke run")
+    ap.add_argument("--way", choices=("wide", "sync"), default=None,
+                    help="verify only pipelined (wide) or read back at once (sync); "
+                         "default: the policy's choice by measured speed")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     import mlxnb
@@ -89,13 +99,14 @@ def main(argv=None, prog=None):
     else:
         model = args.model
     eng = mlxnb.Engine(model, kv_budget=None, prefix_cache=None)
+    eng._exec.spec.times.only = args.way
     sets = {"copy": COPY, "free": FREE}
     if args.layer_skip:
         return layer_skip(eng, sets, args, argv)
     batches = [int(b) for b in args.batch.split(",")]
     report = common.Report(NAME, RESULT, TITLE, args, argv or [])
     lines = ["| prompts | B | off tok/s | lookup tok/s | speedup | accept | tok/step | "
-             "same tokens |", "|---|---|---|---|---|---|---|---|"]
+             "pipelined | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
     data = []
     for name in args.sets.split(","):
         prompts = sets[name]
@@ -112,10 +123,12 @@ def main(argv=None, prog=None):
             rate = on["accepted"] / on["proposed"] if on["proposed"] else 0.0
             same = all(r[0]["toks"] == r[1]["toks"] for r in rounds)
             row = dict(prompts=name, B=B, off=best_off, on=best_on, speedup=ratio,
-                       accept=rate, tok_per_step=on["tok_per_step"], same=same)
+                       accept=rate, tok_per_step=on["tok_per_step"],
+                       pipelined=on["pipelined"], same=same)
             data.append(row)
             line = (f"| {name} | {B} | {best_off:.1f} | {best_on:.1f} | {ratio:.2f}x | "
-                    f"{rate:.0%} | {on['tok_per_step']:.2f} | {same} |")
+                    f"{rate:.0%} | {on['tok_per_step']:.2f} | {on['pipelined']:.0%} | "
+                    f"{same} |")
             lines.append(line)
             log(line)
             report.write("\n".join(lines) + NOTE, dict(rows=data))
@@ -143,8 +156,9 @@ NOTE = """
 
 speedup: median over rounds of lookup tok/s / off tok/s (each round runs both);
 tok/s columns: the best round. accept: accepted drafts / drafts verified. tok/step:
-tokens each row took per decode step (lookup run; 1.00 without speculation). same
-tokens: the two runs' outputs are identical (greedy).
+tokens each row took per decode step (lookup run; 1.00 without speculation).
+pipelined: verifying steps launched without a read of the step in flight (the rest
+read back at once). same tokens: the two runs' outputs are identical (greedy).
 """
 
 

@@ -168,6 +168,7 @@ class BatchExecutor:
                         verified = self.spec.step(self, updates, emitted)
                         drained = self.spec.drained
                 if verified is None and launched is None:
+                    self.spec.settle(self)
                     launched = self._launch(updates)
         except Exception as e:  # a forward error fails this step's rows only
             self._fail_batch(updates, e)
@@ -193,9 +194,10 @@ class BatchExecutor:
         now = time.perf_counter()
         if decoded and not prefill_tokens:
             self.policy.observe_decode(now - t)
-            wide = launched.tokens.shape[1] if launched and launched.accepted is not None else 0
+            if launched is not None:
+                launched.wall = now - t  # a pipelined verification's, observed once read
             self.spec.observe(decoded, now - t, verified, drained, done is not None,
-                              wide, len(emitted) - n_read)
+                              launched is not None and launched.accepted is not None)
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
                       self._ids_tuple, share, other, self.split.take(now - t))

@@ -62,7 +62,7 @@ from .inflight import InFlight
 from .lookup import LookupSource
 from .rollback import before_verify, rollback, unsupported_reason
 from .specpolicy import StepTimes, best_width
-from .wide import flat_only, launch_wide
+from .wide import flat_only, launch_wide, trim
 
 __all__ = ["Speculation", "accept_drafts", "MAX_SPEC_BATCH"]
 
@@ -91,7 +91,8 @@ class Speculation:
         self.drained = False  # the last `step` read the step in flight first
         self.flat = flat_only(row_cache)  # verification can be pipelined (wide.py)
         self.slack = 0  # rejected positions that may sit as padding (wide.py)
-        self.trims = self.wide = 0  # counts (tests, bench): trims, pipelined verifications
+        # counts (tests, bench): trims, pipelined and read-back verifications
+        self.trims = self.wide = self.sync = 0
 
     @property
     def facts(self) -> str:
@@ -109,17 +110,16 @@ class Speculation:
             r.spec = src.attach(r, ids)
 
     def observe(self, rows: int, seconds: float, verified: Optional[tuple],
-                drained: bool, pipelined: bool, wide: int = 0, read: int = 0) -> None:
+                drained: bool, pipelined: bool, wide: bool = False) -> None:
         """A decode-only step of `rows` rows took `seconds` of wall time: a
-        verification (`verified`), a pipelined one of width `wide` (which read
-        `read` tokens of the step before), a plain step that read the step in
-        flight to draft and did not (`drained`), or a plain step of the pipeline
-        that read the one before it (`pipelined`)."""
+        verification (`verified`), a pipelined one (`wide`: observed once read,
+        wide.py), a plain step that read the step in flight to draft and did not
+        (`drained`), or a plain step of the pipeline that read the one before it
+        (`pipelined`)."""
         if verified is not None:
             self.times.observe_spec(rows, verified[3], seconds, verified[2])
         elif wide:
-            if pipelined:
-                self.times.observe_spec(rows, wide, seconds, read, "wide")
+            pass
         elif drained:
             self.times.observe_spec(rows, 1, seconds, rows)
         elif pipelined:
@@ -196,6 +196,7 @@ class Speculation:
             return None
         ex.inflight = None
         self.drained = done is not None
+        self.sync += 1
         return self._verify(ex, [d[:w - 1] for d in drafts], done if ahead else None,
                             updates, emitted)
 
@@ -217,6 +218,12 @@ class Speculation:
             for i, n, d in zip(idx, limits, props):
                 out[i] = list(d)[:max(0, n)]
         return out
+
+    def settle(self, ex) -> None:
+        """Before a plain launch: trim the padding pipelined verifications left,
+        once none of them is in flight (then it is computed: no wait)."""
+        if self.slack and (ex.inflight is None or ex.inflight.accepted is None):
+            trim(ex)
 
     def pipelined(self, ex) -> bool:
         """Launch this batch's verification without reading it back at once?

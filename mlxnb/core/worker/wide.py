@@ -12,9 +12,11 @@ host had read, one or two steps behind (speculate.py): they are checked against
 what the model computes after the row's real tokens, so they are exact whatever
 the host guessed.
 
-Rejected positions padded on the left cost attention over them until they are
-trimmed: once `TRIM_AT` of them may have gathered, a launch reads the padding (a
-wait for the step in flight) and trims what every row has.
+Rejected positions padded on the left cost attention over them (and a batch with
+any padding takes masks and per-row offsets) until they are trimmed: once no
+verification is in flight (the padding is computed: reading it waits for nothing),
+and once `TRIM_AT` of them may have gathered (then a launch reads the padding,
+waiting for the step in flight).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from typing import List
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .caches import LeanBatchKVCache
+from .caches import LeanBatchKVCache, aligned_views
 from .inflight import InFlight
 from .rollback import leaves, roll_lazy
 
-__all__ = ["flat_only", "launch_wide", "read_wide", "TRIM_AT"]
+__all__ = ["flat_only", "launch_wide", "read_wide", "trim", "TRIM_AT"]
 
 TRIM_AT = 64  # positions of padding the rows may have gathered before a trim
 
@@ -38,12 +40,18 @@ def flat_only(row_cache: list) -> bool:
     return all(type(c) is KVCache for c in leaves(row_cache))
 
 
-def _trim(ex) -> None:
-    """Drop the left padding every row of the batch has (a read of the padding)."""
+def trim(ex) -> None:
+    """Drop the left padding every row of the batch has (a read of the padding:
+    a wait for the step in flight if that is a verification); a batch left with
+    none goes back to the plain views (caches.py `aligned_views`)."""
+    ex.spec.slack = 0
     cs = [c for c in leaves(ex.caches) if isinstance(c, LeanBatchKVCache)]
     if not cs or cs[0].keys is None:
         return
-    m = min(cs[0].left_padding.tolist())
+    pads = cs[0].left_padding.tolist()
+    m = min(pads)
+    if max(pads) == m:
+        ex.views = aligned_views(ex.caches)
     if m <= 0:
         return
     ex.spec.trims += 1
@@ -59,8 +67,7 @@ def launch_wide(ex, drafts: List[List[int]]) -> InFlight:
     """Launch a verification of `drafts` (per batch row; [] none) without waiting."""
     spec = ex.spec
     if spec.slack >= TRIM_AT:
-        _trim(ex)
-        spec.slack = 0
+        trim(ex)
     W = 1 + max(len(d) for d in drafts)
     padded = mx.array([d + [0] * (W - 1 - len(d)) for d in drafts], dtype=ex.y.dtype)
     inp = mx.concatenate([ex.y[:, None], padded], axis=1)  # [B, W]
@@ -90,6 +97,9 @@ def read_wide(ex, inflight: InFlight, updates, emitted) -> tuple:
     """Read a pipelined verification back: each row takes its tokens. Returns
     (drafts proposed, accepted) of the rows still running."""
     T, A = inflight.tokens.tolist(), inflight.accepted.tolist()
+    if inflight.wall:  # the step's own time and tokens (speculate.py's policy)
+        ex.spec.times.observe_spec(len(A), len(T[0]), inflight.wall,
+                                   len(A) + sum(A), "wide")
     proposed = accepted = 0
     rows, drop = ex.rows, ex.drop
     for i, rid in enumerate(inflight.row_ids):
