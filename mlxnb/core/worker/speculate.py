@@ -19,14 +19,22 @@ batch. Rows with logits processors or a constraint do not draft (their one token
 comes from position 0, processed and masked as in a plain step); logprobs are those
 of each position's distribution. Rejected positions leave the cache (rollback.py).
 
-Verification needs each row's latest token on the host (the drafts follow it), so a
-verification step is not pipelined: it first reads the step in flight. It does so only
-when some row, not paused, is `ready` (its drafts likely to follow its next token)
-and the policy (specpolicy.py) expects verifying to give more tokens per second than
-a plain step -- from each row's acceptance so far and the measured wall time of
-plain and verification steps at this batch size -- and then verifies at the width
-that gives the most. A guard measures the tokens per second speculating steps really
-gave against plain steps and turns speculation off at a batch size where it loses.
+A verification runs one of two ways. Pipelined (wide.py): launched like a plain
+step while the step before is still computing, read back a step later; acceptance,
+the next input and the rollback of rejected positions happen on the device, and a
+row's proposal follows the tokens read so far plus what the step in flight is
+expected to give (its drafts, all taken, and a guess of its last token: the first
+proposed token). Read back at once (`step`, for rows that need the host each step
+-- logprobs, logits processors, a constraint -- and for sliding-window or quantized
+caches): launched while the step in flight computes, with the same guess, then both
+are read and the cache rolled back on the host (rollback.py). Either way the drafts
+are checked against what the model computes after the row's real tokens, so a wrong
+guess only makes drafts that fail. The policy (specpolicy.py) verifies when a row,
+not paused, is `ready` and verifying is expected to give more tokens per second than
+a plain step -- each row's acceptance so far against the measured wall time of plain
+and verifying steps at this batch size -- at the width that gives the most, picks
+the way that measured faster, and holds speculation off at a batch size where
+speculating steps measure slower than plain ones.
 
 Draft sources. Rows name theirs in `SamplingParams.speculate`; the verifier asks a
 source (registered by its `mode`, `Speculation.register`) two things, on the worker
@@ -36,16 +44,17 @@ thread:
         A joining row (a decoding.RowDecoder; `ids` its prompt tokens): the row's
         per-row state, kept as `row.spec`. It subclasses specpolicy.RowPolicy (draft
         length `k`, pauses, acceptance `q`), gets every token the row takes, in
-        order, through `extend(tokens)`, and says through `ready()`, host-only and
-        before the step in flight is read, whether it would draft after one more
-        token. None: the row does not speculate.
-    propose(rows, limits) -> List[List[int]]
-        After the step in flight is read: for each row (RowDecoders in batch order,
-        only rows of this source), up to limits[i] tokens proposed to follow the
-        tokens it has taken so far ([]: none this step). Rows paused by their
-        policy come with limit 0.
+        order, through `extend(tokens)` (as they are read: one or two steps behind
+        the device), and says through `ready()`, host-only, whether it would have a
+        proposal now. None: the row does not speculate.
+    propose(rows, limits, after) -> List[List[int]]
+        For each row (RowDecoders in batch order, only rows of this source, none
+        paused): up to limits[i] tokens proposed to follow the tokens it has taken
+        so far and then after[i] (tokens assumed taken by the step in flight; often
+        []). The verifier uses the first as its guess of the step in flight's last
+        token when one is in flight, the rest as drafts. [] = nothing this step.
 
-The verifier checks every row's proposals in one batched target forward, feeds the
+The verifier checks every row's drafts in one batched target forward, feeds the
 result back through `row.spec.verified(proposed, accepted)`, and rolls back the
 cache.
 """
