@@ -140,7 +140,7 @@ class Speculation:
         pauses and the guard's hold."""
         rows = ex._batch_rows
         B = len(rows)
-        if B > MAX_SPEC_BATCH:
+        if not ex._any_spec or B > MAX_SPEC_BATCH:
             return False
         if ex.inflight is not None and ex.inflight.firsts:
             return False  # a first token to show: keep the plain step (its TTFT)
