@@ -70,7 +70,24 @@ async def _pass(eng, prompts, B, n, spec):
     wide, sync = sp.wide - wide0, sp.sync - sync0
     return dict(tok_s=ntok / secs if secs else 0.0, tokens=ntok, proposed=prop,
                 accepted=acc, tok_per_step=per_row / max(len(steps), 1), toks=toks,
-                pipelined=wide / (wide + sync) if wide + sync else 0.0)
+                pipelined=wide / (wide + sync) if wide + sync else 0.0,
+                policy=_policy(sp, B, steps, wide, sync))
+
+
+def _policy(sp, B, steps, wide, sync) -> str:
+    """What the speculation policy saw and chose in a pass (one line)."""
+    t = sp.times
+    ms = lambda x: f"{x * 1e3:.1f}" if x else "-"  # noqa: E731
+    verify = " ".join(f"W{w}:{ms(x)}" for w, x in sorted(t.verify.get(B, {}).items()))
+    ways = " ".join(f"{k}:{v[0]:.0f}tok/s/{v[1]}" for k, v in t._ways.get(B, {}).items()
+                    if v[0] is not None)
+    plain = [s.dt_s for s in steps if not s.drafted]
+    spec = [s.dt_s for s in steps if s.drafted]
+    return (f"steps {len(steps)}, with drafts read {len(spec)} (mean {ms(sum(spec) / len(spec)) if spec else '-'} ms, "
+            f"others {ms(sum(plain) / len(plain)) if plain else '-'} ms); verifications "
+            f"pipelined {wide}, read back {sync}; guard holds so far {t.holds}; "
+            f"policy's times at B={B}: plain {ms(t.plain.get(B))} ms, verify {verify or '-'} "
+            f"ms; ways {ways or '-'}")
 
 
 def main(argv=None, prog=None):
@@ -107,7 +124,7 @@ def main(argv=None, prog=None):
     report = common.Report(NAME, RESULT, TITLE, args, argv or [])
     lines = ["| prompts | B | off tok/s | lookup tok/s | speedup | accept | tok/step | "
              "pipelined | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
-    data = []
+    data, policy = [], ["", "What the policy saw (lookup runs):", ""]
     for name in args.sets.split(","):
         prompts = sets[name]
         for B in batches:
@@ -131,9 +148,12 @@ def main(argv=None, prog=None):
                     f"{same} |")
             lines.append(line)
             log(line)
-            report.write("\n".join(lines) + NOTE, dict(rows=data))
+            policy.append(f"- {name} B={B} (last round): {on['policy']}")
+            log(policy[-1])
+            report.write("\n".join(lines) + NOTE + "\n".join(policy) + "\n",
+                         dict(rows=data))
     eng.close()
-    print("\n".join(lines))
+    print("\n".join(lines + policy))
     return 0
 
 
