@@ -57,9 +57,11 @@ async def _pass(eng, prompts, B, n, spec):
     steps_before = len(eng.steps)
     sp = eng._exec.spec
     wide0, sync0 = sp.wide, sp.sync
+    errors = []
     toks = []
     for i in range(0, len(prompts), B):
         rows, res, _ = await _wave(eng, prompts[i:i + B], n, spec)
+        errors += [r.error for r in rows if r.finish_reason == "error"]
         prop += sum(r.draft_proposed for r in rows)
         acc += sum(r.draft_accepted for r in rows)
         toks += [r.tokens for r in rows]
@@ -71,7 +73,8 @@ async def _pass(eng, prompts, B, n, spec):
     return dict(tok_s=ntok / secs if secs else 0.0, tokens=ntok, proposed=prop,
                 accepted=acc, tok_per_step=per_row / max(len(steps), 1), toks=toks,
                 pipelined=wide / (wide + sync) if wide + sync else 0.0,
-                policy=_policy(sp, B, steps, wide, sync))
+                policy=_policy(sp, B, steps, wide, sync) + (
+                    f"; ROWS FAILED: {len(errors)}, e.g. {errors[0]}" if errors else ""))
 
 
 def _policy(sp, B, steps, wide, sync) -> str:
