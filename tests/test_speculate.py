@@ -538,3 +538,39 @@ def test_the_faster_way_of_verifying_is_kept_and_the_other_tried_again():
     # kept the faster, then tried the slower for MIN_SPEC steps
     assert later.count("sync") == StepTimes.MIN_SPEC and later[0] == "wide"
     assert t.way(4) == "wide" and t.way(8) == "wide"  # a new batch size starts over
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "padded"])
+def test_verification_attention_matches_the_fused_kernel(mask, monkeypatch):
+    """Half-precision attention over several query positions is composed from plain
+    ops while a verification is built (no per-shape setup); it computes what MLX's
+    fused kernel computes, and single positions keep the fused kernel."""
+    from mlx_lm.models.base import create_causal_mask
+
+    from mlxnb.core.worker.wideattn import unfused_attention, wide_attention
+
+    B, Hq, Hkv, L, S, D = 2, 6, 2, 3, 11, 64
+    mx.random.seed(1)
+    q, k, v = (mx.random.normal(s) for s in ((B, Hq, L, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    m = (create_causal_mask(L, S - L, left_padding=mx.array([0, 4]))
+         if mask == "padded" else mask)
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m)
+    ours = unfused_attention(q, k, v, 0.125, m)
+    assert mx.allclose(ours, fused, atol=1e-5).item()
+    half = [x.astype(mx.bfloat16) for x in (q, k, v)]
+    import mlxnb.core.worker.wideattn as wa
+
+    calls = []
+    monkeypatch.setattr(wa, "unfused_attention",
+                        lambda *a: calls.append(a[0].shape) or unfused_attention(*a))
+    with wide_attention():
+        mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m)  # float32
+        routed = mx.fast.scaled_dot_product_attention(*half, scale=0.125, mask=m)
+        one = mx.fast.scaled_dot_product_attention(half[0][:, :, :1], *half[1:],
+                                                   scale=0.125)
+    assert calls == [(B, Hq, L, D)]  # only the half-precision multi-position call
+    assert mx.fast.scaled_dot_product_attention is wa._fused  # restored after
+    assert mx.array_equal(routed, unfused_attention(*half, 0.125, m)).item()
+    assert mx.array_equal(one, mx.fast.scaled_dot_product_attention(
+        half[0][:, :, :1], *half[1:], scale=0.125)).item()
+    assert mx.allclose(routed.astype(mx.float32), fused, atol=0.05).item()

@@ -72,6 +72,7 @@ from .lookup import LookupSource
 from .rollback import before_verify, rollback, unsupported_reason
 from .specpolicy import StepTimes, best_width
 from .wide import flat_only, launch_wide, trim
+from .wideattn import wide_attention
 
 __all__ = ["Speculation", "accept_drafts", "MAX_SPEC_BATCH"]
 
@@ -286,7 +287,8 @@ class Speculation:
         padded = mx.array([d + [0] * (W - 1 - len(d)) for d in drafts], dtype=ex.y.dtype)
         inp = mx.concatenate([ex.y[:, None], padded], axis=1)  # [B, W]
         before_verify(ex.caches)
-        with ex.adapters.using(ex.adapters.select(ex._row_adapters)):  # each row's LoRA
+        # each row's LoRA; attention without per-shape setup (wideattn.py)
+        with ex.adapters.using(ex.adapters.select(ex._row_adapters)), wide_attention():
             full = ex.model(inp, cache=ex.views)  # [B, W, V]
         if want or ex._any_procs or ex.sampler.needs_float32:
             full = full.astype(mx.float32)

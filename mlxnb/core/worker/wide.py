@@ -29,6 +29,7 @@ from mlx_lm.models.cache import KVCache
 from .caches import LeanBatchKVCache, aligned_views
 from .inflight import InFlight
 from .rollback import leaves, roll_lazy
+from .wideattn import wide_attention
 
 __all__ = ["flat_only", "launch_wide", "read_wide", "trim", "TRIM_AT"]
 
@@ -71,7 +72,8 @@ def launch_wide(ex, drafts: List[List[int]]) -> InFlight:
     W = 1 + max(len(d) for d in drafts)
     padded = mx.array([d + [0] * (W - 1 - len(d)) for d in drafts], dtype=ex.y.dtype)
     inp = mx.concatenate([ex.y[:, None], padded], axis=1)  # [B, W]
-    with ex.adapters.using(ex.adapters.select(ex._row_adapters)):  # each row's LoRA
+    # each row's LoRA; attention without per-shape setup (wideattn.py)
+    with ex.adapters.using(ex.adapters.select(ex._row_adapters)), wide_attention():
         full = ex.model(inp, cache=ex.views)  # [B, W, V]
     if ex.sampler.needs_float32:
         full = full.astype(mx.float32)
