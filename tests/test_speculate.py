@@ -574,3 +574,13 @@ def test_verification_attention_matches_the_fused_kernel(mask, monkeypatch):
     assert mx.array_equal(one, mx.fast.scaled_dot_product_attention(
         half[0][:, :, :1], *half[1:], scale=0.125)).item()
     assert mx.allclose(routed.astype(mx.float32), fused, atol=0.05).item()
+    # the other way must measure clearly faster before it is chosen
+    t2 = StepTimes()
+    for _ in range(StepTimes.MIN_SPEC):
+        t2.observe_spec(1, 3, 0.01, 10, "wide")
+    for _ in range(StepTimes.MIN_SPEC):
+        t2.observe_spec(1, 3, 0.01, 10.3, "sync")  # 3% faster: noise
+    assert t2.way(1) == "wide"
+    for _ in range(20):
+        t2.observe_spec(1, 3, 0.01, 12, "sync")  # 20% faster
+    assert t2.way(1) == "sync"

@@ -112,7 +112,8 @@ class StepTimes:
     FLOOR = 0.97
     MIN_SPEC = 6  # speculating steps measured before the guard judges them
     HOLD, MAX_HOLD = 32, 2048
-    REPROBE = 96  # speculating steps between tries of the way not chosen
+    REPROBE = 128  # speculating steps between tries of the way not chosen
+    SWITCH = 1.05  # the other way must measure this much faster to be chosen
 
     def __init__(self):
         self.plain: Dict[int, float] = {}  # B -> seconds
@@ -130,8 +131,9 @@ class StepTimes:
 
     def way(self, B: int) -> str:
         """Pipelined or read-back verification at batch size B: each is tried for
-        MIN_SPEC steps, then the one that gave more tokens per second is kept, and
-        the other tried again every REPROBE steps (the text decides which wins:
+        MIN_SPEC steps, then the one that gave more tokens per second is kept
+        (until the other measures SWITCH times faster), and the other tried again
+        every REPROBE steps (the text decides which wins:
         long copies favour pipelining, copies with edits break its chains)."""
         if self.only is not None:
             return self.only
@@ -139,13 +141,16 @@ class StepTimes:
         for name in ("wide", "sync"):
             if w[name][1] < self.MIN_SPEC:
                 return name
-        best = max(w, key=lambda n: w[n][0])
+        p = self._probe.setdefault(B, [0, None, 0, None])  # [.., way kept]
+        best = p[3] or max(w, key=lambda n: w[n][0])
         other = "sync" if best == "wide" else "wide"
-        p = self._probe.setdefault(B, [0, None, 0])
+        if w[other][0] > self.SWITCH * w[best][0]:  # clearly faster: switch
+            best, other = other, best
+        p[3] = best
         if p[2] > 0:
             return p[1]
         if p[0] >= self.REPROBE:
-            p[:] = [0, other, self.MIN_SPEC]
+            p[:3] = [0, other, self.MIN_SPEC]
             return other
         return best
 
@@ -163,7 +168,7 @@ class StepTimes:
             v[width] = self._avg(v.get(width), seconds)
         w = self._ways.setdefault(B, {"wide": [None, 0], "sync": [None, 0]})[way]
         w[0], w[1] = self._avg(w[0], tokens / seconds), w[1] + 1
-        p = self._probe.setdefault(B, [0, None, 0])
+        p = self._probe.setdefault(B, [0, None, 0, None])
         p[0] += 1
         if p[2] > 0 and p[1] == way:
             p[2] -= 1
