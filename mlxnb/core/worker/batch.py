@@ -74,6 +74,7 @@ class BatchExecutor:
         self._reset_batch()
         self.nsteps = 0
         self._wide_read = (0, 0)  # the last pipelined verification read: (drafts, accepted)
+        self._wide_taken = None  # and its (width, tokens taken), for the policy
         self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
         self.precompiler.start()
         # every step's time split (stepsplit.py); a profiler's tracer rides on it
@@ -194,10 +195,10 @@ class BatchExecutor:
         now = time.perf_counter()
         if decoded and not prefill_tokens:
             self.policy.observe_decode(now - t)
-            if launched is not None:
-                launched.wall = now - t  # a pipelined verification's, observed once read
             self.spec.observe(decoded, now - t, verified, drained, done is not None,
-                              launched is not None and launched.accepted is not None)
+                              launched is not None and launched.accepted is not None,
+                              self._wide_taken)
+        self._wide_taken = None
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
                       self._ids_tuple, share, other, self.split.take(now - t))
@@ -389,7 +390,7 @@ class BatchExecutor:
     # -- reading back --------------------------------------------------------------
     def _read(self, inflight: InFlight, updates: Updates, emitted: List[Emitted]) -> None:
         if inflight.accepted is not None:  # a pipelined verification
-            d, a = read_wide(self, inflight, updates, emitted)
+            (d, a), self._wide_taken = read_wide(self, inflight, updates, emitted)
             self._wide_read = (self._wide_read[0] + d, self._wide_read[1] + a)
             return
         tr = self.tracer

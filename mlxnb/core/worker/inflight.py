@@ -30,4 +30,3 @@ class InFlight:
     # drafts each row took, `drafts` each row's (by row id)
     accepted: Optional[mx.array] = None
     drafts: Optional[Dict[int, List[int]]] = None
-    wall: float = 0.0  # the launching step's seconds (0: it prefilled too)

@@ -120,19 +120,22 @@ class Speculation:
             r.spec = src.attach(r, ids)
 
     def observe(self, rows: int, seconds: float, verified: Optional[tuple],
-                drained: bool, pipelined: bool, wide: bool = False) -> None:
-        """A decode-only step of `rows` rows took `seconds` of wall time: a
-        verification (`verified`), a pipelined one (`wide`: observed once read,
-        wide.py), a plain step that read the step in flight to draft and did not
-        (`drained`), or a plain step of the pipeline that read the one before it
-        (`pipelined`)."""
+                drained: bool, pipelined: bool, wide: bool = False,
+                wide_read: Optional[tuple] = None) -> None:
+        """A decode-only step of `rows` rows took `seconds` of wall time. It is the
+        cost of what it waited for: a verification read at once (`verified`), a
+        pipelined one it read (`wide_read`: its width and tokens; the step that
+        reads one waits for its compute, as the step that launched it waited for
+        the one before), a plain step that read the step in flight to draft and
+        did not (`drained`), or a plain step of the pipeline that read a plain one
+        (`pipelined`; one launching a pipelined verification (`wide`) is neither)."""
         if verified is not None:
             self.times.observe_spec(rows, verified[3], seconds, verified[2])
-        elif wide:
-            pass
+        elif wide_read is not None:
+            self.times.observe_spec(rows, wide_read[0], seconds, wide_read[1], "wide")
         elif drained:
             self.times.observe_spec(rows, 1, seconds, rows)
-        elif pipelined:
+        elif pipelined and not wide:
             self.times.observe_plain(rows, seconds)
 
     def wanted(self, ex) -> bool:

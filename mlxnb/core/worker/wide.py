@@ -97,11 +97,8 @@ def launch_wide(ex, drafts: List[List[int]]) -> InFlight:
 
 def read_wide(ex, inflight: InFlight, updates, emitted) -> tuple:
     """Read a pipelined verification back: each row takes its tokens. Returns
-    (drafts proposed, accepted) of the rows still running."""
+    (drafts proposed, accepted) of the rows still running, (width, tokens taken)."""
     T, A = inflight.tokens.tolist(), inflight.accepted.tolist()
-    if inflight.wall:  # the step's own time and tokens (speculate.py's policy)
-        ex.spec.times.observe_spec(len(A), len(T[0]), inflight.wall,
-                                   len(A) + sum(A), "wide")
     proposed = accepted = 0
     rows, drop = ex.rows, ex.drop
     for i, rid in enumerate(inflight.row_ids):
@@ -121,4 +118,4 @@ def read_wide(ex, inflight: InFlight, updates, emitted) -> tuple:
             r.spec.stale = a < len(dr)
             proposed, accepted = proposed + len(dr), accepted + a
         ex._take(r, T[i][:a + 1], [None] * (a + 1), inflight, updates, emitted, drafted=a)
-    return proposed, accepted
+    return (proposed, accepted), (len(T[0]), len(A) + sum(A))
