@@ -32,12 +32,11 @@ def tiny128():
 async def _run(eng, prompts, spec, batched, **kw):
     if spec:  # a fixed draft length: verified whatever the cost model says
         kw.setdefault("num_draft", 4)
+    kw.setdefault("max_tokens", N)
     if batched:
-        rows = [eng.submit(p, max_tokens=N, chat=False, speculate=spec, **kw)
-                for p in prompts]
+        rows = [eng.submit(p, chat=False, speculate=spec, **kw) for p in prompts]
         return [await r for r in rows]
-    return [await eng.submit(p, max_tokens=N, chat=False, speculate=spec, **kw)
-            for p in prompts]
+    return [await eng.submit(p, chat=False, speculate=spec, **kw) for p in prompts]
 
 
 def _parity(model, arun, way=None, **engine_kw):
@@ -131,6 +130,31 @@ def test_stop_strings_eos_and_logprobs_hold(tiny, arun):
             assert x["token"] == y["token"]
             assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
             assert [t for t, _ in x["top"]] == [t for t, _ in y["top"]]
+
+
+@pytest.mark.parametrize("way", ["wide", "sync"])
+def test_stop_strings_and_max_tokens_hold_in_either_way(tiny, arun, way):
+    """Without logprobs a batch may verify pipelined: tokens taken past a stop
+    string, the end of sequence or max_tokens are dropped as they are read."""
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        eng._exec.spec.times.only = way
+        out = {}
+        for spec in (None, "lookup"):
+            out[spec] = await _run(eng, PROMPTS, spec, batched=True, stop=["he"])
+            out[spec, 7] = await _run(eng, PROMPTS, spec, batched=True, max_tokens=7)
+        wide = eng._exec.spec.wide
+        await eng.aclose()
+        return out, wide
+
+    out, wide = arun(main)
+    for key in (None, 7):
+        a_runs, b_runs = (out[None], out["lookup"]) if key is None else (
+            out[None, 7], out["lookup", 7])
+        for a, b in zip(a_runs, b_runs):
+            assert (a.text, a.tokens, a.finish_reason) == (b.text, b.tokens, b.finish_reason)
+    assert all(len(r.tokens) <= 7 for r in out["lookup", 7])
+    assert (wide > 0) == (way == "wide")
 
 
 def test_a_seeded_sampled_row_is_the_same_alone_batched_and_without_speculation(tiny, arun):
