@@ -514,6 +514,8 @@ def test_nothing_measured_tries_a_verification_and_then_measures_it():
     assert t.verify_s(1, 9) == 0.030 and t.verify_s(1, 5) == 0.030
     t.observe_spec(1, 3, 0.020, 2)
     assert t.verify_s(1, 9) == pytest.approx(0.050)  # the line through widths 3 and 5
+    t.observe_spec(1, 4, 0.500, 2)  # one step while the host was busy
+    assert t.verify_s(1, 4) < 0.25  # a line through three widths: not ruled out for good
 
 
 def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():

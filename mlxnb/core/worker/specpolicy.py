@@ -96,9 +96,10 @@ def expected_accepts(q: float, k: int) -> float:
 
 class StepTimes:
     """Measured wall seconds of decode steps per batch size: plain pipelined steps,
-    and verification steps per width (averages, decayed). A width never measured at
-    a batch size is estimated from the widths that were (a line through them, or
-    the one measured: equal cost, which a first probe corrects); a batch size with
+    and verification steps per width (averages, decayed). A verification's cost at a
+    width is a line through the widths measured at that batch size once there are
+    three (before: the width's own average, or the one measured: equal cost, which a
+    first probe corrects); a batch size with
     no verification measured is taken to verify at a plain step's cost, so the
     first verification is tried and then measured.
 
@@ -196,10 +197,12 @@ class StepTimes:
         v = self.verify.get(B)
         if not v:
             return self.plain.get(B)
-        if W in v:
+        if W in v and len(v) < 3:
             return v[W]
         if len(v) == 1:
             return next(iter(v.values()))
+        # a line through the widths measured: one width's outlier (a busy host)
+        # then moves the line a little instead of ruling that width out for good
         xs, ys = list(v), list(v.values())
         mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
         sxx = sum((x - mx_) ** 2 for x in xs)
