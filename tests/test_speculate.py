@@ -601,7 +601,7 @@ def test_verification_attention_matches_the_fused_kernel(mask, monkeypatch):
 
     calls = []
     monkeypatch.setattr(wa, "unfused_attention",
-                        lambda *a: calls.append(a[0].shape) or unfused_attention(*a))
+                        lambda *a, **k: calls.append(a[0].shape) or unfused_attention(*a, **k))
     with wide_attention():
         mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m)  # float32
         routed = mx.fast.scaled_dot_product_attention(*half, scale=0.125, mask=m)

@@ -23,33 +23,54 @@ __all__ = ["unfused_attention", "wide_attention"]
 _fused = mx.fast.scaled_dot_product_attention
 
 
-def unfused_attention(q, k, v, scale: float, mask=None) -> mx.array:
+def _bias(mask, B: int, Hkv: int, rep: int, L: int, S: int):
+    """The mask as an additive float32 bias broadcasting to [B, Hkv, rep, L, S]."""
+    if isinstance(mask, str):  # "causal": query i sees keys up to S - L + i
+        allowed = mx.arange(S)[None] <= (mx.arange(L) + (S - L))[:, None]  # [L, S]
+    else:
+        allowed = mask
+        if allowed.ndim == 4:  # [B|1, Hq|1, L, S] -> grouped like the scores
+            allowed = (allowed.reshape(allowed.shape[0], -1, 1, L, S)
+                       if allowed.shape[1] == 1
+                       else allowed.reshape(allowed.shape[0], Hkv, rep, L, S))
+        if allowed.dtype != mx.bool_:
+            return allowed.astype(mx.float32)
+    return mx.where(allowed, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+
+
+def unfused_attention(q, k, v, scale: float, mask=None, bias=None) -> mx.array:
     """q [B, Hq, L, D], k and v [B, Hkv, S, D] (Hq a multiple of Hkv), mask None,
     "causal" (query i sees keys up to S - L + i) or an array broadcasting to
-    [B, Hq, L, S] (bool: True = attend; else added to the scores) -> [B, Hq, L, D]."""
+    [B, Hq, L, S] (bool: True = attend; else added to the scores) -> [B, Hq, L, D].
+    `bias`: the mask as `_bias` makes it, if already made."""
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
     qg = (q * scale).reshape(B, Hkv, rep, L, D)  # query heads grouped by their KV head
     scores = (qg @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # [B, Hkv, rep, L, S]
-    if isinstance(mask, str):
-        allowed = mx.arange(S)[None] <= (mx.arange(L) + (S - L))[:, None]  # [L, S]
-        scores = mx.where(allowed, scores, -mx.inf)
-    elif mask is not None:
-        m = mask
-        if m.ndim == 4:  # [B|1, Hq|1, L, S] -> grouped like the scores
-            m = m.reshape(m.shape[0], -1, 1, L, S) if m.shape[1] == 1 else m.reshape(
-                m.shape[0], Hkv, rep, L, S)
-        scores = (mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_
-                  else scores + m.astype(mx.float32))
+    if bias is None and mask is not None:
+        bias = _bias(mask, B, Hkv, rep, L, S)
+    if bias is not None:
+        scores = scores + bias
     p = mx.softmax(scores, axis=-1).astype(q.dtype)
     return (p @ v[:, :, None]).reshape(B, Hq, L, D)
+
+
+_made: dict = {}  # within one forward: (mask's id, shape) -> its bias, made once
 
 
 def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **kw):
     if q.shape[2] < 2 or q.dtype == mx.float32 or sinks is not None or kw:
         return _fused(q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
-    return unfused_attention(q, k, v, scale, mask)
+    bias = None
+    if mask is not None:  # every layer gets the same mask: one bias for them all
+        B, Hq, L, _ = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        key = (mask if isinstance(mask, str) else id(mask), B, Hkv, L, S)
+        bias = _made.get(key)
+        if bias is None:
+            bias = _made[key] = _bias(mask, B, Hkv, Hq // Hkv, L, S)
+    return unfused_attention(q, k, v, scale, bias=bias)
 
 
 @contextmanager
@@ -61,3 +82,4 @@ def wide_attention():
         yield
     finally:
         mx.fast.scaled_dot_product_attention = _fused
+        _made.clear()  # (also drops the masks whose ids keyed it)
