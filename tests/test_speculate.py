@@ -555,7 +555,7 @@ def test_the_faster_way_of_verifying_is_kept_and_the_other_tried_again():
         way = t.way(4)
         seen.append(way)
         t.observe_spec(4, 3, 0.01, 8 if way == "wide" else 6, way)
-    assert seen == ["wide"] * StepTimes.MIN_SPEC + ["sync"] * StepTimes.MIN_SPEC
+    assert seen == ["sync"] * StepTimes.MIN_SPEC + ["wide"] * StepTimes.MIN_SPEC
     later = []
     for _ in range(StepTimes.REPROBE + StepTimes.MIN_SPEC):
         way = t.way(4)
@@ -563,7 +563,7 @@ def test_the_faster_way_of_verifying_is_kept_and_the_other_tried_again():
         t.observe_spec(4, 3, 0.01, 8 if way == "wide" else 6, way)
     # kept the faster, then tried the slower for MIN_SPEC steps
     assert later.count("sync") == StepTimes.MIN_SPEC and later[0] == "wide"
-    assert t.way(4) == "wide" and t.way(8) == "wide"  # a new batch size starts over
+    assert t.way(4) == "wide" and t.way(8) == "sync"  # a new batch size starts over
     # the other way must measure clearly faster before it is chosen
     t2 = StepTimes()
     for _ in range(StepTimes.MIN_SPEC):
