@@ -4,8 +4,8 @@ The real default model (or --model), greedy, chat prompts. Two prompt sets, both
 bench/prompts_speculate.py: copy-heavy (extraction, fix the typos, summarise and
 quote, reformat) where the answer copies long spans of the prompt, and free-form
 (stories, explanations, lists) where it copies little. Per set and batch size B
-(--batch, default 1,8): the same rows (B at a time, cycling through the set) with
-speculate=None and then speculate="lookup", alternating --repeat rounds. Outputs are
+(--batch, default 1,8): the same rows, B at a time, each wave with speculate=None and
+then speculate="lookup" (a busy host's drift hits both alike), --repeat rounds. Outputs are
 token-identical (greedy), so both runs decode the same tokens.
 
   decode tok/s   tokens read back in decode-only steps (no prefill beside them) /
@@ -50,31 +50,40 @@ async def _wave(eng, prompts, n, spec):
     return rows, res, pc() - t0
 
 
-async def _pass(eng, prompts, B, n, spec):
-    """All prompts, B at a time: (decode tokens, decode seconds, tokens, proposed,
-    accepted, decode steps, token lists)."""
-    prop = acc = 0
-    steps_before = len(eng.steps)
+async def _paired(eng, prompts, B, n):
+    """All prompts, B at a time, each wave run without speculation and then with
+    it (so a busy host's drift hits both alike): per setting, decode tok/s,
+    proposed and accepted drafts, tokens per step, token lists."""
     sp = eng._exec.spec
-    wide0, sync0 = sp.wide, sp.sync
-    errors = []
-    toks = []
+    acc = {s: dict(prop=0, acc=0, steps=[], toks=[], errors=[], wide=0, sync=0)
+           for s in (None, "lookup")}
     for i in range(0, len(prompts), B):
-        rows, res, _ = await _wave(eng, prompts[i:i + B], n, spec)
-        errors += [r.error for r in rows if r.finish_reason == "error"]
-        prop += sum(r.draft_proposed for r in rows)
-        acc += sum(r.draft_accepted for r in rows)
-        toks += [r.tokens for r in rows]
-    # decode-only steps: what they emitted over the time they took
-    steps = [s for s in eng.steps[steps_before:] if s.batch_size and not s.prefill_tokens]
-    ntok, secs = sum(s.tokens for s in steps), sum(s.dt_s for s in steps)
-    per_row = sum(s.tokens / s.batch_size for s in steps)
-    wide, sync = sp.wide - wide0, sp.sync - sync0
-    return dict(tok_s=ntok / secs if secs else 0.0, tokens=ntok, proposed=prop,
-                accepted=acc, tok_per_step=per_row / max(len(steps), 1), toks=toks,
-                pipelined=wide / (wide + sync) if wide + sync else 0.0,
-                policy=_policy(sp, B, steps, wide, sync) + (
-                    f"; ROWS FAILED: {len(errors)}, e.g. {errors[0]}" if errors else ""))
+        for spec in (None, "lookup"):
+            a = acc[spec]
+            before, wide0, sync0 = len(eng.steps), sp.wide, sp.sync
+            rows, res, _ = await _wave(eng, prompts[i:i + B], n, spec)
+            a["errors"] += [r.error for r in rows if r.finish_reason == "error"]
+            a["prop"] += sum(r.draft_proposed for r in rows)
+            a["acc"] += sum(r.draft_accepted for r in rows)
+            a["toks"] += [r.tokens for r in rows]
+            # decode-only steps: what they emitted over the time they took
+            a["steps"] += [s for s in eng.steps[before:]
+                           if s.batch_size and not s.prefill_tokens]
+            a["wide"] += sp.wide - wide0
+            a["sync"] += sp.sync - sync0
+    out = []
+    for spec in (None, "lookup"):
+        a = acc[spec]
+        steps, errors, wide, sync = a["steps"], a["errors"], a["wide"], a["sync"]
+        ntok, secs = sum(s.tokens for s in steps), sum(s.dt_s for s in steps)
+        per_row = sum(s.tokens / s.batch_size for s in steps)
+        out.append(dict(
+            tok_s=ntok / secs if secs else 0.0, tokens=ntok, proposed=a["prop"],
+            accepted=a["acc"], tok_per_step=per_row / max(len(steps), 1), toks=a["toks"],
+            pipelined=wide / (wide + sync) if wide + sync else 0.0,
+            policy=_policy(sp, B, steps, wide, sync) + (
+                f"; ROWS FAILED: {len(errors)}, e.g. {errors[0]}" if errors else "")))
+    return out
 
 
 def _policy(sp, B, steps, wide, sync) -> str:
@@ -133,8 +142,7 @@ def main(argv=None, prog=None):
         for B in batches:
             rounds = []
             for _ in range(args.repeat):
-                off = eng_run(eng, prompts, B, args.new, None)
-                on = eng_run(eng, prompts, B, args.new, "lookup")
+                off, on = eng_run(eng, prompts, B, args.new)
                 rounds.append((off, on))
             best_off = max(r[0]["tok_s"] for r in rounds)
             best_on = max(r[1]["tok_s"] for r in rounds)
@@ -160,8 +168,8 @@ def main(argv=None, prog=None):
     return 0
 
 
-def eng_run(eng, prompts, B, n, spec):
-    return eng_loop().run_until_complete(_pass(eng, prompts, B, n, spec))
+def eng_run(eng, prompts, B, n):
+    return eng_loop().run_until_complete(_paired(eng, prompts, B, n))
 
 
 _LOOP = None
