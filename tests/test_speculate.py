@@ -478,6 +478,7 @@ def _times(a, b, B=(1, 8), plain_extra=0.0):
     from mlxnb.core.worker.specpolicy import StepTimes
 
     t = StepTimes()
+    t.skip_first = False
     for rows in B:
         t.observe_plain(rows, a + b * rows + plain_extra)
         for w in (2, 5):
@@ -507,6 +508,7 @@ def test_nothing_measured_tries_a_verification_and_then_measures_it():
     from mlxnb.core.worker.specpolicy import StepTimes, best_width
 
     t = StepTimes()
+    t.skip_first = False
     assert best_width(t, [0.5], [4]) == 5  # nothing known: try the drafts
     t.observe_plain(1, 0.010)
     assert t.verify_s(1, 5) == 0.010  # no verification measured: a plain step's cost
@@ -522,6 +524,7 @@ def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():
     from mlxnb.core.worker.specpolicy import StepTimes
 
     t = StepTimes()
+    t.skip_first = False
     t.observe_plain(8, 0.010)  # 800 tok/s plain
     for _ in range(StepTimes.MIN_SPEC - 1):
         t.observe_spec(8, 5, 0.020, 15)  # 750 tok/s speculating: slower
@@ -539,6 +542,7 @@ def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():
     assert t.allowed(1)  # another batch size is judged on its own
     # where it pays, it stays on
     t2 = StepTimes()
+    t2.skip_first = False
     t2.observe_plain(8, 0.010)
     for _ in range(50):
         t2.observe_spec(8, 5, 0.020, 17)  # 850 tok/s
@@ -550,6 +554,7 @@ def test_the_faster_way_of_verifying_is_kept_and_the_other_tried_again():
     from mlxnb.core.worker.specpolicy import StepTimes
 
     t = StepTimes()
+    t.skip_first = False
     seen = []
     for _ in range(2 * StepTimes.MIN_SPEC):  # each way tried first
         way = t.way(4)
@@ -566,6 +571,7 @@ def test_the_faster_way_of_verifying_is_kept_and_the_other_tried_again():
     assert t.way(4) == "wide" and t.way(8) == "sync"  # a new batch size starts over
     # the other way must measure clearly faster before it is chosen
     t2 = StepTimes()
+    t2.skip_first = False
     for _ in range(StepTimes.MIN_SPEC):
         t2.observe_spec(1, 3, 0.01, 10, "wide")
     for _ in range(StepTimes.MIN_SPEC):
@@ -613,3 +619,16 @@ def test_verification_attention_matches_the_fused_kernel(mask, monkeypatch):
     assert mx.array_equal(one, mx.fast.scaled_dot_product_attention(
         half[0][:, :, :1], *half[1:], scale=0.125)).item()
     assert mx.allclose(routed.astype(mx.float32), fused, atol=0.05).item()
+
+
+def test_a_widths_first_verification_is_not_learnt_from():
+    """The first verification of a shape pays one-off setup (seconds compiling
+    kernels on a GPU); learnt from, it would rule that width out for good."""
+    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+
+    t = StepTimes()
+    t.observe_plain(1, 0.008)
+    t.observe_spec(1, 5, 7.7, 3)  # cold
+    assert best_width(t, [0.8], [4]) == 5 and t.verify_s(1, 5) == 0.008
+    t.observe_spec(1, 5, 0.009, 3)
+    assert t.verify_s(1, 5) == 0.009 and best_width(t, [0.8], [4]) == 5

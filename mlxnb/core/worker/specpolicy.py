@@ -129,6 +129,8 @@ class StepTimes:
         self._ways: Dict[int, Dict[str, list]] = {}
         self._probe: Dict[int, list] = {}
         self.only: Optional[str] = None  # "wide" or "sync": that way always (tests, bench)
+        self._cold: set = set()  # (B, width, way) seen once: the next ones are learnt from
+        self.skip_first = True  # (tests of the other rules turn it off)
 
     def way(self, B: int) -> str:
         """Pipelined or read-back verification at batch size B: each is tried for
@@ -163,7 +165,13 @@ class StepTimes:
 
     def observe_spec(self, B: int, width: int, seconds: float, tokens: int,
                      way: str = "sync") -> None:
-        """A speculating step: `width` 1 for a plain step that drafted nothing."""
+        """A speculating step: `width` 1 for a plain step that drafted nothing. The
+        first of each (batch size, width, way) is not learnt from: it pays one-off
+        setup (on a GPU, compiling the kernels of that shape: seconds), which would
+        otherwise rule that width out for good."""
+        if self.skip_first and (B, width, way) not in self._cold:
+            self._cold.add((B, width, way))
+            return
         if width > 1:
             v = self.verify.setdefault(B, {})
             v[width] = self._avg(v.get(width), seconds)
