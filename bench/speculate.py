@@ -4,14 +4,17 @@ The real default model (or --model), greedy, chat prompts. Two prompt sets, both
 bench/prompts_speculate.py: copy-heavy (extraction, fix the typos, summarise and
 quote, reformat) where the answer copies long spans of the prompt, and free-form
 (stories, explanations, lists) where it copies little. Per set and batch size B
-(--batch, default 1,8): the same rows (B at a time, cycling through the set) with
-speculate=None and then speculate="lookup", alternating --repeat rounds. Outputs are
+(--batch, default 1,8): the same rows, B at a time, each wave with speculate=None and
+then speculate="lookup" (a busy host's drift hits both alike), --repeat rounds. Outputs are
 token-identical (greedy), so both runs decode the same tokens.
 
   decode tok/s   tokens read back in decode-only steps (no prefill beside them) /
                  the summed time of those steps
   accept         accepted drafts / drafts verified
   tok/step       tokens each row took per decode-only step (lookup run)
+  pipelined      verifying steps launched without reading the step in flight
+
+--way wide|sync: verify only one way (default: the policy picks by measured speed).
 
 --quick: the tiny random-weight model, a few tokens: a smoke run in seconds.
 
@@ -47,23 +50,56 @@ async def _wave(eng, prompts, n, spec):
     return rows, res, pc() - t0
 
 
-async def _pass(eng, prompts, B, n, spec):
-    """All prompts, B at a time: (decode tokens, decode seconds, tokens, proposed,
-    accepted, decode steps, token lists)."""
-    prop = acc = 0
-    steps_before = len(eng.steps)
-    toks = []
+async def _paired(eng, prompts, B, n):
+    """All prompts, B at a time, each wave run without speculation and then with
+    it (so a busy host's drift hits both alike): per setting, decode tok/s,
+    proposed and accepted drafts, tokens per step, token lists."""
+    sp = eng._exec.spec
+    acc = {s: dict(prop=0, acc=0, steps=[], toks=[], errors=[], wide=0, sync=0)
+           for s in (None, "lookup")}
     for i in range(0, len(prompts), B):
-        rows, res, _ = await _wave(eng, prompts[i:i + B], n, spec)
-        prop += sum(r.draft_proposed for r in rows)
-        acc += sum(r.draft_accepted for r in rows)
-        toks += [r.tokens for r in rows]
-    # decode-only steps: what they emitted over the time they took
-    steps = [s for s in eng.steps[steps_before:] if s.batch_size and not s.prefill_tokens]
-    ntok, secs = sum(s.tokens for s in steps), sum(s.dt_s for s in steps)
-    per_row = sum(s.tokens / s.batch_size for s in steps)
-    return dict(tok_s=ntok / secs if secs else 0.0, tokens=ntok, proposed=prop,
-                accepted=acc, tok_per_step=per_row / max(len(steps), 1), toks=toks)
+        for spec in (None, "lookup"):
+            a = acc[spec]
+            before, wide0, sync0 = len(eng.steps), sp.wide, sp.sync
+            rows, res, _ = await _wave(eng, prompts[i:i + B], n, spec)
+            a["errors"] += [r.error for r in rows if r.finish_reason == "error"]
+            a["prop"] += sum(r.draft_proposed for r in rows)
+            a["acc"] += sum(r.draft_accepted for r in rows)
+            a["toks"] += [r.tokens for r in rows]
+            # decode-only steps: what they emitted over the time they took
+            a["steps"] += [s for s in eng.steps[before:]
+                           if s.batch_size and not s.prefill_tokens]
+            a["wide"] += sp.wide - wide0
+            a["sync"] += sp.sync - sync0
+    out = []
+    for spec in (None, "lookup"):
+        a = acc[spec]
+        steps, errors, wide, sync = a["steps"], a["errors"], a["wide"], a["sync"]
+        ntok, secs = sum(s.tokens for s in steps), sum(s.dt_s for s in steps)
+        per_row = sum(s.tokens / s.batch_size for s in steps)
+        out.append(dict(
+            tok_s=ntok / secs if secs else 0.0, tokens=ntok, proposed=a["prop"],
+            accepted=a["acc"], tok_per_step=per_row / max(len(steps), 1), toks=a["toks"],
+            pipelined=wide / (wide + sync) if wide + sync else 0.0,
+            policy=_policy(sp, B, steps, wide, sync) + (
+                f"; ROWS FAILED: {len(errors)}, e.g. {errors[0]}" if errors else "")))
+    return out
+
+
+def _policy(sp, B, steps, wide, sync) -> str:
+    """What the speculation policy saw and chose in a pass (one line)."""
+    t = sp.times
+    ms = lambda x: f"{x * 1e3:.1f}" if x else "-"  # noqa: E731
+    verify = " ".join(f"W{w}:{ms(x)}" for w, x in sorted(t.verify.get(B, {}).items()))
+    ways = " ".join(f"{k}:{v[0]:.0f}tok/s/{v[1]}" for k, v in t._ways.get(B, {}).items()
+                    if v[0] is not None)
+    plain = [s.dt_s for s in steps if not s.drafted]
+    spec = [s.dt_s for s in steps if s.drafted]
+    return (f"steps {len(steps)}, with drafts read {len(spec)} (mean {ms(sum(spec) / len(spec)) if spec else '-'} ms, "
+            f"others {ms(sum(plain) / len(plain)) if plain else '-'} ms); verifications "
+            f"pipelined {wide}, read back {sync}; guard holds so far {t.holds}; "
+            f"policy's times at B={B}: plain {ms(t.plain.get(B))} ms, verify {verify or '-'} "
+            f"ms; ways {ways or '-'}")
 
 
 def main(argv=None, prog=None):
@@ -78,6 +114,9 @@ def main(argv=None, prog=None):
                     help="measure layer-skip and random drafts offline instead")
     ap.add_argument("--quick", action="store_true",
                     help="tiny random-weight model, few tokens: a smoke run")
+    ap.add_argument("--way", choices=("wide", "sync"), default=None,
+                    help="verify only pipelined (wide) or read back at once (sync); "
+                         "default: the policy's choice by measured speed")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     import mlxnb
@@ -89,21 +128,21 @@ def main(argv=None, prog=None):
     else:
         model = args.model
     eng = mlxnb.Engine(model, kv_budget=None, prefix_cache=None)
+    eng._exec.spec.times.only = args.way
     sets = {"copy": COPY, "free": FREE}
     if args.layer_skip:
         return layer_skip(eng, sets, args, argv)
     batches = [int(b) for b in args.batch.split(",")]
     report = common.Report(NAME, RESULT, TITLE, args, argv or [])
     lines = ["| prompts | B | off tok/s | lookup tok/s | speedup | accept | tok/step | "
-             "same tokens |", "|---|---|---|---|---|---|---|---|"]
-    data = []
+             "pipelined | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    data, policy = [], ["", "What the policy saw (lookup runs):", ""]
     for name in args.sets.split(","):
         prompts = sets[name]
         for B in batches:
             rounds = []
             for _ in range(args.repeat):
-                off = eng_run(eng, prompts, B, args.new, None)
-                on = eng_run(eng, prompts, B, args.new, "lookup")
+                off, on = eng_run(eng, prompts, B, args.new)
                 rounds.append((off, on))
             best_off = max(r[0]["tok_s"] for r in rounds)
             best_on = max(r[1]["tok_s"] for r in rounds)
@@ -112,20 +151,25 @@ def main(argv=None, prog=None):
             rate = on["accepted"] / on["proposed"] if on["proposed"] else 0.0
             same = all(r[0]["toks"] == r[1]["toks"] for r in rounds)
             row = dict(prompts=name, B=B, off=best_off, on=best_on, speedup=ratio,
-                       accept=rate, tok_per_step=on["tok_per_step"], same=same)
+                       accept=rate, tok_per_step=on["tok_per_step"],
+                       pipelined=on["pipelined"], same=same)
             data.append(row)
             line = (f"| {name} | {B} | {best_off:.1f} | {best_on:.1f} | {ratio:.2f}x | "
-                    f"{rate:.0%} | {on['tok_per_step']:.2f} | {same} |")
+                    f"{rate:.0%} | {on['tok_per_step']:.2f} | {on['pipelined']:.0%} | "
+                    f"{same} |")
             lines.append(line)
             log(line)
-            report.write("\n".join(lines) + NOTE, dict(rows=data))
+            policy.append(f"- {name} B={B} (last round): {on['policy']}")
+            log(policy[-1])
+            report.write("\n".join(lines) + NOTE + "\n".join(policy) + "\n",
+                         dict(rows=data))
     eng.close()
-    print("\n".join(lines))
+    print("\n".join(lines + policy))
     return 0
 
 
-def eng_run(eng, prompts, B, n, spec):
-    return eng_loop().run_until_complete(_pass(eng, prompts, B, n, spec))
+def eng_run(eng, prompts, B, n):
+    return eng_loop().run_until_complete(_paired(eng, prompts, B, n))
 
 
 _LOOP = None
@@ -143,8 +187,9 @@ NOTE = """
 
 speedup: median over rounds of lookup tok/s / off tok/s (each round runs both);
 tok/s columns: the best round. accept: accepted drafts / drafts verified. tok/step:
-tokens each row took per decode step (lookup run; 1.00 without speculation). same
-tokens: the two runs' outputs are identical (greedy).
+tokens each row took per decode step (lookup run; 1.00 without speculation).
+pipelined: verifying steps launched without a read of the step in flight (the rest
+read back at once). same tokens: the two runs' outputs are identical (greedy).
 """
 
 

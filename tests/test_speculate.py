@@ -32,17 +32,17 @@ def tiny128():
 async def _run(eng, prompts, spec, batched, **kw):
     if spec:  # a fixed draft length: verified whatever the cost model says
         kw.setdefault("num_draft", 4)
+    kw.setdefault("max_tokens", N)
     if batched:
-        rows = [eng.submit(p, max_tokens=N, chat=False, speculate=spec, **kw)
-                for p in prompts]
+        rows = [eng.submit(p, chat=False, speculate=spec, **kw) for p in prompts]
         return [await r for r in rows]
-    return [await eng.submit(p, max_tokens=N, chat=False, speculate=spec, **kw)
-            for p in prompts]
+    return [await eng.submit(p, chat=False, speculate=spec, **kw) for p in prompts]
 
 
-def _parity(model, arun, **engine_kw):
+def _parity(model, arun, way=None, **engine_kw):
     async def main():
         eng = Engine(model, kv_budget=None, warmup=False, **engine_kw)
+        eng._exec.spec.times.only = way  # pipelined ("wide") or read back ("sync")
         base = [r.tokens for r in await _run(eng, PROMPTS, None, batched=False)]
         alone = await _run(eng, PROMPTS, "lookup", batched=False)
         batched = await _run(eng, PROMPTS, "lookup", batched=True)
@@ -59,8 +59,9 @@ def _parity(model, arun, **engine_kw):
     return alone, batched
 
 
-def test_greedy_lookup_is_token_identical_alone_and_batched(tiny, arun):
-    _parity(tiny, arun)
+@pytest.mark.parametrize("way", [None, "wide", "sync"])
+def test_greedy_lookup_is_token_identical_alone_and_batched(tiny, arun, way):
+    _parity(tiny, arun, way)
 
 
 def test_greedy_lookup_is_token_identical_with_sliding_windows(tiny_swa, arun):
@@ -131,6 +132,31 @@ def test_stop_strings_eos_and_logprobs_hold(tiny, arun):
             assert [t for t, _ in x["top"]] == [t for t, _ in y["top"]]
 
 
+@pytest.mark.parametrize("way", ["wide", "sync"])
+def test_stop_strings_and_max_tokens_hold_in_either_way(tiny, arun, way):
+    """Without logprobs a batch may verify pipelined: tokens taken past a stop
+    string, the end of sequence or max_tokens are dropped as they are read."""
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        eng._exec.spec.times.only = way
+        out = {}
+        for spec in (None, "lookup"):
+            out[spec] = await _run(eng, PROMPTS, spec, batched=True, stop=["he"])
+            out[spec, 7] = await _run(eng, PROMPTS, spec, batched=True, max_tokens=7)
+        wide = eng._exec.spec.wide
+        await eng.aclose()
+        return out, wide
+
+    out, wide = arun(main)
+    for key in (None, 7):
+        a_runs, b_runs = (out[None], out["lookup"]) if key is None else (
+            out[None, 7], out["lookup", 7])
+        for a, b in zip(a_runs, b_runs):
+            assert (a.text, a.tokens, a.finish_reason) == (b.text, b.tokens, b.finish_reason)
+    assert all(len(r.tokens) <= 7 for r in out["lookup", 7])
+    assert (wide > 0) == (way == "wide")
+
+
 def test_a_seeded_sampled_row_is_the_same_alone_batched_and_without_speculation(tiny, arun):
     kw = dict(temperature=0.3, top_p=0.95, seed=7)
 
@@ -153,6 +179,123 @@ def test_a_seeded_sampled_row_is_the_same_alone_batched_and_without_speculation(
     assert [r.tokens for r in alone] == [r.tokens for r in base]
     assert [r.tokens for r in batched] == [r.tokens for r in base]
     assert sum(r.draft_accepted for r in alone) > 0
+
+
+def test_pipelined_verification_trims_padding_and_stays_identical(tiny, arun):
+    """Verifications launched without a read (wide.py) roll rejected positions into
+    left padding on the device; long rows gather enough of it to be trimmed."""
+    long = 160
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        eng._exec.spec.times.only = "wide"
+        base = [(await eng.submit(p, max_tokens=long, chat=False)).tokens
+                for p in PROMPTS[:3]]
+        rows = [eng.submit(p, max_tokens=long, chat=False, speculate="lookup",
+                           num_draft=6) for p in PROMPTS[:3]]
+        res = [await r for r in rows]
+        spec = eng._exec.spec
+        await eng.aclose()
+        return base, res, spec
+
+    base, res, spec = arun(main)
+    assert [r.tokens for r in res] == base
+    assert all(len(r.tokens) == long for r in res)  # max_tokens holds exactly
+    assert spec.wide > 0 and spec.trims > 0
+    assert sum(r.draft_accepted for r in res) > 0
+
+
+@pytest.mark.parametrize("way", ["wide", "sync"])
+def test_rows_joining_mid_run_in_a_mixed_batch_keep_their_tokens(tiny, arun, way):
+    """Greedy speculating rows, rows without speculation and seeded sampled rows
+    share the batch, and rows join while verifications are in flight: every row
+    gets the tokens it gets alone without speculation."""
+    import asyncio
+
+    kinds = [dict(speculate="lookup", num_draft=4), dict(speculate=None),
+             dict(speculate="lookup", temperature=0.7, seed=3), dict(speculate="lookup")]
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False, streak_s=0)
+        eng._exec.spec.times.only = way
+        base = []
+        for p, kw in zip(PROMPTS, kinds):
+            kw = {**kw, "speculate": None}
+            base.append((await eng.submit(p, max_tokens=N, chat=False, **kw)).tokens)
+        first = eng.submit(PROMPTS[0], max_tokens=N, chat=False, **kinds[0])
+        while sum(s.drafted for s in eng.steps) == 0:  # verifications under way
+            await asyncio.sleep(0)
+        late = [eng.submit(p, max_tokens=N, chat=False, **kw)
+                for p, kw in zip(PROMPTS[1:], kinds[1:])]
+        res = [await first] + [await r for r in late]
+        await eng.aclose()
+        return base, res, len(first.tokens)
+
+    base, res, _ = arun(main)
+    assert [r.tokens for r in res] == base
+    assert res[0].draft_accepted > 0 and res[1].draft_proposed == 0
+
+
+class _Scrambled:
+    """A draft source that proposes what the target will say, with a token changed
+    here and there, and junk: whatever it proposes, outputs must not change."""
+
+    mode = "lookup"
+
+    def __init__(self, refs):
+        self.refs = refs  # prompt's first token -> reference output
+
+    def attach(self, row, ids):
+        from mlxnb.core.worker.specpolicy import RowPolicy
+
+        class State(RowPolicy):
+            def __init__(s):
+                super().__init__(row.params.num_draft)
+                s.taken, s.ref = [], self.refs[tuple(ids)]
+
+            def extend(s, toks):
+                s.taken.extend(toks)
+
+        return State()
+
+    def propose(self, rows, limits, after):
+        out = []
+        for r, n, a in zip(rows, limits, after):
+            st = r.spec
+            pos = len(st.taken) + len(a)
+            d = list(st.ref[pos:pos + n])
+            if len(d) > 2 and pos % 3 == 0:
+                d[2] = (d[2] + 1) % 256  # a wrong draft after two right ones
+            if pos % 7 == 0:
+                d = [(x * 31 + 7) % 256 for x in d]  # junk
+            out.append(d)
+        return out
+
+
+@pytest.mark.parametrize("way", ["wide", "sync"])
+def test_any_draft_source_leaves_greedy_output_identical(tiny, arun, way):
+    """The verifier's rule, not the drafts, decides the tokens: a source proposing
+    right, wrong and junk drafts (through the documented interface) changes
+    nothing, alone or batched, and its right drafts are taken."""
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        base = [await eng.submit(p, max_tokens=N, chat=False) for p in PROMPTS]
+        refs = {tuple(eng.encode(p, chat=False)): r.tokens for p, r in zip(PROMPTS, base)}
+        eng._exec.spec.register(_Scrambled(refs))
+        eng._exec.spec.times.only = way
+        alone = [await eng.submit(p, max_tokens=N, chat=False, speculate="lookup")
+                 for p in PROMPTS]
+        rows = [eng.submit(p, max_tokens=N, chat=False, speculate="lookup", num_draft=5)
+                for p in PROMPTS]
+        batched = [await r for r in rows]
+        await eng.aclose()
+        return base, alone, batched
+
+    base, alone, batched = arun(main)
+    for got in (alone, batched):
+        assert [r.tokens for r in got] == [r.tokens for r in base]
+        assert sum(r.draft_accepted for r in got) > 0
+        assert sum(r.draft_accepted for r in got) < sum(r.draft_proposed for r in got)
 
 
 def test_a_row_cancelled_mid_verification_leaves_the_others(tiny, arun):
@@ -330,20 +473,23 @@ def test_verified_point_drafts_keep_the_rows_distribution(name):
 
 # -- the step policy --------------------------------------------------------------------
 
-def _cost(a, b):
-    from mlxnb.core.worker.speculate import StepCost
+def _times(a, b, B=(1, 8), plain_extra=0.0):
+    """Step times a + b * (rows x width) seconds, plain steps `plain_extra` more."""
+    from mlxnb.core.worker.specpolicy import StepTimes
 
-    c = StepCost()
-    for n in (1, 4, 8, 16, 40):
-        c.observe(n, a + b * n)
-    assert c.ab == pytest.approx((a, b))
-    return c
+    t = StepTimes()
+    t.skip_first = False
+    for rows in B:
+        t.observe_plain(rows, a + b * rows + plain_extra)
+        for w in (2, 5):
+            t.observe_spec(rows, w, a + b * rows * w, rows)
+    return t
 
 
 def test_width_follows_the_cost_of_a_step_and_the_rows_acceptance():
-    from mlxnb.core.worker.speculate import best_width
+    from mlxnb.core.worker.specpolicy import best_width
 
-    host_bound, compute_bound = _cost(0.005, 0.0), _cost(0.09, 0.013)
+    host_bound, compute_bound = _times(0.005, 0.0), _times(0.09, 0.013)
     # a step costs the same whatever it feeds: verify every draft
     assert best_width(host_bound, [0.2], [6]) == 7
     # each position costs: a draft that rarely holds is not worth its position
@@ -351,3 +497,138 @@ def test_width_follows_the_cost_of_a_step_and_the_rows_acceptance():
     assert best_width(compute_bound, [0.95], [4]) > 1
     # one row's drafts do not pay for widening seven others
     assert best_width(compute_bound, [0.6] + [0.0] * 7, [4] + [0] * 7) == 1
+    # a verification that waits for the step in flight costs more than the
+    # pipelined plain step: drafts must make up for the lost overlap
+    waits = _times(0.005, 0.0, plain_extra=-0.003)  # plain 2 ms, verify 5 ms
+    assert best_width(waits, [0.3], [4]) == 1
+    assert best_width(waits, [0.9], [8]) == 9
+
+
+def test_nothing_measured_tries_a_verification_and_then_measures_it():
+    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+
+    t = StepTimes()
+    t.skip_first = False
+    assert best_width(t, [0.5], [4]) == 5  # nothing known: try the drafts
+    t.observe_plain(1, 0.010)
+    assert t.verify_s(1, 5) == 0.010  # no verification measured: a plain step's cost
+    t.observe_spec(1, 5, 0.030, 2)
+    assert t.verify_s(1, 9) == 0.030 and t.verify_s(1, 5) == 0.030
+    t.observe_spec(1, 3, 0.020, 2)
+    assert t.verify_s(1, 9) == pytest.approx(0.050)  # the line through widths 3 and 5
+    t.observe_spec(1, 4, 0.500, 2)  # one step while the host was busy
+    assert t.verify_s(1, 4) < 0.25  # a line through three widths: not ruled out for good
+
+
+def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():
+    from mlxnb.core.worker.specpolicy import StepTimes
+
+    t = StepTimes()
+    t.skip_first = False
+    t.observe_plain(8, 0.010)  # 800 tok/s plain
+    for _ in range(StepTimes.MIN_SPEC - 1):
+        t.observe_spec(8, 5, 0.020, 15)  # 750 tok/s speculating: slower
+        assert t.allowed(8)
+    t.observe_spec(8, 5, 0.020, 15)
+    holds = []
+    for _ in range(2):  # off for a hold, then tried again; the next hold is longer
+        n = 0
+        while not t.allowed(8):
+            n += 1
+        holds.append(n)
+        for _ in range(StepTimes.MIN_SPEC):
+            t.observe_spec(8, 5, 0.020, 15)
+    assert holds == [StepTimes.HOLD, 2 * StepTimes.HOLD] and t.holds == 3
+    assert t.allowed(1)  # another batch size is judged on its own
+    # where it pays, it stays on
+    t2 = StepTimes()
+    t2.skip_first = False
+    t2.observe_plain(8, 0.010)
+    for _ in range(50):
+        t2.observe_spec(8, 5, 0.020, 17)  # 850 tok/s
+        assert t2.allowed(8)
+    assert t2.holds == 0
+
+
+def test_the_faster_way_of_verifying_is_kept_and_the_other_tried_again():
+    from mlxnb.core.worker.specpolicy import StepTimes
+
+    t = StepTimes()
+    t.skip_first = False
+    seen = []
+    for _ in range(2 * StepTimes.MIN_SPEC):  # each way tried first
+        way = t.way(4)
+        seen.append(way)
+        t.observe_spec(4, 3, 0.01, 8 if way == "wide" else 6, way)
+    assert seen == ["sync"] * StepTimes.MIN_SPEC + ["wide"] * StepTimes.MIN_SPEC
+    later = []
+    for _ in range(StepTimes.REPROBE + StepTimes.MIN_SPEC):
+        way = t.way(4)
+        later.append(way)
+        t.observe_spec(4, 3, 0.01, 8 if way == "wide" else 6, way)
+    # kept the faster, then tried the slower for MIN_SPEC steps
+    assert later.count("sync") == StepTimes.MIN_SPEC and later[0] == "wide"
+    assert t.way(4) == "wide" and t.way(8) == "sync"  # a new batch size starts over
+    # the other way must measure clearly faster before it is chosen
+    t2 = StepTimes()
+    t2.skip_first = False
+    for _ in range(StepTimes.MIN_SPEC):
+        t2.observe_spec(1, 3, 0.01, 10, "wide")
+    for _ in range(StepTimes.MIN_SPEC):
+        t2.observe_spec(1, 3, 0.01, 10.3, "sync")  # 3% faster: noise
+    assert t2.way(1) == "sync"  # nothing kept yet: the faster
+    for _ in range(StepTimes.MIN_SPEC):
+        t2.observe_spec(1, 3, 0.01, 10.4, "wide")  # now 1% faster: noise, kept
+    assert t2.way(1) == "sync"
+    for _ in range(20):
+        t2.observe_spec(1, 3, 0.01, 12.5, "wide")  # 20% faster: switched
+    assert t2.way(1) == "wide"
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "padded"])
+def test_verification_attention_matches_the_fused_kernel(mask, monkeypatch):
+    """Half-precision attention over several query positions is composed from plain
+    ops while a verification is built (no per-shape setup); it computes what MLX's
+    fused kernel computes, and single positions keep the fused kernel."""
+    from mlx_lm.models.base import create_causal_mask
+
+    from mlxnb.core.worker.wideattn import unfused_attention, wide_attention
+
+    B, Hq, Hkv, L, S, D = 2, 6, 2, 3, 11, 64
+    mx.random.seed(1)
+    q, k, v = (mx.random.normal(s) for s in ((B, Hq, L, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    m = (create_causal_mask(L, S - L, left_padding=mx.array([0, 4]))
+         if mask == "padded" else mask)
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m)
+    ours = unfused_attention(q, k, v, 0.125, m)
+    assert mx.allclose(ours, fused, atol=1e-5).item()
+    half = [x.astype(mx.bfloat16) for x in (q, k, v)]
+    import mlxnb.core.worker.wideattn as wa
+
+    calls = []
+    monkeypatch.setattr(wa, "unfused_attention",
+                        lambda *a, **k: calls.append(a[0].shape) or unfused_attention(*a, **k))
+    with wide_attention():
+        mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m)  # float32
+        routed = mx.fast.scaled_dot_product_attention(*half, scale=0.125, mask=m)
+        one = mx.fast.scaled_dot_product_attention(half[0][:, :, :1], *half[1:],
+                                                   scale=0.125)
+    assert calls == [(B, Hq, L, D)]  # only the half-precision multi-position call
+    assert mx.fast.scaled_dot_product_attention is wa._fused  # restored after
+    assert mx.array_equal(routed, unfused_attention(*half, 0.125, m)).item()
+    assert mx.array_equal(one, mx.fast.scaled_dot_product_attention(
+        half[0][:, :, :1], *half[1:], scale=0.125)).item()
+    assert mx.allclose(routed.astype(mx.float32), fused, atol=0.05).item()
+
+
+def test_a_widths_first_verification_is_not_learnt_from():
+    """The first verification of a shape pays one-off setup (seconds compiling
+    kernels on a GPU); learnt from, it would rule that width out for good."""
+    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+
+    t = StepTimes()
+    t.observe_plain(1, 0.008)
+    t.observe_spec(1, 5, 7.7, 3)  # cold
+    assert best_width(t, [0.8], [4]) == 5 and t.verify_s(1, 5) == 0.008
+    t.observe_spec(1, 5, 0.009, 3)
+    assert t.verify_s(1, 5) == 0.009 and best_width(t, [0.8], [4]) == 5

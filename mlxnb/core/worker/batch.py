@@ -42,6 +42,7 @@ from .sampling import BatchSampler
 from .setup import BatchModel
 from .speculate import Speculation
 from .stepsplit import StepSplit
+from .wide import read_wide
 
 
 class BatchExecutor:
@@ -72,6 +73,8 @@ class BatchExecutor:
         self.spec = Speculation(self.make_cache())  # speculate.py: drafts and their checks
         self._reset_batch()
         self.nsteps = 0
+        self._wide_read = (0, 0)  # the last pipelined verification read: (drafts, accepted)
+        self._wide_taken = None  # and its (width, tokens taken), for the policy
         self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
         self.precompiler.start()
         # every step's time split (stepsplit.py); a profiler's tracer rides on it
@@ -93,7 +96,7 @@ class BatchExecutor:
         self._batch_rows, self._want_lp, self._any_procs, self._headroom = [], [], False, 0
         self._ids_tuple: tuple = ()  # self.ids, shared by step records until it changes
         self._row_adapters: tuple = ()  # each batch row's adapter name (None: base)
-        self._any_constrained = False
+        self._any_constrained = self._any_spec = False
         self.masks.reset()
 
     @property
@@ -153,14 +156,20 @@ class BatchExecutor:
         self._filter()
         n_read = len(emitted)
         joining = bool(self.prefill.ready)
-        verified = None  # a verify step's (proposed, accepted, taken, width, seconds)
+        verified = None  # a verify step's (proposed, accepted, taken, width)
+        drained = False  # the step in flight was read before this step's launch
         try:
             self._join(updates)
             launched = None
             if self.ids:
                 if self.spec.wanted(self):
-                    verified = self.spec.step(self, updates, emitted)
-                if verified is None:
+                    if self.spec.pipelined(self):  # read back a step later (wide.py)
+                        launched = self.spec.launch(self)
+                    else:
+                        verified = self.spec.step(self, updates, emitted)
+                        drained = self.spec.drained
+                if verified is None and launched is None:
+                    self.spec.settle(self)
                     launched = self._launch(updates)
         except Exception as e:  # a forward error fails this step's rows only
             self._fail_batch(updates, e)
@@ -186,12 +195,18 @@ class BatchExecutor:
         now = time.perf_counter()
         if decoded and not prefill_tokens:
             self.policy.observe_decode(now - t)
-            self.spec.observe(decoded, *(verified[3:] if verified else (1, now - t)))
+            self.spec.observe(decoded, now - t, verified, drained, done is not None,
+                              launched is not None and launched.accepted is not None,
+                              self._wide_taken)
+        self._wide_taken = None
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
                       self._ids_tuple, share, other, self.split.take(now - t))
+        wd, wa = self._wide_read  # pipelined verifications read this step
+        self._wide_read = (0, 0)
         if verified is not None:
-            st.drafted, st.accepted = verified[0], verified[1]
+            wd, wa = wd + verified[0], wa + verified[1]
+        st.drafted, st.accepted = wd, wa
         return st, launched is not None or verified is not None, read_firsts
 
     def _streak_goes_on(self, launched: bool, read_firsts: bool, updates: Updates,
@@ -293,6 +308,7 @@ class BatchExecutor:
         self._want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
         self._any_procs = any(r.processors for r in rows)
         self._any_constrained = any(r.matcher is not None for r in rows)
+        self._any_spec = any(r.spec is not None for r in rows)
         self._row_adapters = tuple(r.params.adapter for r in rows)
         # steps until the first row has launched all its tokens
         self._headroom = min((r.params.max_tokens - r.launched for r in rows), default=0)
@@ -373,6 +389,10 @@ class BatchExecutor:
 
     # -- reading back --------------------------------------------------------------
     def _read(self, inflight: InFlight, updates: Updates, emitted: List[Emitted]) -> None:
+        if inflight.accepted is not None:  # a pipelined verification
+            (d, a), self._wide_taken = read_wide(self, inflight, updates, emitted)
+            self._wide_read = (self._wide_read[0] + d, self._wide_read[1] + a)
+            return
         tr = self.tracer
         t0 = pc() if tr else 0.0
         toks = inflight.tokens.tolist()  # the one host sync per step

@@ -24,7 +24,7 @@ class RowDecoder:
     """Host-side state of one decoding row: counts, text, stop strings."""
 
     matcher = None  # a constrained row's grammar matcher (constrain.py)
-    lookup = None  # a speculating row's draft source (lookup.py)
+    spec = None  # a speculating row's draft state (speculate.py: a source's RowPolicy)
     lane = 0  # its fill lane (masks.py)
 
     def __init__(self, a, detok, processors):
@@ -48,8 +48,8 @@ class RowDecoder:
             self.flush(emitted)
             return Ending(Finish.STOP)
         self.ntok += 1
-        if self.lookup is not None:
-            self.lookup.extend((tok,))
+        if self.spec is not None:
+            self.spec.extend((tok,))
         final = self.ntok >= self.params.max_tokens
         if lp is not None:
             lp["token"] = tok

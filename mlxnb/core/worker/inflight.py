@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 
@@ -26,3 +26,7 @@ class InFlight:
     tokens: mx.array  # [B] sampled, being computed
     logprobs: Optional[LogprobArrays] = None
     firsts: bool = False  # it carries a joined row's first token (its TTFT)
+    # a pipelined verification (wide.py): tokens is [B, W], `accepted` [B] the
+    # drafts each row took, `drafts` each row's (by row id)
+    accepted: Optional[mx.array] = None
+    drafts: Optional[Dict[int, List[int]]] = None

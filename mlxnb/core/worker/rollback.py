@@ -35,19 +35,19 @@ from mlx_lm.models.cache import (ArraysCache, BatchRotatingKVCache, CacheList,
 from .caches import LeanBatchKVCache
 from .quantized_kv import BatchQuantizedKVCache
 
-__all__ = ["before_verify", "rollback", "unsupported_reason"]
+__all__ = ["before_verify", "leaves", "roll_lazy", "rollback", "unsupported_reason"]
 
 
-def _leaves(caches) -> list:
+def leaves(caches) -> list:
     out = []
     for c in caches:
-        out.extend(_leaves(c.caches) if type(c) is CacheList else [c])
+        out.extend(leaves(c.caches) if type(c) is CacheList else [c])
     return out
 
 
 def unsupported_reason(row_cache: list) -> Optional[str]:
     """Why rows of a model with these cache kinds cannot speculate, or None."""
-    if any(isinstance(c, ArraysCache) for c in _leaves(row_cache)):
+    if any(isinstance(c, ArraysCache) for c in leaves(row_cache)):
         return "off: recurrent-state layers cannot roll back rejected drafts"
     return None
 
@@ -57,7 +57,7 @@ def before_verify(caches: list) -> None:
     mlx-lm's BatchRotatingKVCache builds that forward's mask from its write index
     while its update first reorders a wrapped buffer (making the index its length):
     a wrapped buffer's left-padded rows would see their mask one column off."""
-    for c in _leaves(caches):
+    for c in leaves(caches):
         if isinstance(c, BatchRotatingKVCache) and c.keys is not None:
             c._temporal_order()
 
@@ -73,7 +73,7 @@ def rollback(caches: list, rejected: List[int]) -> bool:
     m = min(rejected)
     extra = [r - m for r in rejected]
     shift = mx.array(extra) if any(extra) else None
-    for c in _leaves(caches):
+    for c in leaves(caches):
         if isinstance(c, (LeanBatchKVCache, BatchQuantizedKVCache)):
             _flat(c, m, shift)
         elif isinstance(c, BatchRotatingKVCache):
@@ -111,3 +111,17 @@ def _window(c, m: int, shift) -> None:
     # a negative left padding counts positions already trimmed: none is padding now
     c.left_padding = mx.maximum(c.left_padding, 0) + shift
     c.offset = c.offset - shift
+
+
+def roll_lazy(caches: list, rejected: mx.array) -> None:
+    """Drop each row's last rejected[i] positions ([B], not yet computed) from every
+    plain KV layer: each row rolled right by its count, the rejected tail becoming
+    left padding. The write index stays: the host need not know the counts."""
+    cs = leaves(caches)
+    i = cs[0]._idx
+    # [B, 1, i, 1]: one gather index for every layer's keys and values
+    idx = (mx.arange(i)[None, None, :, None] - rejected[:, None, None, None]) % i
+    for c in cs:
+        c.keys[..., :i, :] = mx.take_along_axis(c.keys[..., :i, :], idx, axis=2)
+        c.values[..., :i, :] = mx.take_along_axis(c.values[..., :i, :], idx, axis=2)
+        c.left_padding = c.left_padding + rejected

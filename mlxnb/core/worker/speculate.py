@@ -19,17 +19,48 @@ batch. Rows with logits processors or a constraint do not draft (their one token
 comes from position 0, processed and masked as in a plain step); logprobs are those
 of each position's distribution. Rejected positions leave the cache (rollback.py).
 
-Verification needs each row's latest token on the host (the drafts follow it), so a
-verification step is not pipelined: it first reads the step in flight, which it does
-only when some row, not paused (lookup.py), has its last tokens matching earlier
-ones (`Speculation.wanted`). It then verifies at the width that gives the most
-expected tokens per second -- from each row's acceptance so far and the measured
-cost of a step per token fed (`StepCost`) -- unless that width is one.
+A verification runs one of two ways. Pipelined (wide.py): launched like a plain
+step while the step before is still computing, read back a step later; acceptance,
+the next input and the rollback of rejected positions happen on the device, and a
+row's proposal follows the tokens read so far plus what the step in flight is
+expected to give (its drafts, all taken, and a guess of its last token: the first
+proposed token). Read back at once (`step`, for rows that need the host each step
+-- logprobs, logits processors, a constraint -- and for sliding-window or quantized
+caches): launched while the step in flight computes, with the same guess, then both
+are read and the cache rolled back on the host (rollback.py). Either way the drafts
+are checked against what the model computes after the row's real tokens, so a wrong
+guess only makes drafts that fail. The policy (specpolicy.py) verifies when a row,
+not paused, is `ready` and verifying is expected to give more tokens per second than
+a plain step -- each row's acceptance so far against the measured wall time of plain
+and verifying steps at this batch size -- at the width that gives the most, picks
+the way that measured faster, and holds speculation off at a batch size where
+speculating steps measure slower than plain ones.
+
+Draft sources. Rows name theirs in `SamplingParams.speculate`; the verifier asks a
+source (registered by its `mode`, `Speculation.register`) two things, on the worker
+thread:
+
+    attach(row, ids) -> RowPolicy | None
+        A joining row (a decoding.RowDecoder; `ids` its prompt tokens): the row's
+        per-row state, kept as `row.spec`. It subclasses specpolicy.RowPolicy (draft
+        length `k`, pauses, acceptance `q`), gets every token the row takes, in
+        order, through `extend(tokens)` (as they are read: one or two steps behind
+        the device), and says through `ready()`, host-only, whether it would have a
+        proposal now. None: the row does not speculate.
+    propose(rows, limits, after) -> List[List[int]]
+        For each row (RowDecoders in batch order, only rows of this source, none
+        paused): up to limits[i] tokens proposed to follow the tokens it has taken
+        so far and then after[i] (tokens assumed taken by the step in flight; often
+        []). The verifier uses the first as its guess of the step in flight's last
+        token when one is in flight, the rest as drafts. [] = nothing this step.
+
+The verifier checks every row's drafts in one batched target forward, feeds the
+result back through `row.spec.verified(proposed, accepted)`, and rolls back the
+cache.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -37,12 +68,14 @@ import mlx.core as mx
 from ..messages import Emitted, Updates
 from .decoding import HISTORY
 from .inflight import InFlight
-from .lookup import RowLookup
+from .lookup import LookupSource
 from .rollback import before_verify, rollback, unsupported_reason
+from .specpolicy import StepTimes, best_width
+from .wide import flat_only, launch_wide, trim
+from .wideattn import wide_attention
 
-__all__ = ["Speculation", "StepCost", "accept_drafts", "best_width", "MAX_SPEC_BATCH", "MODES"]
+__all__ = ["Speculation", "accept_drafts", "MAX_SPEC_BATCH"]
 
-MODES = ("lookup",)  # what SamplingParams.speculate takes, besides None
 MAX_SPEC_BATCH = 32  # larger batches are bound by the device: extra positions cost
 
 
@@ -55,145 +88,210 @@ def accept_drafts(toks: mx.array, drafts: mx.array):
     return acc, mx.take_along_axis(toks, acc[:, None], axis=1)[:, 0]
 
 
-class StepCost:
-    """What a decode step costs as a function of the tokens it feeds (rows x width):
-    seconds ~ a + b * tokens, fitted online to decode-only steps (an average per
-    token count, then a least-squares line through those). Host-bound steps (a
-    small model on a GPU) give b ~ 0: verifying is nearly free; compute-bound ones
-    (a CPU, large batches) give a b that makes wide verifications pay only for
-    drafts likely to hold. Until two token counts are measured, b is taken as 0."""
-
-    ALPHA = 0.2
-
-    def __init__(self):
-        self.mean: Dict[int, float] = {}
-        self.ab = None  # (a, b) once fitted
-        self.nsteps = 0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        old = self.mean.get(tokens)
-        self.mean[tokens] = seconds if old is None else old + self.ALPHA * (seconds - old)
-        self.nsteps += 1
-        if len(self.mean) >= 2:
-            xs, ys = list(self.mean), list(self.mean.values())
-            mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            sxx = sum((x - mx_) ** 2 for x in xs)
-            b = max(0.0, sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sxx)
-            self.ab = (max(my - b * mx_, 1e-6), b)
-
-    def seconds(self, tokens: int) -> float:
-        """A measured token count's own average (step costs jump where kernels
-        change, e.g. BLAS at some widths), else the line."""
-        seen = self.mean.get(tokens)
-        if seen is not None and self.ab is not None:
-            return seen
-        if self.ab is None:
-            return 1.0  # unknown: every width costs the same
-        a, b = self.ab
-        return a + b * tokens
-
-
-def expected_accepts(q: float, k: int) -> float:
-    """Drafts held of k when each holds with probability q given the ones before."""
-    if k <= 0:
-        return 0.0
-    return q * (1 - q ** k) / (1 - q) if q < 1 else float(k)
-
-
-def best_width(cost: StepCost, qs: List[float], lens: List[int]) -> int:
-    """The verification width (1 = a plain step) with the most expected tokens per
-    second for rows whose drafts hold with probabilities `qs` and are `lens` long."""
-    B = len(lens)
-    best_w, best = 1, B / cost.seconds(B)
-    for w in range(2, max(lens) + 2):
-        toks = B + sum(expected_accepts(q, min(n, w - 1)) for q, n in zip(qs, lens))
-        v = toks / cost.seconds(B * w)
-        if v > best:
-            best_w, best = w, v
-    return best_w
-
-
 class Speculation:
-    """The executor's speculation state: which rows draft, and the verify step."""
+    """The executor's speculation state: draft sources, the policy's measurements,
+    and the verification step."""
 
     def __init__(self, row_cache: list):
         self.off_reason = unsupported_reason(row_cache)  # None: rows may speculate
-        self.cost = StepCost()
+        self.times = StepTimes()
+        self.sources: Dict[str, object] = {}
+        self.register(LookupSource())
+        self._ready: List[int] = []  # batch positions of rows ready this step
+        self.drained = False  # the last `step` read the step in flight first
+        self.flat = flat_only(row_cache)  # verification can be pipelined (wide.py)
+        self.slack = 0  # rejected positions that may sit as padding (wide.py)
+        # counts (tests, bench): trims, pipelined and read-back verifications
+        self.trims = self.wide = self.sync = 0
 
     @property
     def facts(self) -> str:
-        return self.off_reason or "lookup"
+        return self.off_reason or "/".join(self.sources)
+
+    def register(self, source) -> None:
+        """Add a draft source (see the module docstring) under its `mode`."""
+        self.sources[source.mode] = source
 
     def attach(self, r, ids: List[int]) -> None:
-        """Give a joining row its lookup state if it speculates and can."""
-        p = r.params
-        if (self.off_reason is None and p.speculate in MODES and not r.processors
+        """Give a joining row its draft state if it speculates and can."""
+        src = self.sources.get(r.params.speculate)
+        if (src is not None and self.off_reason is None and not r.processors
                 and r.matcher is None):
-            r.lookup = RowLookup(ids, p.num_draft)
+            r.spec = src.attach(r, ids)
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        """A decode-only step of `rows` rows, `width` positions each, took this long."""
-        self.cost.observe(rows * width, seconds)
+    def observe(self, rows: int, seconds: float, verified: Optional[tuple],
+                drained: bool, pipelined: bool, wide: bool = False,
+                wide_read: Optional[tuple] = None) -> None:
+        """A decode-only step of `rows` rows took `seconds` of wall time. It is the
+        cost of what it waited for: a verification read at once (`verified`), a
+        pipelined one it read (`wide_read`: its width and tokens; the step that
+        reads one waits for its compute, as the step that launched it waited for
+        the one before), a plain step that read the step in flight to draft and
+        did not (`drained`), or a plain step of the pipeline that read a plain one
+        (`pipelined`; one launching a pipelined verification (`wide`) is neither)."""
+        if verified is not None:
+            self.times.observe_spec(rows, verified[3], seconds, verified[2])
+        elif wide_read is not None:
+            self.times.observe_spec(rows, wide_read[0], seconds, wide_read[1], "wide")
+        elif drained:
+            self.times.observe_spec(rows, 1, seconds, rows)
+        elif pipelined and not wide:
+            self.times.observe_plain(rows, seconds)
 
     def wanted(self, ex) -> bool:
-        """Worth reading the step in flight now to draft? Some row, not paused, has
-        its last tokens matching earlier ones, and the best case (each such row
-        drafting its k) would pay; counts down paused rows' pauses."""
+        """Worth drafting this step? Some row, not paused, is ready, and the best
+        case (each such row drafting its k) would pay; counts down paused rows'
+        pauses and the guard's hold."""
         rows = ex._batch_rows
-        if len(rows) > MAX_SPEC_BATCH:
+        B = len(rows)
+        if not ex._any_spec or B > MAX_SPEC_BATCH:
             return False
         if ex.inflight is not None and ex.inflight.firsts:
             return False  # a first token to show: keep the plain step (its TTFT)
-        qs, ks, fixed = [], [], False
-        for r in rows:
-            lk = r.lookup
-            if lk is not None and not lk.paused() and lk.primed():
-                fixed = fixed or lk.fixed  # a user-given num_draft: whatever it costs
-                qs.append(lk.q)
-                ks.append(lk.k)
+        qs, ks, fixed, ready = [], [], False, []
+        for i, r in enumerate(rows):
+            s = r.spec
+            if s is not None and not s.paused() and s.ready():
+                fixed = fixed or s.fixed  # a user-given num_draft: whatever it costs
+                qs.append(s.q)
+                ks.append(max(0, min(s.k, r.params.max_tokens - r.launched - 2)))
+                ready.append(i)
                 continue
             qs.append(0.0)
             ks.append(0)
-        # the best case (every primed row drafts its k) must pay for the read
-        return fixed or (any(ks) and best_width(self.cost, qs, ks) > 1)
+        self._ready = ready
+        if not any(ks):
+            return False
+        if not self.times.allowed(B) and not fixed:  # the guard holds it off
+            return False
+        ahead = ex.inflight is not None and not ex._any_constrained
+        return fixed or best_width(self.times, qs, ks, qs if ahead else None) > 1
 
     def step(self, ex, updates: Updates, emitted: List[Emitted]) -> Optional[tuple]:
         """Verify drafts for this step if that is expected to pay: (drafts proposed,
-        accepted, tokens taken, width, seconds it took), else None (the caller
-        launches a plain step). Reads the step in flight first."""
-        if ex.inflight is not None:
-            done, ex.inflight = ex.inflight, None
+        accepted, tokens taken, width), else None (the caller launches a plain
+        step). `drained`: whether it read the step in flight before launching.
+
+        With a step in flight (and no constrained row, whose mask needs the token
+        in flight read first), it drafts one step ahead: a row's proposal follows
+        the tokens already read, its first token a guess for the token in flight,
+        the rest its drafts; the verification feeds [the token in flight, as it
+        computes, + the drafts], and the step in flight is read while the
+        verification computes. The drafts are checked against what the model
+        computes after the real token, so the rule is exact whatever the guess:
+        a wrong guess only makes drafts that fail. No proposal: nothing was read,
+        and the plain step that follows stays pipelined."""
+        done = ex.inflight
+        ahead = done is not None and not ex._any_constrained
+        self.drained = done is not None and not ahead
+        if self.drained:
+            ex.inflight = None
             ex._read(done, updates, emitted)
-        # the read above waited for the previous step's forward: not this step's cost
-        t0 = time.perf_counter()
-        drafts, qs, drop, forced = [], [], ex.drop, 0
-        for r in ex._batch_rows:
-            lk = r.lookup
-            live = lk is not None and r.id not in drop
-            d = lk.draft(r.params.max_tokens - r.launched - 1) if live else []
-            if live and not d and lk.was_primed:
-                lk.no_draft()
-            drafts.append(d)
-            qs.append(lk.q if live else 0.0)
-            if live and lk.fixed:  # the user's num_draft: verified whatever it costs
+        rows, drop = ex._batch_rows, ex.drop
+        props = self._propose(rows, drop, [[] for _ in rows], ahead)
+        # drafting ahead, the first proposed token stands for the one in flight
+        drafts = [p[1:] for p in props] if ahead else props
+        qs, live, forced = [], [], 0
+        for r, d in zip(rows, drafts):
+            s = r.spec
+            q = s.q if s is not None else 0.0
+            qs.append(q)
+            live.append(q if ahead else 1.0)  # the guess must hold too
+            if d and s.fixed:  # the user's num_draft: verified whatever it costs
                 forced = max(forced, len(d))
+        for i in self._ready:  # ready, and nothing to draft: counted as a failure
+            if not drafts[i] and rows[i].id not in drop:
+                rows[i].spec.verified(0, 0)
         if not any(drafts):
             return None
-        w = max(best_width(self.cost, qs, [len(d) for d in drafts]), forced + 1)
+        w = max(best_width(self.times, qs, [len(d) for d in drafts], live), forced + 1)
         if w == 1:
             return None
-        out = self._verify(ex, [d[:w - 1] for d in drafts], updates, emitted)
-        return out + (time.perf_counter() - t0,)
+        ex.inflight = None
+        self.drained = done is not None
+        self.sync += 1
+        return self._verify(ex, [d[:w - 1] for d in drafts], done if ahead else None,
+                            updates, emitted)
 
-    def _verify(self, ex, drafts: List[List[int]], updates: Updates,
-                emitted: List[Emitted]) -> Tuple[int, int, int, int]:
+    def _propose(self, rows, drop, after: List[List[int]], ahead: bool) -> List[List[int]]:
+        """Each batch row's proposal from its own source, following its tokens read
+        and `after` (those assumed of the step in flight): its k drafts (one more,
+        the guess, when drafting `ahead`), within its max_tokens."""
+        out: List[List[int]] = [[] for _ in rows]
+        by_mode: Dict[str, List[int]] = {}
+        for i, r in enumerate(rows):
+            if r.spec is not None and r.id not in drop and r.spec.pause == 0:
+                by_mode.setdefault(r.params.speculate, []).append(i)
+        for mode, idx in by_mode.items():
+            sub = [rows[i] for i in idx]
+            # launched counts the step in flight once: drafts may fill the rest
+            limits = [min(r.spec.k + ahead, r.params.max_tokens - r.launched - 1 + ahead
+                          - len(after[i])) for i, r in zip(idx, sub)]
+            props = self.sources[mode].propose(sub, limits, [after[i] for i in idx])
+            for i, n, d in zip(idx, limits, props):
+                out[i] = list(d)[:max(0, n)]
+        return out
+
+    def settle(self, ex) -> None:
+        """Before a plain launch: trim the padding pipelined verifications left,
+        once none of them is in flight (then it is computed: no wait)."""
+        if self.slack and (ex.inflight is None or ex.inflight.accepted is None):
+            trim(ex)
+
+    def pipelined(self, ex) -> bool:
+        """Launch this batch's verification without reading it back at once?
+        Where it can -- plain KV caches only, no row whose step needs the host
+        (logprobs, logits processors, a constraint: they verify in `step`) -- and
+        where the policy measured it the faster way (`StepTimes.way`)."""
+        return (self.flat and not ex._want_lp and not ex._any_procs
+                and not ex._any_constrained
+                and self.times.way(len(ex._batch_rows)) == "wide")
+
+    def launch(self, ex) -> Optional[InFlight]:
+        """A pipelined verification (wide.py) if one is expected to pay, else None
+        (the caller launches a plain step). Nothing is read here: proposals follow
+        the tokens read so far and what the step in flight is assumed to give --
+        a verification's drafts unless the one before it showed them stale, then
+        its next token, which the proposal's first token guesses."""
+        done = ex.inflight
+        rows, drop = ex._batch_rows, ex.drop
+        ahead = done is not None
+        after: List[List[int]] = [[] for _ in rows]
+        if done is not None and done.drafts:
+            for i, r in enumerate(rows):
+                dr = done.drafts.get(r.id)
+                if dr and r.spec is not None and not r.spec.stale:
+                    after[i] = dr
+        props = self._propose(rows, drop, after, ahead)
+        drafts = [p[1:] for p in props] if ahead else props
+        qs, live, forced = [], [], 0
+        for r, d, a in zip(rows, drafts, after):
+            s = r.spec
+            q = s.q if s is not None else 0.0
+            qs.append(q)
+            live.append(q ** (len(a) + 1) if ahead else 1.0)  # what it assumed held
+            if d and s.fixed:
+                forced = max(forced, len(d))
+        for i in self._ready:
+            if not drafts[i] and rows[i].id not in drop:
+                rows[i].spec.verified(0, 0)
+        if not any(drafts):
+            return None
+        w = max(best_width(self.times, qs, [len(d) for d in drafts], live), forced + 1)
+        if w == 1:
+            return None
+        self.wide += 1
+        return launch_wide(ex, [d[:w - 1] for d in drafts])
+
+    def _verify(self, ex, drafts: List[List[int]], done, updates: Updates, emitted: List[Emitted]) -> Tuple[int, int, int, int]:
         rows, ids = ex._batch_rows, list(ex.ids)
         want = ex._want_lp
         W = 1 + max(len(d) for d in drafts)
         padded = mx.array([d + [0] * (W - 1 - len(d)) for d in drafts], dtype=ex.y.dtype)
         inp = mx.concatenate([ex.y[:, None], padded], axis=1)  # [B, W]
         before_verify(ex.caches)
-        with ex.adapters.using(ex.adapters.select(ex._row_adapters)):  # each row's LoRA
+        # each row's LoRA; attention without per-shape setup (wideattn.py)
+        with ex.adapters.using(ex.adapters.select(ex._row_adapters)), wide_attention():
             full = ex.model(inp, cache=ex.views)  # [B, W, V]
         if want or ex._any_procs or ex.sampler.needs_float32:
             full = full.astype(mx.float32)
@@ -210,14 +308,17 @@ class Speculation:
         acc, nxt = accept_drafts(toks, d)
         ex.sampler.advance(acc + 1)
         lp = None
+        outs = [toks, acc, nxt]
         if want:
             flat = [i * W + j for i in want for j in range(W)]
             k = max(rows[i].params.logprobs for i in want)
             idx = mx.array(flat)
             lp = ex.sampler.logprobs(idx, toks.reshape(-1)[idx], k)
-            mx.eval(toks, acc, nxt, *[a for a in lp if a is not None])
-        else:
-            mx.eval(toks, acc, nxt)
+            outs += [a for a in lp if a is not None]
+        if done is not None:  # read the step in flight while this one computes
+            mx.async_eval(*outs)
+            ex._read(done, updates, emitted)
+        mx.eval(*outs)
         T, A = toks.tolist(), acc.tolist()
         lps = self._logprobs(ex, lp, want, ids, W) if lp is not None else {}
         ex.y = nxt
@@ -234,7 +335,7 @@ class Speculation:
                 up = updates.of(rid)
                 up.draft_proposed += len(dr)
                 up.draft_accepted += a
-                r.lookup.verified(len(dr), a)
+                r.spec.verified(len(dr), a)
                 proposed, accepted = proposed + len(dr), accepted + a
             taken += a + 1
             ex._take(r, T[i][:a + 1], [lps.get((i, j)) for j in range(a + 1)], one,

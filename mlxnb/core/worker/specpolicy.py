@@ -1,0 +1,238 @@
+"""When speculation pays: each row's draft length and pauses, what a step costs, the
+verification width, and a guard that turns speculation off where it measures slower.
+
+Every cost here is measured wall time on the worker: a plain decode step is timed as
+the pipeline runs it (the device computes step N+1 while the host reads step N), a
+verification step with the read of the step in flight that it waits for. So a width
+is chosen, and speculation kept on, by tokens per second as they really come out:
+on a host-bound GPU, where the pipeline's overlap is most of a plain step's speed, as
+on a compute-bound CPU, where each position fed costs.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+__all__ = ["RowPolicy", "StepTimes", "best_width", "expected_accepts",
+           "DEFAULT_DRAFT", "MAX_DRAFT"]
+
+DEFAULT_DRAFT = 4  # the adaptive k starts here and stays within [1, MAX_DRAFT]
+MAX_DRAFT = 12
+FAILS_TO_PAUSE = 2  # consecutive drafts with nothing accepted before a pause
+MAX_PAUSE = 64  # steps
+
+
+class RowPolicy:
+    """One row's speculation policy, whatever its drafts come from: how many tokens
+    it drafts (`k`, grown while drafts hold, cut to what held when they fail), the
+    chance its next draft token holds (`q`), and a pause, doubling with every failed
+    probe, while its drafts keep failing: on free-form text drafts stop costing.
+    A draft source's per-row state subclasses it (lookup.py `RowLookup`)."""
+
+    def __init__(self, num_draft: int = 0):
+        self.fixed = num_draft > 0  # a user-given k: neither adapted nor paused
+        self.k_max = num_draft if self.fixed else MAX_DRAFT
+        self.k = num_draft if self.fixed else DEFAULT_DRAFT
+        self.fails = 0  # consecutive drafts with nothing accepted
+        self.pause = 0  # steps left without drafting
+        self.next_pause = 4
+        self.proposed = self.accepted = 0  # totals (tests, status)
+        self.stale = False  # its last verification rejected a draft (wide.py)
+        # per draft token: held after held ones (successes) and the first that did
+        # not (failures), decayed: q is the chance the next draft token holds
+        self._held, self._missed = 1.0, 1.0
+
+    def extend(self, toks) -> None:
+        """The row took these tokens (decoding.py, as they are read)."""
+
+    def ready(self) -> bool:
+        """Host-only, before the step in flight is read: would the row draft after
+        one more token? (A source that always drafts says True.)"""
+        return True
+
+    def paused(self) -> bool:
+        """Is it pausing this step? (A step passes: one step less to pause.)"""
+        if self.pause > 0:
+            self.pause -= 1
+            return True
+        return False
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        """After a verification of `proposed` drafts of which `accepted` held
+        (proposed 0: it was expected to draft and had nothing: a failure too)."""
+        self.proposed += proposed
+        self.accepted += accepted
+        d = 0.8
+        self._held = d * self._held + accepted
+        self._missed = d * self._missed + (accepted < proposed or not proposed)
+        if accepted == 0 and not self.fixed:  # a user-given k keeps drafting
+            self.fails += 1
+            if self.fails >= FAILS_TO_PAUSE:
+                self.pause, self.fails = self.next_pause, 0
+                self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
+        else:
+            self.fails = 0
+            self.next_pause = 4
+        if not self.fixed and proposed:
+            # all accepted: reach further; otherwise draft what held, plus one
+            self.k = (min(self.k + 2, self.k_max) if accepted == proposed
+                      else max(1, min(accepted + 1, self.k_max)))
+
+    @property
+    def q(self) -> float:
+        return self._held / (self._held + self._missed)
+
+    @property
+    def rate(self) -> Optional[float]:
+        return self.accepted / self.proposed if self.proposed else None
+
+
+def expected_accepts(q: float, k: int) -> float:
+    """Drafts held of k when each holds with probability q given the ones before."""
+    if k <= 0:
+        return 0.0
+    return q * (1 - q ** k) / (1 - q) if q < 1 else float(k)
+
+
+class StepTimes:
+    """Measured wall seconds of decode steps per batch size: plain pipelined steps,
+    and verification steps per width (averages, decayed). A verification's cost at a
+    width is a line through the widths measured at that batch size once there are
+    three (before: the width's own average, or the one measured: equal cost, which a
+    first probe corrects); a batch size with
+    no verification measured is taken to verify at a plain step's cost, so the
+    first verification is tried and then measured.
+
+    The guard: per batch size, the tokens per second that speculating steps gave
+    (verifications, and plain steps that waited for the step in flight to draft and
+    found nothing), against plain steps'. Below `FLOOR` of plain, speculation stops
+    at that batch size for a hold that doubles each time (from HOLD to MAX_HOLD
+    steps), then is tried again."""
+
+    ALPHA = 0.25
+    FLOOR = 0.97
+    MIN_SPEC = 6  # speculating steps measured before the guard judges them
+    HOLD, MAX_HOLD = 32, 2048
+    REPROBE = 128  # speculating steps between tries of the way not chosen
+    SWITCH = 1.05  # the other way must measure this much faster to be chosen
+
+    def __init__(self):
+        self.plain: Dict[int, float] = {}  # B -> seconds
+        self.verify: Dict[int, Dict[int, float]] = {}  # B -> {W: seconds}
+        self._spec: Dict[int, list] = {}  # B -> [tokens/s average, steps]
+        self._held: Dict[int, int] = {}  # B -> steps left off
+        self._hold: Dict[int, int] = {}  # B -> the next hold
+        self.holds = 0  # times the guard turned speculation off (tests, status)
+        # B -> {way: [tokens/s average, steps]}: "wide" (pipelined, wide.py) or
+        # "sync" (read back at once), and B -> [steps since a try of the other, way
+        # being tried, steps left of that try]
+        self._ways: Dict[int, Dict[str, list]] = {}
+        self._probe: Dict[int, list] = {}
+        self.only: Optional[str] = None  # "wide" or "sync": that way always (tests, bench)
+        self._cold: set = set()  # (B, width, way) seen once: the next ones are learnt from
+        self.skip_first = True  # (tests of the other rules turn it off)
+
+    def way(self, B: int) -> str:
+        """Pipelined or read-back verification at batch size B: each is tried for
+        MIN_SPEC steps, then the one that gave more tokens per second is kept
+        (until the other measures SWITCH times faster), and the other tried again
+        every REPROBE steps (the text decides which wins:
+        long copies favour pipelining, copies with edits break its chains)."""
+        if self.only is not None:
+            return self.only
+        w = self._ways.setdefault(B, {"wide": [None, 0], "sync": [None, 0]})
+        for name in ("sync", "wide"):  # the way that wastes no drafts first
+            if w[name][1] < self.MIN_SPEC:
+                return name
+        p = self._probe.setdefault(B, [0, None, 0, None])  # [.., way kept]
+        best = p[3] or max(w, key=lambda n: w[n][0])
+        other = "sync" if best == "wide" else "wide"
+        if w[other][0] > self.SWITCH * w[best][0]:  # clearly faster: switch
+            best, other = other, best
+        p[3] = best
+        if p[2] > 0:
+            return p[1]
+        if p[0] >= self.REPROBE:
+            p[:3] = [0, other, self.MIN_SPEC]
+            return other
+        return best
+
+    def _avg(self, old: Optional[float], x: float) -> float:
+        return x if old is None else old + self.ALPHA * (x - old)
+
+    def observe_plain(self, B: int, seconds: float) -> None:
+        self.plain[B] = self._avg(self.plain.get(B), seconds)
+
+    def observe_spec(self, B: int, width: int, seconds: float, tokens: int,
+                     way: str = "sync") -> None:
+        """A speculating step: `width` 1 for a plain step that drafted nothing. The
+        first of each (batch size, width, way) is not learnt from: it pays one-off
+        setup (on a GPU, compiling the kernels of that shape: seconds), which would
+        otherwise rule that width out for good."""
+        if self.skip_first and (B, width, way) not in self._cold:
+            self._cold.add((B, width, way))
+            return
+        if width > 1:
+            v = self.verify.setdefault(B, {})
+            v[width] = self._avg(v.get(width), seconds)
+        w = self._ways.setdefault(B, {"wide": [None, 0], "sync": [None, 0]})[way]
+        w[0], w[1] = self._avg(w[0], tokens / seconds), w[1] + 1
+        p = self._probe.setdefault(B, [0, None, 0, None])
+        p[0] += 1
+        if p[2] > 0 and p[1] == way:
+            p[2] -= 1
+        s = self._spec.setdefault(B, [None, 0])
+        s[0], s[1] = self._avg(s[0], tokens / seconds), s[1] + 1
+        plain = self.plain.get(B)
+        if s[1] >= self.MIN_SPEC and plain and s[0] < self.FLOOR * B / plain:
+            hold = self._hold.get(B, self.HOLD)
+            self._held[B], self._hold[B] = hold, min(2 * hold, self.MAX_HOLD)
+            self._spec[B] = [None, 0]  # judged afresh when tried again
+            self.holds += 1
+
+    def allowed(self, B: int) -> bool:
+        """May a batch of B rows speculate this step? (Counts down a hold.)"""
+        left = self._held.get(B, 0)
+        if left > 0:
+            self._held[B] = left - 1
+            return False
+        return True
+
+    def plain_s(self, B: int) -> Optional[float]:
+        return self.plain.get(B)
+
+    def verify_s(self, B: int, W: int) -> Optional[float]:
+        v = self.verify.get(B)
+        if not v:
+            return self.plain.get(B)
+        if W in v and len(v) < 3:
+            return v[W]
+        if len(v) == 1:
+            return next(iter(v.values()))
+        # a line through the widths measured: one width's outlier (a busy host)
+        # then moves the line a little instead of ruling that width out for good
+        xs, ys = list(v), list(v.values())
+        mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx_) ** 2 for x in xs)
+        b = max(0.0, sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sxx)
+        return max(my + b * (W - mx_), min(ys))
+
+
+def best_width(times: StepTimes, qs: List[float], lens: List[int],
+               live: Optional[List[float]] = None) -> int:
+    """The verification width (1 = a plain step) with the most expected tokens per
+    second for rows whose drafts hold with probabilities `qs` and are `lens` long,
+    and count at all with probabilities `live` (a guess that must hold first)."""
+    B = len(lens)
+    plain = times.plain_s(B)
+    if plain is None:
+        return max(lens) + 1  # nothing measured yet: try it, then measure
+    live = live or [1.0] * B
+    best_w, best = 1, B / plain
+    for w in range(2, max(lens) + 2):
+        toks = B + sum(g * expected_accepts(q, min(n, w - 1))
+                       for q, n, g in zip(qs, lens, live))
+        v = toks / times.verify_s(B, w)
+        if v > best:
+            best_w, best = w, v
+    return best_w
