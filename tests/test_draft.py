@@ -260,3 +260,19 @@ def test_rows_that_end_or_are_cancelled_leave_the_draft_batch(target, arun):
     base, out, ends = arun(main)
     assert [r.tokens for r in out] == [r.tokens for r in base]
     assert ends[0] == "length" and ends[2] == "cancelled"
+
+
+def test_a_tokenizer_of_the_same_size_but_other_ids_is_told_apart():
+    from mlxnb.models.draft import vocab_mismatch
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    a = {"a": 0, "b": 1, "c": 2}
+    assert vocab_mismatch(Tok(dict(a)), Tok(a)) == ""
+    assert "2 of 3 tokens" in vocab_mismatch(Tok({"a": 0, "b": 2, "c": 1}), Tok(a))
+    assert "4 tokens, the model's 3" in vocab_mismatch(Tok(dict(a, d=3)), Tok(a))
