@@ -199,9 +199,12 @@ def test_sampled_rows_in_the_engine_draw_the_targets_distribution(arun):
 def test_a_row_stops_drafting_when_its_acceptance_collapses():
     lk = DraftRow(0, 10)
     assert lk.k == DEFAULT_K and lk.ready()
+    lk.verified(1, 1)
+    assert lk.k == 2  # every draft held: twice as many
+    lk.verified(2, 2)
     lk.verified(4, 4)
-    assert lk.k == DEFAULT_K + 1
-    lk.verified(5, 2)
+    assert lk.k == 8
+    lk.verified(8, 2)
     assert lk.k == 3 and lk.off is None
     for _ in range(FAILS_OFF):
         lk.verified(lk.k, 0)

@@ -33,7 +33,10 @@ from .specpolicy import RowPolicy
 
 __all__ = ["DraftRow", "DraftSource", "DEFAULT_K", "MAX_K", "FAILS_OFF", "LOW_RATE"]
 
-DEFAULT_K = 4  # the adaptive draft length starts here, within [1, MAX_K]
+# The adaptive draft length starts at one draft (a probe of an unknown draft feeds the
+# model two positions, not five: on a compute-bound device the probes of a useless
+# draft cost a plain step or so) and doubles while every draft holds.
+DEFAULT_K = 1
 MAX_K = 8
 FAILS_OFF = 2  # consecutive verifications with nothing kept: acceptance collapsed
 LOW_RATE, LOW_AFTER = 0.15, 8  # or a decayed acceptance this low after this many
@@ -85,7 +88,7 @@ class DraftRow(RowPolicy):
         self._missed = 0.8 * self._missed + (accepted < proposed)
         self.fails = self.fails + 1 if accepted == 0 else 0
         if not self.user_k:
-            self.k = (min(self.k + 1, self.k_max) if accepted == proposed
+            self.k = (min(2 * self.k, self.k_max) if accepted == proposed
                       else max(1, min(accepted + 1, self.k_max)))
             if self.fails >= FAILS_OFF:
                 self.off = "acceptance collapsed"
