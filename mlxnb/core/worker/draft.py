@@ -160,11 +160,7 @@ class DraftSource:
         if len(ids) < 2:
             lk.off = "a one-token prompt"
             return lk
-        cache = self._row_cache()
-        head = ids[:-1]
-        for i in range(0, len(head), PREFILL_CHUNK):
-            self.model(mx.array([head[i:i + PREFILL_CHUNK]]), cache=cache)
-            mx.eval([c.state for c in cache])
+        cache = self._prefill(ids[:-1])
         batch = merge_lean([[c] for c in cache])
         if self.caches is None:
             self.caches = batch
@@ -174,6 +170,23 @@ class DraftSource:
         self.ids.append(r.id)
         self.rows[r.id] = lk
         return lk
+
+    def _prefill(self, head: List[int]) -> list:
+        """A row cache holding `head`. Only the KV is wanted: mlx-lm's decoder body
+        (`model.model`) runs without the output head where the model has one (the
+        head's [L, vocab] logits would cost more than a small draft's layers)."""
+        body = getattr(self.model, "model", None)
+        for run in ((body,) if callable(body) else ()) + (self.model,):
+            cache = self._row_cache()
+            try:
+                for i in range(0, len(head), PREFILL_CHUNK):
+                    run(mx.array([head[i:i + PREFILL_CHUNK]]), cache=cache)
+                    mx.eval([c.state for c in cache])
+                return cache
+            except TypeError:  # a body that takes other arguments: the whole model
+                if run is self.model:
+                    raise
+        raise AssertionError("unreachable")
 
     def _sync(self, ex) -> Dict[int, int]:
         """Keep the rows still decoding and drafting; -> {row id: target position}."""
