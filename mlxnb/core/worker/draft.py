@@ -30,6 +30,7 @@ from .draftrule import draft_draw, reject_sample, vocab_keys
 from .rollback import rollback, unsupported_reason
 from .sampling import MIN_TEMPERATURE
 from .specpolicy import RowPolicy
+from .wideattn import wide_attention
 
 __all__ = ["DraftRow", "DraftSource", "DEFAULT_K", "MAX_K", "FAILS_OFF", "LOW_RATE"]
 
@@ -174,13 +175,16 @@ class DraftSource:
     def _prefill(self, head: List[int]) -> list:
         """A row cache holding `head`. Only the KV is wanted: mlx-lm's decoder body
         (`model.model`) runs without the output head where the model has one (the
-        head's [L, vocab] logits would cost more than a small draft's layers)."""
+        head's [L, vocab] logits would cost more than a small draft's layers). Its
+        attention is composed from plain ops (wideattn.py): every prompt length is a
+        new shape, which some backends prepare per shape at great cost."""
         body = getattr(self.model, "model", None)
         for run in ((body,) if callable(body) else ()) + (self.model,):
             cache = self._row_cache()
             try:
                 for i in range(0, len(head), PREFILL_CHUNK):
-                    run(mx.array([head[i:i + PREFILL_CHUNK]]), cache=cache)
+                    with wide_attention():
+                        run(mx.array([head[i:i + PREFILL_CHUNK]]), cache=cache)
                     mx.eval([c.state for c in cache])
                 return cache
             except TypeError:  # a body that takes other arguments: the whole model
