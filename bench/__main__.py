@@ -28,6 +28,9 @@ BENCHMARKS = {
     "speculate": ("speculate", "speculative decoding (prompt lookup) off vs on: decode "
                                "tok/s, acceptance and tokens per step, copy-heavy and "
                                "free-form prompts (--quick: a smoke run)"),
+    "speculate-draft": ("speculate_draft", "speculative decoding with a draft model "
+                                           "(layer-skip layers:N, a random model, or a "
+                                           "model): decode tok/s, acceptance, tok/step"),
     "token-probs": ("token_probs", "decode tok/s with rows keeping no logprobs, the "
                                    "chosen token's, the top 5 (the token view's cost)"),
     "adapters": ("adapters", "rows under different LoRA adapters in one batch vs base "

@@ -2,7 +2,7 @@
 // Drawn from the view state (lib.js); no state of their own beyond what a click needs
 // (canvas._hit). mlxnb/notebook/frontend.py inlines this file into the widget's ESM.
 import { BADGES, bytesTicks, formatBytes, formatDuration, isDark, niceTicks, rowColor, scaleLinear, stackSnaps, timelineSpans } from "./lib.js";
-import { robustTop, stepAxis } from "./views.js";
+import { robustTop, stepAxis, tokenSeries } from "./views.js";
 
 export const TIMELINE_LANES = 48; // the newest rows get a lane; older ones scroll off
 
@@ -51,7 +51,7 @@ export function colors(root) {
     fg: v("--mlxnb-fg", "#333"), muted: v("--mlxnb-muted", "#888"),
     grid: v("--mlxnb-grid", "rgba(128,128,128,0.25)"), accent: v("--mlxnb-accent", "#4e79a7"),
     warn: v("--mlxnb-warn", "#e49b26"), err: v("--mlxnb-err", "#d9534f"),
-    other: v("--mlxnb-other", "rgba(128,128,128,0.35)"),
+    other: v("--mlxnb-other", "rgba(128,128,128,0.35)"), ok: v("--mlxnb-ok", "#59a14f"),
     font: `10px ${v("--mlxnb-font", "sans-serif")}`,
   };
 }
@@ -191,8 +191,12 @@ export function drawSteps(canvas, st, c, sel) {
   xName(g, c, box, ax.name);
   // Batch size first, as a faint step area on the right axis, so the line stays on top.
   setAttr(canvas, "data-batch-reported", st.header.batch_reported === false ? "0" : "1");
+  const tks = tokenSeries(st.hist);
+  setAttr(canvas, "data-token-points", tks.pts.length);
+  setAttr(canvas, "data-token-gains", tks.gained);
   if (st.header.batch_reported !== false) {
-    const bt = niceTicks(0, Math.max(1, ...b), 2);
+    // tokens per step share the batch axis: above the batch area, accepted drafts
+    const bt = niceTicks(0, Math.max(1, ...b, tks.top), 2);
     const yb = scaleLinear(0, bt.max, box.b, box.t);
     ctx.beginPath(); ctx.moveTo(x(s[0]), box.b);
     for (let i = 0; i < s.length; i++) {
@@ -201,6 +205,11 @@ export function drawSteps(canvas, st, c, sel) {
     ctx.lineTo(x(s[s.length - 1]), box.b); ctx.closePath();
     ctx.fillStyle = c.other; ctx.fill();
     yAxis(g, c, box, bt, (v) => String(v), true);
+    if (tks.pts.length) {
+      ctx.strokeStyle = c.ok; ctx.lineWidth = 1; ctx.setLineDash([3, 2]); ctx.beginPath();
+      tks.pts.forEach(([i, v], j) => (j ? ctx.lineTo : ctx.moveTo).call(ctx, x(s[i]), yb(v)));
+      ctx.stroke(); ctx.setLineDash([]);
+    }
   } else {
     ctx.font = c.font; ctx.fillStyle = c.muted; ctx.textAlign = "right"; ctx.textBaseline = "top";
     ctx.fillText("batch: not reported by this server", box.r, box.t);

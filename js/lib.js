@@ -6,7 +6,8 @@ import { staleNote } from "./views.js";
 
 export const MAX_POINTS = 2000; // per step-history array (same bound as mlxnb/_stepchart.py)
 export const MAX_SNAP_NUMBERS = 20000;
-export const STEP_KEYS = ["s", "t", "dt", "b", "pf", "kv"];
+// tk: tokens emitted per step (a state saved before it has none: nulls)
+export const STEP_KEYS = ["s", "t", "dt", "b", "pf", "kv", "tk"];
 
 // ---------------------------------------------------------------- state
 export function emptyHist() {
@@ -25,7 +26,8 @@ export function stateFromTraits({ rows, steps, header, seq }) {
   st.seq = seq ?? 0;
   for (const r of rows || []) st.rows.set(r.id, { text: "", ...r });
   const h = emptyHist();
-  for (const k of STEP_KEYS) h[k] = (steps && steps[k]) ? steps[k].slice() : [];
+  const n = (steps && steps.s) ? steps.s.length : 0;
+  for (const k of STEP_KEYS) h[k] = (steps && steps[k]) ? steps[k].slice() : new Array(n).fill(null);
   h.snap = (steps && steps.snap) ? steps.snap.slice() : [];
   st.hist = h;
   st.header = { ...(header || {}) };
@@ -111,7 +113,8 @@ export function halveSnaps(snaps) {
 }
 
 export function appendSteps(h, steps, max = MAX_POINTS) {
-  for (const k of STEP_KEYS) if (steps[k]) for (const v of steps[k]) h[k].push(v);
+  const n = steps.s ? steps.s.length : 0; // a key a sender does not know: nulls, aligned
+  for (const k of STEP_KEYS) for (let i = 0; i < n; i++) h[k].push(steps[k] ? steps[k][i] : null);
   while (h.s.length > max) halveSteps(h);
   if (steps.snap) for (const s of steps.snap) h.snap.push(s);
   while (h.snap.length > max || (h.snap.length > 2 && snapNumbers(h.snap) > MAX_SNAP_NUMBERS)) {

@@ -145,8 +145,26 @@ export const STEP_LEGEND = [
   { key: "dt", mark: "─", text: "step time (ms, left)" },
   { key: "b", mark: "▮", text: "batch size (right)" },
   { key: "pf", mark: "■", text: "step prefilled a prompt" },
+  { key: "tk", mark: "┄", text: "tokens emitted per step (right; above the batch: accepted drafts)" },
   { key: "clip", mark: "▲", text: "off the scale (the largest written at the top)" },
 ];
+
+/** The step chart's tokens-per-step series: points [index, tokens] (steps a saved
+ *  state has no count for are skipped), its top, and how many points emitted more
+ *  tokens than the batch had rows (speculative steps whose drafts held). */
+export function tokenSeries(hist) {
+  const { tk, b } = hist;
+  const pts = [];
+  let top = 0, gained = 0;
+  for (let i = 0; i < (tk ? tk.length : 0); i++) {
+    const v = tk[i];
+    if (v == null || !Number.isFinite(v)) continue;
+    pts.push([i, v]);
+    top = Math.max(top, v);
+    if (b && b[i] != null && v > b[i] + 1e-9) gained++;
+  }
+  return { pts, top, gained };
+}
 
 // ---------------------------------------------------------------- row life
 /** A row's phases from the stamps every row carries (a view without the kernel's

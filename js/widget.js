@@ -292,6 +292,7 @@ function render({ model, el }) {
     const rt = drawSteps(cvStep, st, c, detail.stepShown());
     keyEls.clip.hidden = !(rt && rt.clipped);
     keyEls.b.hidden = st.header.batch_reported === false;
+    keyEls.tk.hidden = st.header.batch_reported === false; // drawn on the batch axis
     const live = st.header.live && !stale; // a stale view's clock stands still
     const tr = detail.rowTrace(hl);
     const marks = tr ? tr.filter((p) => p.phase === "prefill" && p.t1 != null).map((p) => p.t1) : null;

@@ -76,3 +76,24 @@ def test_default_model_speculates_on_a_copy_task_with_the_same_tokens(default_pa
     off, on = arun(main, timeout=300)
     assert on.tokens == off.tokens
     assert on.draft_accepted > 0.5 * on.draft_proposed > 0  # the copy is drafted
+
+
+def test_default_model_layer_skip_draft_keeps_tokens_and_drafts(default_pair, arun):
+    """The model's own first 20 layers as its draft (a fixed draft length: every
+    step verifies): the same tokens as without it, alone and beside another row."""
+    async def main():
+        from mlxnb import Engine
+
+        eng = Engine(default_pair, kv_budget="1GB", draft_model="layers:20")
+        off = [await eng.submit(q, max_tokens=16) for q in QUESTIONS[:2]]
+        rows = [eng.submit(q, max_tokens=16, speculate="draft", num_draft=2)
+                for q in QUESTIONS[:2]]
+        on = [await r for r in rows]
+        status = eng.status()
+        await eng.aclose()
+        return off, on, status
+
+    off, on, status = arun(main, timeout=300)
+    assert [r.tokens for r in on] == [r.tokens for r in off]
+    assert all(r.draft_proposed >= 10 for r in on)
+    assert "draft layers:20" in status

@@ -373,8 +373,8 @@ def test_bad_speculation_options_are_one_line_errors(tiny, arun):
 
     errs = arun(main)
     assert all("\n" not in e for e in errs)
-    assert "speculate must be 'lookup' or None" in errs[0]
-    assert "draft-model" in errs[1]
+    assert "speculate must be 'lookup', 'draft' or None" in errs[0]
+    assert "needs an engine with a draft model" in errs[1]
     assert all("num_draft" in e for e in errs[2:])
     with pytest.raises(ValueError, match="speculate"):
         Engine(tiny, speculate="yes", warmup=False)

@@ -2,7 +2,7 @@
 
 import pytest
 from IPython.core.error import UsageError
-from test_magics import arun_shut, attach, gen, ip  # noqa: F401  (fixtures)
+from test_magics import arun_shut, attach, gen, ip, models  # noqa: F401  (fixtures)
 from traitlets import TraitError
 
 from mlxnb.notebook import magics
@@ -35,8 +35,8 @@ def test_generate_speculate_options_and_config(ip, tiny, arun_shut):
 
 
 @pytest.mark.parametrize("line,msg", [
-    ("--speculate ngram", "--speculate takes lookup or off"),
-    ("--speculate draft", "needs a draft model"),
+    ("--speculate ngram", "--speculate takes lookup, draft or off"),
+    ("--speculate draft", "needs an engine with a draft model"),
     ("--speculate lookup --num-draft 40", "--num-draft must be an integer in 0-16"),
     ("--num-draft x", "--num-draft must be an integer in 0-16"),
 ])
@@ -58,5 +58,30 @@ def test_config_speculate_refuses_unknown_modes():
     assert c.speculate is None
     c.speculate = "lookup"
     assert c.speculate == "lookup"
-    with pytest.raises(TraitError, match="speculate must be 'lookup' or None"):
+    c.speculate = "draft"
+    assert c.speculate == "draft"
+    with pytest.raises(TraitError, match="speculate must be 'lookup', 'draft' or None"):
         c.speculate = "draft-model"
+
+
+def test_load_with_a_draft_then_generate_speculate_draft(ip, models, arun_shut, capsys):
+    async def main():
+        ip.run_line_magic("mlxnb", "load tiny --draft layers:1")
+        off = gen(ip, "--raw --max-tokens 40 --quiet", BODY)
+        on = gen(ip, "--raw --max-tokens 40 --quiet --speculate draft", BODY)
+        ip.run_line_magic("config", "MLXNB.speculate = 'draft'")
+        cfg = gen(ip, "--raw --max-tokens 40 --quiet --num-draft 2", BODY)
+        await magics.wait()
+        capsys.readouterr()
+        ip.run_line_magic("mlxnb", "status")
+        status = capsys.readouterr().out
+        with pytest.raises(UsageError, match="draft_model 'layers:N' takes N from 1 to 1") as e:
+            ip.run_line_magic("mlxnb", "load tiny --draft layers:5")
+        assert "\n" not in str(e.value)
+        return off, on, cfg, status
+
+    off, on, cfg, status = arun_shut(main)
+    assert on.texts == off.texts == cfg.texts
+    assert [r.params.speculate for r in on.rows + cfg.rows] == ["draft"] * 4
+    assert sum(d["draft_proposed"] for d in on.records()) > 0
+    assert "draft layers:1" in status and "draft acceptance" in status

@@ -317,7 +317,7 @@ def test_late_widget_backfills_and_history_is_bounded():
     assert len(eng.steps) > 1500
     assert w._flusher is None and w._on_event not in eng._listeners
     assert 0 < len(w.steps["s"]) <= MAX_STEP_POINTS
-    assert len({len(w.steps[k]) for k in ("s", "t", "dt", "b", "pf", "kv")}) == 1
+    assert len({len(w.steps[k]) for k in ("s", "t", "dt", "b", "pf", "kv", "tk")}) == 1
     assert w.steps["s"][-1] == eng.steps[-1].step
     assert 0 < len(w.steps["snap"]) <= MAX_STEP_POINTS
     assert len(json.dumps(w.steps)) < 400_000

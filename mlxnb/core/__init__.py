@@ -13,6 +13,7 @@
       batch.py            BatchExecutor.tick: join, launch, prefill, read back
       prefill.py  caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
       prefix.py  fuse.py  setup.py  inflight.py  warmup.py
+      speculate.py  lookup.py  draft.py  draftrule.py  rollback.py   speculative decoding
 
 Threads. MLX keeps arrays on thread-local streams, so the rule is about threads:
 

@@ -100,10 +100,11 @@ class Engine(Listeners, Closing, Adapters, Reports):
                  kv_group_size: int = 64,
                  load_timeout: Optional[float] = LOAD_TIMEOUT_S,
                  streak_s: float = 0.050, fill_threads: Optional[int] = None, loop=None,
-                 speculate: Optional[str] = None):
+                 speculate: Optional[str] = None, draft_model=None):
         check_options(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_bits=kv_bits,
                       kv_group_size=kv_group_size, load_timeout=load_timeout,
-                      streak_s=streak_s, fill_threads=fill_threads, speculate=speculate)
+                      streak_s=streak_s, fill_threads=fill_threads, speculate=speculate,
+                      draft_model=draft_model)
         self.speculate = speculate  # rows that don't say take this (worker/speculate.py)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.streak_s = streak_s
@@ -123,6 +124,10 @@ class Engine(Listeners, Closing, Adapters, Reports):
                 m, tok = model
             else:
                 m, tok = load_bounded(model, load_timeout)
+            draft = draft_model
+            if isinstance(draft, str) and not draft.strip().startswith("layers:"):
+                progress.stage(f"loading draft {draft}")
+                draft = load_bounded(draft, load_timeout)
             on_worker = self._on_worker
             # Validation and checks of finished texts run here; the worker compiles
             # matchers. (Constraints holds no MLX arrays and locks its own state.)
@@ -130,7 +135,7 @@ class Engine(Listeners, Closing, Adapters, Reports):
             self.constraints.warm()  # while the model sets up, not at the first submit
             self._exec = on_worker(BatchExecutor, m, tok, prefill_chunk, prefix_bytes,
                                    fuse, kv_bits, kv_group_size, fill_threads,
-                                   self.constraints)
+                                   self.constraints, draft)
             if warmup:
                 progress.stage("warming up")
             self.warmup_s = warm_up(self._exec, run=on_worker) if warmup else 0.0
@@ -141,7 +146,14 @@ class Engine(Listeners, Closing, Adapters, Reports):
         self.layer_costs: List[tuple] = facts.layer_costs
         self.quantized_attention: bool = facts.quantized_attention
         self._prefix = facts.prefix_reuse
-        self.speculation: str = facts.speculation  # 'lookup' or 'off: why'
+        self.speculation: str = facts.speculation  # 'lookup[/draft NAME]' or 'off: why'
+        # the draft model's name (None: none), and its drafts verified / kept so far
+        self.draft_model = (facts.speculation.split("/draft ", 1)[1]
+                            if "/draft " in facts.speculation else None)
+        self.draft_proposed = self.draft_accepted = 0
+        if speculate == "draft" and self.draft_model is None:
+            raise ValueError(f"speculate='draft' is not possible with this model: "
+                             f"speculation {facts.speculation}")
         self._adapters = {}  # name -> AdapterInfo (adapters.py)
         self.context_length = getattr(getattr(m, "args", None),
                                       "max_position_embeddings", None)
@@ -229,6 +241,10 @@ class Engine(Listeners, Closing, Adapters, Reports):
         sp = sampling_params(params)
         if "speculate" not in params and self.speculate is not None:
             sp = dataclasses.replace(sp, speculate=self.speculate)
+        if sp.speculate == "draft" and self.draft_model is None:
+            raise ValueError("speculate='draft' needs an engine with a draft model: "
+                             "Engine(model, draft_model=...) or %mlxnb load MODEL "
+                             "--draft DRAFT; or use speculate='lookup'")
         # a bad schema/regex/grammar raises here; one still compiling after
         # SUBMIT_WAIT_S holds its rows in the queue until it is ready (_enqueue)
         self.constraints.validate(sp, wait=SUBMIT_WAIT_S)
@@ -419,8 +435,15 @@ class Engine(Listeners, Closing, Adapters, Reports):
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
                 f"tokens/step ({mode}) | {self.cache_kinds} | prefix reuse "
-                f"{self._prefix} | speculation {self.speculation}"
+                f"{self._prefix} | speculation {self.speculation}{self._draft_status()}"
                 + (f" | {adapters}" if adapters else ""))
+
+    def _draft_status(self) -> str:
+        if self.draft_model is None:
+            return ""
+        n, a = self.draft_proposed, self.draft_accepted
+        return (f" (draft acceptance {100 * a / n:.0f}% of {n} drafts)" if n
+                else " (no drafts verified yet)")
 
     def __repr__(self):
         return f"<mlxnb.Engine {self.status()}>"

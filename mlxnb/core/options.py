@@ -17,7 +17,7 @@ def _seconds(v) -> bool:
 
 
 def check_options(*, max_batch, prefill_chunk, kv_bits, kv_group_size, load_timeout,
-                  streak_s, fill_threads, speculate=None) -> None:
+                  streak_s, fill_threads, speculate=None, draft_model=None) -> None:
     """Raise ValueError for the first argument an Engine cannot run with."""
     checks = [
         ("max_batch", max_batch, _positive_int(max_batch), "a positive integer"),
@@ -35,9 +35,17 @@ def check_options(*, max_batch, prefill_chunk, kv_bits, kv_group_size, load_time
          "a number of seconds >= 0"),
         ("fill_threads", fill_threads, fill_threads is None or _positive_int(fill_threads),
          "a positive integer or None (auto)"),
-        ("speculate", speculate, speculate in (None, "lookup"),
-         "'lookup' or None (no speculation)"),
+        ("speculate", speculate, speculate in (None, "lookup", "draft"),
+         "'lookup', 'draft' or None (no speculation)"),
+        ("draft_model", draft_model, draft_model is None or not isinstance(
+            draft_model, (bool, int, float, bytes)) and (
+            not isinstance(draft_model, (tuple, list)) or len(draft_model) == 2),
+         "a model (a name or path, a loaded model or (model, tokenizer)), "
+         "'layers:N' or None"),
     ]
     for name, value, ok, what in checks:
         if not ok:
             raise ValueError(f"{name} must be {what}, got {value!r}")
+    if speculate == "draft" and draft_model is None:
+        raise ValueError("speculate='draft' needs a draft model: pass draft_model= "
+                         "(a model sharing the tokenizer, or 'layers:N')")

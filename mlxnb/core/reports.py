@@ -63,6 +63,9 @@ class Reports:
             if up.draft_proposed:
                 row.draft_proposed += up.draft_proposed
                 row.draft_accepted += up.draft_accepted
+                if row.params.speculate == "draft":  # the draft model's record (status)
+                    self.draft_proposed += up.draft_proposed
+                    self.draft_accepted += up.draft_accepted
             if up.finish:
                 ended.append(rid)
                 rowtrace.note_end(row, last if report.steps else None)

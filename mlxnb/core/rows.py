@@ -44,7 +44,8 @@ class SamplingParams:
     regex: Optional[str] = None
     choices: Optional[tuple] = None
     grammar: Optional[str] = None
-    # speculative decoding (worker/speculate.py): None or "lookup"; drafts per step
+    # speculative decoding (worker/speculate.py): None, "lookup" or "draft" (an
+    # engine's draft model, worker/draft.py); drafts per step
     # (0: adaptive)
     speculate: Optional[str] = None
     num_draft: int = 0
@@ -75,10 +76,8 @@ class SamplingParams:
                 bad(f"{name} must be {what}, got {v!r}")
         if any(not (callable(s) or (isinstance(s, str) and s)) for s in self.stop):
             bad("stop entries must be non-empty strings (or callables text -> bool)")
-        if self.speculate not in (None, "lookup"):
-            bad("speculate must be 'lookup' or None" + (
-                " (draft-model speculation is not available in this engine)"
-                if self.speculate == "draft" else "") + f", got {self.speculate!r}")
+        if self.speculate not in (None, "lookup", "draft"):
+            bad(f"speculate must be 'lookup', 'draft' or None, got {self.speculate!r}")
         if self.adapter is not None and not isinstance(self.adapter, str):
             bad(f"adapter must be an adapter's name (a string) or None, got "
                 f"{one_line(repr(self.adapter), 60)}")

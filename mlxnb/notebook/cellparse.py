@@ -334,7 +334,7 @@ def _variable(flag: str, name: str, ns: dict, what: str) -> Any:
 
 def speculation(mode: Optional[str], num_draft: Optional[str], default_mode: Optional[str],
                 default_k: int) -> Dict[str, Any]:
-    """``--speculate lookup|off`` and ``--num-draft K`` (else the %config defaults) as
+    """``--speculate lookup|draft|off`` and ``--num-draft K`` (else the %config defaults) as
     Engine.submit keywords; nothing given and no default: the engine's own."""
     out: Dict[str, Any] = {}
     m = mode if mode is not None else default_mode
@@ -342,14 +342,11 @@ def speculation(mode: Optional[str], num_draft: Optional[str], default_mode: Opt
         m = str(m).strip().lower()
         if m in ("off", "none", "no"):
             out["speculate"] = None
-        elif m == "lookup":
-            out["speculate"] = "lookup"
-        elif m == "draft":
-            raise UsageError("--speculate draft needs a draft model, which this engine "
-                             "does not have; use --speculate lookup")
+        elif m in ("lookup", "draft"):  # (an engine without a draft refuses 'draft')
+            out["speculate"] = m
         else:
-            raise UsageError(f"--speculate takes lookup or off, got {mode!r}; write e.g. "
-                             "--speculate lookup")
+            raise UsageError(f"--speculate takes lookup, draft or off, got {mode!r}; write "
+                             "e.g. --speculate lookup")
     k = num_draft if num_draft is not None else default_k
     try:
         k = int(k)

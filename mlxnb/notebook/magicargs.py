@@ -112,6 +112,7 @@ _LOAD.add_argument("--max-batch", default=None)
 _LOAD.add_argument("--prefill-chunk", default=None)
 _LOAD.add_argument("--kv-bits", default=None)
 _LOAD.add_argument("--kv-group-size", default=None)
+_LOAD.add_argument("--draft", default=None)
 
 _CONNECT = MagicArgumentParser(prog="%mlxnb connect", add_help=False)
 _CONNECT.add_argument("url")
@@ -122,7 +123,7 @@ _CONNECT.add_argument("--timeout", default=None)
 
 _HELP = """%mlxnb subcommands:
   %mlxnb load [MODEL] [--kv-budget 2GB|none] [--max-batch N] [--prefill-chunk N|auto]
-               [--kv-bits 4|8|none] [--kv-group-size 64]
+               [--kv-bits 4|8|none] [--kv-group-size 64] [--draft MODEL|layers:N]
   %mlxnb connect URL [--model NAME] [--api-key-env VAR] [--max-concurrency N]
                [--timeout S]  an OpenAI-compatible server (vLLM, mlx_lm.server ...);
                            S: longest wait for a row's next tokens (default 60)

@@ -45,7 +45,7 @@ class MLXNBMagics(Magics):
 
     # -- the engine ------------------------------------------------------------------
     def _load(self, spec, kv_budget=None, max_batch=None, prefill_chunk=None, quiet=False,
-              kv_bits=None, kv_group_size=None):
+              kv_bits=None, kv_group_size=None, draft=None):
         from ..core.engine import Engine
 
         c = self.cfg
@@ -56,7 +56,7 @@ class MLXNBMagics(Magics):
                   kv_budget=c.kv_budget if kv_budget is None else kv_budget,
                   prefill_chunk=(c.prefill_chunk if prefill_chunk is None else
                                  None if prefill_chunk == "auto" else prefill_chunk),
-                  load_timeout=c.load_timeout, loop=_aio.shell_loop())
+                  load_timeout=c.load_timeout, loop=_aio.shell_loop(), draft_model=draft)
         if isinstance(kw["kv_budget"], str) and kw["kv_budget"].strip().isdigit():
             kw["kv_budget"] = int(kw["kv_budget"])
         if not quiet:
@@ -124,14 +124,14 @@ class MLXNBMagics(Magics):
             local = getattr(eng, "url", None) is None  # load always means this process
             if local and _same_model(eng, spec) and (
                     a.kv_budget is a.max_batch is a.prefill_chunk is a.kv_bits
-                    is a.kv_group_size is None):
+                    is a.kv_group_size is a.draft is None):
                 print(f"mlxnb: {spec!r} is already loaded")
                 return None
             busy = eng.running + eng.queued
             if busy:
                 raise UsageError(f"{busy} rows are still running or queued; `%mlxnb stop` "
                                  f"them (or `await mlxnb.wait()`) before loading {spec!r}")
-        self._load(spec, a.kv_budget, mb, pc, kv_bits=kb, kv_group_size=kg)
+        self._load(spec, a.kv_budget, mb, pc, kv_bits=kb, kv_group_size=kg, draft=a.draft)
         # (a failed load keeps the old engine)
         if eng is not None:
             _close(eng)
@@ -279,7 +279,8 @@ class MLXNBMagics(Magics):
               help="Constrain output to a Lark or GBNF grammar (a notebook variable).")
     @argument("--speculate", default=None, metavar="MODE",
               help="Speculative decoding: 'lookup' (drafts copied from the prompt and "
-              "output, verified in one forward; same tokens) or 'off'.")
+              "output, verified in one forward; same tokens), 'draft' (the draft model "
+              "of `%%mlxnb load MODEL --draft DRAFT`) or 'off'.")
     @argument("--num-draft", default=None, metavar="K",
               help="Drafts per verification (1-16; 0 = adaptive, the default).")
     @argument("--adapter", nargs="+", action="extend", default=None, metavar="NAMES",

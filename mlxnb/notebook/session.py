@@ -57,7 +57,9 @@ class MLXNB(Configurable):
     logprobs = Int(0, min=0, max=20, help="Default --logprobs K.").tag(config=True)
     quiet = Bool(False, help="Default --quiet (no widget).").tag(config=True)
     speculate = Unicode(None, allow_none=True,
-                        help="Default --speculate: 'lookup' or None (off).").tag(config=True)
+                        help="Default --speculate: 'lookup', 'draft' (needs a draft "
+                        "model: %mlxnb load MODEL --draft DRAFT) or None (off)."
+                        ).tag(config=True)
     num_draft = Int(0, min=0, max=16, help="Default --num-draft (0 = adaptive)."
                     ).tag(config=True)
     max_rows = Int(1024, min=1, help="Most rows one cell may expand to.").tag(config=True)
@@ -70,8 +72,8 @@ class MLXNB(Configurable):
         v = proposal["value"]
         if v in ("off", "none", "None", ""):
             return None
-        if v not in (None, "lookup"):
-            raise TraitError(f"speculate must be 'lookup' or None (off), got {v!r}")
+        if v not in (None, "lookup", "draft"):
+            raise TraitError(f"speculate must be 'lookup', 'draft' or None (off), got {v!r}")
         return v
 
     @validate("load_timeout")

@@ -12,11 +12,13 @@ from __future__ import annotations
 MAX_STEP_POINTS = 2000  # per history array, in traits and in a view
 MAX_SNAP_NUMBERS = 20000  # bound on per-row KV numbers kept in traits (lib.js: same)
 SNAPS_PER_FLUSH = 4
-STEP_KEYS = ("s", "t", "dt", "b", "pf", "kv")
+STEP_KEYS = ("s", "t", "dt", "b", "pf", "kv", "tk")
 
 
 def points(recs, max_points: int) -> dict:
-    """Buckets of consecutive steps: the last step's values, mean dt, summed prefill."""
+    """Buckets of consecutive steps: the last step's values, mean dt, summed prefill,
+    mean tokens emitted per step (tk: above the batch size where rows took
+    speculative drafts)."""
     k = -(-len(recs) // max_points)
     new = {key: [] for key in STEP_KEYS}
     for i in range(0, len(recs), k):
@@ -28,6 +30,7 @@ def points(recs, max_points: int) -> dict:
         new["b"].append(last.batch_size)
         new["pf"].append(sum(g.prefill_tokens for g in grp))
         new["kv"].append(last.kv_bytes)
+        new["tk"].append(round(sum(g.tokens for g in grp) / len(grp), 2))
     return new
 
 

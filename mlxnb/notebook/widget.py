@@ -16,7 +16,7 @@ Message protocol (kernel -> front end), one per flush::
                why its output is invalid); prompt, prompt_tokens,
                t_submit on a row's first appearance; "d": text appended since the
                last message, or "text": the whole text when it was rewritten}],
-     "steps": {"s", "t", "dt", "b", "pf", "kv": [...], "snap": [[step, kv, [id, bytes, ...]]]},
+     "steps": {"s", "t", "dt", "b", "pf", "kv", "tk": [...], "snap": [[step, kv, [id, bytes, ...]]]},
      "header": {changed header fields}}
 
 Front end -> kernel: {"type": "stop", "id": n}, {"type": "stop_all"}, {"type": "sync"}

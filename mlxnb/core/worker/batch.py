@@ -40,6 +40,7 @@ from .prefix import PrefixStore
 from .precompile import Precompiler
 from .sampling import BatchSampler
 from .setup import BatchModel
+from .draft import DraftSource
 from .speculate import Speculation
 from .stepsplit import StepSplit
 from .wide import read_wide
@@ -50,7 +51,7 @@ class BatchExecutor:
                  prefix_bytes: int = 0, fuse: bool = False,
                  kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  fill_threads: Optional[int] = None,
-                 constraints: Optional[Constraints] = None):
+                 constraints: Optional[Constraints] = None, draft=None):
         self.prefix_bytes = prefix_bytes
         self.setup = BatchModel(model, tokenizer, fuse=fuse, kv_bits=kv_bits,
                                 kv_group_size=kv_group_size, prefill_chunk=prefill_chunk)
@@ -71,6 +72,9 @@ class BatchExecutor:
         self.constraints = constraints or Constraints(tokenizer)
         self.masks = MaskFiller(self.constraints, fill_threads)
         self.spec = Speculation(self.make_cache())  # speculate.py: drafts and their checks
+        draft = DraftSource.build(draft, model, tokenizer, self)  # draft.py: a draft model
+        if draft is not None:
+            self.spec.add_draft(draft)
         self._reset_batch()
         self.nsteps = 0
         self._wide_read = (0, 0)  # the last pipelined verification read: (drafts, accepted)

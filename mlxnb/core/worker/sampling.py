@@ -293,6 +293,18 @@ class BatchSampler:
         out = mx.where(temp > 0, sampled, mx.argmax(flat, axis=-1))
         return out.reshape(B, W)
 
+    def row_keys(self, idx: mx.array):
+        """For batch rows `idx` [n]: (draw temperatures [n], 0 = argmax; seeds [n];
+        noise counters [n]), what other draws for those rows key their noise by."""
+        return self._temp[idx], self._seeds[idx], self.counters[idx]
+
+    def drawn_from(self):
+        """What the last `sample`/`sample_wide(keep=True)` drew from: (logits with
+        each drawing row's filters applied [N, V], draw temperatures [N], 0 = argmax)."""
+        if self._last is None:
+            raise RuntimeError("drawn_from() needs a sample(keep=True) call first")
+        return self._last[0], self._last[1]
+
     def advance(self, taken: mx.array) -> None:
         """Move each row's noise counter by the tokens it took [B] (after
         `sample_wide`); only drawing rows read counters (see `sample`)."""

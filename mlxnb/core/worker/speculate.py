@@ -103,10 +103,22 @@ class Speculation:
         self.slack = 0  # rejected positions that may sit as padding (wide.py)
         # counts (tests, bench): trims, pipelined and read-back verifications
         self.trims = self.wide = self.sync = 0
+        self.draft = None  # draft.py: a draft model's source, when the engine has one
+        self._draft_due = False  # a draft row's draft is due this step
+
+    def add_draft(self, source) -> None:
+        """Register a draft model's source (draft.py). Its rows' drafting schedule is
+        their own: whenever one is due the step verifies, drained (not pipelined),
+        with the rejection rule for drawing rows (`judge`) and the draft's own
+        cache rolled back after (`verified`)."""
+        if self.off_reason is None:
+            self.draft = source
+            self.register(source)
 
     @property
     def facts(self) -> str:
-        return self.off_reason or "/".join(self.sources)
+        return self.off_reason or "/".join(getattr(s, "facts", m)
+                                           for m, s in self.sources.items())
 
     def register(self, source) -> None:
         """Add a draft source (see the module docstring) under its `mode`."""
@@ -142,6 +154,10 @@ class Speculation:
         """Worth drafting this step? Some row, not paused, is ready, and the best
         case (each such row drafting its k) would pay; counts down paused rows'
         pauses and the guard's hold."""
+        self._draft_due = self.draft is not None and self.draft.wanted(ex)
+        if self._draft_due:
+            self._ready = []
+            return True
         rows = ex._batch_rows
         B = len(rows)
         if not ex._any_spec or B > MAX_SPEC_BATCH:
@@ -182,7 +198,8 @@ class Speculation:
         a wrong guess only makes drafts that fail. No proposal: nothing was read,
         and the plain step that follows stays pipelined."""
         done = ex.inflight
-        ahead = done is not None and not ex._any_constrained
+        # a draft model drafts from the token in flight itself: read it first
+        ahead = done is not None and not ex._any_constrained and not self._draft_due
         self.drained = done is not None and not ahead
         if self.drained:
             ex.inflight = None
@@ -244,7 +261,7 @@ class Speculation:
         (logprobs, logits processors, a constraint: they verify in `step`) -- and
         where the policy measured it the faster way (`StepTimes.way`)."""
         return (self.flat and not ex._want_lp and not ex._any_procs
-                and not ex._any_constrained
+                and not ex._any_constrained and not self._draft_due
                 and self.times.way(len(ex._batch_rows)) == "wide")
 
     def launch(self, ex) -> Optional[InFlight]:
@@ -303,9 +320,12 @@ class Speculation:
                 ex.masks.start(None, ex.rows, rows)
                 first = ex.masks.apply(first)
             full = mx.concatenate([first[:, None], full[:, 1:]], axis=1)
-        toks = ex.sampler.sample_wide(full, keep=bool(want))  # [B, W]
+        judged = self.draft is not None and self.draft.judging
+        toks = ex.sampler.sample_wide(full, keep=bool(want) or judged)  # [B, W]
         d = mx.array([x + [-1] * (W - 1 - len(x)) for x in drafts], dtype=mx.int32)
         acc, nxt = accept_drafts(toks, d)
+        if judged:  # drawing draft rows: the rejection rule (draftrule.py)
+            toks, acc, nxt = self.draft.judge(ex, toks, d, acc, nxt)
         ex.sampler.advance(acc + 1)
         lp = None
         outs = [toks, acc, nxt]
@@ -341,6 +361,8 @@ class Speculation:
             ex._take(r, T[i][:a + 1], [lps.get((i, j)) for j in range(a + 1)], one,
                      updates, emitted, drafted=a)
         rollback(ex.caches, [W - 1 - a for a in A])
+        if self.draft is not None:
+            self.draft.verified(ids, A)
         ex._align()  # new padding, and each row's remaining tokens
         return proposed, accepted, taken, W
 
