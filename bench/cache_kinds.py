@@ -9,8 +9,8 @@ decode tok/s (medians over rounds) and the medians of the per-round ratios.
 Quantized KV (--no-kv skips it): a Llama-3.2-1B-shaped model.
   admitted  rows of a 2k-token context (prompt + new) that Engine(kv_budget=1GB)
             admits at once with kv_bits None / 8 / 4 (more rows submitted than fit)
-  decode    tok/s of B rows at that context, kv_bits 8 and 4 vs full-precision KV,
-            rounds interleaved, median of per-round ratios
+  decode    tok/s of B rows at that context (--kv-batch 8,32,128), kv_bits 8 and 4
+            vs full-precision KV, rounds interleaved, median of per-round ratios
 
   python -m bench cache-kinds --quick       # tiny shapes, seconds
   python -m bench cache-kinds --rounds 3 --save
@@ -145,6 +145,8 @@ async def admitted(model, tok, vocab, rng, bits, budget, prompt, new, submit):
                        kv_bits=bits, warmup=False)
     try:
         per_row = eng.scheduler.row_bytes(prompt, new)
+        mode = eng.cache_kinds.split(", ", 1)[-1]  # e.g. 'KV 4-bit (decode attention: ...)'
+
         rows = [eng.submit(common.as_text(p), chat=False, max_tokens=new)
                 for p in common.make_prompts(rng, submit, prompt, vocab)]
         while eng.running == 0 and not all(r.done for r in rows):
@@ -153,7 +155,7 @@ async def admitted(model, tok, vocab, rng, bits, budget, prompt, new, submit):
         errs = [r.error for r in rows if r.error]
         if errs:
             raise RuntimeError(errs[0])
-        return n, per_row
+        return n, per_row, mode
     finally:
         await eng.aclose()
 
@@ -179,40 +181,54 @@ async def kv_part(args, rng):
     bits_list = [None, 8, 4]
     full = "float32" if args.quick else "bf16"  # the unquantized KV's dtype
     cap, lines = [], []
+    kv_mode = "-"
     for bits in bits_list:
-        n, per_row = await admitted(model, tok, vocab, rng, bits, args.kv_budget, prompt,
-                                    new, args.kv_submit)
+        n, per_row, mode = await admitted(model, tok, vocab, rng, bits, args.kv_budget,
+                                          prompt, new, args.kv_submit)
+        if bits:
+            kv_mode = mode
         cap.append(dict(bits=bits, rows=n, per_row=per_row))
         lines.append(f"kv_bits={bits}: {n} rows admitted under {args.kv_budget} "
                      f"({per_row / 2**20:.1f} MiB per row)")
         log("  " + lines[-1])
-    B = args.kv_batch or max(1, cap[0]["rows"])
-    warm = common.make_prompts(rng, B, prompt, vocab)
-    per = {b: [] for b in bits_list}
-    for rep in range(args.rounds):
-        ps = common.make_prompts(rng, B, prompt, vocab)
-        for bits in bits_list:
-            tps, ok = await kv_decode(model, tok, bits, ps, new, warm)
-            if not ok:
-                log(f"  WARNING kv_bits={bits}: not every row ran to max_tokens")
-            per[bits].append(tps)
-            gc.collect()
-            mx.clear_cache()
-        lines.append(f"kv decode B={B} round {rep}: " + ", ".join(
-            f"{b or full} {fmt(per[b][-1])}" for b in bits_list))
-        log("  " + lines[-1])
+    sizes = [int(b) for b in args.kv_batch.split(",")] if args.kv_batch else [
+        max(1, cap[0]["rows"])]
     base = cap[0]["rows"]
     out = [f"## Quantized KV: {name} shape, context {ctx} tokens ({prompt} prompt + {new} "
            f"new), kv_budget {args.kv_budget}, group size 64", "",
-           f"| KV | MiB/row (budget) | rows admitted | x {full} | decode tok/s (B={B}) | "
-           f"x {full} (median of rounds) |", "|---|---|---|---|---|---|"]
+           f"| KV | MiB/row (budget) | rows admitted | x {full} |", "|---|---|---|---|"]
     for c in cap:
-        b = c["bits"]
-        r = median([x / y for x, y in zip(per[b], per[None]) if x and y])
-        out.append(f"| {f'{b}-bit' if b else full} | {c['per_row'] / 2**20:.1f} | "
-                   f"{c['rows']} | {c['rows'] / base if base else 0:.2f} | "
-                   f"{fmt(median(per[b]))} | {fmt(r, 2)} |")
-    return "\n".join(out + ["", "```"] + lines + ["```"])
+        kind = f"{c['bits']}-bit" if c["bits"] else full
+        out.append(f"| {kind} | "
+                   f"{c['per_row'] / 2**20:.1f} | {c['rows']} | "
+                   f"{c['rows'] / base if base else 0:.2f} |")
+    out += ["", f"Decode tok/s at {ctx}-token contexts (x {full}: median of per-round "
+            f"ratios over {args.rounds} interleaved rounds)", "",
+            "| B | " + " | ".join(f"{b or full}" for b in bits_list) + " | "
+            + " | ".join(f"{b}-bit x {full}" for b in bits_list if b) + " |",
+            "|---|" + "---|" * (2 * len(bits_list) - 1)]
+    for B in sizes:
+        # the warm-up compiles the decode step at B; its context need not be long
+        warm = common.make_prompts(rng, B, 32, vocab)
+        per = {b: [] for b in bits_list}
+        for rep in range(args.rounds):
+            ps = common.make_prompts(rng, B, prompt, vocab)
+            for bits in bits_list:
+                tps, ok = await kv_decode(model, tok, bits, ps, new, warm)
+                if not ok:
+                    log(f"  WARNING kv_bits={bits}: not every row ran to max_tokens")
+                per[bits].append(tps)
+                gc.collect()
+                mx.clear_cache()
+            lines.append(f"kv decode B={B} round {rep}: " + ", ".join(
+                f"{b or full} {fmt(per[b][-1])}" for b in bits_list))
+            log("  " + lines[-1])
+        ratios = [median([x / y for x, y in zip(per[b], per[None]) if x and y])
+                  for b in bits_list if b]
+        out.append(f"| {B} | " + " | ".join(fmt(median(per[b])) for b in bits_list)
+                   + " | " + " | ".join(fmt(r, 2) for r in ratios) + " |")
+    return "\n".join(out + ["", f"Attention on the quantized KV: {kv_mode}", "", "```"]
+                     + lines + ["```"])
 
 
 def main(argv=None, prog=None):
@@ -233,8 +249,9 @@ def main(argv=None, prog=None):
     ap.add_argument("--kv-context", type=int, default=2048)
     ap.add_argument("--kv-new", type=int, default=64)
     ap.add_argument("--kv-submit", type=int, default=256, help="rows submitted at once")
-    ap.add_argument("--kv-batch", type=int, default=0,
-                    help="rows in the kv decode runs (default: full precision's admitted rows)")
+    ap.add_argument("--kv-batch", default="",
+                    help="batch sizes of the kv decode runs, e.g. 8,32,128 (default: the "
+                         "rows full precision admits)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds")
     common.add_output_args(ap)
     args = ap.parse_args(argv)

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import caches
+from . import caches, kv_attention
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
@@ -22,8 +22,9 @@ class BatchModel:
         self.model, self.tokenizer = model, tokenizer
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.prefill_chunk = prefill_chunk
-        # attention reads quantized KV directly unless _probe_costs finds it cannot
-        self.quantized_attention = True
+        # how attention reads quantized KV (quantized_kv._Quantized): _probe_costs
+        # picks, `kv_attention_note` says why it fell back to dequantizing
+        self.kv_attention, self.kv_attention_note = "quantized", ""
         probe = self.make_cache()
         bad = caches.unsupported(probe)
         if bad:
@@ -36,7 +37,8 @@ class BatchModel:
         self.fused = fuse_projections(model, lambda: model(
             mx.array([[0]]), cache=self.make_cache())) if fuse else 0
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
-        self.cache_kinds = caches.describe(probe, kv_bits, self.quantized_attention)
+        self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
+                                           self.kv_attention_note)
         # prefix entries are slices of full-attention KV (quantized or not): windows
         # and recurrent states would need a snapshot at the prefix boundary instead
         self.prefix_reusable = PrefixStore.supports(probe)
@@ -53,12 +55,22 @@ class BatchModel:
     def make_cache(self) -> list:
         """A fresh single-row cache of this engine's kinds (KV quantized if asked)."""
         return caches.make_row_cache(self.model, self.kv_bits, self.kv_group_size,
-                                     self.quantized_attention)
+                                     self.kv_attention)
+
+    @property
+    def quantized_attention(self) -> bool:
+        """Does attention read the quantized KV without dequantizing the whole cache?"""
+        return self.kv_attention != "dequantized"
 
     def _probe_costs(self) -> List[tuple]:
         """caches.layer_costs of a real forward (a token, a chunk, a decode step).
-        With kv_bits, attention reads the quantized KV directly if the device can
-        (mx.quantized_matmul at these shapes), else dequantized."""
+        With kv_bits it also picks how attention reads the quantized KV:
+          CUDA         the fused decode kernel (kv_attention.py), if its self-check
+                       on this device at the model's shapes agrees with
+                       dequantize-then-attend (MLX's CUDA backend has no quantized
+                       matmul for attention's shapes)
+          Metal, CPU   mlx-lm's quantized matmuls, if they run at these shapes
+          otherwise    dequantized (the same bytes held; more moved per step)"""
         def run():
             cache = self.make_cache()
             for n in (1, 5, 1):
@@ -66,20 +78,48 @@ class BatchModel:
             mx.eval([c.state for c in cache])
             return cache
 
+        if self.kv_bits is None:
+            return caches.layer_costs(run())
+        if kv_attention.cuda_backend():
+            return self._probe_fused(run)
+        try:
+            return caches.layer_costs(run())
+        except Exception as e:
+            self.kv_attention_note = "no quantized matmul for attention's shapes"
+            first = e
+        self.kv_attention = "dequantized"
         try:
             return caches.layer_costs(run())
         except Exception:
-            if self.kv_bits is None:
-                raise
-        self.quantized_attention = False
+            e = first
+        raise ValueError(
+            f"this model cannot run with a quantized KV cache (kv_bits="
+            f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "
+            f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides its "
+            f"head dim, or no kv_bits.") from None
+
+    def _probe_fused(self, run) -> List[tuple]:
+        """The fused kernel where its self-check passes, else dequantized."""
+        kv_attention.install()
+        self.kv_attention = "fused"
+        try:
+            with kv_attention.recording() as calls:
+                costs = caches.layer_costs(run())
+            why = kv_attention.self_check(calls) if calls else ""
+        except Exception as e:
+            costs, why = None, f"fused kernel failed: {type(e).__name__}: " + \
+                " ".join(str(e).split())[:120]
+        if costs is not None and calls and not why:
+            return costs
+        self.kv_attention, self.kv_attention_note = "dequantized", why
         try:
             return caches.layer_costs(run())
         except Exception as e:
             raise ValueError(
                 f"this model cannot run with a quantized KV cache (kv_bits="
                 f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "
-                f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides its "
-                f"head dim, or no kv_bits.") from None
+                f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides "
+                f"its head dim, or no kv_bits.") from None
 
     def kv_bytes_for(self, length: int) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""
