@@ -70,9 +70,22 @@ QUICK = {
 }
 
 
+# --proxy: the real layer counts and patterns at toy width: on a CPU the host's share
+# of a step (graph building) is then about what it is on a GPU at the real width
+PROXY = {
+    "qwen3_5-0.8b": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=32,
+                         linear_value_head_dim=16, vocab_size=512),
+    "lfm2-1.2b": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      block_dim=64, block_ff_dim=128, block_multiple_of=16, vocab_size=512),
+}
+
+
 def build_hybrid(name, dtype, quick, seed=0):
     family, cfg = SHAPES[name]
-    cfg = dict(cfg, model_type=family, **(QUICK[name] if quick else {}))
+    small = {"quick": QUICK, "proxy": PROXY}.get(quick) or (QUICK if quick is True else {})
+    cfg = dict(cfg, model_type=family, **small.get(name, {}))
     mod = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(seed)
     model = mod.Model(mod.ModelArgs.from_dict(cfg))
@@ -90,8 +103,8 @@ async def decode_part(args, rng):
     rows = []
     for name in args.shapes:
         t = pc()
-        model, tok, vocab = build_hybrid(name, args.dtype, args.quick)
-        twin = build_hybrid(name, args.dtype, args.quick)[0]
+        model, tok, vocab = build_hybrid(name, args.dtype, args.size)
+        twin = build_hybrid(name, args.dtype, args.size)[0]
         log(f"## {name} {args.dtype}: built twice in {pc() - t:.1f}s")
         for B in args.batch:
             warm = common.make_prompts(rng, B, args.prompt, vocab)
@@ -136,6 +149,26 @@ def decode_table(rows, args):
         " / ".join(fmt(r["rounds"][m][i]) for m in ("raw", "bg", "engine"))
         for i in range(len(r["rounds"]["raw"]))) for r in rows]
     return "\n".join(out + ["```"])
+
+
+def ops_table(args, rng) -> str:
+    from . import step_ops
+    rows = []
+    for name in args.shapes:
+        model, tok, vocab = build_hybrid(name, args.dtype, args.size)
+        twin = build_hybrid(name, args.dtype, args.size)[0]
+        for B in args.batch:
+            prompts = common.make_prompts(rng, B, args.prompt, vocab)
+            nodes, ms = step_ops.raw(model, prompts)
+            rows.append(dict(shape=name, B=B, method="raw", nodes=nodes, build_ms=ms))
+            rows.append(dict(shape=name, B=B, method="BG",
+                             nodes=step_ops.batch_generator(model, prompts)))
+            rows.append(dict(shape=name, B=B, method="engine",
+                             nodes=asyncio.run(step_ops.engine(twin, tok, prompts))))
+        del model, twin
+        gc.collect()
+    return (f"## Graph nodes per decode step ({args.dtype}; build ms: the raw loop's "
+            f"forward, graph construction only)\n\n" + step_ops.table(rows))
 
 
 # -- quantized KV -----------------------------------------------------------------------
@@ -253,18 +286,29 @@ def main(argv=None, prog=None):
                     help="batch sizes of the kv decode runs, e.g. 8,32,128 (default: the "
                          "rows full precision admits)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds")
+    ap.add_argument("--proxy", action="store_true",
+                    help="the real layer patterns at toy width, float32 (a CPU's stand-in "
+                         "for a GPU's host-bound decode)")
+    ap.add_argument("--ops", action="store_true",
+                    help="also count the graph nodes of one decode step per method")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.dtype, args.batch, args.prompt, args.new = "float32", "1,4", 16, 16
         args.warm_new, args.rounds = 4, 2
         args.kv_budget, args.kv_context, args.kv_new, args.kv_submit = "4MB", 512, 16, 64
+    args.size = "quick" if args.quick else "proxy" if args.proxy else None
+    if args.proxy:
+        args.dtype = "float32"
     args.shapes = args.shapes.split(",")
     args.batch = [int(b) for b in args.batch.split(",")]
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# cache-kinds  {report.env}")
     rng = np.random.default_rng(1234)
     parts = []
+    if args.ops:
+        parts.append(ops_table(args, rng))
+        log(parts[-1])
     if not args.no_decode:
         parts.append(decode_table(asyncio.run(decode_part(args, rng)), args))
         report.write("\n\n".join(parts))

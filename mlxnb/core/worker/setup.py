@@ -8,7 +8,9 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import caches, kv_attention
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from . import caches, kv_attention, recurrent
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
@@ -37,8 +39,16 @@ class BatchModel:
         self.fused = fuse_projections(model, lambda: model(
             mx.array([[0]]), cache=self.make_cache())) if fuse else 0
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
+        # recurrent.py: recurrent layers decode through compiled steps; the executor
+        # sets `decode_gate` (no adapter selected) before any step runs
+        self.decode_gate = lambda: True
+        self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
         self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
                                            self.kv_attention_note)
+        if self.compiled_layers:
+            self.cache_kinds += ", recurrent decode compiled"
+        elif self.compile_note:
+            self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
         # prefix entries are slices of full-attention KV (quantized or not): windows
         # and recurrent states would need a snapshot at the prefix boundary instead
         self.prefix_reusable = PrefixStore.supports(probe)
@@ -120,6 +130,21 @@ class BatchModel:
                 f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "
                 f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides "
                 f"its head dim, or no kv_bits.") from None
+
+    def _compile_recurrent(self, probe: list):
+        """(layers whose decode is compiled, why none are when a check said so)."""
+        if not any(type(c) is ArraysCache for c in caches._leaves(probe)):
+            return 0, ""
+        live = [True]  # the check's switch between compiled and plain steps
+        n = recurrent.compile_recurrent(self.model, probe,
+                                        lambda: live[0] and self.decode_gate())
+        if not n:
+            return 0, ""
+        why = decode_steps_agree(self.model, self.probe_ids(), live)
+        if why:
+            recurrent.uncompile(self.model)
+            return 0, why
+        return n, ""
 
     def kv_bytes_for(self, length: int) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""
@@ -204,3 +229,33 @@ def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
                          "it shares a batch with longer rows (left padding reaches its "
                          "attention or positions). Use mlx_lm.generate for it.")
     return _diff(padded, alone) <= noise
+
+
+def decode_steps_agree(model, ids: List[int], switch: list) -> str:
+    """Three decode steps of two rows with the compiled recurrent steps (switch[0]
+    True) and without: '' if logits and states agree within dtype noise, else what
+    differs. A trace that dropped a side effect of the layer's code, or baked in a
+    value that changes per step, shows up here."""
+    ids = (list(ids) * 10)[:10] if ids else list(range(2, 12))
+
+    def run(on: bool):
+        switch[0] = on
+        cache = make_prompt_cache(model)
+        model(mx.array([ids[:5], ids[5:]]), cache=cache)
+        steps = [model(mx.array([[ids[i]], [ids[-1 - i]]]), cache=cache)[:, -1]
+                 for i in range(3)]
+        states = [x for c in cache if type(c) is ArraysCache for x in c.cache]
+        mx.eval(steps, states)
+        return steps, states
+
+    try:
+        plain, compiled = run(False), run(True)
+    except Exception as e:
+        return f"compiled decode failed: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+    finally:
+        switch[0] = True
+    for a, b in zip(plain[0] + plain[1], compiled[0] + compiled[1]):
+        scale = max(1.0, a.astype(mx.float32).abs().max().item())
+        if not _diff(a, b) <= 0.02 * scale:
+            return "compiled decode steps differ from the plain ones"
+    return ""
