@@ -4,6 +4,8 @@ One layer's attention of one query token per row over S cached tokens, as a deco
 step runs it, at each batch size B:
 
   bf16      mx.fast.scaled_dot_product_attention on a full-precision cache
+  dense     kv_attention.dense_attention on the same cache: the fused kernel reading
+            bf16 keys (what the engine runs for padded batches on CUDA)
   deq<b>    dequantize the b-bit cache, then the same (the engine's fallback)
   fused<b>  kv_attention.decode_attention: the fused kernel on CUDA (elsewhere the
             same math in MLX ops, which is not meant to be fast)
@@ -62,6 +64,16 @@ def one(shape, B, S, bits_list, gs, dtype, iters, rounds, masked):
     row = dict(shape=shape, B=B, S=S, masked=masked)
     row["bf16"] = _time(lambda: [mx.fast.scaled_dot_product_attention(
         q, k, v, scale=scale, mask=mask) for q in qs], iters, rounds)
+    try:
+        row["dense"] = _time(lambda: [ka.dense_attention(q, k, v, scale, mask) for q in qs],
+                             iters, rounds)
+        got = ka.dense_attention(qs[0], k, v, scale, mask).astype(mx.float32)
+        want = mx.fast.scaled_dot_product_attention(qs[0], k, v, scale=scale, mask=mask)
+        row["err_dense"] = (got - want.astype(mx.float32)).abs().max().item()
+    except Exception as e:
+        row["dense"] = None
+        row["error_dense"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        log(f"  dense kernel failed: {row['error_dense']}")
     for bits in bits_list:
         kq = ka.FusedKV(mx.quantize(k, group_size=gs, bits=bits))
         vq = ka.FusedKV(mx.quantize(v, group_size=gs, bits=bits))
@@ -88,7 +100,7 @@ def one(shape, B, S, bits_list, gs, dtype, iters, rounds, masked):
 
 
 def table(rows, bits_list, args):
-    head = ["shape", "B", "mask", "bf16 us"]
+    head = ["shape", "B", "mask", "bf16 us", "dense us", "dense/bf16", "max err dense"]
     for b in bits_list:
         head += [f"deq{b} us", f"fused{b} us", f"fused{b}/bf16", f"max err {b}"]
     out = [f"## One layer's decode attention, context {args.context}, group {args.group}, "
@@ -99,7 +111,11 @@ def table(rows, bits_list, args):
         return "-" if x is None else f"{x:.{nd}f}"
 
     for r in rows:
-        cells = [r["shape"], str(r["B"]), "left-pad" if r["masked"] else "-", f(r["bf16"])]
+        dn = r.get("dense")
+        cells = [r["shape"], str(r["B"]), "left-pad" if r["masked"] else "-", f(r["bf16"]),
+                 f(dn), f(dn / r["bf16"], 2) if dn else "-",
+                 f"{r['err_dense']:.2g}" if "err_dense" in r else
+                 r.get("error_dense", "-")[:60]]
         for b in bits_list:
             fu = r.get(f"fused{b}")
             cells += [f(r[f"deq{b}"]), f(fu), f(fu / r["bf16"], 2) if fu else "-",
@@ -144,9 +160,12 @@ def main(argv=None, prog=None):
     calls = [(*SHAPES[s], dtype, dtype, SHAPES[s][2] ** -0.5, args.group, b)
              for s in args.shapes.split(",") for b in bits_list]
     verdict = ka.self_check(calls)
+    kernel = ka._QUANT[0].__name__
+    dense = ka.self_check_dense([c[:5] + (c[5],) for c in calls])
     text = (table(rows, bits_list, args) + "\n\n"
-            + f"Path: {'fused CUDA kernel' if ka.cuda_backend() else 'MLX ops (not CUDA)'}; "
-            + f"load-time self-check at these shapes: {verdict or 'passed'}.")
+            + f"Path: {'fused CUDA kernels' if ka.cuda_backend() else 'MLX ops (not CUDA)'}; "
+            + f"load-time self-checks at these shapes: quantized "
+            + f"{verdict or 'passed (' + kernel + ')'}, dense {dense or 'passed'}.")
     log("\n" + text)
-    report.write(text, dict(rows=rows, self_check=verdict))
+    report.write(text, dict(rows=rows, self_check=verdict, kernel=kernel, dense=dense))
     return 0

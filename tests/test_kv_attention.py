@@ -149,3 +149,46 @@ def test_metal_and_cpu_keep_mlx_lm_quantized_attention(monkeypatch):
         assert eng.quantized_attention
     finally:
         eng.close()
+
+
+def test_dense_path_on_padded_batches_keeps_greedy_parity(monkeypatch, arun):
+    """A full-precision cache: on a CUDA-like backend, padded batches' decode
+    attention goes to the dense kernel (its stand-in here: MLX's attention, counted),
+    unpadded ones stay on MLX's; tokens are unchanged."""
+    monkeypatch.setattr(ka, "cuda_backend", lambda: True)
+    masks = []
+
+    def kernel(q, k, v, scale, mask):
+        if k.shape[2] != 300:  # (not the load-time self-check's calls)
+            masks.append(mask is not None)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(ka, "_dense_cuda", kernel)
+    try:
+        alone, batched, ids, status, _ = arun(_run_engine({}))
+    finally:
+        from mlxnb.core.worker.caches import LeanBatchKVCache
+        LeanBatchKVCache.dense_decode = False
+    assert "padded decode attention: fused kernel" in status
+    assert batched == alone
+    assert alone[1] == mlx_lm_tokens("llama", ids, 12)
+    assert masks and all(masks)  # padded batches only (the joined row padded them)
+
+
+def test_dense_self_check_names_a_wrong_kernel_and_engine_falls_back(monkeypatch, arun):
+    monkeypatch.setattr(ka, "cuda_backend", lambda: True)
+    monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask: q * 0)
+    why = ka.self_check_dense([(4, 2, 32, mx.float32, mx.float32, 32 ** -0.5)])
+    assert why.startswith("dense kernel differs from MLX's attention")
+    alone, batched, ids, status, _ = arun(_run_engine({}))
+    assert "padded decode attention: MLX's (dense kernel differs" in status
+    assert batched == alone
+
+
+def test_dense_supports_single_tokens_and_key_masks():
+    k = mx.zeros((3, 2, 40, 64), mx.bfloat16)
+    assert ka.dense_supports((3, 8, 1, 64), k, None, 0.125)
+    assert ka.dense_supports((3, 8, 1, 64), k, mx.ones((3, 1, 1, 40), mx.bool_), 0.125)
+    assert not ka.dense_supports((3, 8, 4, 64), k, None, 0.125)
+    assert not ka.dense_supports((3, 8, 1, 64), k, mx.zeros((3, 1, 1, 40)), 0.125)
+    assert not ka.dense_supports((3, 8, 1, 64), k.astype(mx.int32), None, 0.125)

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache
                                  CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
                                  create_attention_mask, make_prompt_cache)
 
+from .kv_attention import DenseKV
 from .quantized_kv import (BatchQuantizedKVCache, BatchQuantizedRotatingKVCache,
                            QuantizedRotatingKVCache)
 from .quantized_kv import round_up  # noqa: F401  (prefill's widths grow as caches do)
@@ -188,6 +189,10 @@ class LeanBatchKVCache(BatchKVCache):
     other backends don't care."""
 
     step = 255
+    # kv_attention.py: one token's attention over a padded batch goes to its fused
+    # kernel (set at load where it checked out: CUDA); `bits` tells mlx-lm to route it
+    dense_decode = False
+    _dense_now = False
 
     @property
     def offset(self):
@@ -197,10 +202,33 @@ class LeanBatchKVCache(BatchKVCache):
     def offset(self, value):
         pass
 
+    @property
+    def bits(self):
+        if not self._dense_now:
+            raise AttributeError("bits")
+        return 16
+
+    @property
+    def group_size(self):
+        if not self._dense_now:
+            raise AttributeError("group_size")
+        return 0
+
     def update_and_fetch(self, keys, values):
+        k, v = self.write(keys, values)
+        self._dense_now = self.dense_decode and keys.shape[2] == 1
+        if self._dense_now:
+            return DenseKV((k,)), DenseKV((v,))
+        return k, v
+
+    def write(self, keys, values):
+        """Store [B, H, n, D] keys and values; their buffers' first positions up to
+        the new end (views)."""
+        self._dense_now = False
         prev, n = self._idx, keys.shape[2]
         if self.keys is None or prev + n > self.keys.shape[2]:
-            return super().update_and_fetch(keys, values)  # growth: mlx-lm's path
+            # growth: mlx-lm's path
+            return BatchKVCache.update_and_fetch(self, keys, values)
         # mlx-lm's write without its `offset += n`, which on this class builds two
         # array ops per layer per step that nothing evaluates
         self._idx = prev + n
@@ -233,7 +261,10 @@ class AlignedView:
         return self.c._idx
 
     def update_and_fetch(self, keys, values):
-        return self.c.update_and_fetch(keys, values)
+        c = self.c
+        if type(c) is LeanBatchKVCache:  # unpadded: MLX's attention, no mask, is fast
+            return c.write(keys, values)
+        return c.update_and_fetch(keys, values)
 
     def make_mask(self, N, return_array: bool = False, window_size=None, **kwargs):
         # mlx-lm's single-row rule (KVCache.make_mask): arrays only when asked for

@@ -1,4 +1,5 @@
-"""Single-token attention straight off a quantized KV cache, one fused kernel per layer.
+"""Single-token attention (decode) in one fused kernel per layer: over a quantized KV
+cache without dequantizing it, and over a full-precision one when rows are padded.
 
 mlx-lm reads a quantized cache through `mx.quantized_matmul` (scores, then values).
 MLX's CUDA backend has no quantized matmul for those shapes, so without this module a
@@ -14,25 +15,32 @@ prefill chunks read their cache dequantized. `reference` is the same math in MLX
 (what the CPU tests check against mlx-lm), and `self_check` compares the kernel with
 dequantize-then-attend on the device at load before the engine uses it.
 
-The hook: a cache in "fused" mode hands attention a `FusedKV` triplet (a tuple, so
-mlx-lm's code passes it through unchanged) and mlx-lm's `scaled_dot_product_attention`
-sends it to `mlx_lm.models.base.quantized_scaled_dot_product_attention`, which
-`install()` wraps: FusedKV goes to `decode_attention`, anything else to mlx-lm's.
+Full precision: MLX's CUDA attention with a mask array (a left-padded batch) was 4-13x
+slower than without at Llama-1B's shapes on an H200 (2.0 ms vs 0.15 ms a layer at
+batch 128); the same kernel reading bf16 keys costs about the same with or without.
+A padded batch's LeanBatchKVCache hands decode attention a `DenseKV` when
+`dense_decode` is on (CUDA, after `self_check_dense`); unpadded batches keep MLX's.
+
+The hook: a cache hands attention a `FusedKV` triplet or a `DenseKV` (tuples, so
+mlx-lm's code passes them through unchanged) and says it has `bits`, so mlx-lm's
+`scaled_dot_product_attention` sends them to
+`mlx_lm.models.base.quantized_scaled_dot_product_attention`, which `install()` wraps:
+these go to the kernels, anything else to mlx-lm's own function. kv_kernels.py holds
+the CUDA source.
 """
 
 from __future__ import annotations
 
 import math
-import struct
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import mlx.core as mx
 
-__all__ = ["FusedKV", "decode_attention", "reference", "kernel_supports", "install",
-           "self_check", "cuda_backend"]
+from . import kv_kernels
 
-WARPS = 8  # warps per thread block
-SMEM_BYTES = 32 * 1024  # the block's combine buffer may use up to this
+__all__ = ["FusedKV", "DenseKV", "decode_attention", "dense_attention", "reference",
+           "kernel_supports", "dense_supports", "install", "self_check",
+           "self_check_dense", "cuda_backend"]
 
 
 class FusedKV(tuple):
@@ -42,28 +50,23 @@ class FusedKV(tuple):
     __slots__ = ()
 
 
+class DenseKV(tuple):
+    """(keys,) or (values,) [B, Hkv, S, D] of a full-precision cache, for one layer's
+    decode attention over a padded batch."""
+
+    __slots__ = ()
+
+
+# the quantized kernel self_check picked: the unrolled one, else the first one
+_QUANT = [kv_kernels.quantized]
+
+
 def cuda_backend() -> bool:
     """Does MLX run on its CUDA backend here?"""
     try:
         return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
     except Exception:
         return False
-
-
-def _pow2_divisor(n: int, cap: int = 32) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
-def _layout(D: int, bits: int, n_rep: int) -> Tuple[int, int]:
-    """(query heads per block, warps per block) for the kernel."""
-    rpb = max(r for r in (1, 2, 4) if n_rep % r == 0)
-    warps = WARPS
-    while warps > 1 and warps * rpb * D * 4 > SMEM_BYTES:
-        warps //= 2
-    return rpb, warps
 
 
 def kernel_supports(queries_shape, keys: FusedKV, group_size: int, bits: int,
@@ -81,195 +84,20 @@ def kernel_supports(queries_shape, keys: FusedKV, group_size: int, bits: int,
     return True
 
 
+def dense_supports(queries_shape, keys, mask, scale: float = 1.0) -> bool:
+    """Shapes, dtypes and masks the dense kernel takes (else MLX's attention)."""
+    B, Hq, L, D = queries_shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    return (L == 1 and Hq % Hkv == 0 and S > 0 and scale > 0 and D <= 512
+            and keys.dtype in (mx.bfloat16, mx.float16, mx.float32)
+            and (mask is None or _mask_ok(mask, B, S)))
+
+
 def _mask_ok(mask, B, S) -> bool:
     # a boolean mask over keys, the same for every head (left padding): [B|1, 1, 1, S]
     return (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4
             and mask.shape[0] in (1, B) and mask.shape[1] == mask.shape[2] == 1
             and mask.shape[3] == S)
-
-
-# -- the CUDA kernel ---------------------------------------------------------------------
-# One block per (row b, KV head, chunk of RPB query heads sharing it). A key is read by
-# LK lanes (LK: a power of two dividing its W packed words, at most 32), each lane WPL
-# words; a warp holds 32/LK keys at once and the block's NG key groups stride over S.
-# Each group keeps a running max, sum and output (online softmax); groups combine
-# through warp shuffles, then the warps through shared memory.
-_SOURCE = r"""
-    constexpr int W = D * BITS / 32;
-    constexpr int VPW = 32 / BITS;
-    constexpr int WPL = W / LK;
-    constexpr int DPL = WPL * VPW;
-    constexpr int KPW = 32 / LK;
-    constexpr int NG = WARPS * KPW;
-    constexpr uint32_t VMASK = (BITS == 32) ? 0xffffffffu : ((1u << BITS) - 1u);
-    constexpr float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
-    const float scale = __int_as_float(SCALE_BITS);
-
-    __shared__ float sm_m[WARPS][RPB];
-    __shared__ float sm_l[WARPS][RPB];
-    __shared__ float sm_o[WARPS][RPB][D];
-
-    const int S = kq_shape[2];
-    const int HKV = kq_shape[1];
-    int blk = blockIdx.x;
-    const int chunk = blk % (NREP / RPB);
-    blk /= (NREP / RPB);
-    const int hk = blk % HKV;
-    const int b = blk / HKV;
-    const int tid = threadIdx.x;
-    const int warp = tid / 32;
-    const int lane = tid % 32;
-    const int grp = lane / LK;
-    const int sub = lane % LK;
-    const int h0 = hk * NREP + chunk * RPB;
-
-    float q[RPB][DPL];
-    for (int r = 0; r < RPB; r++) {
-        for (int i = 0; i < DPL; i++) {
-            int d = sub * DPL + i;
-            q[r][i] = static_cast<float>(queries[b * queries_strides[0]
-                + (h0 + r) * queries_strides[1] + d * queries_strides[3]]) * scale;
-        }
-    }
-    float m[RPB], l[RPB], acc[RPB][DPL];
-    for (int r = 0; r < RPB; r++) {
-        m[r] = NEG_INF;
-        l[r] = 0.f;
-        for (int i = 0; i < DPL; i++) acc[r][i] = 0.f;
-    }
-
-    const uint32_t* kq_row = kq + b * kq_strides[0] + hk * kq_strides[1];
-    const uint32_t* vq_row = vq + b * vq_strides[0] + hk * vq_strides[1];
-    for (int s0 = warp * KPW; s0 < S; s0 += NG) {
-        const int s = s0 + grp;
-        bool valid = s < S;
-        /*MASK*/
-        float sc[RPB];
-        for (int r = 0; r < RPB; r++) sc[r] = 0.f;
-        if (valid) {
-            for (int j = 0; j < WPL; j++) {
-                const int word = sub * WPL + j;
-                const int g = word * VPW / GS;
-                const uint32_t w = kq_row[s * kq_strides[2] + word];
-                const float sk = static_cast<float>(ks[b * ks_strides[0]
-                    + hk * ks_strides[1] + s * ks_strides[2] + g]);
-                const float bk = static_cast<float>(kb[b * kb_strides[0]
-                    + hk * kb_strides[1] + s * kb_strides[2] + g]);
-                for (int v = 0; v < VPW; v++) {
-                    const float x = sk * static_cast<float>((w >> (v * BITS)) & VMASK) + bk;
-                    for (int r = 0; r < RPB; r++) sc[r] += q[r][j * VPW + v] * x;
-                }
-            }
-        }
-        // the LK lanes of a key hold its partial dot products: every lane gets the sum
-        for (int off = LK / 2; off > 0; off /= 2) {
-            for (int r = 0; r < RPB; r++) sc[r] += __shfl_xor_sync(0xffffffffu, sc[r], off);
-        }
-        if (valid) {
-            float p[RPB], corr[RPB];
-            for (int r = 0; r < RPB; r++) {
-                const float mn = fmaxf(m[r], sc[r]);
-                corr[r] = __expf(m[r] - mn);
-                p[r] = __expf(sc[r] - mn);
-                l[r] = l[r] * corr[r] + p[r];
-                m[r] = mn;
-            }
-            for (int j = 0; j < WPL; j++) {
-                const int word = sub * WPL + j;
-                const int g = word * VPW / GS;
-                const uint32_t w = vq_row[s * vq_strides[2] + word];
-                const float sv = static_cast<float>(vs[b * vs_strides[0]
-                    + hk * vs_strides[1] + s * vs_strides[2] + g]);
-                const float bv = static_cast<float>(vb[b * vb_strides[0]
-                    + hk * vb_strides[1] + s * vb_strides[2] + g]);
-                for (int v = 0; v < VPW; v++) {
-                    const float x = sv * static_cast<float>((w >> (v * BITS)) & VMASK) + bv;
-                    for (int r = 0; r < RPB; r++) {
-                        acc[r][j * VPW + v] = acc[r][j * VPW + v] * corr[r] + p[r] * x;
-                    }
-                }
-            }
-        }
-    }
-    // the warp's key groups (lanes LK apart hold the same dims) into one
-    for (int off = LK; off < 32; off *= 2) {
-        for (int r = 0; r < RPB; r++) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m[r], off);
-            const float lo = __shfl_xor_sync(0xffffffffu, l[r], off);
-            const float mn = fmaxf(m[r], mo);
-            const float e1 = (m[r] == NEG_INF) ? 0.f : __expf(m[r] - mn);
-            const float e2 = (mo == NEG_INF) ? 0.f : __expf(mo - mn);
-            l[r] = l[r] * e1 + lo * e2;
-            for (int i = 0; i < DPL; i++) {
-                const float ao = __shfl_xor_sync(0xffffffffu, acc[r][i], off);
-                acc[r][i] = acc[r][i] * e1 + ao * e2;
-            }
-            m[r] = mn;
-        }
-    }
-    if (lane < LK) {
-        for (int r = 0; r < RPB; r++) {
-            if (lane == 0) {
-                sm_m[warp][r] = m[r];
-                sm_l[warp][r] = l[r];
-            }
-            for (int i = 0; i < DPL; i++) sm_o[warp][r][sub * DPL + i] = acc[r][i];
-        }
-    }
-    __syncthreads();
-    const int HQ = HKV * NREP;
-    for (int i = tid; i < RPB * D; i += WARPS * 32) {
-        const int r = i / D;
-        const int d = i % D;
-        float mx_ = NEG_INF;
-        for (int k = 0; k < WARPS; k++) mx_ = fmaxf(mx_, sm_m[k][r]);
-        float lsum = 0.f, o = 0.f;
-        for (int k = 0; k < WARPS; k++) {
-            const float e = (sm_m[k][r] == NEG_INF) ? 0.f : __expf(sm_m[k][r] - mx_);
-            lsum += sm_l[k][r] * e;
-            o += sm_o[k][r][d] * e;
-        }
-        out[(b * HQ + h0 + r) * D + d] = static_cast<T>(lsum > 0.f ? o / lsum : 0.f);
-    }
-"""
-
-# only the masked variant has a `mask` input (left-padded rows: [B, 1, 1, S] bool)
-_MASK_LINE = "if (valid) valid = mask[b * mask_strides[0] + s * mask_strides[3]];"
-_KERNELS = {}
-
-
-def _kernel(masked: bool):
-    k = _KERNELS.get(masked)
-    if k is None:
-        names = ["queries", "kq", "ks", "kb", "vq", "vs", "vb"] + (["mask"] if masked else [])
-        k = _KERNELS[masked] = mx.fast.cuda_kernel(
-            name="mlxnb_qkv_decode_attention" + ("_masked" if masked else ""),
-            input_names=names, output_names=["out"],
-            source=_SOURCE.replace("/*MASK*/", _MASK_LINE if masked else ""),
-            ensure_row_contiguous=False)
-    return k
-
-
-def _fused_cuda(queries, keys, values, scale, mask, group_size, bits):
-    B, Hq, _, D = queries.shape
-    Hkv = keys[0].shape[1]
-    n_rep = Hq // Hkv
-    rpb, warps = _layout(D, bits, n_rep)
-    lk = _pow2_divisor(D * bits // 32)
-    inputs = [queries, *keys, *values]
-    masked = mask is not None
-    if masked:
-        inputs.append(mask)
-    # the scale rides as a compile-time constant (one compile per model): its bits
-    scale_bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
-    nblocks = B * Hkv * (n_rep // rpb)
-    return _kernel(masked)(
-        inputs=inputs,
-        template=[("T", queries.dtype), ("D", D), ("BITS", bits), ("GS", group_size),
-                  ("NREP", n_rep), ("RPB", rpb), ("WARPS", warps), ("LK", lk),
-                  ("SCALE_BITS", scale_bits), ("TS", keys[1].dtype)],
-        grid=(nblocks * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]
 
 
 # -- the same math in MLX ops -------------------------------------------------------------
@@ -332,6 +160,25 @@ def decode_attention(queries, keys: FusedKV, values: FusedKV, scale: float, mask
     return reference(queries, keys, values, scale, mask, group_size, bits)
 
 
+def _fused_cuda(queries, keys, values, scale, mask, group_size, bits):
+    return _QUANT[0](queries, keys, values, scale, mask, group_size, bits)
+
+
+def dense_attention(queries, keys, values, scale: float, mask) -> mx.array:
+    """Attention of one query token per row over full-precision keys and values
+    [B, Hkv, S, D]: the kernel on CUDA, MLX's attention elsewhere."""
+    if mask is not None and mask.shape[0] == 1 and queries.shape[0] > 1:
+        mask = mx.broadcast_to(mask, (queries.shape[0],) + mask.shape[1:])
+    if cuda_backend():
+        return _dense_cuda(queries, keys, values, scale, mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                mask=mask)
+
+
+def _dense_cuda(queries, keys, values, scale, mask):
+    return kv_kernels.dense(queries, keys, values, scale, mask)
+
+
 def dequantized_attention(queries, keys, values, scale, mask, group_size, bits):
     """The fallback: dequantize the whole cache, then MLX's attention."""
     k = mx.dequantize(*keys, group_size=group_size, bits=bits)
@@ -341,6 +188,7 @@ def dequantized_attention(queries, keys, values, scale, mask, group_size, bits):
 
 # -- the hook into mlx-lm -------------------------------------------------------------------
 _seen: Optional[List[tuple]] = None  # while recording: each call's shapes (self_check)
+_seen_dense: Optional[List[tuple]] = None  # the same for DenseKV calls
 
 
 def install() -> None:
@@ -352,6 +200,8 @@ def install() -> None:
         return
 
     def quantized_sdpa(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
+        if isinstance(q_keys, DenseKV):
+            return _dense(queries, q_keys[0], q_values[0], scale, mask)
         if not isinstance(q_keys, FusedKV):
             return orig(queries, q_keys, q_values, scale, mask, group_size, bits)
         if isinstance(mask, str):  # "causal" for one query: every key
@@ -367,24 +217,60 @@ def install() -> None:
     base.quantized_scaled_dot_product_attention = quantized_sdpa
 
 
+def _dense(queries, keys, values, scale, mask):
+    if isinstance(mask, str):
+        mask = None
+    if _seen_dense is not None:
+        _seen_dense.append((queries.shape[1], keys.shape[1], queries.shape[3],
+                            queries.dtype, keys.dtype, float(scale)))
+    if dense_supports(queries.shape, keys, mask, scale):
+        return dense_attention(queries, keys, values, scale, mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                mask=mask)
+
+
 class recording:
     """`with recording() as calls:` collects the shapes of the fused calls a probe
-    forward makes: (Hq, Hkv, D, query dtype, scales dtype, scale, group, bits)."""
+    forward makes: (Hq, Hkv, D, query dtype, scales dtype, scale, group, bits);
+    `recording(dense=True)`: of the DenseKV calls, (Hq, Hkv, D, query dtype, keys
+    dtype, scale)."""
+
+    def __init__(self, dense: bool = False):
+        self.dense = dense
 
     def __enter__(self):
-        global _seen
+        global _seen, _seen_dense
+        if self.dense:
+            _seen_dense = []
+            return _seen_dense
         _seen = []
         return _seen
 
     def __exit__(self, *exc):
-        global _seen
-        _seen = None
+        global _seen, _seen_dense
+        if self.dense:
+            _seen_dense = None
+        else:
+            _seen = None
 
 
 def self_check(calls: List[tuple], S: int = 300, B: int = 3, seed: int = 0) -> Optional[str]:
     """Run decode_attention against dequantize-then-attend on this device at each
-    recorded shape, with and without a left-padding mask. None if every case
-    matches; else what went wrong (one line)."""
+    recorded shape, with and without a left-padding mask, with the unrolled kernel
+    and, if that fails, the first one (kept for what follows). None if one matches
+    in every case; else what went wrong with the first (one line)."""
+    first = None
+    for impl in (kv_kernels.quantized, kv_kernels.quantized_v1):
+        _QUANT[0] = impl
+        why = _check_quantized(calls, S, B, seed)
+        if why is None:
+            return None
+        first = first or why
+    _QUANT[0] = kv_kernels.quantized
+    return first
+
+
+def _check_quantized(calls, S, B, seed) -> Optional[str]:
     key = mx.random.key(seed)
     for Hq, Hkv, D, qdt, sdt, scale, gs, bits in sorted(set(calls), key=str):
         try:
@@ -410,4 +296,34 @@ def self_check(calls: List[tuple], S: int = 300, B: int = 3, seed: int = 0) -> O
                             f"{' masked' if mask is not None else ''})")
         except Exception as e:
             return f"fused kernel failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    return None
+
+
+def self_check_dense(calls: List[tuple], S: int = 300, B: int = 3,
+                     seed: int = 1) -> Optional[str]:
+    """dense_attention against MLX's attention on this device at each recorded shape,
+    with and without a left-padding mask: None if every case matches, else what
+    went wrong (one line)."""
+    key = mx.random.key(seed)
+    for Hq, Hkv, D, qdt, kdt, scale in sorted(set(calls), key=str):
+        try:
+            k1, k2, k3, key = mx.random.split(key, 4)
+            q = mx.random.normal((B, Hq, 1, D), key=k1).astype(qdt)
+            # keys as a cache holds them: a view of the first S positions of a buffer
+            k = mx.random.normal((B, Hkv, S + 40, D), key=k2).astype(kdt)[..., :S, :]
+            v = mx.random.normal((B, Hkv, S + 40, D), key=k3).astype(kdt)[..., :S, :]
+            pad = mx.array([0, 7, S - 5][:B] + [0] * max(0, B - 3))
+            for mask in (None, pad[:, None, None, None] <= mx.arange(S)):
+                if not dense_supports(q.shape, k, mask, scale):
+                    return f"no dense kernel for shape Hq={Hq} Hkv={Hkv} D={D}"
+                got = dense_attention(q, k, v, scale, mask).astype(mx.float32)
+                want = mx.fast.scaled_dot_product_attention(
+                    q, k, v, scale=scale, mask=mask).astype(mx.float32)
+                err = (got - want).abs().max().item()
+                if not err <= 0.02 + 0.02 * want.abs().max().item():
+                    return (f"dense kernel differs from MLX's attention by {err:.3g} "
+                            f"(Hq={Hq} Hkv={Hkv} D={D}"
+                            f"{' masked' if mask is not None else ''})")
+        except Exception as e:
+            return f"dense kernel failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
     return None

@@ -13,8 +13,8 @@ of 233, an LFM2 short-conv layer's 13 instead of 49-132.
 (in place, on this model instance) whose decode calls -- one token, no mask, a state
 that is not padded or mid-prefill -- go to the compiled step; everything else (prefill
 chunks, padded groups, speculative verify steps) runs mlx-lm's code as before. A
-compiled trace holds the weights it saw: `enabled()` (the engine: no adapter selected
-for this forward) keeps it to the weights it was traced with. A load-time probe
+compiled trace holds the weights it saw: each engine's `enabled()` (no adapter
+selected for this forward) keeps it to the weights it was traced with. A load-time probe
 compares compiled and plain decode steps and puts the layers back if they differ.
 """
 
@@ -54,7 +54,8 @@ def _subclass(cls):
             mask, cache = st.bind(args, kwargs)
             if (mask is None and type(cache) is ArraysCache and x.shape[1] == 1
                     and cache.lengths is None and cache.left_padding is None
-                    and st.enabled() and all(s is not None for s in cache.cache)):
+                    and all(g() for g in st.gates)
+                    and all(s is not None for s in cache.cache)):
                 out = st.step(x, *cache.cache)
                 cache.cache = list(out[1:])
                 return out[0]
@@ -71,7 +72,9 @@ class _Decode:
 
     def __init__(self, layer, cls, x_name: str, mask_name: Optional[str], nstate: int,
                  enabled: Callable[[], bool]):
-        self.mask_name, self.enabled = mask_name, enabled
+        self.mask_name = mask_name
+        # every engine on this model instance adds its gate; all must allow a replay
+        self.gates = [enabled]
         order = ("mask", "cache") if mask_name else ("cache",)
         self.order = order
 
@@ -102,7 +105,11 @@ def compile_recurrent(model, cache: list, enabled: Callable[[], bool]) -> int:
         return 0
     n = 0
     for layer, c in zip(layers, cache):
-        if type(c) is not ArraysCache or hasattr(type(layer), "_mlxnb_base"):
+        if type(c) is not ArraysCache:
+            continue
+        if hasattr(type(layer), "_mlxnb_base"):  # compiled for another engine already
+            layer._mlxnb_decode.gates.append(enabled)
+            n += 1
             continue
         cls = type(layer)
         sig = _signature(cls)

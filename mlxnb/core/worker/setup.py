@@ -39,12 +39,17 @@ class BatchModel:
         self.fused = fuse_projections(model, lambda: model(
             mx.array([[0]]), cache=self.make_cache())) if fuse else 0
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
+        self.dense_note = self._pick_dense_decode()
         # recurrent.py: recurrent layers decode through compiled steps; the executor
         # sets `decode_gate` (no adapter selected) before any step runs
         self.decode_gate = lambda: True
         self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
         self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
                                            self.kv_attention_note)
+        if caches.LeanBatchKVCache.dense_decode:
+            self.cache_kinds += ", padded decode attention: fused kernel"
+        elif self.dense_note:
+            self.cache_kinds += f", padded decode attention: MLX's ({self.dense_note})"
         if self.compiled_layers:
             self.cache_kinds += ", recurrent decode compiled"
         elif self.compile_note:
@@ -130,6 +135,27 @@ class BatchModel:
                 f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "
                 f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides "
                 f"its head dim, or no kv_bits.") from None
+
+    def _pick_dense_decode(self) -> str:
+        """On CUDA, full-precision KV layers of padded batches decode through
+        kv_attention's dense kernel if its self-check at this model's shapes passes;
+        returns why not when it does not."""
+        Lean = caches.LeanBatchKVCache
+        Lean.dense_decode = False
+        if not kv_attention.cuda_backend():
+            return ""
+        kv_attention.install()
+        Lean.dense_decode = True
+        try:
+            with kv_attention.recording(dense=True) as calls:
+                cache = empty_batch(self.make_cache(), 1)  # a batch cache: its mask
+                self.model(mx.zeros((1, 3), mx.int32), cache=cache)
+                mx.eval(self.model(mx.zeros((1, 1), mx.int32), cache=cache))
+            why = kv_attention.self_check_dense(calls) if calls else ""
+        except Exception as e:
+            why = f"failed: {type(e).__name__}: " + " ".join(str(e).split())[:120]
+        Lean.dense_decode = bool(calls) and not why
+        return why
 
     def _compile_recurrent(self, probe: list):
         """(layers whose decode is compiled, why none are when a check said so)."""
