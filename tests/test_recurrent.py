@@ -164,3 +164,48 @@ def test_engine_status_counts_compiled_layers(arun):
             in eng.status()
     finally:
         eng.close()
+
+
+def _gd_reference(q, k, v, g, beta, state):
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops
+    Hk, Hv = k.shape[2], v.shape[2]
+    if Hv > Hk:
+        q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
+    y, st = _gated_delta_step_ops(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+    return y[:, None], st
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_gated_delta_kernel_path_is_checked_and_keeps_tokens(broken, monkeypatch, arun):
+    """On a CUDA-like backend the compiled gated delta-net steps run the recurrence
+    as gated_delta.py's kernel (its stand-in here: the same step in MLX ops, counted);
+    a kernel that disagrees is caught at load and MLX's fused op takes over."""
+    from mlxnb.core.worker import gated_delta, kv_attention
+    monkeypatch.setattr(kv_attention, "cuda_backend", lambda: True)
+    calls = []
+
+    def kernel(q, k, v, g, beta, state):
+        calls.append(q.shape)
+        y, st = _gd_reference(q, k, v, g, beta, state)
+        return (y * 1.5 if broken else y), st
+
+    monkeypatch.setattr(gated_delta, "decode_step", kernel)
+    mx.random.seed(5)
+    model = build("qwen3_5", seed=5)
+
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        rows = [eng.submit(p, max_tokens=8, chat=False) for p in PROMPTS]
+        tokens = [(await r).tokens for r in rows]
+        status = eng.status()
+        await eng.aclose()
+        return tokens, [r.prompt_ids for r in rows], status
+
+    tokens, ids, status = arun(main)
+    want = "(gated delta: mx.fast)" if broken else "(gated delta: fused kernel)"
+    assert f"recurrent decode compiled {want}" in status
+    assert calls  # the kernel was traced (and checked) at least once
+    mx.random.seed(5)
+    plain = build("qwen3_5", seed=5)
+    for t, i in zip(tokens, ids):
+        assert t == _mlx_lm_tokens(plain, i, 8)

@@ -26,6 +26,8 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from . import gated_delta
+
 __all__ = ["compile_recurrent", "uncompile"]
 
 _SUBCLASSES = {}
@@ -71,7 +73,7 @@ class _Decode:
     """A layer's compiled decode step and how its calls name mask and cache."""
 
     def __init__(self, layer, cls, x_name: str, mask_name: Optional[str], nstate: int,
-                 enabled: Callable[[], bool]):
+                 enabled: Callable[[], bool], recurrence: str):
         self.mask_name = mask_name
         # every engine on this model instance adds its gate; all must allow a replay
         self.gates = [enabled]
@@ -84,7 +86,8 @@ class _Decode:
             kw = {x_name: x, "cache": c}
             if mask_name:
                 kw[mask_name] = None
-            y = cls.__call__(layer, **kw)
+            with gated_delta.tracing(recurrence):  # (runs while tracing only)
+                y = cls.__call__(layer, **kw)
             return (y, *c.cache)
 
         self.step = mx.compile(step)
@@ -97,9 +100,11 @@ class _Decode:
         return got.get("mask"), got.get("cache")
 
 
-def compile_recurrent(model, cache: list, enabled: Callable[[], bool]) -> int:
+def compile_recurrent(model, cache: list, enabled: Callable[[], bool],
+                      recurrence: str = "ops") -> int:
     """Give every layer of `model.layers` whose cache (in `cache`, the model's
-    make_prompt_cache) is an ArraysCache a compiled decode step; returns how many."""
+    make_prompt_cache) is an ArraysCache a compiled decode step; returns how many.
+    `recurrence`: what a gated delta rule inside runs as (gated_delta.MODES)."""
     layers = getattr(model, "layers", None)
     if layers is None or len(layers) != len(cache):
         return 0
@@ -115,7 +120,8 @@ def compile_recurrent(model, cache: list, enabled: Callable[[], bool]) -> int:
         sig = _signature(cls)
         if sig is None:
             continue
-        layer._mlxnb_decode = _Decode(layer, cls, sig[0], sig[1], len(c.cache), enabled)
+        layer._mlxnb_decode = _Decode(layer, cls, sig[0], sig[1], len(c.cache), enabled,
+                                      recurrence)
         layer.__class__ = _subclass(cls)
         n += 1
     return n

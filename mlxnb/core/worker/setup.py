@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from . import caches, kv_attention, recurrent
+from . import caches, gated_delta, kv_attention, recurrent
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
@@ -43,6 +43,7 @@ class BatchModel:
         # recurrent.py: recurrent layers decode through compiled steps; the executor
         # sets `decode_gate` (no adapter selected) before any step runs
         self.decode_gate = lambda: True
+        self.recurrence = ""  # what compiled gated delta rules run as, if any
         self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
         self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
                                            self.kv_attention_note)
@@ -51,7 +52,9 @@ class BatchModel:
         elif self.dense_note:
             self.cache_kinds += f", padded decode attention: MLX's ({self.dense_note})"
         if self.compiled_layers:
-            self.cache_kinds += ", recurrent decode compiled"
+            self.cache_kinds += ", recurrent decode compiled" + {
+                "kernel": " (gated delta: fused kernel)",
+                "fast": " (gated delta: mx.fast)"}.get(self.recurrence, "")
         elif self.compile_note:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
         # prefix entries are slices of full-attention KV (quantized or not): windows
@@ -158,19 +161,31 @@ class BatchModel:
         return why
 
     def _compile_recurrent(self, probe: list):
-        """(layers whose decode is compiled, why none are when a check said so)."""
+        """(layers whose decode is compiled, a note for the status line). On CUDA a
+        gated delta rule inside runs as gated_delta.py's kernel, else MLX's fused
+        op, else mlx-lm's ops: the first whose compiled steps match the plain ones."""
         if not any(type(c) is ArraysCache for c in caches._leaves(probe)):
             return 0, ""
+        modes = ["ops"]
+        if kv_attention.cuda_backend():
+            gated_delta.install()
+            modes = list(gated_delta.MODES)
         live = [True]  # the check's switch between compiled and plain steps
-        n = recurrent.compile_recurrent(self.model, probe,
-                                        lambda: live[0] and self.decode_gate())
-        if not n:
-            return 0, ""
-        why = decode_steps_agree(self.model, self.probe_ids(), live)
-        if why:
+        first = ""
+        for mode in modes:
+            seen = gated_delta.SEEN[0]
+            n = recurrent.compile_recurrent(self.model, probe,
+                                            lambda: live[0] and self.decode_gate(), mode)
+            if not n:
+                return 0, ""
+            why = decode_steps_agree(self.model, self.probe_ids(), live)
+            if not why:
+                used = gated_delta.SEEN[0] > seen
+                self.recurrence = mode if used else ""
+                return n, ""
             recurrent.uncompile(self.model)
-            return 0, why
-        return n, ""
+            first = first or why
+        return 0, first
 
     def kv_bytes_for(self, length: int) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""
