@@ -193,17 +193,11 @@ async def admitted(model, tok, vocab, rng, bits, budget, prompt, new, submit):
         await eng.aclose()
 
 
-async def kv_decode(model, tok, bits, prompts, new, warm):
-    """Decode tok/s of len(prompts) rows (all decoding, no prefill) at kv_bits."""
-    B = len(prompts)
-    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, kv_bits=bits)
-    try:
-        await common.engine_run(eng, warm, 4)
-        _, steps, _, ok = await common.engine_run(eng, prompts, new)
-        w = common.decode_window(steps, B)
-        return (w["tps"] if w else None), ok
-    finally:
-        await eng.aclose()
+async def kv_decode(eng, prompts, new):
+    """Decode tok/s of len(prompts) rows (all decoding, no prefill) on `eng`."""
+    _, steps, _, ok = await common.engine_run(eng, prompts, new)
+    w = common.decode_window(steps, len(prompts))
+    return (w["tps"] if w else None), ok
 
 
 async def kv_part(args, rng):
@@ -240,14 +234,29 @@ async def kv_part(args, rng):
             "| B | " + " | ".join(f"{b or full}" for b in bits_list) + " | "
             + " | ".join(f"{b}-bit x {full}" for b in bits_list if b) + " |",
             "|---|" + "---|" * (2 * len(bits_list) - 1)]
+    # one engine per KV kind for every batch size and round (an engine's load and
+    # warm-up cost seconds); the warm-up compiles the decode step at each B, its
+    # context need not be long
+    engines = {b: mlxnb.Engine((model, tok), max_batch=max(sizes), kv_budget=None,
+                               kv_bits=b) for b in bits_list}
+    try:
+        return await _kv_rounds(engines, sizes, args, rng, vocab, prompt, new, bits_list,
+                                full, out, lines, kv_mode)
+    finally:
+        for eng in engines.values():
+            await eng.aclose()
+
+
+async def _kv_rounds(engines, sizes, args, rng, vocab, prompt, new, bits_list, full, out,
+                     lines, kv_mode):
     for B in sizes:
-        # the warm-up compiles the decode step at B; its context need not be long
-        warm = common.make_prompts(rng, B, 32, vocab)
+        for eng in engines.values():
+            await common.engine_run(eng, common.make_prompts(rng, B, 32, vocab), 4)
         per = {b: [] for b in bits_list}
         for rep in range(args.rounds):
             ps = common.make_prompts(rng, B, prompt, vocab)
             for bits in bits_list:
-                tps, ok = await kv_decode(model, tok, bits, ps, new, warm)
+                tps, ok = await kv_decode(engines[bits], ps, new)
                 if not ok:
                     log(f"  WARNING kv_bits={bits}: not every row ran to max_tokens")
                 per[bits].append(tps)
@@ -260,8 +269,9 @@ async def kv_part(args, rng):
                   for b in bits_list if b]
         out.append(f"| {B} | " + " | ".join(fmt(median(per[b])) for b in bits_list)
                    + " | " + " | ".join(fmt(r, 2) for r in ratios) + " |")
-    return "\n".join(out + ["", f"Attention on the quantized KV: {kv_mode}", "", "```"]
-                     + lines + ["```"])
+    full_kinds = engines[None].cache_kinds
+    return "\n".join(out + ["", f"Attention on the quantized KV: {kv_mode}; full precision: "
+                             f"{full_kinds}", "", "```"] + lines + ["```"])
 
 
 def main(argv=None, prog=None):

@@ -209,3 +209,29 @@ def test_gated_delta_kernel_path_is_checked_and_keeps_tokens(broken, monkeypatch
     plain = build("qwen3_5", seed=5)
     for t, i in zip(tokens, ids):
         assert t == _mlx_lm_tokens(plain, i, 8)
+
+
+def test_a_closed_engines_gate_goes_with_it():
+    import gc
+
+    class Owner:
+        def __init__(self):
+            self.ok = True
+
+        def recurrent_ok(self):
+            return self.ok
+
+    mx.random.seed(0)
+    toy = _Toy(_Pure)
+    a, b = Owner(), Owner()
+    recurrent.compile_recurrent(toy, toy.make_cache(), a.recurrent_ok)
+    recurrent.compile_recurrent(toy, toy.make_cache(), b.recurrent_ok)
+    st = toy.layers[0]._mlxnb_decode
+    assert len(st.gates) == 2
+    a.ok = False  # any live engine's gate closes the compiled path
+    assert not st.allowed()
+    del a
+    gc.collect()
+    assert st.allowed()
+    recurrent.compile_recurrent(toy, toy.make_cache(), Owner().recurrent_ok)
+    assert len(st.gates) == 2  # the dead one pruned, b's and the newest kept (b alive)

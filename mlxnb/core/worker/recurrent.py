@@ -21,6 +21,7 @@ compares compiled and plain decode steps and puts the layers back if they differ
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Callable, List, Optional
 
 import mlx.core as mx
@@ -56,7 +57,7 @@ def _subclass(cls):
             mask, cache = st.bind(args, kwargs)
             if (mask is None and type(cache) is ArraysCache and x.shape[1] == 1
                     and cache.lengths is None and cache.left_padding is None
-                    and all(g() for g in st.gates)
+                    and st.allowed()
                     and all(s is not None for s in cache.cache)):
                 out = st.step(x, *cache.cache)
                 cache.cache = list(out[1:])
@@ -76,7 +77,8 @@ class _Decode:
                  enabled: Callable[[], bool], recurrence: str):
         self.mask_name = mask_name
         # every engine on this model instance adds its gate; all must allow a replay
-        self.gates = [enabled]
+        self.gates = []
+        self.add_gate(enabled)
         order = ("mask", "cache") if mask_name else ("cache",)
         self.order = order
 
@@ -91,6 +93,19 @@ class _Decode:
             return (y, *c.cache)
 
         self.step = mx.compile(step)
+
+    def add_gate(self, enabled: Callable[[], bool]) -> None:
+        """A bound method is held weakly (a closed engine's gate goes with it)."""
+        self.gates = [r for r in self.gates if r() is not None]
+        self.gates.append(weakref.WeakMethod(enabled) if inspect.ismethod(enabled)
+                          else (lambda f=enabled: f))
+
+    def allowed(self) -> bool:
+        for ref in self.gates:
+            gate = ref()
+            if gate is not None and not gate():
+                return False
+        return True
 
     def bind(self, args, kwargs):
         got = dict(zip(self.order, args))
@@ -113,7 +128,7 @@ def compile_recurrent(model, cache: list, enabled: Callable[[], bool],
         if type(c) is not ArraysCache:
             continue
         if hasattr(type(layer), "_mlxnb_base"):  # compiled for another engine already
-            layer._mlxnb_decode.gates.append(enabled)
+            layer._mlxnb_decode.add_gate(enabled)
             n += 1
             continue
         cls = type(layer)

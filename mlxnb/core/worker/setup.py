@@ -44,6 +44,7 @@ class BatchModel:
         # sets `decode_gate` (no adapter selected) before any step runs
         self.decode_gate = lambda: True
         self.recurrence = ""  # what compiled gated delta rules run as, if any
+        self._live = [True]
         self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
         self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
                                            self.kv_attention_note)
@@ -160,6 +161,11 @@ class BatchModel:
         Lean.dense_decode = bool(calls) and not why
         return why
 
+    def recurrent_ok(self) -> bool:
+        """May this forward replay compiled recurrent steps? (recurrent.py holds this
+        method weakly: it goes with the engine.)"""
+        return self._live[0] and self.decode_gate()
+
     def _compile_recurrent(self, probe: list):
         """(layers whose decode is compiled, a note for the status line). On CUDA a
         gated delta rule inside runs as gated_delta.py's kernel, else MLX's fused
@@ -170,12 +176,12 @@ class BatchModel:
         if kv_attention.cuda_backend():
             gated_delta.install()
             modes = list(gated_delta.MODES)
-        live = [True]  # the check's switch between compiled and plain steps
+        live = self._live = [True]  # the check's switch: compiled or plain steps
         first = ""
         for mode in modes:
             seen = gated_delta.SEEN[0]
             n = recurrent.compile_recurrent(self.model, probe,
-                                            lambda: live[0] and self.decode_gate(), mode)
+                                            self.recurrent_ok, mode)
             if not n:
                 return 0, ""
             why = decode_steps_agree(self.model, self.probe_ids(), live)
