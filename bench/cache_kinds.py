@@ -106,6 +106,10 @@ async def decode_part(args, rng):
         model, tok, vocab = build_hybrid(name, args.dtype, args.size)
         twin = build_hybrid(name, args.dtype, args.size)[0]
         log(f"## {name} {args.dtype}: built twice in {pc() - t:.1f}s")
+        probe = mlxnb.Engine((twin, tok), warmup=False, kv_budget=None)  # its load checks
+        kinds = probe.cache_kinds
+        probe.close()
+        log(f"   engine: {kinds}")
         for B in args.batch:
             warm = common.make_prompts(rng, B, args.prompt, vocab)
             per = {m: [] for m in methods}
@@ -128,7 +132,8 @@ async def decode_part(args, rng):
                     + ", ".join(f"{m} {fmt(per[m][-1])}" for m in methods))
             ratio = {o: median([e / x for e, x in zip(per["engine"], per[o]) if e and x])
                      for o in ("bg", "raw")}
-            rows.append(dict(shape=name, B=B, **{m: median(per[m]) for m in methods},
+            rows.append(dict(shape=name, B=B, kinds=kinds,
+                             **{m: median(per[m]) for m in methods},
                              rounds=per, eng_bg=ratio["bg"], eng_raw=ratio["raw"]))
         del model, twin
         gc.collect()
@@ -144,6 +149,7 @@ def decode_table(rows, args):
     for r in rows:
         out.append(f"| {r['shape']} | {r['B']} | {fmt(r['raw'])} | {fmt(r['bg'])} | "
                    f"{fmt(r['engine'])} | {fmt(r['eng_bg'], 2)} | {fmt(r['eng_raw'], 2)} |")
+    out += [""] + sorted({f"Engine on {r['shape']}: {r['kinds']}" for r in rows})
     out += ["", "Per round (tok/s: raw / BG / engine):", "", "```"]
     out += [f"{r['shape']} B={r['B']}: " + ", ".join(
         " / ".join(fmt(r["rounds"][m][i]) for m in ("raw", "bg", "engine"))
