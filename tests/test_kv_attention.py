@@ -52,6 +52,8 @@ def test_kernel_supports_decode_shapes_only():
     assert ka.kernel_supports(q.shape, kq, 32, 4, None, 0.125)
     assert not ka.kernel_supports((3, 8, 2, 64), kq, 32, 4, None, 0.125)  # 2 query tokens
     assert not ka.kernel_supports(q.shape, kq, 32, 3, None, 0.125)  # 3-bit words straddle
+    wide = ka.FusedKV(mx.quantize(mx.zeros((1, 2, 8, 512)), group_size=64, bits=4))
+    assert not ka.kernel_supports((1, 8, 1, 512), wide, 64, 4, None, 0.125)  # registers
     S = kq[0].shape[2]
     additive = mx.zeros((3, 1, 1, S))
     assert not ka.kernel_supports(q.shape, kq, 32, 4, additive, 0.125)
@@ -192,3 +194,4 @@ def test_dense_supports_single_tokens_and_key_masks():
     assert not ka.dense_supports((3, 8, 4, 64), k, None, 0.125)
     assert not ka.dense_supports((3, 8, 1, 64), k, mx.zeros((3, 1, 1, 40)), 0.125)
     assert not ka.dense_supports((3, 8, 1, 64), k.astype(mx.int32), None, 0.125)
+    assert not ka.dense_supports((3, 8, 1, 512), mx.zeros((3, 2, 40, 512)), None, 0.1)

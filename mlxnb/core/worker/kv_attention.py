@@ -77,7 +77,7 @@ def kernel_supports(queries_shape, keys: FusedKV, group_size: int, bits: int,
     if L != 1 or bits not in (2, 4, 8) or D % group_size or Hq % Hkv or S == 0 \
             or not scale > 0:
         return False
-    if group_size * bits < 32 or (D * bits) % 32:
+    if group_size * bits < 32 or (D * bits) % 32 or D > 256:
         return False
     if mask is not None and not _mask_ok(mask, B, S):
         return False
@@ -88,7 +88,8 @@ def dense_supports(queries_shape, keys, mask, scale: float = 1.0) -> bool:
     """Shapes, dtypes and masks the dense kernel takes (else MLX's attention)."""
     B, Hq, L, D = queries_shape
     Hkv, S = keys.shape[1], keys.shape[2]
-    return (L == 1 and Hq % Hkv == 0 and S > 0 and scale > 0 and D <= 512
+    # (larger heads would not fit a lane's registers)
+    return (L == 1 and Hq % Hkv == 0 and S > 0 and scale > 0 and D <= 256 and D % 4 == 0
             and keys.dtype in (mx.bfloat16, mx.float16, mx.float32)
             and (mask is None or _mask_ok(mask, B, S)))
 
