@@ -7,10 +7,12 @@ a warp holds 32/LK keys at a time, the block's NG = WARPS * 32/LK key groups str
 over the S keys, and each group keeps an online softmax (running max, sum, output).
 The groups combine through warp shuffles, then the warps through shared memory.
 
-`unrolled` (the one used first) loads U keys per group before it computes any of
-them, so each lane has U independent loads in flight: at long contexts the loop is
-bound by memory latency, not bandwidth. `quantized_v1` is the same math one key at a
-time, kept as the fallback a device's self-check can pick.
+`quantized_v1` takes one key per group and step; `quantized` and `dense` load U keys
+per group before computing any, for more loads in flight. On an H200 (2k context,
+bench/results/kv-attention-2026-12-02-h200.md) the unrolled quantized kernel ran
+1.5-2.4x slower than the one-key one relative to MLX's attention (more registers, less
+occupancy), so the engine tries the one-key kernel first; the dense kernel was
+measured only unrolled (4-5x faster than MLX's masked attention).
 
 Keys and values come as
   quantized  the mx.quantize triplets (packed uint32 [B, Hkv, S, D*bits/32], scales,
