@@ -14,6 +14,10 @@ BENCHMARKS = {
                        "Engine vs BatchGenerator"),
     "cache-kinds": ("cache_kinds", "hybrid models (recurrent + attention layers) decode, "
                                    "and quantized-KV capacity and decode"),
+    "kv-attention": ("kv_attention", "one layer's decode attention over a quantized KV "
+                                     "cache: fused kernel vs dequantize vs bf16, us/call"),
+    "recurrent-step": ("recurrent_step", "one recurrent layer's decode step: mlx-lm's code vs "
+                                         "the compiled step; the gated delta rule's paths"),
     "structured-rows": ("structured_rows", "constrained rows (JSON schema, regex) vs free "
                                            "rows, and the token-mask time per step"),
     "cold-start": ("cold_start", "first vs second use of each piece of a step (MLX "

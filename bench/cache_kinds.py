@@ -9,8 +9,8 @@ decode tok/s (medians over rounds) and the medians of the per-round ratios.
 Quantized KV (--no-kv skips it): a Llama-3.2-1B-shaped model.
   admitted  rows of a 2k-token context (prompt + new) that Engine(kv_budget=1GB)
             admits at once with kv_bits None / 8 / 4 (more rows submitted than fit)
-  decode    tok/s of B rows at that context, kv_bits 8 and 4 vs full-precision KV,
-            rounds interleaved, median of per-round ratios
+  decode    tok/s of B rows at that context (--kv-batch 8,32,128), kv_bits 8 and 4
+            vs full-precision KV, rounds interleaved, median of per-round ratios
 
   python -m bench cache-kinds --quick       # tiny shapes, seconds
   python -m bench cache-kinds --rounds 3 --save
@@ -70,9 +70,22 @@ QUICK = {
 }
 
 
+# --proxy: the real layer counts and patterns at toy width: on a CPU the host's share
+# of a step (graph building) is then about what it is on a GPU at the real width
+PROXY = {
+    "qwen3_5-0.8b": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=32,
+                         linear_value_head_dim=16, vocab_size=512),
+    "lfm2-1.2b": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      block_dim=64, block_ff_dim=128, block_multiple_of=16, vocab_size=512),
+}
+
+
 def build_hybrid(name, dtype, quick, seed=0):
     family, cfg = SHAPES[name]
-    cfg = dict(cfg, model_type=family, **(QUICK[name] if quick else {}))
+    small = {"quick": QUICK, "proxy": PROXY}.get(quick) or (QUICK if quick is True else {})
+    cfg = dict(cfg, model_type=family, **small.get(name, {}))
     mod = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(seed)
     model = mod.Model(mod.ModelArgs.from_dict(cfg))
@@ -90,9 +103,13 @@ async def decode_part(args, rng):
     rows = []
     for name in args.shapes:
         t = pc()
-        model, tok, vocab = build_hybrid(name, args.dtype, args.quick)
-        twin = build_hybrid(name, args.dtype, args.quick)[0]
+        model, tok, vocab = build_hybrid(name, args.dtype, args.size)
+        twin = build_hybrid(name, args.dtype, args.size)[0]
         log(f"## {name} {args.dtype}: built twice in {pc() - t:.1f}s")
+        probe = mlxnb.Engine((twin, tok), warmup=False, kv_budget=None)  # its load checks
+        kinds = probe.cache_kinds
+        probe.close()
+        log(f"   engine: {kinds}")
         for B in args.batch:
             warm = common.make_prompts(rng, B, args.prompt, vocab)
             per = {m: [] for m in methods}
@@ -115,7 +132,8 @@ async def decode_part(args, rng):
                     + ", ".join(f"{m} {fmt(per[m][-1])}" for m in methods))
             ratio = {o: median([e / x for e, x in zip(per["engine"], per[o]) if e and x])
                      for o in ("bg", "raw")}
-            rows.append(dict(shape=name, B=B, **{m: median(per[m]) for m in methods},
+            rows.append(dict(shape=name, B=B, kinds=kinds,
+                             **{m: median(per[m]) for m in methods},
                              rounds=per, eng_bg=ratio["bg"], eng_raw=ratio["raw"]))
         del model, twin
         gc.collect()
@@ -131,11 +149,32 @@ def decode_table(rows, args):
     for r in rows:
         out.append(f"| {r['shape']} | {r['B']} | {fmt(r['raw'])} | {fmt(r['bg'])} | "
                    f"{fmt(r['engine'])} | {fmt(r['eng_bg'], 2)} | {fmt(r['eng_raw'], 2)} |")
+    out += [""] + sorted({f"Engine on {r['shape']}: {r['kinds']}" for r in rows})
     out += ["", "Per round (tok/s: raw / BG / engine):", "", "```"]
     out += [f"{r['shape']} B={r['B']}: " + ", ".join(
         " / ".join(fmt(r["rounds"][m][i]) for m in ("raw", "bg", "engine"))
         for i in range(len(r["rounds"]["raw"]))) for r in rows]
     return "\n".join(out + ["```"])
+
+
+def ops_table(args, rng) -> str:
+    from . import step_ops
+    rows = []
+    for name in args.shapes:
+        model, tok, vocab = build_hybrid(name, args.dtype, args.size)
+        twin = build_hybrid(name, args.dtype, args.size)[0]
+        for B in args.batch:
+            prompts = common.make_prompts(rng, B, args.prompt, vocab)
+            nodes, ms = step_ops.raw(model, prompts)
+            rows.append(dict(shape=name, B=B, method="raw", nodes=nodes, build_ms=ms))
+            rows.append(dict(shape=name, B=B, method="BG",
+                             nodes=step_ops.batch_generator(model, prompts)))
+            rows.append(dict(shape=name, B=B, method="engine",
+                             nodes=asyncio.run(step_ops.engine(twin, tok, prompts))))
+        del model, twin
+        gc.collect()
+    return (f"## Graph nodes per decode step ({args.dtype}; build ms: the raw loop's "
+            f"forward, graph construction only)\n\n" + step_ops.table(rows))
 
 
 # -- quantized KV -----------------------------------------------------------------------
@@ -145,6 +184,8 @@ async def admitted(model, tok, vocab, rng, bits, budget, prompt, new, submit):
                        kv_bits=bits, warmup=False)
     try:
         per_row = eng.scheduler.row_bytes(prompt, new)
+        mode = eng.cache_kinds.split(", ", 1)[-1]  # e.g. 'KV 4-bit (decode attention: ...)'
+
         rows = [eng.submit(common.as_text(p), chat=False, max_tokens=new)
                 for p in common.make_prompts(rng, submit, prompt, vocab)]
         while eng.running == 0 and not all(r.done for r in rows):
@@ -153,22 +194,16 @@ async def admitted(model, tok, vocab, rng, bits, budget, prompt, new, submit):
         errs = [r.error for r in rows if r.error]
         if errs:
             raise RuntimeError(errs[0])
-        return n, per_row
+        return n, per_row, mode
     finally:
         await eng.aclose()
 
 
-async def kv_decode(model, tok, bits, prompts, new, warm):
-    """Decode tok/s of len(prompts) rows (all decoding, no prefill) at kv_bits."""
-    B = len(prompts)
-    eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, kv_bits=bits)
-    try:
-        await common.engine_run(eng, warm, 4)
-        _, steps, _, ok = await common.engine_run(eng, prompts, new)
-        w = common.decode_window(steps, B)
-        return (w["tps"] if w else None), ok
-    finally:
-        await eng.aclose()
+async def kv_decode(eng, prompts, new):
+    """Decode tok/s of len(prompts) rows (all decoding, no prefill) on `eng`."""
+    _, steps, _, ok = await common.engine_run(eng, prompts, new)
+    w = common.decode_window(steps, len(prompts))
+    return (w["tps"] if w else None), ok
 
 
 async def kv_part(args, rng):
@@ -179,40 +214,70 @@ async def kv_part(args, rng):
     bits_list = [None, 8, 4]
     full = "float32" if args.quick else "bf16"  # the unquantized KV's dtype
     cap, lines = [], []
+    kv_mode = "-"
     for bits in bits_list:
-        n, per_row = await admitted(model, tok, vocab, rng, bits, args.kv_budget, prompt,
-                                    new, args.kv_submit)
+        n, per_row, mode = await admitted(model, tok, vocab, rng, bits, args.kv_budget,
+                                          prompt, new, args.kv_submit)
+        if bits:
+            kv_mode = mode
         cap.append(dict(bits=bits, rows=n, per_row=per_row))
         lines.append(f"kv_bits={bits}: {n} rows admitted under {args.kv_budget} "
                      f"({per_row / 2**20:.1f} MiB per row)")
         log("  " + lines[-1])
-    B = args.kv_batch or max(1, cap[0]["rows"])
-    warm = common.make_prompts(rng, B, prompt, vocab)
-    per = {b: [] for b in bits_list}
-    for rep in range(args.rounds):
-        ps = common.make_prompts(rng, B, prompt, vocab)
-        for bits in bits_list:
-            tps, ok = await kv_decode(model, tok, bits, ps, new, warm)
-            if not ok:
-                log(f"  WARNING kv_bits={bits}: not every row ran to max_tokens")
-            per[bits].append(tps)
-            gc.collect()
-            mx.clear_cache()
-        lines.append(f"kv decode B={B} round {rep}: " + ", ".join(
-            f"{b or full} {fmt(per[b][-1])}" for b in bits_list))
-        log("  " + lines[-1])
+    sizes = [int(b) for b in args.kv_batch.split(",")] if args.kv_batch else [
+        max(1, cap[0]["rows"])]
     base = cap[0]["rows"]
     out = [f"## Quantized KV: {name} shape, context {ctx} tokens ({prompt} prompt + {new} "
            f"new), kv_budget {args.kv_budget}, group size 64", "",
-           f"| KV | MiB/row (budget) | rows admitted | x {full} | decode tok/s (B={B}) | "
-           f"x {full} (median of rounds) |", "|---|---|---|---|---|---|"]
+           f"| KV | MiB/row (budget) | rows admitted | x {full} |", "|---|---|---|---|"]
     for c in cap:
-        b = c["bits"]
-        r = median([x / y for x, y in zip(per[b], per[None]) if x and y])
-        out.append(f"| {f'{b}-bit' if b else full} | {c['per_row'] / 2**20:.1f} | "
-                   f"{c['rows']} | {c['rows'] / base if base else 0:.2f} | "
-                   f"{fmt(median(per[b]))} | {fmt(r, 2)} |")
-    return "\n".join(out + ["", "```"] + lines + ["```"])
+        kind = f"{c['bits']}-bit" if c["bits"] else full
+        out.append(f"| {kind} | "
+                   f"{c['per_row'] / 2**20:.1f} | {c['rows']} | "
+                   f"{c['rows'] / base if base else 0:.2f} |")
+    out += ["", f"Decode tok/s at {ctx}-token contexts (x {full}: median of per-round "
+            f"ratios over {args.rounds} interleaved rounds)", "",
+            "| B | " + " | ".join(f"{b or full}" for b in bits_list) + " | "
+            + " | ".join(f"{b}-bit x {full}" for b in bits_list if b) + " |",
+            "|---|" + "---|" * (2 * len(bits_list) - 1)]
+    # one engine per KV kind for every batch size and round (an engine's load and
+    # warm-up cost seconds); the warm-up compiles the decode step at each B, its
+    # context need not be long
+    engines = {b: mlxnb.Engine((model, tok), max_batch=max(sizes), kv_budget=None,
+                               kv_bits=b) for b in bits_list}
+    try:
+        return await _kv_rounds(engines, sizes, args, rng, vocab, prompt, new, bits_list,
+                                full, out, lines, kv_mode)
+    finally:
+        for eng in engines.values():
+            await eng.aclose()
+
+
+async def _kv_rounds(engines, sizes, args, rng, vocab, prompt, new, bits_list, full, out,
+                     lines, kv_mode):
+    for B in sizes:
+        for eng in engines.values():
+            await common.engine_run(eng, common.make_prompts(rng, B, 32, vocab), 4)
+        per = {b: [] for b in bits_list}
+        for rep in range(args.rounds):
+            ps = common.make_prompts(rng, B, prompt, vocab)
+            for bits in bits_list:
+                tps, ok = await kv_decode(engines[bits], ps, new)
+                if not ok:
+                    log(f"  WARNING kv_bits={bits}: not every row ran to max_tokens")
+                per[bits].append(tps)
+                gc.collect()
+                mx.clear_cache()
+            lines.append(f"kv decode B={B} round {rep}: " + ", ".join(
+                f"{b or full} {fmt(per[b][-1])}" for b in bits_list))
+            log("  " + lines[-1])
+        ratios = [median([x / y for x, y in zip(per[b], per[None]) if x and y])
+                  for b in bits_list if b]
+        out.append(f"| {B} | " + " | ".join(fmt(median(per[b])) for b in bits_list)
+                   + " | " + " | ".join(fmt(r, 2) for r in ratios) + " |")
+    full_kinds = engines[None].cache_kinds
+    return "\n".join(out + ["", f"Attention on the quantized KV: {kv_mode}; full precision: "
+                             f"{full_kinds}", "", "```"] + lines + ["```"])
 
 
 def main(argv=None, prog=None):
@@ -233,21 +298,33 @@ def main(argv=None, prog=None):
     ap.add_argument("--kv-context", type=int, default=2048)
     ap.add_argument("--kv-new", type=int, default=64)
     ap.add_argument("--kv-submit", type=int, default=256, help="rows submitted at once")
-    ap.add_argument("--kv-batch", type=int, default=0,
-                    help="rows in the kv decode runs (default: full precision's admitted rows)")
+    ap.add_argument("--kv-batch", default="",
+                    help="batch sizes of the kv decode runs, e.g. 8,32,128 (default: the "
+                         "rows full precision admits)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds")
+    ap.add_argument("--proxy", action="store_true",
+                    help="the real layer patterns at toy width, float32 (a CPU's stand-in "
+                         "for a GPU's host-bound decode)")
+    ap.add_argument("--ops", action="store_true",
+                    help="also count the graph nodes of one decode step per method")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.dtype, args.batch, args.prompt, args.new = "float32", "1,4", 16, 16
         args.warm_new, args.rounds = 4, 2
         args.kv_budget, args.kv_context, args.kv_new, args.kv_submit = "4MB", 512, 16, 64
+    args.size = "quick" if args.quick else "proxy" if args.proxy else None
+    if args.proxy:
+        args.dtype = "float32"
     args.shapes = args.shapes.split(",")
     args.batch = [int(b) for b in args.batch.split(",")]
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# cache-kinds  {report.env}")
     rng = np.random.default_rng(1234)
     parts = []
+    if args.ops:
+        parts.append(ops_table(args, rng))
+        log(parts[-1])
     if not args.no_decode:
         parts.append(decode_table(asyncio.run(decode_part(args, rng)), args))
         report.write("\n\n".join(parts))

@@ -313,7 +313,7 @@ def test_kv_dequantized_for_attention_where_quantized_matmul_is_missing(monkeypa
 
     alone, batched, status, costs = arun(main)
     assert batched == alone
-    assert "KV 4-bit (dequantized for attention on this device)" in status
+    assert "KV 4-bit (dequantized for attention on this device: no quantized matmul" in status
     monkeypatch.undo()
     q = engine("gemma3_text", **kv)
     assert q.quantized_attention and q.layer_costs == costs

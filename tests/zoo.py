@@ -415,7 +415,7 @@ def reference_tokens(model, prompt, n, kv_bits=None, kv_group_size=64):
         model(mx.array([ids[:1]]), cache=cache)
         cache = make_row_cache(model, kv_bits, kv_group_size)
     except ValueError:
-        cache = make_row_cache(model, kv_bits, kv_group_size, quantized_attention=False)
+        cache = make_row_cache(model, kv_bits, kv_group_size, attention="dequantized")
     for tok, _ in generate_step(mx.array(ids), model, max_tokens=n, prompt_cache=cache):
         out.append(int(tok))
         if out[-1] == 257:  # <eos>: the engine's row ends here too

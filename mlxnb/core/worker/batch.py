@@ -63,6 +63,8 @@ class BatchExecutor:
             prefix_bytes and self.setup.prefix_reusable) else None
         self.shapes = ShapeMemory()
         self.adapters = AdapterSet(model)  # LoRA/DoRA rows (adapters.py)
+        # compiled recurrent decode steps hold base weights (recurrent.py)
+        self.setup.decode_gate = lambda: self.adapters.sel is None
         self.policy = PrefillPolicy(prefill_chunk)
         self.prefill = Prefill(model, self.make_cache, self.policy, self.shapes,
                                self.prefix, pad_safe=self.setup.pad_safe,

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache
                                  CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
                                  create_attention_mask, make_prompt_cache)
 
+from .kv_attention import DenseKV
 from .quantized_kv import (BatchQuantizedKVCache, BatchQuantizedRotatingKVCache,
                            QuantizedRotatingKVCache)
 from .quantized_kv import round_up  # noqa: F401  (prefill's widths grow as caches do)
@@ -34,22 +35,21 @@ KV_GROUP_SIZES = (32, 64, 128)
 
 
 def make_row_cache(model, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-                   quantized_attention: bool = True) -> list:
+                   attention="quantized") -> list:
     """The model's own prompt cache, with every KV layer (full attention and sliding
     window) quantized when `kv_bits` is set, from the first token: quantization is
     per token and per group of `kv_group_size` head dims, so a row's KV bytes do not
-    depend on how its prompt was chunked or batched. `quantized_attention`: see
-    `_Quantized`."""
+    depend on how its prompt was chunked or batched. `attention`: how attention reads
+    it (quantized_kv._Quantized)."""
     cache = make_prompt_cache(model)
     if kv_bits is None:
         return cache
 
     def q(c):
         if type(c) is KVCache:
-            return BatchQuantizedKVCache([0], kv_group_size, kv_bits, quantized_attention)
+            return BatchQuantizedKVCache([0], kv_group_size, kv_bits, attention)
         if type(c) is RotatingKVCache and c.keep == 0:
-            return QuantizedRotatingKVCache(c.max_size, kv_group_size, kv_bits,
-                                            quantized_attention)
+            return QuantizedRotatingKVCache(c.max_size, kv_group_size, kv_bits, attention)
         if type(c) is CacheList:
             return CacheList(*(q(x) for x in c.caches))
         return c
@@ -93,10 +93,11 @@ def layer_costs(cache: list) -> List[LayerCost]:
     return out
 
 
-def describe(cache: list, kv_bits: Optional[int] = None,
-             quantized_attention: bool = True) -> str:
+def describe(cache: list, kv_bits: Optional[int] = None, attention="quantized",
+             why: str = "") -> str:
     """What a user reads in the status line: e.g. '24 recurrent-state + 8 attention
-    layers, KV 4-bit'."""
+    layers, KV 4-bit'; with quantized KV, how attention reads it (and `why` it is
+    dequantized, when a check said so)."""
     counts = {}
     for c in cache:
         kinds = sorted({_KIND[type(x)] for x in _leaves([c]) if type(x) in _KIND})
@@ -108,8 +109,11 @@ def describe(cache: list, kv_bits: Optional[int] = None,
     text = " + ".join(parts) + " layers"
     if kv_bits is not None:
         text += f", KV {kv_bits}-bit"
-        if not quantized_attention:
-            text += " (dequantized for attention on this device)"
+        if attention == "fused":
+            text += " (decode attention: fused quantized-KV kernel)"
+        elif attention in ("dequantized", False):
+            text += " (dequantized for attention on this device"
+            text += f": {why})" if why else ")"
         if any(type(x) is RotatingKVCache for x in _leaves(cache)):
             text += " (windows that keep their first tokens stay full precision)"
     return text
@@ -130,12 +134,12 @@ def empty_batch(row_cache: list, n: int) -> list:
         if t is QuantizedKVCache:
             return BatchQuantizedKVCache([0] * n, c.group_size, c.bits)
         if t is BatchQuantizedKVCache:
-            return BatchQuantizedKVCache([0] * n, c.q_group, c.q_bits, c.quantized_attention)
+            return BatchQuantizedKVCache([0] * n, c.q_group, c.q_bits, c.attention)
         if t is RotatingKVCache:
             return BatchRotatingKVCache(c.max_size, [0] * n)
         if t is QuantizedRotatingKVCache:
             return BatchQuantizedRotatingKVCache(c.max_size, [0] * n, c.q_group, c.q_bits,
-                                                 c.quantized_attention)
+                                                 c.attention)
         if t is ArraysCache:
             return ArraysCache(len(c.cache))  # no left padding: no mask in decode
         if t is CacheList:
@@ -185,6 +189,10 @@ class LeanBatchKVCache(BatchKVCache):
     other backends don't care."""
 
     step = 255
+    # kv_attention.py: one token's attention over a padded batch goes to its fused
+    # kernel (set at load where it checked out: CUDA); `bits` tells mlx-lm to route it
+    dense_decode = False
+    _dense_now = False
 
     @property
     def offset(self):
@@ -194,10 +202,33 @@ class LeanBatchKVCache(BatchKVCache):
     def offset(self, value):
         pass
 
+    @property
+    def bits(self):
+        if not self._dense_now:
+            raise AttributeError("bits")
+        return 16
+
+    @property
+    def group_size(self):
+        if not self._dense_now:
+            raise AttributeError("group_size")
+        return 0
+
     def update_and_fetch(self, keys, values):
+        k, v = self.write(keys, values)
+        self._dense_now = self.dense_decode and keys.shape[2] == 1
+        if self._dense_now:
+            return DenseKV((k,)), DenseKV((v,))
+        return k, v
+
+    def write(self, keys, values):
+        """Store [B, H, n, D] keys and values; their buffers' first positions up to
+        the new end (views)."""
+        self._dense_now = False
         prev, n = self._idx, keys.shape[2]
         if self.keys is None or prev + n > self.keys.shape[2]:
-            return super().update_and_fetch(keys, values)  # growth: mlx-lm's path
+            # growth: mlx-lm's path
+            return BatchKVCache.update_and_fetch(self, keys, values)
         # mlx-lm's write without its `offset += n`, which on this class builds two
         # array ops per layer per step that nothing evaluates
         self._idx = prev + n
@@ -230,7 +261,10 @@ class AlignedView:
         return self.c._idx
 
     def update_and_fetch(self, keys, values):
-        return self.c.update_and_fetch(keys, values)
+        c = self.c
+        if type(c) is LeanBatchKVCache:  # unpadded: MLX's attention, no mask, is fast
+            return c.write(keys, values)
+        return c.update_and_fetch(keys, values)
 
     def make_mask(self, N, return_array: bool = False, window_size=None, **kwargs):
         # mlx-lm's single-row rule (KVCache.make_mask): arrays only when asked for

@@ -7,6 +7,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache, dynamic_roll
 
+from .kv_attention import FusedKV
+
 
 def round_up(n: int, step: int) -> int:
     return -(-n // step) * step
@@ -14,27 +16,47 @@ def round_up(n: int, step: int) -> int:
 
 # -- one row's cache ------------------------------------------------------------------
 
-class _Quantized:
-    """Quantization settings of a KV cache and how attention reads it. With
-    `quantized_attention` the cache has `bits` and `group_size`, so mlx-lm's
-    attention multiplies the mx.quantize triplets directly; without, attention gets
-    them dequantized (plain attention; the memory saved is the same). The engine
-    picks at load: MLX's CUDA backend, for one, has no quantized matmul for the
-    shapes single-token attention needs."""
+ATTENTION_MODES = ("quantized", "fused", "dequantized")
 
-    def _quant(self, group_size: int, bits: int, quantized_attention: bool):
-        self.q_group, self.q_bits = group_size, bits
-        self.quantized_attention = quantized_attention
+
+class _Quantized:
+    """Quantization settings of a KV cache and how attention reads it (`attention`):
+
+      quantized    the cache has `bits` and `group_size`, so mlx-lm's attention
+                   multiplies the mx.quantize triplets directly (Metal, CPU)
+      fused        one query token (decode): the triplets go to kv_attention's fused
+                   kernel as a FusedKV; longer chunks read them dequantized (CUDA)
+      dequantized  attention gets them dequantized (plain attention)
+
+    The memory held is the same in every mode; the engine picks at load (setup.py)."""
+
+    _fused_now = False  # the last update was one token in "fused" mode
+
+    def _quant(self, group_size: int, bits: int, attention="quantized"):
+        if attention is True or attention is False:
+            attention = "quantized" if attention else "dequantized"
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, not {attention!r}")
+        self.q_group, self.q_bits, self.attention = group_size, bits, attention
+
+    @property
+    def quantized_attention(self) -> bool:
+        return self.attention != "dequantized"
 
     def __getattr__(self, name):  # only for names not set on the instance
         d = self.__dict__
-        if name in ("bits", "group_size") and d.get("quantized_attention"):
+        if name in ("bits", "group_size") and (
+                d.get("attention") == "quantized" or d.get("_fused_now")):
             return d["q_bits"] if name == "bits" else d["q_group"]
         raise AttributeError(name)
 
-    def _for_attention(self, trip):
-        if self.quantized_attention:
+    def _for_attention(self, trip, n: int = 0):
+        """What attention reads of a triplet, after an update of `n` tokens."""
+        mode = self.attention
+        if mode == "quantized":
             return trip
+        if mode == "fused" and n == 1:
+            return FusedKV(trip)
         return mx.dequantize(*trip, group_size=self.q_group, bits=self.q_bits)
 
 
@@ -48,12 +70,12 @@ class BatchQuantizedKVCache(_Quantized):
     step = 256
 
     def __init__(self, left_padding: list, group_size: int = 64, bits: int = 8,
-                 quantized_attention: bool = True):
+                 attention="quantized"):
         self.keys = self.values = None
         self.left_padding = mx.array(left_padding)
         self._idx = 0
         self._right_padding = None
-        self._quant(group_size, bits, quantized_attention)
+        self._quant(group_size, bits, attention)
 
     @property
     def offset(self):
@@ -83,12 +105,11 @@ class BatchQuantizedKVCache(_Quantized):
         for dst, src in ((self.keys, qk), (self.values, qv)):
             for d, s in zip(dst, src):
                 d[..., prev:self._idx, :] = s
-        return self.keys_and_values()
-
-    def keys_and_values(self):
+        # mlx-lm asks the cache for `bits` right after this: only a fused decode has it
+        self._fused_now = self.attention == "fused" and n == 1
         i = self._idx
-        return (self._for_attention(tuple(x[..., :i, :] for x in self.keys)),
-                self._for_attention(tuple(x[..., :i, :] for x in self.values)))
+        return (self._for_attention(tuple(x[..., :i, :] for x in self.keys), n),
+                self._for_attention(tuple(x[..., :i, :] for x in self.values), n))
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None:
@@ -211,6 +232,8 @@ class _Packed(_Quantized):
         n = like.shape[-1] * self.q_bits // 32
         sb = mx.view(p[..., n:], like.dtype)
         half = sb.shape[-1] // 2
+        # (a window's packed words are not laid out for the fused kernel: any
+        # mode but "quantized" reads them dequantized)
         return self._for_attention((p[..., :n], sb[..., :half], sb[..., half:]))
 
     def update_and_fetch(self, keys, values):
@@ -223,15 +246,15 @@ class QuantizedRotatingKVCache(_Packed, RotatingKVCache):
     which mlx-lm does not offer; one row, as `make_row_cache` builds it."""
 
     def __init__(self, max_size, group_size: int = 64, bits: int = 8,
-                 quantized_attention: bool = True):
+                 attention="quantized"):
         super().__init__(max_size)
-        self._quant(group_size, bits, quantized_attention)
+        self._quant(group_size, bits, attention)
 
 
 class BatchQuantizedRotatingKVCache(_Packed, BatchRotatingKVCache):
     """mlx-lm's BatchRotatingKVCache holding quantized keys/values."""
 
     def __init__(self, max_size, left_padding: list, group_size: int = 64, bits: int = 8,
-                 quantized_attention: bool = True):
+                 attention="quantized"):
         super().__init__(max_size, left_padding)
-        self._quant(group_size, bits, quantized_attention)
+        self._quant(group_size, bits, attention)

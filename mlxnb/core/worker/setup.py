@@ -8,7 +8,9 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import caches
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from . import caches, gated_delta, kv_attention, recurrent
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
@@ -22,8 +24,9 @@ class BatchModel:
         self.model, self.tokenizer = model, tokenizer
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.prefill_chunk = prefill_chunk
-        # attention reads quantized KV directly unless _probe_costs finds it cannot
-        self.quantized_attention = True
+        # how attention reads quantized KV (quantized_kv._Quantized): _probe_costs
+        # picks, `kv_attention_note` says why it fell back to dequantizing
+        self.kv_attention, self.kv_attention_note = "quantized", ""
         probe = self.make_cache()
         bad = caches.unsupported(probe)
         if bad:
@@ -36,7 +39,25 @@ class BatchModel:
         self.fused = fuse_projections(model, lambda: model(
             mx.array([[0]]), cache=self.make_cache())) if fuse else 0
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
-        self.cache_kinds = caches.describe(probe, kv_bits, self.quantized_attention)
+        self.dense_note = self._pick_dense_decode()
+        # recurrent.py: recurrent layers decode through compiled steps; the executor
+        # sets `decode_gate` (no adapter selected) before any step runs
+        self.decode_gate = lambda: True
+        self.recurrence = ""  # what compiled gated delta rules run as, if any
+        self._live = [True]
+        self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
+        self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
+                                           self.kv_attention_note)
+        if caches.LeanBatchKVCache.dense_decode:
+            self.cache_kinds += ", padded decode attention: fused kernel"
+        elif self.dense_note:
+            self.cache_kinds += f", padded decode attention: MLX's ({self.dense_note})"
+        if self.compiled_layers:
+            self.cache_kinds += ", recurrent decode compiled" + {
+                "kernel": " (gated delta: fused kernel)",
+                "fast": " (gated delta: mx.fast)"}.get(self.recurrence, "")
+        elif self.compile_note:
+            self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
         # prefix entries are slices of full-attention KV (quantized or not): windows
         # and recurrent states would need a snapshot at the prefix boundary instead
         self.prefix_reusable = PrefixStore.supports(probe)
@@ -53,12 +74,22 @@ class BatchModel:
     def make_cache(self) -> list:
         """A fresh single-row cache of this engine's kinds (KV quantized if asked)."""
         return caches.make_row_cache(self.model, self.kv_bits, self.kv_group_size,
-                                     self.quantized_attention)
+                                     self.kv_attention)
+
+    @property
+    def quantized_attention(self) -> bool:
+        """Does attention read the quantized KV without dequantizing the whole cache?"""
+        return self.kv_attention != "dequantized"
 
     def _probe_costs(self) -> List[tuple]:
         """caches.layer_costs of a real forward (a token, a chunk, a decode step).
-        With kv_bits, attention reads the quantized KV directly if the device can
-        (mx.quantized_matmul at these shapes), else dequantized."""
+        With kv_bits it also picks how attention reads the quantized KV:
+          CUDA         the fused decode kernel (kv_attention.py), if its self-check
+                       on this device at the model's shapes agrees with
+                       dequantize-then-attend (MLX's CUDA backend has no quantized
+                       matmul for attention's shapes)
+          Metal, CPU   mlx-lm's quantized matmuls, if they run at these shapes
+          otherwise    dequantized (the same bytes held; more moved per step)"""
         def run():
             cache = self.make_cache()
             for n in (1, 5, 1):
@@ -66,20 +97,101 @@ class BatchModel:
             mx.eval([c.state for c in cache])
             return cache
 
+        if self.kv_bits is None:
+            return caches.layer_costs(run())
+        if kv_attention.cuda_backend():
+            return self._probe_fused(run)
+        try:
+            return caches.layer_costs(run())
+        except Exception as e:
+            self.kv_attention_note = "no quantized matmul for attention's shapes"
+            first = e
+        self.kv_attention = "dequantized"
         try:
             return caches.layer_costs(run())
         except Exception:
-            if self.kv_bits is None:
-                raise
-        self.quantized_attention = False
+            e = first
+        raise ValueError(
+            f"this model cannot run with a quantized KV cache (kv_bits="
+            f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "
+            f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides its "
+            f"head dim, or no kv_bits.") from None
+
+    def _probe_fused(self, run) -> List[tuple]:
+        """The fused kernel where its self-check passes, else dequantized."""
+        kv_attention.install()
+        self.kv_attention = "fused"
+        try:
+            with kv_attention.recording() as calls:
+                costs = caches.layer_costs(run())
+            why = kv_attention.self_check(calls) if calls else ""
+        except Exception as e:
+            costs, why = None, f"fused kernel failed: {type(e).__name__}: " + \
+                " ".join(str(e).split())[:120]
+        if costs is not None and calls and not why:
+            return costs
+        self.kv_attention, self.kv_attention_note = "dequantized", why
         try:
             return caches.layer_costs(run())
         except Exception as e:
             raise ValueError(
                 f"this model cannot run with a quantized KV cache (kv_bits="
                 f"{self.kv_bits}, kv_group_size={self.kv_group_size}) on this device: "
-                f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides its "
-                f"head dim, or no kv_bits.") from None
+                f"{' '.join(str(e).split())[:160]} Use a kv_group_size that divides "
+                f"its head dim, or no kv_bits.") from None
+
+    def _pick_dense_decode(self) -> str:
+        """On CUDA, full-precision KV layers of padded batches decode through
+        kv_attention's dense kernel if its self-check at this model's shapes passes;
+        returns why not when it does not."""
+        Lean = caches.LeanBatchKVCache
+        Lean.dense_decode = False
+        if not kv_attention.cuda_backend():
+            return ""
+        kv_attention.install()
+        Lean.dense_decode = True
+        try:
+            with kv_attention.recording(dense=True) as calls:
+                cache = empty_batch(self.make_cache(), 1)  # a batch cache: its mask
+                self.model(mx.zeros((1, 3), mx.int32), cache=cache)
+                mx.eval(self.model(mx.zeros((1, 1), mx.int32), cache=cache))
+            why = kv_attention.self_check_dense(calls) if calls else ""
+        except Exception as e:
+            why = f"failed: {type(e).__name__}: " + " ".join(str(e).split())[:120]
+        Lean.dense_decode = bool(calls) and not why
+        return why
+
+    def recurrent_ok(self) -> bool:
+        """May this forward replay compiled recurrent steps? (recurrent.py holds this
+        method weakly: it goes with the engine.)"""
+        return self._live[0] and self.decode_gate()
+
+    def _compile_recurrent(self, probe: list):
+        """(layers whose decode is compiled, a note for the status line). On CUDA a
+        gated delta rule inside runs as gated_delta.py's kernel, else MLX's fused
+        op, else mlx-lm's ops: the first whose compiled steps match the plain ones."""
+        if not any(type(c) is ArraysCache for c in caches._leaves(probe)):
+            return 0, ""
+        modes = ["ops"]
+        if kv_attention.cuda_backend():
+            gated_delta.install()
+            modes = list(gated_delta.MODES)
+        live = self._live = [True]  # the check's switch: compiled or plain steps
+        first = ""
+        for mode in modes:
+            seen = gated_delta.SEEN[0]
+            n = recurrent.compile_recurrent(self.model, probe,
+                                            self.recurrent_ok, mode)
+            if not n:
+                return 0, ""
+            why = decode_steps_agree(self.model, self.probe_ids(), live)
+            if not why:
+                used = gated_delta.SEEN[0] > seen
+                self.recurrence = mode if used else ""
+                return n, ""
+            recurrent.uncompile(self.model)
+            first = first or why
+        return 0, first
 
     def kv_bytes_for(self, length: int) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""
@@ -164,3 +276,33 @@ def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
                          "it shares a batch with longer rows (left padding reaches its "
                          "attention or positions). Use mlx_lm.generate for it.")
     return _diff(padded, alone) <= noise
+
+
+def decode_steps_agree(model, ids: List[int], switch: list) -> str:
+    """Three decode steps of two rows with the compiled recurrent steps (switch[0]
+    True) and without: '' if logits and states agree within dtype noise, else what
+    differs. A trace that dropped a side effect of the layer's code, or baked in a
+    value that changes per step, shows up here."""
+    ids = (list(ids) * 10)[:10] if ids else list(range(2, 12))
+
+    def run(on: bool):
+        switch[0] = on
+        cache = make_prompt_cache(model)
+        model(mx.array([ids[:5], ids[5:]]), cache=cache)
+        steps = [model(mx.array([[ids[i]], [ids[-1 - i]]]), cache=cache)[:, -1]
+                 for i in range(3)]
+        states = [x for c in cache if type(c) is ArraysCache for x in c.cache]
+        mx.eval(steps, states)
+        return steps, states
+
+    try:
+        plain, compiled = run(False), run(True)
+    except Exception as e:
+        return f"compiled decode failed: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+    finally:
+        switch[0] = True
+    for a, b in zip(plain[0] + plain[1], compiled[0] + compiled[1]):
+        scale = max(1.0, a.astype(mx.float32).abs().max().item())
+        if not _diff(a, b) <= 0.02 * scale:
+            return "compiled decode steps differ from the plain ones"
+    return ""

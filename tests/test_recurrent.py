@@ -1,0 +1,237 @@
+"""Compiled decode steps for recurrent layers (recurrent.py): which layers get them,
+that decode runs through them with the same tokens as mlx-lm, and the cases that
+must keep mlx-lm's plain code (a layer the trace cannot stand for, an adapter
+selected, prefill)."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+from mlx_lm.generate import generate_step
+
+from mlxnb import Engine
+from mlxnb.core.worker import recurrent
+from mlxnb.core.worker.setup import decode_steps_agree
+from mlxnb.models.tiny import byte_tokenizer
+from test_cache_kinds import PROMPTS, build, engine  # tests/ is on sys.path
+
+
+def _count_steps(model):
+    """Wrap every compiled layer's step to count its calls."""
+    calls = [0]
+    for i in recurrent.compiled_layers(model):
+        st = model.layers[i]._mlxnb_decode
+        step = st.step
+
+        def counted(*a, _step=step):
+            calls[0] += 1
+            return _step(*a)
+        st.step = counted
+    return calls
+
+
+def _mlx_lm_tokens(model, ids, n):
+    cache = make_prompt_cache(model)
+    return [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n,
+                                             prompt_cache=cache)]
+
+
+@pytest.mark.parametrize("family,expect", [("qwen3_5", [0, 2]), ("lfm2", [0, 2]),
+                                           ("mamba2", [0, 1]), ("llama", [])])
+def test_recurrent_layers_decode_compiled_with_mlx_lm_tokens(family, expect, arun):
+    mx.random.seed(3)  # (its norms and decay constants come from the global seed)
+    model = build(family, seed=3)  # its own instance: the engine changes its layers
+
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        calls = _count_steps(model)
+        rows = [eng.submit(p, max_tokens=10, chat=False) for p in PROMPTS]
+        tokens = [(await r).tokens for r in rows]
+        await eng.aclose()
+        return tokens, [r.prompt_ids for r in rows], calls[0]
+
+    tokens, ids, calls = arun(main)
+    assert recurrent.compiled_layers(model) == expect
+    assert (calls > 0) == bool(expect)
+    mx.random.seed(3)
+    plain = build(family, seed=3)  # the same weights, mlx-lm's own layers
+    for t, i in zip(tokens, ids):
+        assert t == _mlx_lm_tokens(plain, i, 10)
+
+
+class _Counting(nn.Module):
+    """A recurrent layer whose step depends on a Python counter: a trace bakes the
+    counter's value in, so replays compute something else than the code says."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.t = 0
+
+    def __call__(self, x, mask=None, cache=None):
+        self.t += 1
+        state = cache[0] if cache[0] is not None else mx.zeros((x.shape[0], 8))
+        cache[0] = state * 0.5 + self.proj(x[:, -1]) * self.t
+        return x + cache[0][:, None]
+
+
+class _Toy(nn.Module):
+    def __init__(self, layer_cls):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.layers = [layer_cls(), layer_cls()]
+        self.head = nn.Linear(8, 32)
+
+    def __call__(self, ids, cache=None):
+        h = self.embed(ids)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask=None, cache=c)
+        return self.head(h)
+
+    def make_cache(self):
+        return [ArraysCache(1) for _ in self.layers]
+
+
+class _Pure(_Counting):
+    def __call__(self, x, mask=None, cache=None):
+        state = cache[0] if cache[0] is not None else mx.zeros((x.shape[0], 8))
+        cache[0] = state * 0.5 + self.proj(x[:, -1])
+        return x + cache[0][:, None]
+
+
+def test_probe_keeps_plain_code_where_a_trace_would_differ(monkeypatch):
+    import mlx_lm.models.cache as mc
+    monkeypatch.setattr(mc, "make_prompt_cache", lambda m, *a: m.make_cache())
+    import mlxnb.core.worker.setup as setup
+    monkeypatch.setattr(setup, "make_prompt_cache", lambda m, *a: m.make_cache())
+    for cls, agree in ((_Pure, True), (_Counting, False)):
+        mx.random.seed(0)
+        toy = _Toy(cls)
+        mx.eval(toy.parameters())
+        live = [True]
+        assert recurrent.compile_recurrent(toy, toy.make_cache(), lambda: live[0]) == 2
+        why = decode_steps_agree(toy, list(range(2, 12)), live)
+        assert (why == "") == agree, why
+        if not agree:
+            assert why == "compiled decode steps differ from the plain ones"
+        recurrent.uncompile(toy)
+        assert type(toy.layers[0]) is cls
+
+
+def test_gate_and_prefill_take_the_plain_path():
+    mx.random.seed(0)
+    toy = _Toy(_Pure)
+    mx.eval(toy.parameters())
+    gate = [True]
+    recurrent.compile_recurrent(toy, toy.make_cache(), lambda: gate[0])
+    calls = _count_steps(toy)
+    cache = toy.make_cache()
+    toy(mx.array([[1, 2, 3]]), cache=cache)  # prefill: plain
+    assert calls[0] == 0
+    a = toy(mx.array([[4]]), cache=cache)  # decode: compiled
+    assert calls[0] == 2
+    gate[0] = False  # e.g. an adapter selected for this forward
+    b = toy(mx.array([[5]]), cache=cache)
+    assert calls[0] == 2
+    mx.eval(a, b)
+
+
+def test_layers_called_another_way_are_left_alone():
+    class Odd(_Pure):
+        def __call__(self, x, cache, extra=None):
+            return super().__call__(x, cache=cache)
+
+    class Model(_Toy):
+        def __call__(self, ids, cache=None):
+            h = self.embed(ids)
+            for layer, c in zip(self.layers, cache):
+                h = layer(h, c)
+            return self.head(h)
+
+    toy = Model(Odd)
+    assert recurrent.compile_recurrent(toy, toy.make_cache(), lambda: True) == 0
+    # a KV layer is never compiled
+    toy2 = _Toy(_Pure)
+    assert recurrent.compile_recurrent(toy2, [KVCache(), ArraysCache(1)], lambda: True) == 1
+    assert recurrent.compiled_layers(toy2) == [1]
+
+
+def test_engine_status_counts_compiled_layers(arun):
+    eng = engine("qwen3_5")
+    try:
+        assert "2 recurrent-state + 2 attention layers, recurrent decode compiled" \
+            in eng.status()
+    finally:
+        eng.close()
+
+
+def _gd_reference(q, k, v, g, beta, state):
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops
+    Hk, Hv = k.shape[2], v.shape[2]
+    if Hv > Hk:
+        q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
+    y, st = _gated_delta_step_ops(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+    return y[:, None], st
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_gated_delta_kernel_path_is_checked_and_keeps_tokens(broken, monkeypatch, arun):
+    """On a CUDA-like backend the compiled gated delta-net steps run the recurrence
+    as gated_delta.py's kernel (its stand-in here: the same step in MLX ops, counted);
+    a kernel that disagrees is caught at load and MLX's fused op takes over."""
+    from mlxnb.core.worker import gated_delta, kv_attention
+    monkeypatch.setattr(kv_attention, "cuda_backend", lambda: True)
+    calls = []
+
+    def kernel(q, k, v, g, beta, state):
+        calls.append(q.shape)
+        y, st = _gd_reference(q, k, v, g, beta, state)
+        return (y * 1.5 if broken else y), st
+
+    monkeypatch.setattr(gated_delta, "decode_step", kernel)
+    mx.random.seed(5)
+    model = build("qwen3_5", seed=5)
+
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        rows = [eng.submit(p, max_tokens=8, chat=False) for p in PROMPTS]
+        tokens = [(await r).tokens for r in rows]
+        status = eng.status()
+        await eng.aclose()
+        return tokens, [r.prompt_ids for r in rows], status
+
+    tokens, ids, status = arun(main)
+    want = "(gated delta: mx.fast)" if broken else "(gated delta: fused kernel)"
+    assert f"recurrent decode compiled {want}" in status
+    assert calls  # the kernel was traced (and checked) at least once
+    mx.random.seed(5)
+    plain = build("qwen3_5", seed=5)
+    for t, i in zip(tokens, ids):
+        assert t == _mlx_lm_tokens(plain, i, 8)
+
+
+def test_a_closed_engines_gate_goes_with_it():
+    import gc
+
+    class Owner:
+        def __init__(self):
+            self.ok = True
+
+        def recurrent_ok(self):
+            return self.ok
+
+    mx.random.seed(0)
+    toy = _Toy(_Pure)
+    a, b = Owner(), Owner()
+    recurrent.compile_recurrent(toy, toy.make_cache(), a.recurrent_ok)
+    recurrent.compile_recurrent(toy, toy.make_cache(), b.recurrent_ok)
+    st = toy.layers[0]._mlxnb_decode
+    assert len(st.gates) == 2
+    a.ok = False  # any live engine's gate closes the compiled path
+    assert not st.allowed()
+    del a
+    gc.collect()
+    assert st.allowed()
+    recurrent.compile_recurrent(toy, toy.make_cache(), Owner().recurrent_ok)
+    assert len(st.gates) == 2  # the dead one pruned, b's and the newest kept (b alive)
