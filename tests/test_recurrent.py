@@ -166,6 +166,15 @@ def test_engine_status_counts_compiled_layers(arun):
         eng.close()
 
 
+def test_compiled_recurrent_decode_can_be_turned_off(monkeypatch, arun):
+    monkeypatch.setenv("MLXNB_COMPILE_RECURRENT", "0")
+    eng = engine("qwen3_5")
+    try:
+        assert "recurrent decode compiled" not in eng.status()
+    finally:
+        eng.close()
+
+
 def _gd_reference(q, k, v, g, beta, state):
     from mlx_lm.models.gated_delta import _gated_delta_step_ops
     Hk, Hv = k.shape[2], v.shape[2]
