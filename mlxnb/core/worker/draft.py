@@ -96,15 +96,6 @@ class DraftRow(RowPolicy):
             elif self.verifications >= LOW_AFTER and self.q < LOW_RATE:
                 self.off = "acceptance too low to pay"
 
-    @property
-    def q(self) -> float:
-        """The chance its next draft token holds (decayed)."""
-        return self._held / (self._held + self._missed)
-
-    @property
-    def rate(self) -> Optional[float]:
-        return self.accepted / self.proposed if self.proposed else None
-
 
 class DraftSource:
     """The draft model's batch: membership, proposals, and their rollback. A draft

@@ -439,47 +439,7 @@ _V1 = r"""
             }
         }
     }
-    // the warp's key groups (lanes LK apart hold the same dims) into one
-    for (int off = LK; off < 32; off *= 2) {
-        for (int r = 0; r < RPB; r++) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m[r], off);
-            const float lo = __shfl_xor_sync(0xffffffffu, l[r], off);
-            const float mn = fmaxf(m[r], mo);
-            const float e1 = (m[r] == NEG_INF) ? 0.f : __expf(m[r] - mn);
-            const float e2 = (mo == NEG_INF) ? 0.f : __expf(mo - mn);
-            l[r] = l[r] * e1 + lo * e2;
-            for (int i = 0; i < DPL; i++) {
-                const float ao = __shfl_xor_sync(0xffffffffu, acc[r][i], off);
-                acc[r][i] = acc[r][i] * e1 + ao * e2;
-            }
-            m[r] = mn;
-        }
-    }
-    if (lane < LK) {
-        for (int r = 0; r < RPB; r++) {
-            if (lane == 0) {
-                sm_m[warp][r] = m[r];
-                sm_l[warp][r] = l[r];
-            }
-            for (int i = 0; i < DPL; i++) sm_o[warp][r][sub * DPL + i] = acc[r][i];
-        }
-    }
-    __syncthreads();
-    const int HQ = HKV * NREP;
-    for (int i = tid; i < RPB * D; i += WARPS * 32) {
-        const int r = i / D;
-        const int d = i % D;
-        float mx_ = NEG_INF;
-        for (int k = 0; k < WARPS; k++) mx_ = fmaxf(mx_, sm_m[k][r]);
-        float lsum = 0.f, o = 0.f;
-        for (int k = 0; k < WARPS; k++) {
-            const float e = (sm_m[k][r] == NEG_INF) ? 0.f : __expf(sm_m[k][r] - mx_);
-            lsum += sm_l[k][r] * e;
-            o += sm_o[k][r][d] * e;
-        }
-        out[(b * HQ + h0 + r) * D + d] = static_cast<T>(lsum > 0.f ? o / lsum : 0.f);
-    }
-"""
+""" + _EPILOGUE  # one reduction and write-out for both kernels
 
 # only the masked variant has a `mask` input (left-padded rows: [B, 1, 1, S] bool)
 _MASK_LINE = "if (valid) valid = mask[b * mask_strides[0] + s * mask_strides[3]];"

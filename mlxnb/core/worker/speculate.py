@@ -208,20 +208,8 @@ class Speculation:
         props = self._propose(rows, drop, [[] for _ in rows], ahead)
         # drafting ahead, the first proposed token stands for the one in flight
         drafts = [p[1:] for p in props] if ahead else props
-        qs, live, forced = [], [], 0
-        for r, d in zip(rows, drafts):
-            s = r.spec
-            q = s.q if s is not None else 0.0
-            qs.append(q)
-            live.append(q if ahead else 1.0)  # the guess must hold too
-            if d and s.fixed:  # the user's num_draft: verified whatever it costs
-                forced = max(forced, len(d))
-        for i in self._ready:  # ready, and nothing to draft: counted as a failure
-            if not drafts[i] and rows[i].id not in drop:
-                rows[i].spec.verified(0, 0)
-        if not any(drafts):
-            return None
-        w = max(best_width(self.times, qs, [len(d) for d in drafts], live), forced + 1)
+        # the guess must hold too
+        w = self._width(rows, drop, drafts, lambda i, q: q if ahead else 1.0)
         if w == 1:
             return None
         ex.inflight = None
@@ -229,6 +217,25 @@ class Speculation:
         self.sync += 1
         return self._verify(ex, [d[:w - 1] for d in drafts], done if ahead else None,
                             updates, emitted)
+
+    def _width(self, rows, drop, drafts: List[List[int]], live_of) -> int:
+        """The verification's width (1 + drafts kept per row) by the policy, 1 for
+        none: `live_of(i, q)` is the chance row i's drafts are still live given its
+        draft-token acceptance q. A ready row with nothing to draft counts a failure."""
+        qs, live, forced = [], [], 0
+        for i, (r, d) in enumerate(zip(rows, drafts)):
+            s = r.spec
+            q = s.q if s is not None else 0.0
+            qs.append(q)
+            live.append(live_of(i, q))
+            if d and s.fixed:  # the user's num_draft: verified whatever it costs
+                forced = max(forced, len(d))
+        for i in self._ready:
+            if not drafts[i] and rows[i].id not in drop:
+                rows[i].spec.verified(0, 0)
+        if not any(drafts):
+            return 1
+        return max(best_width(self.times, qs, [len(d) for d in drafts], live), forced + 1)
 
     def _propose(self, rows, drop, after: List[List[int]], ahead: bool) -> List[List[int]]:
         """Each batch row's proposal from its own source, following its tokens read
@@ -281,20 +288,9 @@ class Speculation:
                     after[i] = dr
         props = self._propose(rows, drop, after, ahead)
         drafts = [p[1:] for p in props] if ahead else props
-        qs, live, forced = [], [], 0
-        for r, d, a in zip(rows, drafts, after):
-            s = r.spec
-            q = s.q if s is not None else 0.0
-            qs.append(q)
-            live.append(q ** (len(a) + 1) if ahead else 1.0)  # what it assumed held
-            if d and s.fixed:
-                forced = max(forced, len(d))
-        for i in self._ready:
-            if not drafts[i] and rows[i].id not in drop:
-                rows[i].spec.verified(0, 0)
-        if not any(drafts):
-            return None
-        w = max(best_width(self.times, qs, [len(d) for d in drafts], live), forced + 1)
+        # what it assumed held
+        w = self._width(rows, drop, drafts,
+                        lambda i, q: q ** (len(after[i]) + 1) if ahead else 1.0)
         if w == 1:
             return None
         self.wide += 1
