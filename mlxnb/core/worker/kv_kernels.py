@@ -347,44 +347,8 @@ _V1 = r"""
     constexpr int VPW = 32 / BITS;
     constexpr int WPL = W / LK;
     constexpr int DPL = WPL * VPW;
-    constexpr int KPW = 32 / LK;
-    constexpr int NG = WARPS * KPW;
     constexpr uint32_t VMASK = (BITS == 32) ? 0xffffffffu : ((1u << BITS) - 1u);
-    constexpr float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
-    const float scale = __int_as_float(SCALE_BITS);
-
-    __shared__ float sm_m[WARPS][RPB];
-    __shared__ float sm_l[WARPS][RPB];
-    __shared__ float sm_o[WARPS][RPB][D];
-
-    const int S = kq_shape[2];
-    const int HKV = kq_shape[1];
-    int blk = blockIdx.x;
-    const int chunk = blk % (NREP / RPB);
-    blk /= (NREP / RPB);
-    const int hk = blk % HKV;
-    const int b = blk / HKV;
-    const int tid = threadIdx.x;
-    const int warp = tid / 32;
-    const int lane = tid % 32;
-    const int grp = lane / LK;
-    const int sub = lane % LK;
-    const int h0 = hk * NREP + chunk * RPB;
-
-    float q[RPB][DPL];
-    for (int r = 0; r < RPB; r++) {
-        for (int i = 0; i < DPL; i++) {
-            int d = sub * DPL + i;
-            q[r][i] = static_cast<float>(queries[b * queries_strides[0]
-                + (h0 + r) * queries_strides[1] + d * queries_strides[3]]) * scale;
-        }
-    }
-    float m[RPB], l[RPB], acc[RPB][DPL];
-    for (int r = 0; r < RPB; r++) {
-        m[r] = NEG_INF;
-        l[r] = 0.f;
-        for (int i = 0; i < DPL; i++) acc[r][i] = 0.f;
-    }
+""" + _PROLOGUE.replace("KEYS_shape", "kq_shape") + r"""
 
     const uint32_t* kq_row = kq + b * kq_strides[0] + hk * kq_strides[1];
     const uint32_t* vq_row = vq + b * vq_strides[0] + hk * vq_strides[1];
