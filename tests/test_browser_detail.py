@@ -21,7 +21,6 @@ time; the server is always killed.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import urllib.request
@@ -29,7 +28,7 @@ import urllib.request
 import pytest
 
 from _jupyter import DARK_THEME, jupyter_lab
-from test_browser_e2e import CHROMIUM, NB7_OWN_ERROR, _open, _saved, _sessions, chromium_page
+from test_browser_e2e import needs_browser, NB7_OWN_ERROR, _open, _saved, _sessions, chromium_page
 from test_browser_views import SAVE_WIDGET_STATE, _to_docs
 
 pytestmark = pytest.mark.browser
@@ -167,12 +166,7 @@ def _check_row2_life(d, exp):
 
 @pytest.mark.parametrize("app", ["lab", "notebook"])
 def test_detail_views_live_and_from_a_saved_notebook(tmp_path, app):
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
-    if app == "notebook":
-        pytest.importorskip("notebook", reason="pip install notebook (Notebook 7)")
+    needs_browser(app)
     from mlxnb.models.tiny import save_tiny_model
 
     t_start = time.monotonic()
@@ -399,9 +393,7 @@ def test_the_contrast_probe_finds_faint_text(tmp_path):
     """CONTRAST_JS on a page made to fail: grey text on white, light text on a
     translucent shading, translucent text (a theme's secondary colour) -- each
     measured as drawn, so the check above can catch a view that breaks AA."""
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    needs_browser(jupyter=False)
     html = """<body style="background:#fff"><div class="mlxnb-widget" data-theme="light">
       <div class="mlxnb-detail">
         <span class="ok" style="color:#333">fine</span>

@@ -40,6 +40,19 @@ from _jupyter import DARK_THEME, REPO, jupyter_lab
 pytestmark = pytest.mark.browser
 
 CHROMIUM = "/usr/bin/chromium"
+
+
+def needs_browser(app=None, jupyter: bool = True) -> None:
+    """Skip unless Chromium and Playwright (and JupyterLab, or Notebook 7 for
+    app="notebook") are installed; these tests never download a browser."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} not found (Debian: apt-get install chromium "
+                    "fonts-dejavu-core); this test never downloads a browser")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    if jupyter:
+        pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
+    if app == "notebook":
+        pytest.importorskip("notebook", reason="pip install notebook (Notebook 7)")
 CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu",
                 "--disable-background-networking", "--disable-component-update",
                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
@@ -205,13 +218,7 @@ def _sessions(base, token):
 
 @pytest.mark.parametrize("app", ["lab", "notebook"])
 def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} not found (Debian: apt-get install chromium "
-                    "fonts-dejavu-core); this test never downloads a browser")
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
-    if app == "notebook":
-        pytest.importorskip("notebook", reason="pip install notebook (Notebook 7)")
+    needs_browser(app)
     from mlxnb.models.tiny import save_tiny_model
 
     t_start = time.monotonic()
@@ -413,10 +420,7 @@ def test_saved_widget_state_of_an_unfinished_run_reads_not_live(tmp_path):
     and reopened after its kernel is gone shows the saved widget; once no kernel
     answers its sync request, it says "not live", its rows "unfinished", and it has
     no stop buttons."""
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
+    needs_browser()
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
 

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from _jupyter import DARK_THEME, jupyter_lab
-from test_browser_e2e import CHROMIUM, DOCS, NB7_OWN_ERROR, _open, chromium_page
+from test_browser_e2e import needs_browser, DOCS, NB7_OWN_ERROR, _open, chromium_page
 
 pytestmark = pytest.mark.browser
 BUDGET_S = 150.0
@@ -93,12 +93,7 @@ def _notebook(tiny):
 
 @pytest.mark.parametrize("app", ["lab", "notebook"])
 def test_validity_running_rows_prompts_and_kernel_shutdown(tmp_path, app):
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    pytest.importorskip("jupyterlab", reason="pip install jupyterlab")
-    if app == "notebook":
-        pytest.importorskip("notebook", reason="pip install notebook (Notebook 7)")
+    needs_browser(app)
     from mlxnb.models.tiny import save_tiny_model
 
     t_start = time.monotonic()

@@ -5,13 +5,12 @@ not report its KV use (mlx_lm.server publishes no /metrics). No console errors."
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
 from _jupyter import jupyter_lab
-from test_browser_e2e import CHROMIUM, chromium_page, kernel_idle
+from test_browser_e2e import needs_browser, chromium_page, kernel_idle
 from test_remote_server import mlx_lm_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.server]
@@ -26,9 +25,7 @@ SNAPSHOT_JS = """() => [...document.querySelectorAll('.mlxnb-widget')].map((w) =
 
 
 def test_widget_on_server_rows_in_jupyterlab(tmp_path):
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} not found; this test never downloads a browser")
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    needs_browser(jupyter=False)
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
 
