@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
+from .tokens import ids
 from .._trace import lap, pc, timed
 from ..constrain import Constraints
 from ..constraint_results import verdict
@@ -259,7 +260,7 @@ class BatchExecutor:
         if not keep:
             self.caches, self.y = None, None
         else:
-            idx = mx.array(keep)
+            idx = ids(keep)
             for c in self.caches:
                 c.filter(idx)
             self.y = self.y[idx]
@@ -286,7 +287,7 @@ class BatchExecutor:
             else:
                 for c, n in zip(self.caches, cache):
                     c.extend(n)
-            last = mx.array([a.ids[-1] for a in admits])
+            last = ids([a.ids[-1] for a in admits])
             self.y = last if self.y is None else mx.concatenate([self.y, last])
             for a in admits:
                 procs = list(a.params.logits_processors)
@@ -349,7 +350,7 @@ class BatchExecutor:
         lp = None
         if want:
             k = max(rows[i].params.logprobs for i in want)
-            idx = mx.array(want)
+            idx = ids(want)
             # the distribution each row was drawn from (sampling.py)
             top = self.sampler.logprobs(idx, tokens[idx], k)
             lp = LogprobArrays(want, top.chosen, top.top_ids, top.top_logprobs,

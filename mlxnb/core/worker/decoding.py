@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from .tokens import ids
 from ..._text import one_line
 from ..messages import Emitted, Ending
 from ..states import Finish
@@ -32,7 +33,7 @@ class RowDecoder:
         self.params = a.params
         self.detok = detok
         self.processors = processors
-        self.history = mx.array(a.ids[-HISTORY:]) if processors else None
+        self.history = ids(a.ids[-HISTORY:]) if processors else None
         self.launched = 0  # decode steps launched for this row
         self.ntok = 0
         self.text = ""  # detokenized text (rows with stop strings: the stops search it)

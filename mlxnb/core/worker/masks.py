@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .tokens import ids
 from .._trace import lap, pc
 from ..constrain import Constraints
 from ..constraint_params import kind_of, one_line
@@ -146,7 +147,7 @@ class MaskFiller:
         self._pos_for = batch_rows
         self._pos = [i for i, r in enumerate(batch_rows) if r.matcher is not None]
         self._ids = [r.id for r in batch_rows]
-        self._idx = mx.array(self._pos) if self._pos else None
+        self._idx = ids(self._pos) if self._pos else None
         lanes: Dict[Any, list] = {}
         for k, i in enumerate(self._pos):
             r = batch_rows[i]
@@ -169,7 +170,7 @@ class MaskFiller:
             stacked += [k for k, _, _ in rows]
         if stacked == sorted(stacked):
             return shares, bitmasks, None, stacked
-        return (shares, bitmasks, mx.array(sorted(range(len(stacked)), key=stacked.__getitem__)),
+        return (shares, bitmasks, ids(sorted(range(len(stacked)), key=stacked.__getitem__)),
                 stacked)
 
     def apply(self, logits):

@@ -24,6 +24,7 @@ from typing import Callable, Deque, Iterable, Iterator, List, NamedTuple, Option
 
 import mlx.core as mx
 
+from .tokens import ids
 from .._trace import lap, pc, timed
 from ..messages import Updates
 from ..states import Finish
@@ -148,7 +149,7 @@ class PrefillGroup:
         self.padded = False
         if batched:
             pad = [self.width - n for n in self.lengths]
-            self.tokens = mx.array([a.ids[:-1] + [0] * p for a, p in zip(admits, pad)]
+            self.tokens = ids([a.ids[:-1] + [0] * p for a, p in zip(admits, pad)]
                                    if self.width else [[0]] * len(admits))
             self.padded = max(pad) > 0
             if self.padded:
@@ -158,7 +159,7 @@ class PrefillGroup:
             # keeps real tokens of KV layers from seeing it.
             self.views = aligned_views(cache)
         else:
-            self.tokens = mx.array([admits[0].ids[:-1]])
+            self.tokens = ids([admits[0].ids[:-1]])
 
     def row_ids(self):
         return [a.row_id for a in self.admits]
@@ -298,7 +299,7 @@ class Prefill:
                 continue
             if len(keep) < len(g.admits):
                 for c in g.cache:
-                    c.filter(mx.array(keep))
+                    c.filter(ids(keep))
             yield Joining(g.cache, [g.admits[i] for i in keep])
         if alone:
             yield merged()

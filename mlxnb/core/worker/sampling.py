@@ -23,6 +23,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .tokens import ids
+
 # Temperatures below this sample greedily. Dividing float32 logits by a subnormal
 # temperature (1e-39) overflows them to inf, and argmax over tied infs picks the
 # lowest id whatever the logits were. Greedy differs from a draw at T only among
@@ -153,6 +155,7 @@ class BatchSampler:
     def __init__(self):
         self.temps: List[float] = []
         self.filters: List[Tuple[int, float, float]] = []
+        self.seeds: List[int] = []  # each row's seed, as uint32 values
         self._temp = None  # [B] float32: the temperature each row draws at, 0 = argmax
         self._point = None  # [B] bool: sampled rows with top_k = 1
         self._seeds = None  # [B] uint32
@@ -178,30 +181,32 @@ class BatchSampler:
         filters = list(filters)
         self.temps += temps
         self.filters += filters
-        new = [
-            mx.array([t if self._draws(t, f) else 0.0 for t, f in zip(temps, filters)],
-                     dtype=mx.float32),
-            mx.array([t > 0 and f[0] == 1 for t, f in zip(temps, filters)], dtype=mx.bool_),
-            mx.array([s & 0xFFFFFFFF for s in seeds], dtype=mx.uint32),
-            mx.array(list(counters), dtype=mx.uint32),
-        ]
-        if self._temp is None:
-            self._temp, self._point, self._seeds, self.counters = new
-        else:
-            self._temp, self._point, self._seeds, self.counters = (
-                mx.concatenate([a, b]) for a, b in
-                zip((self._temp, self._point, self._seeds, self.counters), new))
-        self._changed()
+        self.seeds += [s & 0xFFFFFFFF for s in seeds]
+        counters = mx.array(list(counters), dtype=mx.uint32)
+        self.counters = counters if self.counters is None else mx.concatenate(
+            [self.counters, counters])
+        self._host_arrays()
 
     def filter(self, keep: List[int]) -> None:
         self.temps = [self.temps[i] for i in keep]
         self.filters = [self.filters[i] for i in keep]
-        if not keep:
+        self.seeds = [self.seeds[i] for i in keep]
+        # counters advance on the device; the rest is rebuilt from the host lists
+        # (no gather kernels of their own types to compile: tokens.py)
+        self.counters = self.counters[ids(keep)] if keep else None
+        self._host_arrays()
+
+    def _host_arrays(self) -> None:
+        """The per-row arrays that only change as rows come and go, from the host lists."""
+        temps, filters = self.temps, self.filters
+        if not temps:
             self._temp = self._point = self._seeds = self.counters = None
         else:
-            idx = mx.array(keep)
-            self._temp, self._point, self._seeds, self.counters = (
-                a[idx] for a in (self._temp, self._point, self._seeds, self.counters))
+            self._temp = mx.array([t if self._draws(t, f) else 0.0
+                                   for t, f in zip(temps, filters)], dtype=mx.float32)
+            self._point = mx.array([t > 0 and f[0] == 1 for t, f in zip(temps, filters)],
+                                   dtype=mx.bool_)
+            self._seeds = mx.array(self.seeds, dtype=mx.uint32)
         self._changed()
 
     def _changed(self) -> None:
@@ -218,7 +223,7 @@ class BatchSampler:
             for i, (t, f) in enumerate(zip(self.temps, self.filters)):
                 if self._draws(t, f) and f != (0, 1.0, 0.0):
                     groups.setdefault(f, []).append(i)
-            self._groups = {f: (mx.array(ix), len(ix)) for f, ix in groups.items()}
+            self._groups = {f: (ids(ix), len(ix)) for f, ix in groups.items()}
         return self._groups
 
     @property

@@ -16,6 +16,7 @@ from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
 from .prefix import PrefixStore
+from .tokens import TOKEN, ids as tokens_of
 
 
 class BatchModel:
@@ -38,7 +39,7 @@ class BatchModel:
         self.layer_costs = self._probe_costs()
         # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
         self.fused = fuse_projections(model, lambda: model(
-            mx.array([[0]]), cache=self.make_cache())) if fuse else 0
+            tokens_of([[0]]), cache=self.make_cache())) if fuse else 0
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
         self.dense_note = self._pick_dense_decode()
         # recurrent.py: recurrent layers decode through compiled steps; the executor
@@ -94,7 +95,7 @@ class BatchModel:
         def run():
             cache = self.make_cache()
             for n in (1, 5, 1):
-                self.model(mx.zeros((1, n), mx.int32), cache=cache)
+                self.model(mx.zeros((1, n), TOKEN), cache=cache)
             mx.eval([c.state for c in cache])
             return cache
 
@@ -154,8 +155,8 @@ class BatchModel:
         try:
             with kv_attention.recording(dense=True) as calls:
                 cache = empty_batch(self.make_cache(), 1)  # a batch cache: its mask
-                self.model(mx.zeros((1, 3), mx.int32), cache=cache)
-                mx.eval(self.model(mx.zeros((1, 1), mx.int32), cache=cache))
+                self.model(mx.zeros((1, 3), TOKEN), cache=cache)
+                mx.eval(self.model(mx.zeros((1, 1), TOKEN), cache=cache))
             why = kv_attention.self_check_dense(calls) if calls else ""
         except Exception as e:
             why = f"failed: {type(e).__name__}: " + " ".join(str(e).split())[:120]
@@ -250,7 +251,7 @@ def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
         if max(pad):
             for c in cache:
                 c.prepare(lengths=[len(r) for r in rows], right_padding=pad)
-        tokens = mx.array([r + [0] * p for r, p in zip(rows, pad)])
+        tokens = tokens_of([r + [0] * p for r, p in zip(rows, pad)])
         views = aligned_views(cache)
         for i in range(0, width, chunk):
             model(tokens[:, i:i + chunk], cache=views)
@@ -260,7 +261,7 @@ def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
         return cache
 
     def step(cache, n):
-        return model(mx.array([ids[:1]] * n), cache=cache)[0, -1]
+        return model(tokens_of([ids[:1]] * n), cache=cache)[0, -1]
 
     try:
         alone = step(aligned_views(prefill([short])), 1)
@@ -293,8 +294,8 @@ def decode_steps_agree(model, ids: List[int], switch: list) -> str:
     def run(on: bool):
         switch[0] = on
         cache = make_prompt_cache(model)
-        model(mx.array([ids[:5], ids[5:]]), cache=cache)
-        steps = [model(mx.array([[ids[i]], [ids[-1 - i]]]), cache=cache)[:, -1]
+        model(tokens_of([ids[:5], ids[5:]]), cache=cache)
+        steps = [model(tokens_of([[ids[i]], [ids[-1 - i]]]), cache=cache)[:, -1]
                  for i in range(3)]
         states = [x for c in cache if type(c) is ArraysCache for x in c.cache]
         mx.eval(steps, states)

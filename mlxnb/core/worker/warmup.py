@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from ..._log import swallowed
 from ..messages import Admit
+from . import tokens
 from .batch import BatchExecutor
 from ..rows import SamplingParams
 
@@ -84,7 +85,7 @@ def prefill_rate(ex: BatchExecutor, n: int = 256) -> float:
     on an H200 each of those chunk shapes was new (CUDA sets up attention per shape),
     and the mixed bench's joiners waited 1.3 s in such a pass against 0.13 s once the
     rate was known."""
-    ids = mx.array([_ids(n, 4)])
+    ids = tokens.ids([_ids(n, 4)])
     try:
         cache = ex.make_cache()
         t = time.perf_counter()
