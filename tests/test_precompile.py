@@ -109,3 +109,25 @@ def test_kernel_cache_goes_to_the_user_cache_unless_chosen(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=60).stdout.strip()
     assert out == "/somewhere/chosen"
+
+
+def test_model_kernel_pieces_run_and_mark_their_dtype_done(tmp_path, monkeypatch):
+    # every piece's snippet runs (here on the CPU, which writes no kernels); the
+    # engine waits for them once per machine and dtype
+    from mlxnb.core.worker import kernels_ahead
+    from mlxnb.models.tiny import tiny_model
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setattr(kernels_ahead, "wanted", lambda: True)
+    dtype = kernels_ahead.model_dtype(tiny_model()[0])
+    assert dtype == "float32"
+    ahead = kernels_ahead.ModelKernels("bfloat16")
+    assert ahead.start()
+    procs = list(ahead.procs)
+    assert len(procs) == len(kernels_ahead.PIECES)
+    ahead.wait(timeout=120)
+    assert [p.returncode for p in procs] == [0] * len(procs)
+    assert (tmp_path / "ptx" / "mlxnb-model-kernels-bfloat16.done").exists()
+    assert ahead.private is None and not ahead.procs
+    assert not kernels_ahead.ModelKernels("bfloat16").start()  # done: nothing to run
+    assert not kernels_ahead.ModelKernels(None).start()

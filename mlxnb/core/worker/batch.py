@@ -38,6 +38,7 @@ from .inflight import InFlight, LogprobArrays
 from .masks import MaskFiller
 from .prefill import Prefill, PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
+from .kernels_ahead import ModelKernels, model_dtype
 from .precompile import Precompiler
 from .sampling import BatchSampler
 from .setup import BatchModel
@@ -54,8 +55,20 @@ class BatchExecutor:
                  fill_threads: Optional[int] = None,
                  constraints: Optional[Constraints] = None, draft=None):
         self.prefix_bytes = prefix_bytes
-        self.setup = BatchModel(model, tokenizer, fuse=fuse, kv_bits=kv_bits,
-                                kv_group_size=kv_group_size, prefill_chunk=prefill_chunk)
+        # CUDA: kernels compile in helper processes, all at once (a fresh machine
+        # compiles them once): the sampler's in the background, the model's first
+        # ones before the load probes below need them (kernels_ahead.py)
+        self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
+        self.precompiler.start()
+        ahead = ModelKernels(model_dtype(model))
+        if ahead.start():
+            ahead.wait()
+        try:
+            self.setup = BatchModel(model, tokenizer, fuse=fuse, kv_bits=kv_bits,
+                                    kv_group_size=kv_group_size, prefill_chunk=prefill_chunk)
+        except BaseException:
+            self.precompiler.close()
+            raise
         self.model, self.tokenizer = model, tokenizer
         self.make_cache = self.setup.make_cache
         self.tracer = None  # see trace()
@@ -82,8 +95,6 @@ class BatchExecutor:
         self.nsteps = 0
         self._wide_read = (0, 0)  # the last pipelined verification read: (drafts, accepted)
         self._wide_taken = None  # and its (width, tokens taken), for the policy
-        self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
-        self.precompiler.start()
         # every step's time split (stepsplit.py); a profiler's tracer rides on it
         self.split = self.tracer = self.prefill.tracer = StepSplit()
 

@@ -1,0 +1,163 @@
+"""The model's own first kernels, compiled in parallel before the load probes run.
+
+On a fresh CUDA machine (MLX's on-disk kernel cache empty) an engine's start was
+mostly NVRTC compiling a handful of kernels one after another, 4-10 s each on an
+H200 host: the embedding lookup and the caches' row filters (a gather per data and
+index type), the row filter of the token vector, the roll of right-padded prefill
+caches (mlx-lm's `dynamic_roll`), and the fused SwiGLU of the MLP
+(bench/results/cold-start-h200.md). None of their names depends on the model's
+sizes, only on its dtype, so tiny inputs of that dtype compile the same kernels.
+
+`start` runs one process per piece (each importing mlx alone: about a second) into
+a private folder; `wait` moves what they wrote into MLX's folder, where the engine's
+probes then find every kernel compiled: the wall time is the slowest piece instead of
+the sum. Like precompile.py's sampling kernels, only where MLX keeps compiled kernels
+on disk (CUDA); a piece that fails or is late costs nothing but the wait, since the
+engine compiles whatever it does not find.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+
+from ..._log import log, swallowed
+from ...models.kernel_cache import ptx_dir
+from .precompile import _move_kernels, wanted
+
+PIECES = ("gather", "rows", "roll", "swiglu")
+_DONE = "mlxnb-model-kernels-{dtype}.done"
+
+
+def model_dtype(model) -> Optional[str]:
+    """The name of the model's first floating-point parameter's dtype ('bfloat16')."""
+    from mlx.utils import tree_flatten
+
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return str(v.dtype).rsplit(".", 1)[-1]
+    return None
+
+
+class ModelKernels:
+    """Compiles the pieces above for one dtype; `wait` before the model's first use."""
+
+    def __init__(self, dtype: Optional[str]):
+        self.dtype = dtype
+        self.procs: List[subprocess.Popen] = []
+        self.private: Optional[Path] = None
+        self.started_at = 0.0
+
+    def start(self) -> bool:
+        """Start the compilers unless this backend keeps no kernels or they ran
+        before for this dtype; True if started."""
+        if self.dtype is None or not wanted():
+            return False
+        cache = ptx_dir()
+        if (cache / _DONE.format(dtype=self.dtype)).exists():
+            return False
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            self.private = Path(tempfile.mkdtemp(prefix="mlxnb-kernels-", dir=cache.parent))
+            env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.private),
+                       PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            self.procs = [subprocess.Popen(
+                [sys.executable, "-m", __name__, piece, self.dtype], env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE) for piece in PIECES]
+        except OSError:
+            swallowed("starting the model-kernel compilers")
+            self.close()
+            return False
+        self.started_at = time.perf_counter()
+        return True
+
+    def wait(self, timeout: float = 60.0) -> float:
+        """Wait (at most `timeout` s) for the compilers and move their kernels into
+        MLX's folder; returns the seconds waited. Late ones are stopped."""
+        if not self.procs:
+            return 0.0
+        t0 = time.perf_counter()
+        failed = 0
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, timeout - (time.perf_counter() - t0)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.returncode != 0:
+                failed += 1
+                err = (p.stderr.read() or b"").decode(errors="replace").strip().splitlines()
+                log.info("model-kernel compiler exited %s: %s", p.returncode,
+                         err[-1] if err else "")
+        try:
+            moved = _move_kernels(self.private, ptx_dir())
+            if not failed:
+                (ptx_dir() / _DONE.format(dtype=self.dtype)).touch()
+            log.info("model kernels compiled in %.1f s (%d files)",
+                     time.perf_counter() - self.started_at, moved)
+        except OSError:
+            swallowed("moving the compiled model kernels")
+        self.close()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stderr.close()
+        self.procs = []
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
+            self.private = None
+
+
+def _activations():
+    """mlx-lm's activations module, loaded from its file: importing it through the
+    package would import mlx_lm and transformers (seconds in every compiler)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx_lm")
+    path = Path(spec.submodule_search_locations[0]) / "models" / "activations.py"
+    mod_spec = importlib.util.spec_from_file_location("_mlxnb_activations", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def _compile(piece: str, dtype: str) -> None:
+    """Run `piece` on small arrays of `dtype`, as the engine's first steps do."""
+    from .tokens import ids
+
+    dt = getattr(mx, dtype)
+    if piece == "gather":  # the embedding lookup [B, L] and a cache's row filter
+        w = mx.zeros((16, 8), dt)
+        out = [w[ids([[1, 2, 3]])], mx.zeros((3, 2, 5, 4), dt)[ids([2, 0])]]
+    elif piece == "rows":  # the next-token vector and the sampler's counters
+        out = [ids([5, 6, 7])[ids([2, 0])]]
+    elif piece == "roll":  # finalize() of a right-padded prefill group (mlx-lm)
+        # dynamic_roll's ops: take_along_axis with int32 positions [B, 1, S, 1]
+        # (importing mlx_lm.models.cache would import mlx_lm whole)
+        x, shifts = mx.zeros((2, 2, 8, 4), dt), mx.array([0, 3])[:, None]
+        out = [mx.take_along_axis(x, (mx.arange(8)[:, None] - shifts[..., None, None]) % 8,
+                                  axis=2)]
+    else:  # swiglu over the two halves of a fused gate/up product (fuse.py)
+        swiglu = _activations().swiglu
+        out = []
+        for shape in ((1, 1, 16), (2, 5, 16)):
+            y = mx.zeros(shape, dt)
+            out.append(swiglu(y[..., :8], y[..., 8:]))
+    mx.eval(out)
+
+
+if __name__ == "__main__":
+    _compile(sys.argv[1], sys.argv[2])
