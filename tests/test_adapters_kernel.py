@@ -191,3 +191,50 @@ def test_kernel_off_never_checks(monkeypatch, tmp_path):
     model, aset, calls = adapter_set(monkeypatch, kernel=False, check="must not be asked")
     add_random(aset, tmp_path)
     assert aset.update_path == "ops (kernel off)"
+
+
+def test_the_engine_status_names_the_update_path(tmp_path):
+    from adapter_kit import base_model, random_adapter
+
+    import mlxnb
+
+    eng = mlxnb.Engine(base_model(), warmup=False, kv_budget=None, max_batch=4)
+    try:
+        eng.load_adapter("x", random_adapter(tmp_path / "x", "lora", rank=4, seed=5))
+        # the CPU: the folded update on MLX ops, and why
+        assert "update ops (no GPU kernel API on this device)" in eng.status()
+    finally:
+        eng.close()
+
+
+def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
+    """nvcc over the kernel as MLX's cuda_kernel wraps it (its Shape type, inputs
+    and template constants), for each dtype: the GPU run is the real check."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc")
+    for T in ("__nv_bfloat16", "__half", "float"):
+        src = tmp_path / "k.cu"
+        src.write_text(f"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cstdint>
+using Shape = cuda::std::array<int32_t, 8>;
+__global__ void k(const {T}* y2, const __grid_constant__ Shape y2_shape,
+    const {T}* bmat, const __grid_constant__ Shape bmat_shape,
+    const int32_t* tab, const __grid_constant__ Shape tab_shape,
+    const int32_t* bounds, const uint32_t* slot, const __grid_constant__ Shape slot_shape,
+    const float* scale, {T}* out) {{
+  constexpr int OUT = 3072;
+  constexpr int NP = 3;
+  constexpr int TX = 256;
+  using T = {T};
+{lk._CUDA}
+}}
+""")
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
+                            str(tmp_path / "k.o")], capture_output=True, text=True)
+        assert r.returncode == 0, (T, r.stderr[-2000:])

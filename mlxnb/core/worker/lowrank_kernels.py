@@ -36,8 +36,10 @@ __all__ = ["backend", "reference", "table", "self_check", "kernel_for", "status"
 THREADS = 256  # threads per block: output columns of one row
 
 _CUDA = r"""
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    const int r = blockIdx.y;
+    // a 1-D grid (gridDim.y would cap the rows at 65535): NCB blocks per row
+    constexpr int NCB = (OUT + TX - 1) / TX;
+    const int r = blockIdx.x / NCB;
+    const int j = (blockIdx.x % NCB) * TX + threadIdx.x;
     if (j >= OUT) return;
     const int W = y2_shape[1];  // out + C
     const int WB = bmat_shape[1];  // B_all's row stride: out, or out + C (padded)
@@ -48,12 +50,12 @@ _CUDA = r"""
     while (p + 1 < NP && j >= bounds[p + 1]) p++;
     const int e = (p * ns + static_cast<int>(slot[b])) * 2;
     const int c0 = tab[e], c1 = tab[e + 1];
-    const T* row = y2 + static_cast<size_t>(r) * W;
+    const T* row = y2 + static_cast<int64_t>(r) * W;
     float acc = 0.f;
     for (int c = c0; c < c1; c++) {
         acc += static_cast<float>(row[OUT + c]) * static_cast<float>(bmat[c * WB + j]);
     }
-    out[static_cast<size_t>(r) * OUT + j] =
+    out[static_cast<int64_t>(r) * OUT + j] =
         static_cast<T>(static_cast<float>(row[j]) + scale[b] * acc);
 """
 
@@ -121,9 +123,11 @@ def _launch(kind: str, y2, bmat, tab, bounds, slot, scale, B: int, L: int, out: 
                                   output_names=["out"],
                                   source=_CUDA if kind == "cuda" else _METAL)
     tx = min(THREADS, 1 << max(out - 1, 1).bit_length())
+    grid = ((out + tx - 1) // tx * tx * B * L, 1, 1) if kind == "cuda" else (out, B * L, 1)
     return k(inputs=[y2, bmat, tab, bounds, slot, scale],
-             template=[("T", y2.dtype), ("OUT", out), ("NP", int(tab.shape[0]))],
-             grid=(out, B * L, 1), threadgroup=(tx, 1, 1),
+             template=[("T", y2.dtype), ("OUT", out), ("NP", int(tab.shape[0])),
+                       ("TX", tx)],
+             grid=grid, threadgroup=(tx, 1, 1),
              output_shapes=[(B, L, out)], output_dtypes=[y2.dtype])[0]
 
 
