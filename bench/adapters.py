@@ -263,7 +263,7 @@ def main(argv=None, prog=None):
 
     kernel = ("off (--update ops)" if args.update == "ops" else
               f"{lowrank_kernels.backend() or 'none'}; self-check "
-              f"{lowrank_kernels.status(getattr(mx, args.dtype))}")
+              f"{lowrank_kernels.status(getattr(mx, args.dtype, mx.bfloat16))}")
     log(f"update kernel API: {kernel}")
     model_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     with tempfile.TemporaryDirectory() as tmp:
