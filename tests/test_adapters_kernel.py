@@ -111,10 +111,19 @@ def test_self_check_passes_a_right_kernel_and_names_a_wrong_one(dtype):
     assert shape.startswith("kernel gave")
 
 
-def test_the_cpu_takes_the_ops_with_the_reason():
-    assert lk.backend() is None  # the CPU (these tests' device)
+def test_without_a_gpu_the_ops_run_with_the_reason():
+    if lk.backend() is not None:
+        pytest.skip("a GPU kernel API is here")
     launch, why = lk.kernel_for(mx.float32)
     assert launch is None and why == "no GPU kernel API on this device"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_on_a_gpu_the_kernel_passes_its_self_check(dtype):
+    """The real kernel (CUDA or Metal) against its reference on this device."""
+    if lk.backend() is None:
+        pytest.skip("no GPU kernel API here")
+    assert lk.status(dtype) == "kernel"
 
 
 def adapter_set(monkeypatch, kernel=None, check=None):
@@ -201,8 +210,8 @@ def test_the_engine_status_names_the_update_path(tmp_path):
     eng = mlxnb.Engine(base_model(), warmup=False, kv_budget=None, max_batch=4)
     try:
         eng.load_adapter("x", random_adapter(tmp_path / "x", "lora", rank=4, seed=5))
-        # the CPU: the folded update on MLX ops, and why
-        assert "update ops (no GPU kernel API on this device)" in eng.status()
+        # the CPU: "update ops (no GPU kernel API on this device)"
+        assert f"update {lk.status(mx.float32)}" in eng.status()
     finally:
         eng.close()
 
