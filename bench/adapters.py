@@ -15,9 +15,12 @@ median over rounds. "forward": the model's decode forward alone at batch B on a
 fixed-length cache, steps without and with the mixed selection alternating (--forward
 steps pairs; a loaded machine disturbs adjacent steps least), median of per-pair
 ratios, of wall time and of the process's CPU time (which other processes move
-less), with the MLX ops in each forward's graph. Memory: the device bytes the adapters' stacked weights take
-(Engine.adapter_bytes), MLX's active memory before and after loading them, against
-the model's own bytes (what a copy of the model per adapter would cost).
+less), with the MLX ops in each forward's graph, and which path the folded update
+took (lowrank_kernels' GPU kernel after its self-check, or MLX ops, and why);
+`--update ab` runs the forward comparison again with the kernel off. Memory: the
+device bytes the adapters' stacked weights take (Engine.adapter_bytes), MLX's active
+memory before and after loading them, against the model's own bytes (what a copy of
+the model per adapter would cost).
 
   python -m bench adapters                       # default model, 2-core CPU scale
   python -m bench adapters --shape llama1b --dtype bfloat16 --batch 32 --rank 16 \\
@@ -193,11 +196,18 @@ def forward_ratio(model, V, dirs, B, A, steps, prompt, options):
     pairs = [(step(None), step(mixed)) for _ in range(steps)]
     cpu = cpu[-2 * steps:]
     cpu_ratio = statistics.median(a / b for a, b in zip(cpu[::2], cpu[1::2]))
+    path = aset.update_path
     for k in range(A):
         aset.remove(f"ad{k}")
     return (statistics.median(a / b for a, b in pairs),
             statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
-            ops, cpu_ratio)
+            ops, cpu_ratio, path)
+
+
+def forward_line(fr) -> str:
+    return (f"forward only ({fr[5]}): base {fr[1] * 1e3:.1f} ms, mixed {fr[2] * 1e3:.1f} ms, "
+            f"ratio {fr[0]:.3f} (CPU time {fr[4]:.3f}); MLX ops per forward: base "
+            f"{sum(fr[3]['base'].values())}, mixed {sum(fr[3]['mixed'].values())}")
 
 
 def main(argv=None, prog=None):
@@ -231,6 +241,10 @@ def main(argv=None, prog=None):
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--forward-steps", type=int, default=10,
                     help="pairs of decode forwards in the forward-only comparison (0: skip)")
+    ap.add_argument("--update", default="auto", choices=["auto", "ops", "ab"],
+                    help="stacked, folded: the update kernel where its self-check passes "
+                         "(auto), MLX ops only (ops), or auto with the forward-only "
+                         "comparison run again on the ops (ab)")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.batch % args.adapters:
@@ -242,9 +256,15 @@ def main(argv=None, prog=None):
         if getattr(args, k) is None:
             setattr(args, k, args.lowrank == "stacked")
     options = dict(formulation=args.lowrank, share=not args.no_share, cast=args.cast,
-                   fold=args.fold)
+                   fold=args.fold, kernel=args.update != "ops")
     worker_adapters.DEFAULTS.update(options)  # the engine's AdapterSet too
     model, _, V = common.build_model(args.shape, args.dtype)
+    from mlxnb.core.worker import lowrank_kernels
+
+    kernel = ("off (--update ops)" if args.update == "ops" else
+              f"{lowrank_kernels.backend() or 'none'}; self-check "
+              f"{lowrank_kernels.status(getattr(mx, args.dtype, mx.bfloat16))}")
+    log(f"update kernel API: {kernel}")
     model_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     with tempfile.TemporaryDirectory() as tmp:
         dirs = write_adapters(model, Path(tmp), args.adapters, args.rank, args.scale,
@@ -252,15 +272,22 @@ def main(argv=None, prog=None):
         if args.forward_steps:
             fr = forward_ratio(model, V, dirs, args.batch, args.adapters,
                                args.forward_steps, args.prompt, options)
-            log(f"forward only: base {fr[1] * 1e3:.1f} ms, mixed {fr[2] * 1e3:.1f} ms, "
-                f"ratio {fr[0]:.3f} (CPU time {fr[4]:.3f}); MLX ops per forward: base "
-                f"{sum(fr[3]['base'].values())}"
-                f", mixed {sum(fr[3]['mixed'].values())}")
+            log(forward_line(fr))
+            ab = None
+            if args.update == "ab":
+                ab = forward_ratio(model, V, dirs, args.batch, args.adapters,
+                                   args.forward_steps, args.prompt,
+                                   dict(options, kernel=False))
+                log(forward_line(ab))
         res = asyncio.run(run(args, model, V, dirs)) if args.repeat else dict(
             rounds=[], adapter_bytes=0, active_memory_added=0, file_bytes=0)
         if args.forward_steps:
             res["forward"] = dict(ratio=fr[0], base_s=fr[1], mixed_s=fr[2], cpu_ratio=fr[4],
-                                  ops={k: dict(v) for k, v in fr[3].items()})
+                                  ops={k: dict(v) for k, v in fr[3].items()}, path=fr[5])
+            if ab is not None:
+                res["forward_ops"] = dict(ratio=ab[0], base_s=ab[1], mixed_s=ab[2],
+                                          cpu_ratio=ab[4], path=ab[5],
+                                          ops={k: dict(v) for k, v in ab[3].items()})
     rounds = res["rounds"]
 
     def med(key):
@@ -280,6 +307,8 @@ def main(argv=None, prog=None):
         + (", adapters cast to the model's dtype" if args.cast else "")
         + (", scale folded into the mask, one addmm" if args.fold and
            args.lowrank == "stacked" else ""),
+        f"update kernel API: {kernel}"
+        + (f"; folded updates ran on: {res['forward']['path']}" if "forward" in res else ""),
         "", "| pass | tok/s (best round) | / none (median of rounds) |", "|---|---|---|",
         f"| none: no adapter loaded, {args.batch} rows | {fmt(best['none'], 1)} | 1 |",
         f"| base: {args.adapters} loaded, {args.batch} base rows | {fmt(best['base'], 1)} "
@@ -294,6 +323,11 @@ def main(argv=None, prog=None):
                      f"step | | **{f['ratio']:.3f}** |",
                      f"| forward only, the process's CPU time per step (all threads) | | "
                      f"{f['cpu_ratio']:.3f} |"]
+        if "forward_ops" in res:
+            g = res["forward_ops"]
+            lines += [f"| forward only, {g['path']}: base {g['base_s'] * 1e3:.1f} ms, mixed "
+                      f"{g['mixed_s'] * 1e3:.1f} ms per step (mixed ops "
+                      f"{sum(g['ops']['mixed'].values())}) | | **{g['ratio']:.3f}** |"]
         ops = {k: sum(v.values()) for k, v in f["ops"].items()}
         added = collections.Counter(f["ops"]["mixed"])
         added.subtract(f["ops"]["base"])

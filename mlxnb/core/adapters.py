@@ -63,6 +63,7 @@ class Adapters:
 
     _adapters: Dict[str, AdapterInfo]
     _adapter_bytes: int = 0
+    _adapter_update: str = ""  # the worker's AdapterSet.update_path (status)
 
     @property
     def adapters(self) -> Dict[str, AdapterInfo]:
@@ -99,6 +100,7 @@ class Adapters:
         if ex is None:
             self._check_open()
         nbytes = self._on_worker(ex.adapters.add, name, files)
+        self._adapter_update = self._on_worker(lambda: ex.adapters.update_path)
         info = AdapterInfo(name, files.path, files.kind, files.rank, files.scale,
                            len(files.layers), files.nbytes)
         self._adapters[name] = info
@@ -144,4 +146,5 @@ class Adapters:
         parts = [f"{n} ({a.kind} r{a.rank}, {fmt_bytes(a.nbytes)}, {rows.get(n, 0)} rows)"
                  for n, a in self._adapters.items()]
         return (f"adapters {', '.join(parts)}; {fmt_bytes(self._adapter_bytes)} on "
-                f"device, base rows {rows.get(None, 0)}")
+                f"device, base rows {rows.get(None, 0)}"
+                + (f"; update {self._adapter_update}" if self._adapter_update else ""))

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 import mlx.nn as nn
 
+from . import lowrank_kernels
 from .gathered import Gathered
 from .lowrank import (AdaptedLinear, FusedUpdate, Selection, Stacked, base_weight,
                       linear_dims)
@@ -30,8 +31,9 @@ __all__ = ["AdapterSet", "DEFAULTS", "FORMULATIONS"]
 
 FORMULATIONS = ("stacked", "gather")
 # the options of the AdapterSet an engine's worker builds (bench/adapters.py sets
-# them to compare formulations; cast, fold None: on with the stacked formulation)
-DEFAULTS = dict(formulation="stacked", share=True, cast=None, fold=None)
+# them to compare formulations; cast, fold None: on with the stacked formulation;
+# kernel None: lowrank_kernels' update where its self-check passes, False: never)
+DEFAULTS = dict(formulation="stacked", share=True, cast=None, fold=None, kernel=None)
 
 
 def _resolve(model, path: str):
@@ -58,15 +60,18 @@ class AdapterSet:
     (bfloat16 on a bfloat16 model) instead of their own, as mlx-lm's fused models
     do; mlx-lm's LoRALinear computes in theirs. `fold`: stacked decode steps scale
     before the B product and add with one addmm. Either changes the last bits of a
-    row's update against mlx-lm's LoRALinear, for fewer or cheaper ops."""
+    row's update against mlx-lm's LoRALinear, for fewer or cheaper ops. `kernel`
+    False: folded updates stay on MLX ops even where lowrank_kernels' kernel runs
+    (`update_path` says which one the last build took)."""
 
     def __init__(self, model, formulation: Optional[str] = None,
                  share: Optional[bool] = None, cast: Optional[bool] = None,
-                 fold: Optional[bool] = None):
+                 fold: Optional[bool] = None, kernel: Optional[bool] = None):
         formulation = DEFAULTS["formulation"] if formulation is None else formulation
         share = DEFAULTS["share"] if share is None else share
         cast = DEFAULTS["cast"] if cast is None else cast
         fold = DEFAULTS["fold"] if fold is None else fold
+        kernel = DEFAULTS["kernel"] if kernel is None else kernel
         if formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {', '.join(FORMULATIONS)}; "
                              f"got {formulation!r}")
@@ -76,6 +81,9 @@ class AdapterSet:
         self.formulation, self.cast = formulation, cast
         self.share = share and formulation == "stacked"
         self.fold = fold and formulation == "stacked"
+        self.kernel = kernel is not False
+        # "kernel", or "ops" with why not: how the last build's folded updates run
+        self.update_path = "ops"
         self.adapters: Dict[str, object] = {}  # name -> AdapterFiles, in slot order
         self.units: Dict[tuple, object] = {}  # unit key -> AdaptedLinear / FusedUpdate
         self.wrapped: Dict[str, tuple] = {}  # path -> (owner, leaf, AdaptedLinear, shadowed)
@@ -161,8 +169,11 @@ class AdapterSet:
         self._layouts = {}
         self._updates = {}
         total = 0
+        paths = set()
         for key, parts in plan.items():
             upd = self._build(parts, names, old)
+            if isinstance(upd, Stacked) and upd.lin is not None:
+                paths.add(self._kernel(upd, names))
             for path, _ in parts:
                 self._updates[path] = upd
             hook = self.units[key]
@@ -178,9 +189,22 @@ class AdapterSet:
                 d["lora_a"] = d["lora_b"] = None
                 d.pop("m", None)
         self._built_names = names
+        self.update_path = (", ".join(sorted(paths)) if paths else
+                            "ops (no folded linear)")
         self.nbytes = total
         self.version += 1
         self._selections.clear()
+
+    def _kernel(self, upd: Stacked, names: List[str]) -> str:
+        """Give a folded update lowrank_kernels' kernel where it runs here; returns
+        the path taken ("kernel" or "ops (why)")."""
+        if not self.kernel:
+            return "ops (kernel off)"
+        launch, why = lowrank_kernels.kernel_for(upd.wcat.dtype)
+        if launch is None:
+            return f"ops ({why})"
+        upd.use_kernel(launch, names)
+        return "kernel"
 
     def _wrap(self, key, parts):
         if key[0] == "fused":

@@ -25,6 +25,10 @@ formulation) a plain linear's A_all^T sits under its own weight rows, W' [out + 
 in], the linear keeping a view of its rows: the base matmul yields x @ A_all too,
 each row's scale rides in the mask, and one addmm adds z @ B_all. A decode step
 then adds, per distinct input, a mask multiply, an addmm and slices, no matmul.
+On a GPU with a kernel API, one kernel (lowrank_kernels.py, checked on the device
+first) takes W''s whole product and writes each row's base product plus its own
+adapter's update: per adapted linear the ops are those of the base linear, for
+decode steps and prefill chunks alike.
 `gathered.py` keeps the per-row `gather_mm` formulation, whose products do not grow
 with the adapters loaded (and whose row alone is bit for bit mlx-lm's).
 
@@ -62,8 +66,9 @@ class Selection:
         self.slot_col = mx.array(slots[:, None])  # [B, 1]: [n + 1, out] -> [B, 1, out]
         self.dora = dora  # some row uses a DoRA adapter
         # [B, 1, 1] each row's adapter's scale (0 for base rows), by dtype
-        self._scales = {mx.float32: mx.array(np.array(
-            [scales.get(a, 0.0) for a in adapters], np.float32)[:, None, None])}
+        s = np.array([scales.get(a, 0.0) for a in adapters], np.float32)
+        self.scale_rows = mx.array(s)  # [B] float32: the update kernel's
+        self._scales = {mx.float32: mx.array(s[:, None, None])}
         # per layout id: [B, C] 1 on the columns of the row's adapter, else 0
         # `fold`: also the masks times each row's scale (`folded`), for the decode
         # update that adds with one addmm
@@ -180,6 +185,7 @@ class Stacked:
         self.base = base  # DoRA on a quantized linear: the layer, to dequantize
         self.bias = bias  # [out] or None
         self.lin = self.wcat = self.bcat = None
+        self.kernel = self.tab = self.bounds = None  # set by use_kernel
         if lin is not None and lin.weight.dtype == dtype:
             self._merge(lin, o)
 
@@ -189,6 +195,7 @@ class Stacked:
         its rows of W' (no second copy of the model's weights)."""
         c = self.a.shape[1]
         self.wcat = mx.concatenate([lin.weight, self.a.T], axis=0)  # [out + C, in]
+        self.wt = self.wcat.T  # held evaluated (a view): no transpose op per forward
         lin.weight = self.wcat[:out]
         if "bias" in lin:
             self.bcat = mx.concatenate([lin.bias, mx.zeros((c,), lin.bias.dtype)])
@@ -211,8 +218,8 @@ class Stacked:
     def arrays(self) -> List[mx.array]:
         own = [self.a, self.b, self.mag, self.dora_cols]
         if self.lin is not None:  # the linear's views too: no slice left in its graph
-            own += [self.wcat, self.bcat, self.bpad, self.lin.weight,
-                    self.lin.get("bias")]
+            own += [self.wcat, self.wt, self.bcat, self.bpad, self.lin.weight,
+                    self.lin.get("bias"), self.tab, self.bounds]
         return [x for x in own if x is not None]
 
     @property
@@ -222,18 +229,31 @@ class Stacked:
         return self.a.size * self.a.itemsize + b.nbytes + sum(
             x.nbytes for x in (self.mag, self.dora_cols) if x is not None)
 
+    def use_kernel(self, launch, names: List[str]) -> None:
+        """Run the folded update through lowrank_kernels' `launch` (a merged linear
+        only), its column table made for the slots `names`."""
+        from .lowrank_kernels import table
+
+        if self.lin is not None:
+            parts = [(p, o1 - o0) for p, (o0, o1) in self.offsets.items()]
+            self.tab, self.bounds = table(self.blocks, parts, names)
+            self.kernel = launch
+
     def apply(self, x, sel: Selection, base, wide: bool = False):
-        """base(x) plus each row's update. A merged linear's decode step without a
-        DoRA row: one matmul for the base product and x @ A_all, the masked z and
-        one addmm: [B, 1, out] (`wide`: [B, 1, out + C], for a fused group's parts
-        to slice)."""
-        if (self.lin is None or x.shape[1] != 1 or sel.folded is None
+        """base(x) plus each row's update. A merged linear without a DoRA row: one
+        matmul for the base product and x @ A_all, then the update kernel ([B, L,
+        out]), or for a decode step the masked z and one addmm: [B, 1, out]
+        (`wide`: [B, 1, out + C], for a fused group's parts to slice)."""
+        n, length = x.shape[0], x.shape[1]
+        if (self.lin is None or sel.folded is None or (length != 1 and self.kernel is None)
                 or (sel.dora and self.mag is not None)):
             return self(x, base(x), sel)
-        n = x.shape[0]
-        x2 = x.reshape(n, -1)
-        y2 = (x2 @ self.wcat.T if self.bcat is None else
-              mx.addmm(self.bcat, x2, self.wcat.T))  # [B, out + C]: y and x @ A_all
+        x2 = x.reshape(n * length, -1)
+        y2 = (x2 @ self.wt if self.bcat is None else
+              mx.addmm(self.bcat, x2, self.wt))  # [B * L, out + C]: y and x @ A_all
+        if self.kernel is not None:
+            return self.kernel(y2, self.bpad, self.tab, self.bounds, sel.slots,
+                               sel.scale_rows, n, length, self.out)
         z = y2[:, self.out:] * sel.folded[self.layout_id]  # [B, C]
         y2 = mx.addmm(y2, z, self.bpad)
         return (y2 if wide else y2[:, :self.out]).reshape(n, 1, -1)
