@@ -273,3 +273,26 @@ def test_a_closed_engines_gate_goes_with_it():
     assert st.allowed()
     recurrent.compile_recurrent(toy, toy.make_cache(), Owner().recurrent_ok)
     assert len(st.gates) == 2  # the dead one pruned, b's and the newest kept (b alive)
+
+
+def test_quantized_hybrid_model_decodes_compiled_with_mlx_lm_tokens(arun):
+    mx.random.seed(6)
+    model = build("qwen3_5", seed=6)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())  # (the engine's worker thread cannot evaluate them)
+
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        rows = [eng.submit(p, max_tokens=8, chat=False) for p in PROMPTS[:2]]
+        tokens = [(await r).tokens for r in rows]
+        await eng.aclose()
+        return tokens, [r.prompt_ids for r in rows]
+
+    tokens, ids = arun(main)
+    assert recurrent.compiled_layers(model) == [0, 2]
+    assert recurrent.compiled_mlps(model) == [1, 3]
+    mx.random.seed(6)
+    plain = build("qwen3_5", seed=6)
+    nn.quantize(plain, group_size=32, bits=4)
+    for t, i in zip(tokens, ids):
+        assert t == _mlx_lm_tokens(plain, i, 8)

@@ -132,6 +132,7 @@ class _Decode(_Gated):
 
 
 _MLP_NAMES = ("mlp", "feed_forward")
+_LINEARS = (nn.Linear, nn.QuantizedLinear)
 
 
 def _mlp_subclass(cls):
@@ -156,8 +157,8 @@ class _MLP(_Gated):
 
 
 def _plain_mlp(m) -> bool:
-    """Linears (fuse.py's fused ones too) and elementwise code, called as m(x): no
-    experts' routing, no quantized matmuls."""
+    """Linears (quantized, or fuse.py's fused ones, too) and elementwise code, called
+    as m(x): no experts' routing."""
     if not isinstance(m, nn.Module) or hasattr(type(m), "_mlxnb_base"):
         return False
     try:
@@ -165,7 +166,7 @@ def _plain_mlp(m) -> bool:
     except (TypeError, ValueError):
         return False
     subs = [x for _, x in m.named_modules() if x is not m]
-    return len(params) == 1 and bool(subs) and all(type(x) is nn.Linear for x in subs)
+    return len(params) == 1 and bool(subs) and all(type(x) in _LINEARS for x in subs)
 
 
 def _compile_mlps(layers, cache, enabled) -> None:
