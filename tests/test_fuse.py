@@ -2,6 +2,7 @@
 and groups whose parts see different inputs are left alone."""
 
 import mlx.core as mx
+import pytest
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
@@ -84,3 +85,23 @@ def test_engine_fuses_unless_told_not_to(arun):
     (fused_tokens, fused), (plain_tokens, plain) = arun(run, True), arun(run, False)
     assert fused and not plain
     assert fused_tokens == plain_tokens
+
+
+@pytest.mark.parametrize("family, owner, key, gone", [
+    # a gated delta-net's four input projections; LFM2's w1/w3 MLP
+    ("qwen3_5", lambda m: m.layers[0].linear_attn, "in_proj_fused", "in_proj_z"),
+    ("lfm2", lambda m: m.layers[0].feed_forward, "w1_w3_fused", "w1"),
+])
+def test_hybrid_layers_projections_fuse_with_the_same_logits(family, owner, key, gone):
+    from test_cache_kinds import build  # tests/ is on sys.path (pytest)
+    mx.random.seed(4)  # what build leaves as initialised (a gated delta-net's A_log)
+    plain = build(family, seed=4)
+    mx.random.seed(4)
+    fused = build(family, seed=4)
+    before = _nbytes(fused)
+    assert fuse_projections(fused, _probe(fused)) >= len(fused.layers)
+    assert key in owner(fused) and gone not in owner(fused)
+    assert _nbytes(fused) == before
+    x = mx.array([[5, 9, 20, 7, 7, 100], [1, 2, 3, 4, 5, 6]])
+    for a, b in zip(_forward(plain, x), _forward(fused, x)):
+        assert mx.allclose(a, b, atol=1e-4).item()

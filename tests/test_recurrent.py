@@ -17,11 +17,15 @@ from mlxnb.models.tiny import byte_tokenizer
 from test_cache_kinds import PROMPTS, build, engine  # tests/ is on sys.path
 
 
-def _count_steps(model):
-    """Wrap every compiled layer's step to count its calls."""
+def _count_steps(model, mlps: bool = False):
+    """Wrap every compiled layer's (or attention layer's MLP's) step to count its calls."""
     calls = [0]
-    for i in recurrent.compiled_layers(model):
-        st = model.layers[i]._mlxnb_decode
+    if mlps:
+        sts = [(model.layers[i].get("mlp") or model.layers[i].get("feed_forward"))
+               ._mlxnb_decode for i in recurrent.compiled_mlps(model)]
+    else:
+        sts = [model.layers[i]._mlxnb_decode for i in recurrent.compiled_layers(model)]
+    for st in sts:
         step = st.step
 
         def counted(*a, _step=step):
@@ -37,23 +41,28 @@ def _mlx_lm_tokens(model, ids, n):
                                              prompt_cache=cache)]
 
 
-@pytest.mark.parametrize("family,expect", [("qwen3_5", [0, 2]), ("lfm2", [0, 2]),
-                                           ("mamba2", [0, 1]), ("llama", [])])
-def test_recurrent_layers_decode_compiled_with_mlx_lm_tokens(family, expect, arun):
+@pytest.mark.parametrize("family,expect,mlps", [
+    ("qwen3_5", [0, 2], [1, 3]), ("lfm2", [0, 2], [1, 3]), ("mamba2", [0, 1], []),
+    ("llama", [], [])])
+def test_recurrent_layers_decode_compiled_with_mlx_lm_tokens(family, expect, mlps, arun):
+    """A hybrid model's attention layers keep mlx-lm's code but their MLPs decode
+    compiled too."""
     mx.random.seed(3)  # (its norms and decay constants come from the global seed)
     model = build(family, seed=3)  # its own instance: the engine changes its layers
 
     async def main():
         eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
-        calls = _count_steps(model)
+        calls, mlp_calls = _count_steps(model), _count_steps(model, mlps=True)
         rows = [eng.submit(p, max_tokens=10, chat=False) for p in PROMPTS]
         tokens = [(await r).tokens for r in rows]
         await eng.aclose()
-        return tokens, [r.prompt_ids for r in rows], calls[0]
+        return tokens, [r.prompt_ids for r in rows], calls[0], mlp_calls[0]
 
-    tokens, ids, calls = arun(main)
+    tokens, ids, calls, mlp_calls = arun(main)
     assert recurrent.compiled_layers(model) == expect
+    assert recurrent.compiled_mlps(model) == mlps
     assert (calls > 0) == bool(expect)
+    assert (mlp_calls > 0) == bool(mlps)
     mx.random.seed(3)
     plain = build(family, seed=3)  # the same weights, mlx-lm's own layers
     for t, i in zip(tokens, ids):
@@ -135,6 +144,26 @@ def test_gate_and_prefill_take_the_plain_path():
     b = toy(mx.array([[5]]), cache=cache)
     assert calls[0] == 2
     mx.eval(a, b)
+
+
+def test_mlp_prefill_and_closed_gate_take_the_plain_path():
+    mx.random.seed(2)
+    model = build("qwen3_5", seed=2)
+    gate = [True]
+    assert recurrent.compile_recurrent(model, make_prompt_cache(model), lambda: gate[0])
+    assert recurrent.compiled_mlps(model) == [1, 3]
+    calls = _count_steps(model, mlps=True)
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=cache)  # prefill: plain
+    assert calls[0] == 0
+    a = model(mx.array([[4]]), cache=cache)  # decode: compiled, in both attention layers
+    assert calls[0] == 2
+    gate[0] = False
+    b = model(mx.array([[5]]), cache=cache)
+    assert calls[0] == 2
+    mx.eval(a, b)
+    recurrent.uncompile(model)
+    assert recurrent.compiled_mlps(model) == recurrent.compiled_layers(model) == []
 
 
 def test_layers_called_another_way_are_left_alone():
@@ -244,3 +273,26 @@ def test_a_closed_engines_gate_goes_with_it():
     assert st.allowed()
     recurrent.compile_recurrent(toy, toy.make_cache(), Owner().recurrent_ok)
     assert len(st.gates) == 2  # the dead one pruned, b's and the newest kept (b alive)
+
+
+def test_quantized_hybrid_model_decodes_compiled_with_mlx_lm_tokens(arun):
+    mx.random.seed(6)
+    model = build("qwen3_5", seed=6)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())  # (the engine's worker thread cannot evaluate them)
+
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        rows = [eng.submit(p, max_tokens=8, chat=False) for p in PROMPTS[:2]]
+        tokens = [(await r).tokens for r in rows]
+        await eng.aclose()
+        return tokens, [r.prompt_ids for r in rows]
+
+    tokens, ids = arun(main)
+    assert recurrent.compiled_layers(model) == [0, 2]
+    assert recurrent.compiled_mlps(model) == [1, 3]
+    mx.random.seed(6)
+    plain = build("qwen3_5", seed=6)
+    nn.quantize(plain, group_size=32, bits=4)
+    for t, i in zip(tokens, ids):
+        assert t == _mlx_lm_tokens(plain, i, 8)

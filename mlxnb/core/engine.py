@@ -71,11 +71,12 @@ class Engine(Listeners, Closing, Adapters, Reports):
     worker (each job a pause for their rows: fusing and probing the model, each
     warm-up tick, each prefill-rate run); build it from another thread (for example
     `await asyncio.to_thread(Engine, name)` in a notebook) to keep this loop free.
-    `fuse`: concatenate each layer's q/k/v and gate/up projection weights so each
-    group is one matmul (fuse.py; same outputs; bf16 decode steps 2-25% faster on
+    `fuse`: concatenate each layer's q/k/v and gate/up projection weights (and a
+    gated delta-net's input projections) so each group is one matmul (fuse.py; same
+    outputs; bf16 decode steps 2-25% faster on
     an H200; quantized layers are left alone, where it measured no gain). It changes
     the model in place: a model you pass in then shows `q_k_v_fused` /
-    `gate_up_fused` in its parameters; fuse=False leaves it as is.
+    `gate_up_fused` (`in_proj_fused`, `w1_w3_fused`) in its parameters; fuse=False leaves it as is.
     `streak_s`: the longest run of decode steps the worker takes without the loop
     (each round trip costs ~0.4 ms of host time the device waits for; new rows and
     cancels end a streak at once, so it bounds only how often tokens reach the

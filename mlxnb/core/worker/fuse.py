@@ -1,7 +1,9 @@
 """One matmul where mlx-lm's models do two or three on the same input.
 
 Attention blocks call `q_proj(x), k_proj(x), v_proj(x)` and MLPs `gate_proj(x)`,
-`up_proj(x)`: separate matmuls on one input. A decode step is host-bound on GPUs
+`up_proj(x)` (LFM2's `w1(x)`, `w3(x)`): separate matmuls on one input, as are a gated
+delta-net's input projections (Qwen3.5's `in_proj_qkv`, `_z`, `_b`, `_a`; Qwen3-Next's
+`in_proj_qkvz`, `_ba`): 18 of Qwen3.5-0.8B's 24 layers make four of them a token. A decode step is host-bound on GPUs
 (MLX's per-node cost), so fewer
 nodes is faster steps; serving engines fuse these weights at load for the same reason (vLLM's
 QKVParallelLinear, MergedColumnParallelLinear). Here the weights of each such group
@@ -27,7 +29,18 @@ from typing import List
 import mlx.core as mx
 import mlx.nn as nn
 
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"),
+          ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+          ("in_proj_qkvz", "in_proj_ba"))
+
+
+def _key(names) -> str:
+    """The fused linear's name in the module tree: q_k_v_fused, gate_up_fused,
+    w1_w3_fused, in_proj_fused."""
+    stem = names[0][:names[0].rfind("_") + 1]
+    if stem and all(n.startswith(stem) for n in names):
+        return stem + "fused"
+    return "_".join(n.split("_")[0] for n in names) + "_fused"
 
 
 class _Fused:
@@ -88,7 +101,7 @@ def fuse_projections(model: nn.Module, probe) -> int:
             linears = [mod.get(n) for n in names]
             if any(m is None for m in linears) or not _fusable(linears):
                 continue
-            key = "_".join(n.split("_")[0] for n in names) + "_fused"
+            key = _key(names)
             f = _Fused(mod, key, names, linears)
             mod[key] = f.linear
             for i, n in enumerate(names):

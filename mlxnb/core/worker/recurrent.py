@@ -16,6 +16,11 @@ chunks, padded groups, speculative verify steps) runs mlx-lm's code as before. A
 compiled trace holds the weights it saw: each engine's `enabled()` (no adapter
 selected for this forward) keeps it to the weights it was traced with. A load-time probe
 compares compiled and plain decode steps and puts the layers back if they differ.
+
+The attention layers of such a hybrid model keep mlx-lm's code (their KV grows every
+step), but their MLP (`mlp` / `feed_forward`: plain linears and elementwise ops on a
+[B, 1, hidden] input) is the same computation every step too, so it gets a compiled
+one-token call the same way, behind the same gates and probe.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import weakref
 from typing import Callable, List, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from . import gated_delta
@@ -70,15 +76,34 @@ def _subclass(cls):
     return sub
 
 
-class _Decode:
+class _Gated:
+    """Every engine on this model instance adds its gate; all must allow a replay."""
+
+    def __init__(self, enabled: Callable[[], bool]):
+        self.gates = []
+        self.add_gate(enabled)
+
+    def add_gate(self, enabled: Callable[[], bool]) -> None:
+        """A bound method is held weakly (a closed engine's gate goes with it)."""
+        self.gates = [r for r in self.gates if r() is not None]
+        self.gates.append(weakref.WeakMethod(enabled) if inspect.ismethod(enabled)
+                          else (lambda f=enabled: f))
+
+    def allowed(self) -> bool:
+        for ref in self.gates:
+            gate = ref()
+            if gate is not None and not gate():
+                return False
+        return True
+
+
+class _Decode(_Gated):
     """A layer's compiled decode step and how its calls name mask and cache."""
 
     def __init__(self, layer, cls, x_name: str, mask_name: Optional[str], nstate: int,
                  enabled: Callable[[], bool], recurrence: str):
+        super().__init__(enabled)
         self.mask_name = mask_name
-        # every engine on this model instance adds its gate; all must allow a replay
-        self.gates = []
-        self.add_gate(enabled)
         order = ("mask", "cache") if mask_name else ("cache",)
         self.order = order
 
@@ -94,25 +119,68 @@ class _Decode:
 
         self.step = mx.compile(step)
 
-    def add_gate(self, enabled: Callable[[], bool]) -> None:
-        """A bound method is held weakly (a closed engine's gate goes with it)."""
-        self.gates = [r for r in self.gates if r() is not None]
-        self.gates.append(weakref.WeakMethod(enabled) if inspect.ismethod(enabled)
-                          else (lambda f=enabled: f))
-
-    def allowed(self) -> bool:
-        for ref in self.gates:
-            gate = ref()
-            if gate is not None and not gate():
-                return False
-        return True
-
     def bind(self, args, kwargs):
+        if len(args) == 1 and len(kwargs) == 1 and len(self.order) == 2:
+            cache = kwargs.get("cache", False)  # mlx-lm's `layer(h, mask, cache=c)`
+            if cache is not False:
+                return args[0], cache
         got = dict(zip(self.order, args))
         got.update(kwargs)
         if len(got) > len(self.order) or any(k not in self.order for k in got):
             return True, None  # called some other way: the plain path
         return got.get("mask"), got.get("cache")
+
+
+_MLP_NAMES = ("mlp", "feed_forward")
+_LINEARS = (nn.Linear, nn.QuantizedLinear)
+
+
+def _mlp_subclass(cls):
+    sub = _SUBCLASSES.get(("mlp", cls))
+    if sub is None:
+        def __call__(self, x):
+            st = self._mlxnb_decode
+            if x.ndim == 3 and x.shape[1] == 1 and st.allowed():
+                return st.step(x)
+            return cls.__call__(self, x)
+
+        sub = _SUBCLASSES[("mlp", cls)] = type(cls.__name__, (cls,), {
+            "__call__": __call__, "__module__": cls.__module__,
+            "__doc__": cls.__doc__, "_mlxnb_base": cls})
+    return sub
+
+
+class _MLP(_Gated):
+    def __init__(self, mlp, cls, enabled: Callable[[], bool]):
+        super().__init__(enabled)
+        self.step = mx.compile(lambda x: cls.__call__(mlp, x))
+
+
+def _plain_mlp(m) -> bool:
+    """Linears (quantized, or fuse.py's fused ones, too) and elementwise code, called
+    as m(x): no experts' routing."""
+    if not isinstance(m, nn.Module) or hasattr(type(m), "_mlxnb_base"):
+        return False
+    try:
+        params = list(inspect.signature(type(m).__call__).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    subs = [x for _, x in m.named_modules() if x is not m]
+    return len(params) == 1 and bool(subs) and all(type(x) in _LINEARS for x in subs)
+
+
+def _compile_mlps(layers, cache, enabled) -> None:
+    for layer, c in zip(layers, cache):
+        if type(c) is ArraysCache:
+            continue
+        for name in _MLP_NAMES:
+            m = layer.get(name) if isinstance(layer, nn.Module) else None
+            if hasattr(type(m), "_mlxnb_base"):
+                m._mlxnb_decode.add_gate(enabled)  # compiled for another engine
+            elif _plain_mlp(m):
+                cls = type(m)
+                m._mlxnb_decode = _MLP(m, cls, enabled)
+                m.__class__ = _mlp_subclass(cls)
 
 
 def compile_recurrent(model, cache: list, enabled: Callable[[], bool],
@@ -139,18 +207,29 @@ def compile_recurrent(model, cache: list, enabled: Callable[[], bool],
                                       recurrence)
         layer.__class__ = _subclass(cls)
         n += 1
+    if n:
+        _compile_mlps(layers, cache, enabled)
     return n
 
 
 def uncompile(model) -> None:
-    """Put every compiled layer back to its own class."""
+    """Put every compiled layer (and MLP) back to its own class."""
     for layer in getattr(model, "layers", None) or []:
-        base = getattr(type(layer), "_mlxnb_base", None)
-        if base is not None:
-            layer.__class__ = base
-            del layer._mlxnb_decode
+        mods = [layer] + [layer.get(n) for n in _MLP_NAMES if isinstance(layer, nn.Module)]
+        for m in mods:
+            base = getattr(type(m), "_mlxnb_base", None)
+            if base is not None:
+                m.__class__ = base
+                del m._mlxnb_decode
 
 
 def compiled_layers(model) -> List[int]:
     return [i for i, layer in enumerate(getattr(model, "layers", None) or [])
             if hasattr(type(layer), "_mlxnb_base")]
+
+
+def compiled_mlps(model) -> List[int]:
+    """Layers whose MLP has a compiled one-token call."""
+    return [i for i, layer in enumerate(getattr(model, "layers", None) or [])
+            if isinstance(layer, nn.Module) and any(
+                hasattr(type(layer.get(n)), "_mlxnb_base") for n in _MLP_NAMES)]
