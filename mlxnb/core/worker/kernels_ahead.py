@@ -18,11 +18,9 @@ engine compiles whatever it does not find.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -31,7 +29,7 @@ import mlx.core as mx
 
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
-from .precompile import _move_kernels, wanted
+from .compilers import move_kernels, spawn, wanted
 
 PIECES = ("gather", "rows", "roll", "swiglu")
 _DONE = "mlxnb-model-kernels-{dtype}.done"
@@ -61,21 +59,10 @@ class ModelKernels:
         before for this dtype; True if started."""
         if self.dtype is None or not wanted():
             return False
-        cache = ptx_dir()
-        if (cache / _DONE.format(dtype=self.dtype)).exists():
+        if (ptx_dir() / _DONE.format(dtype=self.dtype)).exists():
             return False
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            self.private = Path(tempfile.mkdtemp(prefix="mlxnb-kernels-", dir=cache.parent))
-            env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.private),
-                       PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-            self.procs = [subprocess.Popen(
-                [sys.executable, "-m", __name__, piece, self.dtype], env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE) for piece in PIECES]
-        except OSError:
-            swallowed("starting the model-kernel compilers")
-            self.close()
+        self.private, self.procs = spawn(__name__, PIECES, self.dtype, "model")
+        if not self.procs:
             return False
         self.started_at = time.perf_counter()
         return True
@@ -99,7 +86,7 @@ class ModelKernels:
                 log.info("model-kernel compiler exited %s: %s", p.returncode,
                          err[-1] if err else "")
         try:
-            moved = _move_kernels(self.private, ptx_dir())
+            moved = move_kernels(self.private, ptx_dir())
             if not failed:
                 (ptx_dir() / _DONE.format(dtype=self.dtype)).touch()
             log.info("model kernels compiled in %.1f s (%d files)",

@@ -17,9 +17,7 @@ draw the same tokens: the same ops on the same values (the fused kernel may cont
 a multiply-add, which changes a noise value by an ulp at most: a token whose
 perturbed logit ties the best one to that precision could differ).
 
-MLX writes a kernel's `<name>.ptx` and then its `<name>.txt` (kernel names) and takes
-the presence of the .ptx as "cached", so a move places the .txt first. Kernels that
-this process compiled meanwhile are kept.
+Kernels that this process compiled meanwhile are kept (compilers.py moves them).
 
 Only the CUDA backend keeps compiled kernels across processes; elsewhere nothing
 starts and the fused path is used from the first step (the CPU compiles it in ~1 s).
@@ -27,11 +25,9 @@ starts and the fused path is used from the first step (the CPU compiles it in ~1
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -41,18 +37,11 @@ import mlx.core as mx
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
 from . import sampling
+from .compilers import move_kernels as _move_kernels, spawn, wanted
 
 # One process per piece: a piece's kernels compile serially within a process.
 PIECES = ("gumbel", "top_k", "top_p", "min_p", "logprobs", "penalty")
 _DONE = "mlxnb-sampling-{vocab}.done"
-
-
-def wanted() -> bool:
-    """Whether this backend keeps compiled kernels on disk across processes."""
-    try:
-        return bool(mx.cuda.is_available())
-    except AttributeError:
-        return False
 
 
 class Precompiler:
@@ -78,18 +67,8 @@ class Precompiler:
         cache = ptx_dir()
         if not wanted() or (cache / _DONE.format(vocab=self.vocab)).exists():
             return False
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            self.private = Path(tempfile.mkdtemp(prefix="mlxnb-precompile-", dir=cache.parent))
-            env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.private),
-                       PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-            self.procs = [subprocess.Popen(
-                [sys.executable, "-m", __name__, piece, str(self.vocab)], env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE) for piece in PIECES]
-        except OSError:
-            swallowed("starting the sampling-kernel compilers")
-            self._cleanup()
+        self.private, self.procs = spawn(__name__, PIECES, str(self.vocab), "sampling")
+        if not self.procs:
             return False
         self.started_at = time.perf_counter()
         sampling.use_fused(False)
@@ -131,26 +110,6 @@ class Precompiler:
         if self.private is not None:
             shutil.rmtree(self.private, ignore_errors=True)
             self.private = None
-
-
-def _move_kernels(src: Path, dst: Path) -> int:
-    """Move kernels that `dst` lacks from `src` (see the module docstring for the
-    order); returns the number of files moved. MLX names a kernel's files by its
-    fused ops and splits names too long for one file name into nested folders, so
-    the walk is recursive."""
-    moved = 0
-    for ptx in sorted(src.rglob("*.ptx")):
-        txt = ptx.with_suffix(".txt")
-        target = dst / ptx.relative_to(src)
-        if target.exists() or not txt.exists():
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        for f in (txt, ptx):
-            tmp = target.parent / f".{f.name}.{os.getpid()}.tmp"
-            shutil.copyfile(f, tmp)
-            os.replace(tmp, target.parent / f.name)
-            moved += 1
-    return moved
 
 
 def _compile(piece: str, vocab: int) -> None:
