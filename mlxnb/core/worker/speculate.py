@@ -141,14 +141,19 @@ class Speculation:
         the one before), a plain step that read the step in flight to draft and
         did not (`drained`), or a plain step of the pipeline that read a plain one
         (`pipelined`; one launching a pipelined verification (`wide`) is neither)."""
+        t = self.times
         if verified is not None:
-            self.times.observe_spec(rows, verified[3], seconds, verified[2])
+            t.observe_spec(rows, verified[3], seconds, verified[2])
+            if drained:  # it read the step in flight too: those tokens are its way's
+                t.observe_flow(rows, 0.0, rows, "sync")
         elif wide_read is not None:
-            self.times.observe_spec(rows, wide_read[0], seconds, wide_read[1], "wide")
+            t.observe_spec(rows, wide_read[0], seconds, wide_read[1], "wide")
         elif drained:
-            self.times.observe_spec(rows, 1, seconds, rows)
-        elif pipelined and not wide:
-            self.times.observe_plain(rows, seconds)
+            t.observe_spec(rows, 1, seconds, rows)
+        else:  # every other step counts to the way in effect (specpolicy.py `way`)
+            t.observe_flow(rows, seconds, rows if pipelined else 0)
+            if pipelined and not wide:
+                t.observe_plain(rows, seconds)
 
     def wanted(self, ex) -> bool:
         """Worth drafting this step? Some row, not paused, is ready, and the best
