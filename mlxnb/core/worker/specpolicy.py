@@ -24,7 +24,7 @@ MAX_PAUSE = 64  # steps
 
 class RowPolicy:
     """One row's speculation policy, whatever its drafts come from: how many tokens
-    it drafts (`k`, grown while drafts hold, cut to what held when they fail), the
+    it drafts (`k`, grown while drafts hold, halved when none holds), the
     chance its next draft token holds (`q`), and a pause, doubling with every failed
     probe, while its drafts keep failing: on free-form text drafts stop costing.
     A draft source's per-row state subclasses it (lookup.py `RowLookup`)."""
@@ -74,9 +74,11 @@ class RowPolicy:
             self.fails = 0
             self.next_pause = 4
         if not self.fixed and proposed:
-            # all accepted: reach further; otherwise draft what held, plus one
+            # all accepted: reach further. Some held: keep the reach -- a copy with
+            # an edit in it goes on after the edit, and the width verified is the
+            # cost model's choice from q (`best_width`), not k's. None held: halve.
             self.k = (min(self.k + 2, self.k_max) if accepted == proposed
-                      else max(1, min(accepted + 1, self.k_max)))
+                      else self.k if accepted else max(1, self.k // 2))
 
     @property
     def q(self) -> float:
