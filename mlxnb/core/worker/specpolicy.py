@@ -164,7 +164,8 @@ class StepTimes:
         f = self._flow[B]
         rate = {n: f[n][0] / f[n][1] if f[n][1] > 0 else 0.0 for n in f}
         p = self._probe.setdefault(B, [0, None, 0, None])  # [.., way kept]
-        best = p[3] or max(rate, key=rate.get)
+        # first kept: the way that wastes no drafts, unless the other is clearly faster
+        best = p[3] or "sync"
         other = "sync" if best == "wide" else "wide"
         if rate[other] > self.SWITCH * rate[best]:  # clearly faster: switch
             best, other = other, best
