@@ -654,3 +654,20 @@ def test_ways_are_judged_by_every_step_while_in_effect():
     w = t._ways[1]
     assert w["wide"][0] > w["sync"][0]  # by its verifying steps alone: wide
     assert t.way(1) == "sync"  # (7 tokens / 34 ms) < (4 tokens / 20 ms)
+
+
+def test_a_verification_that_waited_for_the_step_in_flight_is_costed_without_it():
+    """A read-back verification drafted ahead waits for the plain step in flight:
+    that step's compute is not the verification's cost (else verifying ahead looks
+    twice as dear as it is on a device that runs one step at a time)."""
+    from mlxnb.core.worker.speculate import Speculation
+
+    sp = Speculation([])
+    sp.times.skip_first = False
+    sp.times.observe_plain(1, 0.100)
+    sp.observe(1, 0.250, (4, 3, 4, 5), drained=True, pipelined=True)
+    assert abs(sp.times.verify[1][5] - 0.150) < 1e-9
+    sp.observe(1, 0.150, (4, 3, 4, 6), drained=False, pipelined=False)
+    assert abs(sp.times.verify[1][6] - 0.150) < 1e-9  # nothing in flight: all its own
+    sp.observe(1, 0.120, (4, 3, 4, 7), drained=True, pipelined=True)
+    assert abs(sp.times.verify[1][7] - 0.060) < 1e-9  # at least half stays its own

@@ -3,7 +3,8 @@ verification width, and a guard that turns speculation off where it measures slo
 
 Every cost here is measured wall time on the worker: a plain decode step is timed as
 the pipeline runs it (the device computes step N+1 while the host reads step N), a
-verification step with the read of the step in flight that it waits for. So a width
+verification step as its own wait (speculate.py `observe`: less the plain step in
+flight it also waited for, whose tokens that step pays for). So a width
 is chosen, and speculation kept on, by tokens per second as they really come out:
 on a host-bound GPU, where the pipeline's overlap is most of a plain step's speed, as
 on a compute-bound CPU, where each position fed costs.
