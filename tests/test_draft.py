@@ -3,6 +3,8 @@ rule's distribution, seeded rows alone vs batched, the per-row policy, refusals.
 
 import mlxnb  # noqa: F401  (first: it puts OpenBLAS under MLX on Linux CPU)
 
+import asyncio
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -279,3 +281,38 @@ def test_a_tokenizer_of_the_same_size_but_other_ids_is_told_apart():
     assert vocab_mismatch(Tok(dict(a)), Tok(a)) == ""
     assert "2 of 3 tokens" in vocab_mismatch(Tok({"a": 0, "b": 2, "c": 1}), Tok(a))
     assert "4 tokens, the model's 3" in vocab_mismatch(Tok(dict(a, d=3)), Tok(a))
+
+
+def test_the_kv_budget_counts_the_draft_cache(target, arun):
+    """Admission under kv_budget counts a row's draft KV too: a draft of the
+    target's first 2 layers adds exactly those layers' bytes per token, and the
+    draft batch's real cache holds no more than that per row."""
+    async def main():
+        plain = Engine(target, kv_budget=None, warmup=False)
+        eng = Engine(target, kv_budget=None, warmup=False, draft_model="layers:2")
+        try:
+            n = len(plain.layer_costs)
+            assert eng.layer_costs[:n] == plain.layer_costs
+            per_tok = [c[0] for c in eng.layer_costs[n:]]
+            assert per_tok == [c[0] for c in plain.layer_costs[:2]] and all(per_tok)
+            extra = eng.kv_bytes_for(300) - plain.kv_bytes_for(300)
+            assert extra == sum(per_tok) * (300 + 512)
+            rows = [eng.submit(p, max_tokens=8, chat=False, speculate="draft")
+                    for p in PROMPTS[:3]]
+            src = eng._exec.spec.draft
+            held = []
+
+            def peek(*_):
+                if src.caches is not None and src.ids:
+                    held.append((sum(c.nbytes for c in src.caches), len(src.ids),
+                                 max(lk.seq_len for lk in src.rows.values())))
+            while not all(r.done for r in rows):  # between ticks, while rows decode
+                eng._on_worker(peek)
+                await asyncio.sleep(0.005)
+            assert held  # the draft batch was seen
+            for nbytes, nrows, length in held:
+                assert nbytes <= nrows * sum(per_tok) * (length + 512)
+        finally:
+            plain.close()
+            eng.close()
+    arun(main)

@@ -632,3 +632,42 @@ def test_a_widths_first_verification_is_not_learnt_from():
     assert best_width(t, [0.8], [4]) == 5 and t.verify_s(1, 5) == 0.008
     t.observe_spec(1, 5, 0.009, 3)
     assert t.verify_s(1, 5) == 0.009 and best_width(t, [0.8], [4]) == 5
+
+
+def test_ways_are_judged_by_every_step_while_in_effect():
+    """A way whose verifying steps measure faster but which leaves more plain steps
+    between them (pipelined drafts going stale) gives fewer tokens per second
+    overall: it is the other that is kept."""
+    from mlxnb.core.worker.specpolicy import StepTimes
+
+    t = StepTimes()
+    t.skip_first = False
+    for _ in range(4 * StepTimes.MIN_SPEC):
+        way = t.way(1)
+        if way == "wide":  # 4 tokens per verifying step, then three plain steps
+            t.observe_spec(1, 5, 0.010, 4, "wide")
+            for _ in range(3):
+                t.observe_flow(1, 0.008, 1)
+        else:  # 3 tokens per (slower) verifying step, one plain step between
+            t.observe_spec(1, 5, 0.012, 3, "sync")
+            t.observe_flow(1, 0.008, 1)
+    w = t._ways[1]
+    assert w["wide"][0] > w["sync"][0]  # by its verifying steps alone: wide
+    assert t.way(1) == "sync"  # (7 tokens / 34 ms) < (4 tokens / 20 ms)
+
+
+def test_a_verification_that_waited_for_the_step_in_flight_is_costed_without_it():
+    """A read-back verification drafted ahead waits for the plain step in flight:
+    that step's compute is not the verification's cost (else verifying ahead looks
+    twice as dear as it is on a device that runs one step at a time)."""
+    from mlxnb.core.worker.speculate import Speculation
+
+    sp = Speculation([])
+    sp.times.skip_first = False
+    sp.times.observe_plain(1, 0.100)
+    sp.observe(1, 0.250, (4, 3, 4, 5), drained=True, pipelined=True)
+    assert abs(sp.times.verify[1][5] - 0.150) < 1e-9
+    sp.observe(1, 0.150, (4, 3, 4, 6), drained=False, pipelined=False)
+    assert abs(sp.times.verify[1][6] - 0.150) < 1e-9  # nothing in flight: all its own
+    sp.observe(1, 0.120, (4, 3, 4, 7), drained=True, pipelined=True)
+    assert abs(sp.times.verify[1][7] - 0.060) < 1e-9  # at least half stays its own

@@ -189,7 +189,8 @@ class Engine(Listeners, Closing, Adapters, Reports):
         """Most KV bytes one row can hold at `length` tokens (what admission under
         kv_budget counts). `cache_kinds` names the model's layer caches as batched,
         e.g. '24 recurrent-state + 8 attention layers, KV 4-bit'; `layer_costs` has
-        each layer's (bytes per token, window or 0, fixed bytes)."""
+        each layer's (bytes per token, window or 0, fixed bytes), a draft model's
+        layers after the model's (any row may hold draft KV)."""
         return row_kv_bytes(self.layer_costs, self.prefill_chunk, length)
 
     def worker_state(self) -> Optional[WorkerState]:

@@ -125,7 +125,9 @@ class BatchExecutor:
         s = self.setup
         prefix = "on" if self.prefix is not None else (
             "off for these cache kinds" if self.prefix_bytes else "off")
-        return LoadFacts(s.cache_kinds, list(s.layer_costs), s.quantized_attention, prefix,
+        draft = self.spec.draft  # a draft model's KV rides with each row (draft.py)
+        costs = list(s.layer_costs) + (list(draft.kv_costs) if draft is not None else [])
+        return LoadFacts(s.cache_kinds, costs, s.quantized_attention, prefix,
                          self.spec.facts)
 
     def report(self) -> TickReport:

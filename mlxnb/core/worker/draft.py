@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from .caches import aligned_views, left_padded, make_row_cache, merge_lean
+from .caches import aligned_views, layer_costs, left_padded, make_row_cache, merge_lean
 from .draftrule import draft_draw, reject_sample, vocab_keys
 from .rollback import rollback, unsupported_reason
 from .sampling import MIN_TEMPERATURE
@@ -112,6 +112,12 @@ class DraftSource:
         if why is not None:
             raise ValueError(f"the draft model cannot speculate: its {why[5:]}; use a "
                              f"draft with attention layers only")
+        # what a row's draft cache holds per token, read off a 1-token forward: the
+        # engine's kv_budget counts it for every row (any row may draft), so
+        # admission leaves room for the draft batch's KV as for the target's
+        model(mx.array([[0]]), cache=probe)
+        mx.eval([c.state for c in probe])
+        self.kv_costs = layer_costs(probe)
         self.ids: List[int] = []  # row ids, draft batch order
         self.rows: Dict[int, DraftRow] = {}
         self.caches: Optional[list] = None

@@ -3,7 +3,8 @@ verification width, and a guard that turns speculation off where it measures slo
 
 Every cost here is measured wall time on the worker: a plain decode step is timed as
 the pipeline runs it (the device computes step N+1 while the host reads step N), a
-verification step with the read of the step in flight that it waits for. So a width
+verification step as its own wait (speculate.py `observe`: less the plain step in
+flight it also waited for, whose tokens that step pays for). So a width
 is chosen, and speculation kept on, by tokens per second as they really come out:
 on a host-bound GPU, where the pipeline's overlap is most of a plain step's speed, as
 on a compute-bound CPU, where each position fed costs.
@@ -24,7 +25,7 @@ MAX_PAUSE = 64  # steps
 
 class RowPolicy:
     """One row's speculation policy, whatever its drafts come from: how many tokens
-    it drafts (`k`, grown while drafts hold, cut to what held when they fail), the
+    it drafts (`k`, grown while drafts hold, halved when none holds), the
     chance its next draft token holds (`q`), and a pause, doubling with every failed
     probe, while its drafts keep failing: on free-form text drafts stop costing.
     A draft source's per-row state subclasses it (lookup.py `RowLookup`)."""
@@ -74,9 +75,11 @@ class RowPolicy:
             self.fails = 0
             self.next_pause = 4
         if not self.fixed and proposed:
-            # all accepted: reach further; otherwise draft what held, plus one
+            # all accepted: reach further. Some held: keep the reach -- a copy with
+            # an edit in it goes on after the edit, and the width verified is the
+            # cost model's choice from q (`best_width`), not k's. None held: halve.
             self.k = (min(self.k + 2, self.k_max) if accepted == proposed
-                      else max(1, min(accepted + 1, self.k_max)))
+                      else self.k if accepted else max(1, self.k // 2))
 
     @property
     def q(self) -> float:
@@ -115,6 +118,7 @@ class StepTimes:
     HOLD, MAX_HOLD = 32, 2048
     REPROBE = 128  # speculating steps between tries of the way not chosen
     SWITCH = 1.05  # the other way must measure this much faster to be chosen
+    FLOW = 0.9  # decay per step of the ways' token and time sums
 
     def __init__(self):
         self.plain: Dict[int, float] = {}  # B -> seconds
@@ -127,6 +131,10 @@ class StepTimes:
         # "sync" (read back at once), and B -> [steps since a try of the other, way
         # being tried, steps left of that try]
         self._ways: Dict[int, Dict[str, list]] = {}
+        # B -> {way: [tokens, seconds]} (decayed sums) over every decode step while
+        # that way was in effect, plain ones too: what the ways are judged by
+        self._flow: Dict[int, Dict[str, list]] = {}
+        self._now: Dict[int, str] = {}  # B -> the way last chosen
         self._probe: Dict[int, list] = {}
         self.only: Optional[str] = None  # "wide" or "sync": that way always (tests, bench)
         self._cold: set = set()  # (B, width, way) seen once: the next ones are learnt from
@@ -137,17 +145,30 @@ class StepTimes:
         MIN_SPEC steps, then the one that gave more tokens per second is kept
         (until the other measures SWITCH times faster), and the other tried again
         every REPROBE steps (the text decides which wins:
-        long copies favour pipelining, copies with edits break its chains)."""
+        long copies favour pipelining, copies with edits break its chains).
+
+        A way is judged by the tokens per second of every decode step taken while
+        it was in effect (`observe_flow`), not of its verifying steps alone: a
+        pipelined verification drafts ahead of tokens not yet read, so after a
+        rejection the next one was stale, and the plain steps it leaves between
+        verifications count as much as its cheaper reads."""
+        self._now[B] = way = self._choose(B)
+        return way
+
+    def _choose(self, B: int) -> str:
         if self.only is not None:
             return self.only
         w = self._ways.setdefault(B, {"wide": [None, 0], "sync": [None, 0]})
         for name in ("sync", "wide"):  # the way that wastes no drafts first
             if w[name][1] < self.MIN_SPEC:
                 return name
+        f = self._flow[B]
+        rate = {n: f[n][0] / f[n][1] if f[n][1] > 0 else 0.0 for n in f}
         p = self._probe.setdefault(B, [0, None, 0, None])  # [.., way kept]
-        best = p[3] or max(w, key=lambda n: w[n][0])
+        # first kept: the way that wastes no drafts, unless the other is clearly faster
+        best = p[3] or "sync"
         other = "sync" if best == "wide" else "wide"
-        if w[other][0] > self.SWITCH * w[best][0]:  # clearly faster: switch
+        if rate[other] > self.SWITCH * rate[best]:  # clearly faster: switch
             best, other = other, best
         p[3] = best
         if p[2] > 0:
@@ -156,6 +177,16 @@ class StepTimes:
             p[:3] = [0, other, self.MIN_SPEC]
             return other
         return best
+
+    def observe_flow(self, B: int, seconds: float, tokens: int,
+                     way: Optional[str] = None) -> None:
+        """A decode step of B rows gave `tokens` in `seconds`: counted to `way`, or
+        to the way in effect (none chosen yet: not counted)."""
+        way = way or self._now.get(B)
+        if way is None:
+            return
+        f = self._flow.setdefault(B, {"wide": [0.0, 0.0], "sync": [0.0, 0.0]})[way]
+        f[0], f[1] = self.FLOW * f[0] + tokens, self.FLOW * f[1] + seconds
 
     def _avg(self, old: Optional[float], x: float) -> float:
         return x if old is None else old + self.ALPHA * (x - old)
@@ -177,6 +208,7 @@ class StepTimes:
             v[width] = self._avg(v.get(width), seconds)
         w = self._ways.setdefault(B, {"wide": [None, 0], "sync": [None, 0]})[way]
         w[0], w[1] = self._avg(w[0], tokens / seconds), w[1] + 1
+        self.observe_flow(B, seconds, tokens, way)
         p = self._probe.setdefault(B, [0, None, 0, None])
         p[0] += 1
         if p[2] > 0 and p[1] == way:

@@ -105,6 +105,7 @@ class Speculation:
         self.trims = self.wide = self.sync = 0
         self.draft = None  # draft.py: a draft model's source, when the engine has one
         self._draft_due = False  # a draft row's draft is due this step
+        self._considered = False  # this step some row was ready to draft
 
     def add_draft(self, source) -> None:
         """Register a draft model's source (draft.py). Its rows' drafting schedule is
@@ -135,25 +136,39 @@ class Speculation:
                 drained: bool, pipelined: bool, wide: bool = False,
                 wide_read: Optional[tuple] = None) -> None:
         """A decode-only step of `rows` rows took `seconds` of wall time. It is the
-        cost of what it waited for: a verification read at once (`verified`), a
-        pipelined one it read (`wide_read`: its width and tokens; the step that
+        cost of what it waited for: a verification read at once (`verified`; less
+        the plain step in flight when it read one too), a pipelined one it read (`wide_read`: its width and tokens; the step that
         reads one waits for its compute, as the step that launched it waited for
         the one before), a plain step that read the step in flight to draft and
         did not (`drained`), or a plain step of the pipeline that read a plain one
         (`pipelined`; one launching a pipelined verification (`wide`) is neither)."""
+        t = self.times
         if verified is not None:
-            self.times.observe_spec(rows, verified[3], seconds, verified[2])
+            own = seconds
+            if drained and t.plain_s(rows):
+                # it waited for the step in flight too: a plain step's compute on a
+                # device that runs one at a time, which that step's tokens pay for.
+                # The verification's own cost is the rest (at least half: where the
+                # host, not the device, bounds a step, the two overlap)
+                own = max(seconds - t.plain_s(rows), seconds / 2)
+            t.observe_spec(rows, verified[3], own, verified[2])
+            if drained:  # those tokens count to its way too
+                t.observe_flow(rows, seconds - own, rows, "sync")
         elif wide_read is not None:
-            self.times.observe_spec(rows, wide_read[0], seconds, wide_read[1], "wide")
+            t.observe_spec(rows, wide_read[0], seconds, wide_read[1], "wide")
         elif drained:
-            self.times.observe_spec(rows, 1, seconds, rows)
-        elif pipelined and not wide:
-            self.times.observe_plain(rows, seconds)
+            t.observe_spec(rows, 1, seconds, rows)
+        else:
+            if self._considered:  # a row could draft: the way in effect (`way`) counts
+                t.observe_flow(rows, seconds, rows if pipelined else 0)
+            if pipelined and not wide:
+                t.observe_plain(rows, seconds)
 
     def wanted(self, ex) -> bool:
         """Worth drafting this step? Some row, not paused, is ready, and the best
         case (each such row drafting its k) would pay; counts down paused rows'
         pauses and the guard's hold."""
+        self._considered = False
         self._draft_due = self.draft is not None and self.draft.wanted(ex)
         if self._draft_due:
             self._ready = []
@@ -176,6 +191,9 @@ class Speculation:
             qs.append(0.0)
             ks.append(0)
         self._ready = ready
+        # a step where some row could draft, whether or not it does: where the two
+        # ways of verifying differ (the others are the text's, the same for both)
+        self._considered = bool(ready)
         if not any(ks):
             return False
         if not self.times.allowed(B) and not fixed:  # the guard holds it off
