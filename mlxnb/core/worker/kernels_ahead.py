@@ -129,8 +129,9 @@ def _compile(piece: str, dtype: str) -> None:
     if piece == "gather":  # the embedding lookup [B, L] and a cache's row filter
         w = mx.zeros((16, 8), dt)
         out = [w[ids([[1, 2, 3]])], mx.zeros((3, 2, 5, 4), dt)[ids([2, 0])]]
-    elif piece == "rows":  # the next-token vector and the sampler's counters
-        out = [ids([5, 6, 7])[ids([2, 0])]]
+    elif piece == "rows":  # the next-token vector, the sampler's counters, and
+        # mlx-lm's batch caches' int32 offsets and paddings, filtered by row
+        out = [ids([5, 6, 7])[ids([2, 0])], mx.array([5, 6, 7])[ids([2, 0])]]
     elif piece == "roll":  # finalize() of a right-padded prefill group (mlx-lm)
         # dynamic_roll's ops: take_along_axis with int32 positions [B, 1, S, 1]
         # (importing mlx_lm.models.cache would import mlx_lm whole)
