@@ -75,10 +75,13 @@ def test_reference_and_the_kernels_loop_match_mlx_lm_per_row(length):
     ref = lk.reference(y2, st.bpad, sel.masks[0], sel.scale_rows, 4, length, st.out)
     want = per_row(x, base, rows, parts, scales)
     assert ref.shape == (4, length, 18)
-    assert mx.allclose(ref, want, atol=1e-4).item()
+    # float32 matmuls may run as TF32 on a GPU (a 10-bit mantissa): about 3e-4 of
+    # the values here, where a wrong column or row is off by their whole size
+    close = dict(rtol=2e-3, atol=2e-3)
+    assert mx.allclose(ref, want, **close).item()
     got = emulate(y2, st.bpad, st.tab, st.bounds, sel.slots, sel.scale_rows, 4, length,
                   st.out)
-    assert mx.allclose(got, want, atol=1e-4).item()
+    assert mx.allclose(got, want, **close).item()
     assert mx.array_equal(got[1], y2[length:2 * length, :18]).item()  # no adapter: base
 
 

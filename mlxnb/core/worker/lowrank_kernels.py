@@ -185,7 +185,9 @@ def self_check(dtype, launch: Launch, seed: int = 0) -> Optional[str]:
                 return "kernel changed a row with no adapter"
             g, w = got.astype(mx.float32), want.astype(mx.float32)
             err = (g - w).abs().max().item()
-            eps = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}.get(dtype, 2e-2)
+            # float32: the reference's matmul may run as TF32 on a GPU (measured 1.3e-4
+            # of the largest value on an H200); a wrong column is off by whole values
+            eps = {mx.float32: 1e-3, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}.get(dtype, 2e-2)
             tol = 2 * eps * max(1.0, w.abs().max().item())
             if not err <= tol:  # also catches NaN
                 return f"kernel differs from the ops by {err:.3g} ({dtype}, L={L})"
