@@ -14,6 +14,8 @@
       prefill.py  caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
       prefix.py  fuse.py  setup.py  inflight.py  warmup.py
       speculate.py  lookup.py  draft.py  draftrule.py  rollback.py   speculative decoding
+      tokens.py           one integer type for token ids and row indices
+      kernels_ahead.py  precompile.py  compilers.py   CUDA kernels compiled ahead, in processes
 
 Threads. MLX keeps arrays on thread-local streams, so the rule is about threads:
 

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from .tokens import ids
 from .caches import aligned_views, layer_costs, left_padded, make_row_cache, merge_lean
 from .draftrule import draft_draw, reject_sample, vocab_keys
 from .rollback import rollback, unsupported_reason
@@ -115,7 +116,7 @@ class DraftSource:
         # what a row's draft cache holds per token, read off a 1-token forward: the
         # engine's kv_budget counts it for every row (any row may draft), so
         # admission leaves room for the draft batch's KV as for the target's
-        model(mx.array([[0]]), cache=probe)
+        model(ids([[0]]), cache=probe)
         mx.eval([c.state for c in probe])
         self.kv_costs = layer_costs(probe)
         self.ids: List[int] = []  # row ids, draft batch order
@@ -145,7 +146,7 @@ class DraftSource:
         from ...models.draft import build_draft
 
         def out_dim(m) -> int:
-            return int(m(mx.array([[0]]), cache=make_row_cache(m)).shape[-1])
+            return int(m(ids([[0]]), cache=make_row_cache(m)).shape[-1])
 
         dm, name = build_draft(draft, model, tokenizer, out_dim)
         return cls(dm, name, ex)
@@ -181,7 +182,7 @@ class DraftSource:
             try:
                 for i in range(0, len(head), PREFILL_CHUNK):
                     with wide_attention():
-                        run(mx.array([head[i:i + PREFILL_CHUNK]]), cache=cache)
+                        run(ids([head[i:i + PREFILL_CHUNK]]), cache=cache)
                     mx.eval([c.state for c in cache])
                 return cache
             except TypeError:  # a body that takes other arguments: the whole model
@@ -206,7 +207,7 @@ class DraftSource:
             if not keep:
                 self.caches = None
             else:
-                idx = mx.array(keep)
+                idx = ids(keep)
                 for c in self.caches:
                     c.filter(idx)
         return pos
@@ -253,7 +254,7 @@ class DraftSource:
         K = max(ks)
         if K == 0:
             return False
-        idx = mx.array([pos[rid] for rid in self.ids])
+        idx = ids([pos[rid] for rid in self.ids])
         temps, seeds, counters = ex.sampler.row_keys(idx)
         drawing = [r.params.temperature >= MIN_TEMPERATURE and r.params.top_k != 1
                    for r in rows]
@@ -262,7 +263,7 @@ class DraftSource:
         for i, (r, d) in enumerate(zip(rows, drawing)):
             if d and r.params.filters != (0, 1.0, 0.0):
                 groups.setdefault(r.params.filters, []).append(i)
-        groups = {f: (mx.array(ix), len(ix)) for f, ix in groups.items()}
+        groups = {f: (ids(ix), len(ix)) for f, ix in groups.items()}
         views = self.caches if left_padded(self.caches) else aligned_views(self.caches)
         y = ex.y[idx]  # [D] each row's next input
         toks, logqs = [], []
@@ -307,12 +308,12 @@ class DraftSource:
         s = ex.sampler
         x, temp = s.drawn_from()  # [B * W, V] filtered logits, [B * W] temperatures
         V = x.shape[-1]
-        ti = mx.array(tgt)
+        ti = ids(tgt)
         z = x.reshape(B, W, V)[ti][:, :K, :].astype(mx.float32)
         t = temp.reshape(B, W)[ti][:, :K]
         z = z / mx.where(t > 0, t, 1.0)[..., None]
         logp = z - mx.logsumexp(z, axis=-1, keepdims=True)  # [S, K, V]
-        di = mx.array(sel)
+        di = ids(sel)
         logq = self._logq[di][:, :K, :]
         k = mx.array([min(self._k[i], K) for i in sel])
         d = drafts[ti][:, :K]
