@@ -57,3 +57,28 @@ def test_sampler_rebuilds_host_arrays_on_filter():
     assert s.counters is None and s._seeds is None and len(s) == 0
     s.extend([0.9], [(0, 1.0, 0.0)], [2 ** 40 + 5], [1])
     assert s._seeds.tolist() == [5] and s._seeds.dtype == mx.uint32
+
+
+def test_draft_speculation_feeds_both_models_one_type(tiny, arun, monkeypatch):
+    model, tok = tiny
+    cls = type(model)  # `layers:1` builds the draft as the same model class
+    seen, call = set(), cls.__call__
+
+    def recording(self, x, *a, **kw):
+        seen.add(x.dtype)
+        return call(self, x, *a, **kw)
+
+    monkeypatch.setattr(cls, "__call__", recording)
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False, draft_model="layers:1")
+        rows = [eng.submit("abcabcabcabc", chat=False, max_tokens=10, speculate="draft"),
+                eng.submit("xyz", chat=False, max_tokens=6, speculate="draft",
+                           temperature=0.8, seed=2)]
+        for r in rows:
+            await r
+        assert eng.draft_proposed > 0
+        await eng.aclose()
+
+    arun(main)
+    assert seen == {TOKEN}, seen

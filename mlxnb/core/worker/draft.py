@@ -325,7 +325,7 @@ class DraftSource:
         nxt[ti] = n.astype(nxt.dtype)
         # the row's tokens this step: its kept drafts, then the next token
         j = mx.arange(W)[None, :]
-        dpad = mx.concatenate([d, mx.zeros((len(sel), W - K), mx.int32)], axis=1)
+        dpad = mx.concatenate([d, mx.zeros((len(sel), W - K), d.dtype)], axis=1)
         row = mx.where(j < a[:, None], dpad, mx.where(j == a[:, None], n[:, None], 0))
         toks = mx.array(toks)
         toks[ti] = row.astype(toks.dtype)

@@ -58,15 +58,15 @@ def filtered_logq(logits: mx.array, temps: mx.array,
 
 def draft_draw(logits: mx.array, temps: mx.array, groups, seeds: mx.array,
                counters: mx.array, keys: mx.array, sampled: bool):
-    """One draft position for every draft row: logits [N, V] -> (tokens [N] int32,
+    """One draft position for every draft row: logits [N, V] -> (tokens [N] uint32,
     log q [N, V] or None when no row draws). A row at temperature 0 proposes its
     argmax; a drawing row draws from q with its proposal stream."""
-    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+    greedy = mx.argmax(logits, axis=-1)  # uint32: the token type (tokens.py)
     if not sampled:
         return greedy, None
     logq = filtered_logq(logits, temps, groups)
     g = gumbel_noise(seeds ^ _u32(PROPOSE), counters, keys)
-    drawn = mx.argmax(logq + g, axis=-1).astype(mx.int32)
+    drawn = mx.argmax(logq + g, axis=-1)
     return mx.where(temps > 0, drawn, greedy), logq
 
 
