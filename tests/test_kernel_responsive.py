@@ -73,13 +73,14 @@ def test_a_trivial_cell_answers_while_a_schema_compiles_or_a_server_is_silent(
         assert out.count("\n") == 1, out
 
         run("%load_ext mlxnb")
-        status, out, connect_s = run(f"%mlxnb connect {silent_server} --timeout 2")
+        status, out, connect_s = run(f"%mlxnb connect {silent_server} --timeout 4")
         _, out2, trivial_s = run("print(1 + 1)")
         assert status == "ok" and "connecting to" in out, out
         # it waits 0.5 s for the server (the first connect also imports the HTTP
-        # client); the next cell answers at once
-        assert connect_s < 2.0 and trivial_s < 1.0 and out2.strip() == "2", (
+        # client, a second or more on a busy machine), not for the 4 s timeout; the
+        # next cell answers at once
+        assert connect_s < 3.0 and trivial_s < 1.0 and out2.strip() == "2", (
             connect_s, trivial_s)
-        time.sleep(2.0)
+        time.sleep(4.0)
         status, out, _ = run("%mlxnb status")
-        assert status == "error" and "did not answer within 2 s" in out, out
+        assert status == "error" and "did not answer within 4 s" in out, out
