@@ -24,7 +24,6 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from .tokens import ids
 from .._trace import lap, pc, timed
 from ..constrain import Constraints
 from ..constraint_results import verdict
@@ -46,6 +45,7 @@ from .draft import DraftSource
 from .speculate import Speculation
 from .stepsplit import StepSplit
 from .wide import read_wide
+from .tokens import ids
 
 
 class BatchExecutor:

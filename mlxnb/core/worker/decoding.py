@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-import mlx.core as mx
-
-from .tokens import ids
 from ..._text import one_line
 from ..messages import Emitted, Ending
 from ..states import Finish
+from .tokens import ids
 
 HISTORY = 256  # tokens of context kept for logits processors (repetition penalty)
 

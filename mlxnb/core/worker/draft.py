@@ -25,13 +25,13 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from .tokens import ids
 from .caches import aligned_views, layer_costs, left_padded, make_row_cache, merge_lean
 from .draftrule import draft_draw, reject_sample, vocab_keys
 from .rollback import rollback, unsupported_reason
 from .sampling import MIN_TEMPERATURE
 from .specpolicy import RowPolicy
 from .wideattn import wide_attention
+from .tokens import ids
 
 __all__ = ["DraftRow", "DraftSource", "DEFAULT_K", "MAX_K", "FAILS_OFF", "LOW_RATE"]
 

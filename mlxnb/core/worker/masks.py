@@ -32,13 +32,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .tokens import ids
 from .._trace import lap, pc
 from ..constrain import Constraints
 from ..constraint_params import kind_of, one_line
 from ..messages import Ending
 from ..states import Finish
 from .inflight import InFlight
+from .tokens import ids
 
 
 

@@ -24,11 +24,11 @@ from typing import Callable, Deque, Iterable, Iterator, List, NamedTuple, Option
 
 import mlx.core as mx
 
-from .tokens import ids
 from .._trace import lap, pc, timed
 from ..messages import Updates
 from ..states import Finish
 from .caches import aligned_views, empty_batch, merge_lean, round_up
+from .tokens import ids
 
 IDLE_PREFILL = 8192  # prompt tokens per tick when no row is decoding (none stalls)
 IDLE_TICK_S = 0.25  # prefill compute per tick when idle, at the measured rate

@@ -137,7 +137,8 @@ class Speculation:
                 wide_read: Optional[tuple] = None) -> None:
         """A decode-only step of `rows` rows took `seconds` of wall time. It is the
         cost of what it waited for: a verification read at once (`verified`; less
-        the plain step in flight when it read one too), a pipelined one it read (`wide_read`: its width and tokens; the step that
+        the plain step in flight when it read one too), a pipelined one it read
+        (`wide_read`: its width and tokens; the step that
         reads one waits for its compute, as the step that launched it waited for
         the one before), a plain step that read the step in flight to draft and
         did not (`drained`), or a plain step of the pipeline that read a plain one
