@@ -129,8 +129,8 @@ def test_all_real_schemas_run_or_are_refused_up_front(smollm2, arun):
 @pytest.mark.integration
 def test_real_schemas_on_the_default_model(arun):
     """A few cases on the bundled SmolLM2: a real model writes real values."""
-    names = [n for n, _ in CASES[::60]]
+    names = [n for n, _ in CASES[::120]]  # every document: the tiny model's tests
     got = verdicts(None, names)
     ok = [n for n, why in got.items() if why is None]
-    rows = generate("default", ok, 160, arun)
+    rows = generate("default", ok, 128, arun)
     check_rows(rows)

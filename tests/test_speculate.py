@@ -520,6 +520,29 @@ def test_nothing_measured_tries_a_verification_and_then_measures_it():
     assert t.verify_s(1, 4) < 0.25  # a line through three widths: not ruled out for good
 
 
+def test_a_narrow_widths_stale_cost_does_not_outweigh_wider_ones_measured_cheap():
+    """Verify times as a host-bound GPU's policy held them: narrow widths last
+    measured on a busy host, wider ones since measured at about a plain step's
+    cost. A fresh row (q = 0.5) must still be worth verifying: drafts that are
+    never verified never teach the row its acceptance."""
+    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+
+    t = StepTimes()
+    t.skip_first = False
+    t.observe_plain(1, 0.0069)
+    for w, ms in ((2, 27.7), (4, 19.5), (5, 9.5), (7, 17.1), (9, 14.6), (11, 9.1)):
+        t.observe_spec(1, w, ms / 1e3, 2)
+    assert t.verify_s(1, 2) == t.verify_s(1, 11) == pytest.approx(0.0091)
+    assert best_width(t, [0.5], [4]) > 1
+    # costs that rise with width (a compute-bound CPU) are kept, and interpolated
+    c = StepTimes()
+    c.skip_first = False
+    for w, ms in ((2, 175), (5, 260), (8, 376)):
+        c.observe_spec(1, w, ms / 1e3, 2)
+    assert c.verify_s(1, 3) == pytest.approx(0.175 + 0.085 / 3)
+    assert c.verify_s(1, 11) > c.verify_s(1, 8) == pytest.approx(0.376)
+
+
 def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():
     from mlxnb.core.worker.specpolicy import StepTimes
 

@@ -237,17 +237,28 @@ class StepTimes:
         v = self.verify.get(B)
         if not v:
             return self.plain.get(B)
-        if W in v and len(v) < 3:
-            return v[W]
-        if len(v) == 1:
-            return next(iter(v.values()))
-        # a line through the widths measured: one width's outlier (a busy host)
-        # then moves the line a little instead of ruling that width out for good
-        xs, ys = list(v), list(v.values())
-        mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx_) ** 2 for x in xs)
-        b = max(0.0, sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sxx)
-        return max(my + b * (W - mx_), min(ys))
+        # A wider verification does all a narrower one does, so a width costs at
+        # most what any wider one measured: the lower envelope. A width last measured
+        # on a busy host (or still cold) is then not ruled out by its own stale
+        # average while wider ones measure cheap -- the widths of a host-bound GPU
+        # cost about the same (bench/results/speculate-2026-12-02-h200.md).
+        ws = sorted(v)
+        env, low = {}, float("inf")
+        for w in reversed(ws):
+            low = env[w] = min(low, v[w])
+        if W <= ws[-1]:
+            hi = min(w for w in ws if w >= W)
+            lo = max((w for w in ws if w < W), default=None)
+            if lo is None or hi == W:
+                return env[hi]
+            return env[lo] + (env[hi] - env[lo]) * (W - lo) / (hi - lo)
+        if len(ws) == 1:
+            return env[ws[0]]
+        # wider than any measured: on along the envelope's least-squares slope
+        mx_, my = sum(ws) / len(ws), sum(env.values()) / len(ws)
+        sxx = sum((x - mx_) ** 2 for x in ws)
+        b = max(0.0, sum((x - mx_) * (env[x] - my) for x in ws) / sxx)
+        return env[ws[-1]] + b * (W - ws[-1])
 
 
 def best_width(times: StepTimes, qs: List[float], lens: List[int],
