@@ -543,6 +543,31 @@ def test_a_narrow_widths_stale_cost_does_not_outweigh_wider_ones_measured_cheap(
     assert c.verify_s(1, 11) > c.verify_s(1, 8) == pytest.approx(0.376)
 
 
+def test_a_joining_row_starts_from_the_acceptance_of_the_rows_before_it():
+    """Where a verification costs two plain steps, a row from an even prior is
+    never verified, so it would never learn that it copies; it starts instead
+    from what its source's rows showed, good or bad."""
+    from mlxnb.core.worker.specpolicy import Pooled, RowPolicy, StepTimes, best_width
+
+    t = StepTimes()
+    t.skip_first = False
+    t.observe_plain(1, 0.007)
+    t.observe_spec(1, 5, 0.014, 3)
+    pool = Pooled()
+    assert RowPolicy(pool=pool).q == 0.5
+    assert best_width(t, [0.5], [4], [0.5]) == 1
+    for _ in range(4):
+        r = RowPolicy(pool=pool)
+        for _ in range(8):
+            r.verified(4, 3)
+    joined = RowPolicy(pool=pool)
+    assert 0.7 < joined.q < 0.76 and best_width(t, [joined.q], [4], [joined.q]) > 1
+    for _ in range(40):
+        RowPolicy(pool=pool).verified(4, 0)
+    assert RowPolicy(pool=pool).q < 0.3
+    assert RowPolicy().q == 0.5  # a source without a pool: the even prior
+
+
 def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():
     from mlxnb.core.worker.specpolicy import StepTimes
 

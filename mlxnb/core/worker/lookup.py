@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from .specpolicy import DEFAULT_DRAFT, MAX_DRAFT, RowPolicy
+from .specpolicy import DEFAULT_DRAFT, MAX_DRAFT, Pooled, RowPolicy
 
 __all__ = ["LookupSource", "RowLookup", "MAX_N", "MIN_N", "DEFAULT_DRAFT", "MAX_DRAFT"]
 
@@ -24,8 +24,8 @@ SURE = 0.6  # a row whose drafts hold this often drafts on a MIN_N match too
 class RowLookup(RowPolicy):
     """One row's n-gram index, with its draft policy."""
 
-    def __init__(self, ids: List[int], num_draft: int = 0):
-        super().__init__(num_draft)
+    def __init__(self, ids: List[int], num_draft: int = 0, pool: Pooled = None):
+        super().__init__(num_draft, pool)
         self.seq: List[int] = []
         self.index: List[Dict[Tuple[int, ...], int]] = [dict() for _ in range(MAX_N + 1)]
         self.extend(ids)
@@ -77,8 +77,11 @@ class LookupSource:
 
     mode = "lookup"
 
+    def __init__(self):
+        self.pool = Pooled()  # the acceptance of every lookup row so far: a prior
+
     def attach(self, row, ids: List[int]) -> RowLookup:
-        return RowLookup(ids, row.params.num_draft)
+        return RowLookup(ids, row.params.num_draft, self.pool)
 
     def propose(self, rows, limits: List[int], after: List[List[int]]) -> List[List[int]]:
         return [r.spec.follow(n, a) for r, n, a in zip(rows, limits, after)]

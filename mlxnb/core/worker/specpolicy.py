@@ -14,13 +14,36 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-__all__ = ["RowPolicy", "StepTimes", "best_width", "expected_accepts",
+__all__ = ["RowPolicy", "Pooled", "StepTimes", "best_width", "expected_accepts",
            "DEFAULT_DRAFT", "MAX_DRAFT"]
 
 DEFAULT_DRAFT = 4  # the adaptive k starts here and stays within [1, MAX_DRAFT]
 MAX_DRAFT = 12
 FAILS_TO_PAUSE = 2  # consecutive drafts with nothing accepted before a pause
 MAX_PAUSE = 64  # steps
+
+
+class Pooled:
+    """Draft-token acceptance over all of a source's rows (decayed): a joining row's
+    prior. A row's acceptance is learnt only from its verifications, and a row is
+    verified only when its acceptance says that pays; from an even prior a row
+    whose verifications cost two plain steps (a host-bound GPU) is never verified,
+    however well the rows before it copied. Rows of one notebook experiment tend to
+    be alike, so they start from what the rows before them showed."""
+
+    DECAY = 0.95  # per verification of any row
+    WEIGHT = 2.0  # the prior counts as this many draft tokens of the row's own
+
+    def __init__(self):
+        self.held, self.missed = 1.0, 1.0
+
+    def add(self, held: float, missed: float) -> None:
+        self.held = self.DECAY * self.held + held
+        self.missed = self.DECAY * self.missed + missed
+
+    def prior(self) -> tuple:
+        q = self.held / (self.held + self.missed)
+        return self.WEIGHT * q, self.WEIGHT * (1 - q)
 
 
 class RowPolicy:
@@ -30,7 +53,7 @@ class RowPolicy:
     probe, while its drafts keep failing: on free-form text drafts stop costing.
     A draft source's per-row state subclasses it (lookup.py `RowLookup`)."""
 
-    def __init__(self, num_draft: int = 0):
+    def __init__(self, num_draft: int = 0, pool: Optional[Pooled] = None):
         self.fixed = num_draft > 0  # a user-given k: neither adapted nor paused
         self.k_max = num_draft if self.fixed else MAX_DRAFT
         self.k = num_draft if self.fixed else DEFAULT_DRAFT
@@ -41,7 +64,8 @@ class RowPolicy:
         self.stale = False  # its last verification rejected a draft (wide.py)
         # per draft token: held after held ones (successes) and the first that did
         # not (failures), decayed: q is the chance the next draft token holds
-        self._held, self._missed = 1.0, 1.0
+        self.pool = pool
+        self._held, self._missed = pool.prior() if pool is not None else (1.0, 1.0)
 
     def extend(self, toks) -> None:
         """The row took these tokens (decoding.py, as they are read)."""
@@ -64,8 +88,11 @@ class RowPolicy:
         self.proposed += proposed
         self.accepted += accepted
         d = 0.8
+        missed = float(accepted < proposed or not proposed)
         self._held = d * self._held + accepted
-        self._missed = d * self._missed + (accepted < proposed or not proposed)
+        self._missed = d * self._missed + missed
+        if self.pool is not None:
+            self.pool.add(accepted, missed)
         if accepted == 0 and not self.fixed:  # a user-given k keeps drafting
             self.fails += 1
             if self.fails >= FAILS_TO_PAUSE:
