@@ -541,6 +541,12 @@ def test_a_narrow_widths_stale_cost_does_not_outweigh_wider_ones_measured_cheap(
         c.observe_spec(1, w, ms / 1e3, 2)
     assert c.verify_s(1, 3) == pytest.approx(0.175 + 0.085 / 3)
     assert c.verify_s(1, 11) > c.verify_s(1, 8) == pytest.approx(0.376)
+    # narrower than any measured: between a plain step's cost and the narrowest
+    n = StepTimes()
+    n.skip_first = False
+    n.observe_plain(8, 0.100)
+    n.observe_spec(8, 5, 0.200, 8)
+    assert n.verify_s(8, 3) == pytest.approx(0.150) and n.verify_s(8, 5) == 0.200
 
 
 def test_a_joining_row_starts_from_the_acceptance_of_the_rows_before_it():

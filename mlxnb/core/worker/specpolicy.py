@@ -276,9 +276,15 @@ class StepTimes:
         if W <= ws[-1]:
             hi = min(w for w in ws if w >= W)
             lo = max((w for w in ws if w < W), default=None)
-            if lo is None or hi == W:
+            if hi == W:
                 return env[hi]
-            return env[lo] + (env[hi] - env[lo]) * (W - lo) / (hi - lo)
+            # narrower than any measured: between a plain step (width 1) and the
+            # narrowest measured, so that where each position costs (a CPU) the
+            # narrow widths get tried, and then measured
+            plain = self.plain.get(B)
+            y0 = env[lo] if lo is not None else min(plain, env[hi]) if plain else env[hi]
+            lo = lo if lo is not None else 1
+            return y0 + (env[hi] - y0) * (W - lo) / (hi - lo)
         if len(ws) == 1:
             return env[ws[0]]
         # wider than any measured: on along the envelope's least-squares slope
