@@ -32,6 +32,8 @@ BENCHMARKS = {
     "speculate": ("speculate", "speculative decoding (prompt lookup) off vs on: decode "
                                "tok/s, acceptance and tokens per step, copy-heavy and "
                                "free-form prompts (--quick: a smoke run)"),
+    "verify-cost": ("verify_cost", "a verification forward's cost by width, synchronous: "
+                                   "matmuls by rows, the model's forward at W positions"),
     "speculate-draft": ("speculate_draft", "speculative decoding with a draft model "
                                            "(layer-skip layers:N, a random model, or a "
                                            "model): decode tok/s, acceptance, tok/step"),

@@ -1,0 +1,143 @@
+"""What a verification forward costs by width, with every call synchronous.
+
+Speculative decoding pays where verifying W positions of a row costs little more than
+decoding one. On a host-bound GPU that depends on how the backend launches the
+forward's matmuls, which this measures apart from the engine:
+
+  matmul M      a chain of --chain dependent [1, M, d] @ [d, f] matmuls (SmolLM2's MLP
+                width): host graph build and eval, microseconds per matmul; "M as
+                batch" is the same rows as a batch of one-row matmuls
+  forward W     the model's forward of W positions on a KV cache of --prompt tokens,
+                trimmed back after each call (the cache grows by one per call, as a
+                decode does); multi-position attention as verification runs it
+                (worker/wideattn.py); median build and eval ms of --calls calls, the
+                first --skip (first uses) left out
+
+  python -m bench verify-cost --quick
+  python -m bench verify-cost --model default --widths 1,2,5,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import common  # first: mlxnb puts OpenBLAS under MLX on a Linux CPU
+from .common import log, median, pc
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+NAME, RESULT, TITLE = "verify-cost", "verify-cost", "A verification forward's cost by width"
+
+
+def _sync_ms(build):
+    """(build ms, eval ms) of one call: the graph built by `build()`, then evaluated."""
+    mx.synchronize()
+    t0 = pc()
+    out = build()
+    t1 = pc()
+    mx.eval(out)
+    return 1e3 * (t1 - t0), 1e3 * (pc() - t1)
+
+
+def matmul_rows(ms, n, dtype, d=576, f=1536, reps=4):
+    """Per M: (build us, eval us) per matmul in a chain of n, as [1, M, d] and as [M, 1, d]."""
+    w1 = mx.random.normal((d, f)).astype(dtype) * d ** -0.5
+    w2 = mx.random.normal((f, d)).astype(dtype) * f ** -0.5
+    rows = []
+    for M in ms:
+        for batched in (False, True) if M > 1 else (False,):
+            x = mx.random.normal((M, 1, d) if batched else (1, M, d)).astype(dtype)
+            mx.eval(w1, w2, x)
+
+            def chain():
+                y = x
+                for _ in range(n // 2):
+                    y = (y @ w1) @ w2
+                return y
+
+            b, e = zip(*[_sync_ms(chain) for _ in range(reps)])
+            rows.append(dict(M=M, batched=batched, build_us=1e3 * median(b[1:]) / n,
+                             eval_us=1e3 * median(e[1:]) / n))
+    return rows
+
+
+def forward_widths(model, widths, prompt, calls, skip):
+    from mlxnb.core.worker.wideattn import wide_attention
+
+    ids = mx.array([[2 + (7 * i) % 50 for i in range(prompt)]], dtype=mx.uint32)
+    rows = []
+    for W in widths:
+        cache = make_prompt_cache(model)
+        mx.eval(model(ids, cache=cache))
+        got = []
+        for i in range(calls):
+            inp = mx.array([[3 + (i + j) % 40 for j in range(W)]], dtype=mx.uint32)
+
+            def fwd():
+                if W == 1:
+                    return model(inp, cache=cache)
+                with wide_attention():
+                    return model(inp, cache=cache)
+
+            got.append(_sync_ms(fwd))
+            for c in cache:
+                c.trim(W - 1)
+        b, e = zip(*got[skip:])
+        rows.append(dict(W=W, build_ms=median(b), eval_ms=median(e), first_ms=sum(got[0])))
+    return rows
+
+
+def render(mm, fw, args) -> str:
+    L = [f"Matmuls [rows, {576}] @ [{576}, {1536}], {args.chain} chained, {args.dtype}:", "",
+         "| rows M | as | build us/matmul | eval us/matmul |", "|---|---|---|---|"]
+    L += [f"| {r['M']} | {'M one-row matmuls' if r['batched'] else 'one matmul'} | "
+          f"{r['build_us']:.1f} | {r['eval_us']:.1f} |" for r in mm]
+    L += ["", f"Forward of W positions, model `{args.model}` ({args.dtype}), cache of "
+          f"{args.prompt} tokens, {args.calls} calls (first {args.skip} left out):", "",
+          "| W | build ms | eval ms | total ms | x W=1 | first call ms |", "|---|---|---|---|---|---|"]
+    one = next((r["build_ms"] + r["eval_ms"] for r in fw if r["W"] == 1), None)
+    for r in fw:
+        t = r["build_ms"] + r["eval_ms"]
+        L.append(f"| {r['W']} | {r['build_ms']:.2f} | {r['eval_ms']:.2f} | {t:.2f} | "
+                 f"{t / one:.2f} | {r['first_ms']:.1f} |" if one else "")
+    return "\n".join(L)
+
+
+def main(argv=None, prog=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
+    ap.add_argument("--model", default="default", help="'default' or a bench shape")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rows", default="1,2,3,5,8,16", help="matmul rows M")
+    ap.add_argument("--chain", type=int, default=200)
+    ap.add_argument("--widths", default="1,2,5,8")
+    ap.add_argument("--prompt", type=int, default=100)
+    ap.add_argument("--calls", type=int, default=15)
+    ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds")
+    common.add_output_args(ap)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.dtype, args.rows, args.chain = "tiny", "float32", "1,2", 8
+        args.widths, args.calls, args.skip, args.prompt = "1,3", 4, 1, 16
+    report = common.Report(NAME, RESULT, TITLE, args, argv)
+    log(f"# verify-cost  {report.env}")
+    dtype = getattr(mx, args.dtype)
+    mm = matmul_rows([int(m) for m in args.rows.split(",")], args.chain, dtype)
+    if args.model == "default":
+        from mlxnb.models.loading import load_model
+
+        model = load_model("default")[0]
+        model.set_dtype(dtype)
+    else:
+        model = common.build_model(args.model, args.dtype)[0]
+    fw = forward_widths(model, [int(w) for w in args.widths.split(",")], args.prompt,
+                        args.calls, args.skip)
+    text = render(mm, fw, args)
+    print(text)
+    report.write(text, dict(matmul=mm, forward=fw))
+    return 0
