@@ -212,9 +212,7 @@ def forward_line(fr) -> str:
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="default", choices=list(common.SHAPES) + ["default"])
     ap.add_argument("--dtype", default="float32", choices=common.DTYPES)
     ap.add_argument("--batch", type=int, default=32)

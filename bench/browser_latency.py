@@ -23,7 +23,6 @@ event loop that runs the engine and the widget wakes from a 10 ms sleep.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import datetime
@@ -223,9 +222,7 @@ def run(a) -> list:
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--model", default="tiny",
                     help="tiny (random weights, saved to a temp dir), default (the bundled "
                          "SmolLM2), or a path / Hugging Face id")

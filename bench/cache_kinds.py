@@ -20,7 +20,6 @@ Quantized KV (--no-kv skips it): a Llama-3.2-1B-shaped model.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import importlib
@@ -293,9 +292,7 @@ async def _kv_rounds(engines, sizes, args, rng, vocab, prompt, new, bits_list, f
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", default="1,8,32,128")

@@ -11,7 +11,6 @@ The mixed workload as a process's first work is `python -m bench mixed --passes 
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import mlx.core as mx
@@ -42,9 +41,7 @@ def logprobs(logits, k):
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="smollm2", choices=list(common.SHAPES))
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
     common.add_output_args(ap)

@@ -300,6 +300,14 @@ def env_info() -> dict:
     return env
 
 
+def parser(doc: str, prog=None) -> argparse.ArgumentParser:
+    """A benchmark's parser: its module docstring's first line as the description,
+    the rest as the epilog, laid out as written."""
+    return argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=doc.split("\n", 1)[1])
+
+
 def add_output_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("results")
     g.add_argument("--save", action="store_true",

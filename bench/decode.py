@@ -34,7 +34,6 @@ hooks, Engine(streak_s=0)), beside the raw loop's split.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import statistics
@@ -214,9 +213,7 @@ def render(results):
 
 
 def parse_args(argv, prog):
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="smollm2", choices=list(common.SHAPES) + ["default"])
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
     ap.add_argument("--batch", default="1,8,32,128")

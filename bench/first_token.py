@@ -13,7 +13,6 @@ processes share one cache, so the first pays the compiles and the rest find them
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -68,9 +67,7 @@ def main(argv=None, prog=None):
         return 0
     from . import common
 
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="default", choices=["default"] + list(common.SHAPES))
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
     ap.add_argument("--fresh", action="store_true", help="an empty MLXNB_CACHE per process")

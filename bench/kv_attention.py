@@ -20,7 +20,6 @@ dequantized path, and the load-time self-check's verdict at these shapes.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -127,9 +126,7 @@ def table(rows, bits_list, args):
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--shapes", default="llama1b,qwen3_5")
     ap.add_argument("--batch", default="8,32,128")
     ap.add_argument("--context", type=int, default=2048)

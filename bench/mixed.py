@@ -21,7 +21,6 @@ Engine(streak_s=0)); --profile-first: timers on the first pass.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import statistics
@@ -223,9 +222,7 @@ def render(m, a):
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="smollm2", choices=list(common.SHAPES) + ["default"])
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
     ap.add_argument("--rows", type=int, default=64)

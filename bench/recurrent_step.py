@@ -14,7 +14,6 @@ the engine's compiled step (recurrent.py), and the gated delta rule alone.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -118,9 +117,7 @@ def rule_rows(B, args):
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--shapes", default="qwen3_5-0.8b,lfm2-1.2b")
     ap.add_argument("--batch", default="8,32,128")
     ap.add_argument("--dtype", default="bfloat16")

@@ -16,7 +16,6 @@ does not blur; the client's connection pool and the server share the machine).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -137,9 +136,7 @@ async def through_mlxnb(url, model, rows, max_tokens, concurrency):
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--url", help="an OpenAI-compatible server already running")
     ap.add_argument("--model", default="tiny",
                     help="tiny (random weights, built here), default, or an mlx-lm dir")

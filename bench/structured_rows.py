@@ -28,7 +28,6 @@ falling back to "synthetic"), or "synthetic" (a byte-level BPE trained here, ~30
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -264,9 +263,7 @@ def mask_time(tok, B: int, steps: int, V: int) -> dict:
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--batch", type=int, default=32, help="decode batch size B")
     ap.add_argument("--new", type=int, default=128, help="max tokens per row")
     ap.add_argument("--repeat", type=int, default=2, help="free/constrained rounds")

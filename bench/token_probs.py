@@ -10,7 +10,6 @@ once, no EOS; tok/s over the steps with every row decoding and no prefill, best 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -40,9 +39,7 @@ async def one(model, tok, prompts, n, B, k):
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="smollm2", choices=list(common.SHAPES))
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
     ap.add_argument("--batch", default="8,32")

@@ -19,7 +19,6 @@ forward's matmuls, which this measures apart from the engine:
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from . import common  # first: mlxnb puts OpenBLAS under MLX on a Linux CPU
@@ -107,9 +106,7 @@ def render(mm, fw, args) -> str:
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--model", default="default", help="'default' or a bench shape")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rows", default="1,2,3,5,8,16", help="matmul rows M")

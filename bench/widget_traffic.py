@@ -14,7 +14,6 @@ loop. One JSON line per case.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib.util
 import json
@@ -168,9 +167,7 @@ async def detail_case(nrows, ntok):
 
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 1)[1])
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--real", action="store_true")
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--tokens", type=int, default=256, help="--real: tokens per row")
