@@ -165,6 +165,7 @@ class StepTimes:
         self._probe: Dict[int, list] = {}
         self.only: Optional[str] = None  # "wide" or "sync": that way always (tests, bench)
         self._cold: set = set()  # (B, width, way) seen once: the next ones are learnt from
+        self._env: Dict[int, Dict[int, float]] = {}  # B -> `_envelope` of verify[B]
         self.skip_first = True  # (tests of the other rules turn it off)
 
     def way(self, B: int) -> str:
@@ -233,6 +234,7 @@ class StepTimes:
         if width > 1:
             v = self.verify.setdefault(B, {})
             v[width] = self._avg(v.get(width), seconds)
+            self._env.pop(B, None)
         w = self._ways.setdefault(B, {"wide": [None, 0], "sync": [None, 0]})[way]
         w[0], w[1] = self._avg(w[0], tokens / seconds), w[1] + 1
         self.observe_flow(B, seconds, tokens, way)
@@ -264,34 +266,45 @@ class StepTimes:
         v = self.verify.get(B)
         if not v:
             return self.plain.get(B)
-        # A wider verification does all a narrower one does, so a width costs at
-        # most what any wider one measured: the lower envelope. A width last measured
-        # on a busy host (or still cold) is then not ruled out by its own stale
-        # average while wider ones measure cheap -- the widths of a host-bound GPU
-        # cost about the same (bench/results/speculate-2026-12-02-h200.md).
-        ws = sorted(v)
-        env, low = {}, float("inf")
-        for w in reversed(ws):
-            low = env[w] = min(low, v[w])
-        if W <= ws[-1]:
-            hi = min(w for w in ws if w >= W)
-            lo = max((w for w in ws if w < W), default=None)
-            if hi == W:
-                return env[hi]
-            # narrower than any measured: between a plain step (width 1) and the
-            # narrowest measured, so that where each position costs (a CPU) the
-            # narrow widths get tried, and then measured
-            plain = self.plain.get(B)
-            y0 = env[lo] if lo is not None else min(plain, env[hi]) if plain else env[hi]
-            lo = lo if lo is not None else 1
-            return y0 + (env[hi] - y0) * (W - lo) / (hi - lo)
-        if len(ws) == 1:
-            return env[ws[0]]
-        # wider than any measured: on along the envelope's least-squares slope
-        mx_, my = sum(ws) / len(ws), sum(env.values()) / len(ws)
-        sxx = sum((x - mx_) ** 2 for x in ws)
-        b = max(0.0, sum((x - mx_) * (env[x] - my) for x in ws) / sxx)
-        return env[ws[-1]] + b * (W - ws[-1])
+        env = self._envelope(B, v)
+        ws = sorted(env)
+        if W > ws[-1]:
+            if len(ws) == 1:
+                return env[ws[0]]
+            # wider than any measured: on along the envelope's least-squares slope
+            mx_, my = sum(ws) / len(ws), sum(env.values()) / len(ws)
+            sxx = sum((x - mx_) ** 2 for x in ws)
+            b = max(0.0, sum((x - mx_) * (env[x] - my) for x in ws) / sxx)
+            return env[ws[-1]] + b * (W - ws[-1])
+        hi = min(w for w in ws if w >= W)
+        if hi == W:
+            return env[W]
+        # between two measured widths: the line between them. Narrower than any
+        # measured: the line from a plain step (width 1), so that where each
+        # position costs (a CPU) narrow widths get tried, and then measured
+        lo = max((w for w in ws if w < W), default=None)
+        if lo is not None:
+            y0 = env[lo]
+        else:
+            lo, plain = 1, self.plain.get(B)
+            y0 = min(plain, env[hi]) if plain else env[hi]
+        return y0 + (env[hi] - y0) * (W - lo) / (hi - lo)
+
+    def _envelope(self, B: int, v: Dict[int, float]) -> Dict[int, float]:
+        """Width -> the least seconds measured at it or any wider width. A wider
+        verification does all a narrower one does, so a width costs at most what
+        any wider one measured: a width last measured on a busy host (or still cold)
+        is then not ruled out by its own stale average while wider ones measure
+        cheap -- the widths of a host-bound GPU cost about the same
+        (bench/results/speculate-2026-12-02-h200.md). Kept until a verification
+        at B is measured (best_width asks for every width, every step)."""
+        env = self._env.get(B)
+        if env is None:
+            env, low = {}, float("inf")
+            for w in sorted(v, reverse=True):
+                low = env[w] = min(low, v[w])
+            self._env[B] = env
+        return env
 
 
 def best_width(times: StepTimes, qs: List[float], lens: List[int],
