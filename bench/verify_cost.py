@@ -63,16 +63,17 @@ def matmul_rows(ms, n, dtype, d=576, f=1536, reps=4):
 
 
 def forward_widths(model, widths, prompt, calls, skip):
+    from mlxnb.core.worker import tokens
     from mlxnb.core.worker.wideattn import wide_attention
 
-    ids = mx.array([[2 + (7 * i) % 50 for i in range(prompt)]], dtype=mx.uint32)
+    ids = tokens.ids([[2 + (7 * i) % 50 for i in range(prompt)]])
     rows = []
     for W in widths:
         cache = make_prompt_cache(model)
         mx.eval(model(ids, cache=cache))
         got = []
         for i in range(calls):
-            inp = mx.array([[3 + (i + j) % 40 for j in range(W)]], dtype=mx.uint32)
+            inp = tokens.ids([[3 + (i + j) % 40 for j in range(W)]])
 
             def fwd():
                 if W == 1:
