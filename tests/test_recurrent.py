@@ -213,6 +213,52 @@ def _gd_reference(q, k, v, g, beta, state):
     return y[:, None], st
 
 
+def test_gated_delta_kernel_gates_are_mlx_lms():
+    """The gates the fused kernel computes from the raw projections (its formula in
+    MLX ops) are mlx-lm's, over the range its projections take."""
+    from mlx_lm.models.gated_delta import compute_g
+
+    from mlxnb.core.worker import gated_delta
+    mx.random.seed(0)
+    a = mx.random.normal((3, 1, 8)) * 8
+    b = mx.random.normal((3, 1, 8)) * 8
+    A_log, dt_bias = mx.random.normal((8,)), mx.random.normal((8,))
+    g, beta = gated_delta.gates(a, b, A_log, dt_bias)
+    assert mx.allclose(g, compute_g(A_log, a, dt_bias), rtol=1e-5, atol=1e-6).item()
+    assert mx.allclose(beta, mx.sigmoid(b), rtol=1e-5, atol=1e-6).item()
+
+
+def test_gated_delta_update_is_wrapped_only_in_kernel_traces(monkeypatch):
+    """In a kernel-mode trace, a one-token update with plain gates goes to the
+    gates-inside kernel; anything else (a mask, a lower bound, no trace) to mlx-lm."""
+    import sys
+
+    from mlx_lm.models import gated_delta as gd
+    from mlx_lm.models import qwen3_5  # noqa: F401  (a module that imports it by name)
+
+    from mlxnb.core.worker import gated_delta
+    seen = []
+    monkeypatch.setattr(gated_delta, "decode_step_ab",
+                        lambda *a: seen.append("ab") or ("y", "state"))
+    monkeypatch.setattr(gated_delta, "decode_step",  # gates given (mlx-lm's)
+                        lambda *a: seen.append("given") or ("y", "state"))
+    monkeypatch.setattr(sys.modules["mlx_lm.models.qwen3_5"], "gated_delta_update",
+                        gd.gated_delta_update)
+    gated_delta.install()
+    update = sys.modules["mlx_lm.models.qwen3_5"].gated_delta_update
+    assert update is not gd.gated_delta_update and update._mlxnb
+    q, k = mx.zeros((2, 1, 2, 32)), mx.zeros((2, 1, 2, 32))
+    v, a, b = mx.zeros((2, 1, 4, 8)), mx.zeros((2, 1, 4)), mx.zeros((2, 1, 4))
+    A_log, dt, st = mx.zeros((4,)), mx.zeros((4,)), mx.zeros((2, 4, 8, 32))
+    with gated_delta.tracing("kernel"):
+        assert update(q, k, v, a, b, A_log, dt, st) == ("y", "state")
+        assert update(q, k, v, a, b, A_log, dt, st, lower_bound=-5.0) == ("y", "state")
+        out = update(q, k, v, a, b, A_log, dt, st, mask=mx.ones((2, 1), mx.bool_))
+        assert out[0].shape == (2, 1, 4, 8)
+    update(q, k, v, a, b, A_log, dt, st)  # not in a trace
+    assert seen == ["ab", "given"]
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_gated_delta_kernel_path_is_checked_and_keeps_tokens(broken, monkeypatch, arun):
     """On a CUDA-like backend the compiled gated delta-net steps run the recurrence
@@ -227,7 +273,11 @@ def test_gated_delta_kernel_path_is_checked_and_keeps_tokens(broken, monkeypatch
         y, st = _gd_reference(q, k, v, g, beta, state)
         return (y * 1.5 if broken else y), st
 
+    def kernel_ab(q, k, v, a, b, A_log, dt_bias, state):
+        return kernel(q, k, v, *gated_delta.gates(a, b, A_log, dt_bias), state)
+
     monkeypatch.setattr(gated_delta, "decode_step", kernel)
+    monkeypatch.setattr(gated_delta, "decode_step_ab", kernel_ab)
     mx.random.seed(5)
     model = build("qwen3_5", seed=5)
 

@@ -604,6 +604,51 @@ def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():
     assert t2.holds == 0
 
 
+def _regime_run(t, B, steps, verify_s, plain_s, tokens):
+    """Feed the guard a step pattern while it lets speculation on: one verification
+    (verify_s, `tokens`) then one plain step (plain_s, B tokens), as the engine
+    reports them; held steps are plain ones at `plain_s`. Returns the steps held."""
+    held = 0
+    for i in range(steps):
+        if not t.allowed(B):
+            held += 1
+            t.observe_regime(B, plain_s, B, held=True)
+        elif i % 2:
+            t.observe_plain(B, plain_s * 1.5)  # as timed between verifications
+            t.observe_regime(B, plain_s * 1.5, B, held=False)
+        else:
+            t.observe_spec(B, 5, verify_s, tokens)
+            t.observe_regime(B, verify_s, tokens, held=False)
+    return held
+
+
+def test_the_guard_judges_every_step_against_steps_held_off():
+    """Plain steps timed between verifications cost more than plain decoding does
+    (the verification emptied the pipeline): judged by its verifying steps against
+    those, a speculation that is slower overall looks as if it pays. The guard
+    measures a baseline with speculation held off and turns it off."""
+    from mlxnb.core.worker.specpolicy import StepTimes
+
+    t = StepTimes()
+    t.skip_first = False
+    # plain: 8 rows in 11.3 ms; with speculation: a verification giving 14 tokens in
+    # 17 ms and a plain step slowed to 17 ms: 22 tokens / 34 ms, 0.92x of plain
+    held = _regime_run(t, 8, 400, 0.017, 0.0113, 14)
+    assert t.holds >= 1 and held > StepTimes.HOLD
+    b = t._base[8]
+    assert abs(b[0] / b[1] - 8 / 0.0113) < 1  # the baseline is the held steps'
+    # where speculation pays (17 tokens a verification: 1.04x), it is probed once
+    # and then stays on
+    t2 = StepTimes()
+    t2.skip_first = False
+    held = _regime_run(t2, 8, 400, 0.017, 0.0113, 17)
+    assert t2.holds == 0 and held == StepTimes.PROBE
+    # clearly above the plain average (2.3x its rate): no probe at all
+    t3 = StepTimes()
+    t3.skip_first = False
+    assert _regime_run(t3, 8, 400, 0.017, 0.0113, 80) == 0 and t3.holds == 0
+
+
 def test_the_faster_way_of_verifying_is_kept_and_the_other_tried_again():
     from mlxnb.core.worker.specpolicy import StepTimes
 

@@ -94,6 +94,7 @@ class BatchExecutor:
         self._reset_batch()
         self.nsteps = 0
         self._wide_read = (0, 0)  # the last pipelined verification read: (drafts, accepted)
+        self.taken = 0  # tokens rows have taken (the speculation guard's count)
         self._wide_taken = None  # and its (width, tokens taken), for the policy
         # every step's time split (stepsplit.py); a profiler's tracer rides on it
         self.split = self.tracer = self.prefill.tracer = StepSplit()
@@ -177,6 +178,7 @@ class BatchExecutor:
         n_read = len(emitted)
         joining = bool(self.prefill.ready)
         verified = None  # a verify step's (proposed, accepted, taken, width)
+        taken0 = self.taken
         drained = False  # the step in flight was read before this step's launch
         try:
             self._join(updates)
@@ -217,7 +219,7 @@ class BatchExecutor:
             self.policy.observe_decode(now - t)
             self.spec.observe(decoded, now - t, verified, drained, done is not None,
                               launched is not None and launched.accepted is not None,
-                              self._wide_taken)
+                              self._wide_taken, self.taken - taken0)
         self._wide_taken = None
         kv, share, other = self._kv_report()
         st = StepStat(decoded, prefill_tokens, len(emitted) - n_read, now - t, kv,
@@ -436,6 +438,7 @@ class BatchExecutor:
         them were drafts it accepted), until it ends."""
         rid, rows, drop = r.id, self.rows, self.drop
         for j, tok in enumerate(toks):
+            self.taken += 1
             ending = r.accept(tok, lps[j], emitted, self.eos, j < drafted)
             if r.matcher is not None:
                 self.masks.advance(inflight, rows)  # once per step

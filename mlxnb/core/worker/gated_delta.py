@@ -15,6 +15,10 @@ calls made inside such a trace, for one token without a mask, go to `mode`:
   "kernel"  the kernel below
   "fast"    mx.fast.gated_delta_update (MLX's own, where its backend implements it)
   "ops"     mlx-lm's ops (what every other caller gets)
+In "kernel" mode mlx-lm's `gated_delta_update` (the caller that computes g and beta
+from the layer's projections) is wrapped too, and its plain gates are computed inside
+the kernel: per layer and step two launches fewer, and on a host-bound GPU a launch
+costs about the same whatever it does.
 setup.py checks the compiled steps against the plain ones at load and falls back
 down that list.
 """
@@ -31,67 +35,114 @@ MODES = ("kernel", "fast", "ops")
 _TRACING = [None]  # the mode of the trace being made (None: not an engine's step)
 SEEN = [0]  # recurrences routed off mlx-lm's ops (a probe reads it)
 
-_SOURCE = r"""
+# Every input is read through its strides (the kernels are made with
+# ensure_row_contiguous=False): v, a and b are slices of one fused projection's
+# output, and a copy to make each contiguous would cost a launch of its own.
+_BODY = r"""
     constexpr int NPT = Dk / 32;
     const int n = blockIdx.z;
-    const int b = n / Hv;
+    const int bi = n / Hv;
     const int hv = n % Hv;
     const int hk = hv / (Hv / Hk);
     const int dv = blockIdx.y * blockDim.y + threadIdx.y;
     const int lane = threadIdx.x;
     if (dv >= Dv) return;
 
-    // q, k: [B, 1, Hk, Dk]; v, y: [B, 1, Hv, Dv]; g, beta: [B, 1, Hv]
-    // state_in, state_out: [B, Hv, Dv, Dk] (lane i holds elements i*NPT .. i*NPT+NPT-1)
-    const InT* q_ = q + (b * Hk + hk) * Dk + lane * NPT;
-    const InT* k_ = k + (b * Hk + hk) * Dk + lane * NPT;
+    // q, k: [B, 1, Hk, Dk]; v: [B, 1, Hv, Dv]; gates: [B, 1, Hv] (A_log, dt_bias: [Hv])
+    // state_in: [B, Hv, Dv, Dk]; y: [B, 1, Hv, Dv], state_out: [B, Hv, Dv, Dk]
+    // (lane i holds elements i*NPT .. i*NPT+NPT-1 of a key-sized row)
+    const int64_t qo = bi * q_strides[0] + hk * q_strides[2];
+    const int64_t ko = bi * k_strides[0] + hk * k_strides[2];
+    const int64_t so = bi * state_in_strides[0] + hv * state_in_strides[1]
+        + dv * state_in_strides[2];
     const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk + lane * NPT;
+GATES_HERE
     float st[NPT];
     float kk[NPT];
-    const float gv = static_cast<float>(g[b * Hv + hv]);
     float kv = 0.f;
     for (int i = 0; i < NPT; i++) {
-        kk[i] = static_cast<float>(k_[i]);
-        st[i] = static_cast<float>(state_in[row + i]) * gv;
+        const int e = lane * NPT + i;
+        kk[i] = static_cast<float>(k[ko + e * k_strides[3]]);
+        st[i] = static_cast<float>(state_in[so + e * state_in_strides[3]]) * gv;
         kv += st[i] * kk[i];
     }
     for (int off = 16; off > 0; off /= 2) kv += __shfl_xor_sync(0xffffffffu, kv, off);
-    const float delta = (static_cast<float>(v[(b * Hv + hv) * Dv + dv]) - kv)
-        * static_cast<float>(beta[b * Hv + hv]);
+    const float vv = static_cast<float>(
+        v[bi * v_strides[0] + hv * v_strides[2] + dv * v_strides[3]]);
+    const float delta = (vv - kv) * bt;
     float out = 0.f;
     for (int i = 0; i < NPT; i++) {
         st[i] += kk[i] * delta;
-        out += st[i] * static_cast<float>(q_[i]);
+        out += st[i] * static_cast<float>(q[qo + (lane * NPT + i) * q_strides[3]]);
         state_out[row + i] = static_cast<StT>(st[i]);
     }
     for (int off = 16; off > 0; off /= 2) out += __shfl_xor_sync(0xffffffffu, out, off);
-    if (lane == 0) y[(b * Hv + hv) * Dv + dv] = static_cast<InT>(out);
+    if (lane == 0) y[(bi * Hv + hv) * Dv + dv] = static_cast<InT>(out);
 """
 
-_KERNEL = []
+# the decay g and the write strength beta, given
+_GIVEN = r"""
+    const float gv = static_cast<float>(g[bi * g_strides[0] + hv * g_strides[2]]);
+    const float bt = static_cast<float>(beta[bi * beta_strides[0] + hv * beta_strides[2]]);
+"""
+
+# ... or from the layer's raw projections, as mlx-lm's gated_delta_update computes
+# them (beta = sigmoid(b), g = exp(-exp(A_log) * softplus(a + dt_bias))): each is
+# otherwise a launch of its own per layer and step, as costly on the host as this one
+_FROM_AB = r"""
+    const float bt = 1.f / (1.f + expf(-static_cast<float>(
+        b_in[bi * b_in_strides[0] + hv * b_in_strides[2]])));
+    const float ax = static_cast<float>(a_in[bi * a_in_strides[0] + hv * a_in_strides[2]])
+        + static_cast<float>(dt_bias[hv * dt_bias_strides[0]]);
+    const float sp = fmaxf(ax, 0.f) + log1pf(expf(-fabsf(ax)));
+    const float gv = expf(-expf(static_cast<float>(A_log[hv * A_log_strides[0]])) * sp);
+"""
+
+_KERNEL = {}
 
 
-def _kernel():
-    if not _KERNEL:
-        _KERNEL.append(mx.fast.cuda_kernel(
-            name="mlxnb_gated_delta_decode", input_names=["q", "k", "v", "g", "beta",
-                                                          "state_in"],
-            output_names=["y", "state_out"], source=_SOURCE))
-    return _KERNEL[0]
+def _kernel(from_ab: bool):
+    if from_ab not in _KERNEL:
+        gates = ["a_in", "b_in", "A_log", "dt_bias"] if from_ab else ["g", "beta"]
+        _KERNEL[from_ab] = mx.fast.cuda_kernel(
+            name="mlxnb_gated_delta_" + ("ab" if from_ab else "decode"),
+            input_names=["q", "k", "v", *gates, "state_in"],
+            output_names=["y", "state_out"],
+            source=_BODY.replace("GATES_HERE", _FROM_AB if from_ab else _GIVEN),
+            ensure_row_contiguous=False)
+    return _KERNEL[from_ab]
+
+
+def _launch(q, k, v, gates, state):
+    B, _, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    return _kernel(len(gates) == 4)(
+        inputs=[q, k, v, *gates, state],
+        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv),
+                  ("Hk", Hk), ("Hv", Hv)],
+        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
+        output_shapes=[(B, 1, Hv, Dv), state.shape], output_dtypes=[q.dtype, state.dtype])
 
 
 def decode_step(q, k, v, g, beta, state):
     """One token of the gated delta rule: q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv],
     g, beta [B, 1, Hv], state [B, Hv, Dv, Dk] -> (y [B, 1, Hv, Dv], new state)."""
-    B, _, Hk, Dk = k.shape
-    Hv, Dv = v.shape[2:]
-    return _kernel()(
-        inputs=[q, k, v, g, beta, state],
-        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv),
-                  ("Hk", Hk), ("Hv", Hv), ("GT", g.dtype), ("BT", beta.dtype),
-                  ("VT", v.dtype), ("KT", k.dtype)],
-        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
-        output_shapes=[(B, 1, Hv, Dv), state.shape], output_dtypes=[q.dtype, state.dtype])
+    return _launch(q, k, v, (g, beta), state)
+
+
+def decode_step_ab(q, k, v, a, b, A_log, dt_bias, state):
+    """The same, from the gates' raw projections a, b [B, 1, Hv] and the layer's
+    A_log, dt_bias [Hv] (mlx-lm's `gated_delta_update` arguments)."""
+    return _launch(q, k, v, (a, b, A_log, dt_bias), state)
+
+
+def gates(a, b, A_log, dt_bias):
+    """(g, beta) from the raw projections in MLX ops, float32: what decode_step_ab
+    computes inside its kernel."""
+    f32 = mx.float32
+    x = a.astype(f32) + dt_bias.astype(f32)
+    g = mx.exp(-mx.exp(A_log.astype(f32)) * (mx.maximum(x, 0) + mx.log1p(mx.exp(-mx.abs(x)))))
+    return g, mx.sigmoid(b.astype(f32))
 
 
 def _fits(q, k, v, g, beta, state, mask) -> bool:
@@ -100,9 +151,40 @@ def _fits(q, k, v, g, beta, state, mask) -> bool:
             and q.dtype == k.dtype)
 
 
+def _fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask) -> bool:
+    Hv = v.shape[2]
+    return (_fits(q, k, v, a, b, state, mask) and a.shape == b.shape == (q.shape[0], 1, Hv)
+            and A_log.shape == dt_bias.shape == (Hv,))
+
+
+def _wrap_update(orig):
+    """mlx-lm's gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, ...),
+    which computes g and beta and then calls gated_delta_ops: in a kernel-mode trace,
+    one token, the plain gates (no lower bound, beta in [0, 1]): one kernel for all."""
+    def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
+        if (_TRACING[0] == "kernel" and state is not None and kw.get("lower_bound") is None
+                and not kw.get("allow_neg_eigval")
+                and _fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask)):
+            SEEN[0] += 1
+            return decode_step_ab(q, k, v, a, b, A_log, dt_bias, state)
+        return orig(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)
+
+    gated_delta_update._mlxnb = True
+    return gated_delta_update
+
+
 def install() -> None:
-    """Wrap mlx-lm's gated_delta_ops (idempotent); see the module's docstring."""
+    """Wrap mlx-lm's gated_delta_ops, and gated_delta_update where a loaded model
+    module imported it by name (idempotent; call it after loading a model); see
+    the module's docstring."""
+    import sys
+
     from mlx_lm.models import gated_delta as gd
+    for name, mod in list(sys.modules.items()):
+        update = getattr(mod, "gated_delta_update", None)
+        if (name.startswith("mlx_lm.models.") and mod is not gd
+                and update is gd.gated_delta_update):
+            mod.gated_delta_update = _wrap_update(update)
     orig = gd.gated_delta_ops
     if getattr(orig, "_mlxnb", False):
         return

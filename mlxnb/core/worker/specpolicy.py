@@ -133,11 +133,20 @@ class StepTimes:
     no verification measured is taken to verify at a plain step's cost, so the
     first verification is tried and then measured.
 
-    The guard: per batch size, the tokens per second that speculating steps gave
-    (verifications, and plain steps that waited for the step in flight to draft and
-    found nothing), against plain steps'. Below `FLOOR` of plain, speculation stops
-    at that batch size for a hold that doubles each time (from HOLD to MAX_HOLD
-    steps), then is tried again."""
+    The guard, per batch size, judges two ways, and either turns speculation off
+    for a hold that doubles each time (from HOLD to MAX_HOLD steps), then tries it
+    again:
+    * its speculating steps (verifications, and plain steps that waited for the
+      step in flight to draft and found nothing) against the plain steps' average,
+      below `FLOOR` of it;
+    * every decode step while speculation is on (`observe_regime`: the plain steps
+      between verifications too, which a verification slows when it empties the
+      pipeline) against plain steps taken while it was held off, below `FLOOR`.
+      Plain steps timed while speculation is on are not what plain decoding costs
+      (on a GPU they measured 1.5x a plain step's time, so the first rule alone
+      kept a slower speculation on), so until a hold has measured the baseline a
+      short probe (PROBE steps) holds speculation off to measure it, unless the
+      steps so far beat the plain average by CLEAR."""
 
     ALPHA = 0.25
     FLOOR = 0.97
@@ -146,6 +155,12 @@ class StepTimes:
     REPROBE = 128  # speculating steps between tries of the way not chosen
     SWITCH = 1.05  # the other way must measure this much faster to be chosen
     FLOW = 0.9  # decay per step of the ways' token and time sums
+    JUDGE = 16  # steps with speculation on before they are judged against held ones
+    ON_DECAY = 0.97  # per step, of those steps' sums: a window of some 30 steps, as
+    # copied spans and free text alternate within a row
+    PROBE = 8  # steps held off to measure the baseline when none is measured
+    SETTLE = 2  # a hold's first steps (the pipeline refilling) are not the baseline
+    CLEAR = 1.6  # speculating steps this far above the plain average need no probe
 
     def __init__(self):
         self.plain: Dict[int, float] = {}  # B -> seconds
@@ -167,6 +182,12 @@ class StepTimes:
         self._cold: set = set()  # (B, width, way) seen once: the next ones are learnt from
         self._env: Dict[int, Dict[int, float]] = {}  # B -> `_envelope` of verify[B]
         self.skip_first = True  # (tests of the other rules turn it off)
+        # B -> [tokens, seconds, steps] of every step since speculation was last
+        # allowed (decayed), and [tokens, seconds] of steps held off (decayed), and
+        # B -> steps into the current hold
+        self._on: Dict[int, list] = {}
+        self._base: Dict[int, list] = {}
+        self._into: Dict[int, int] = {}
 
     def way(self, B: int) -> str:
         """Pipelined or read-back verification at batch size B: each is tried for
@@ -223,14 +244,14 @@ class StepTimes:
         self.plain[B] = self._avg(self.plain.get(B), seconds)
 
     def observe_spec(self, B: int, width: int, seconds: float, tokens: int,
-                     way: str = "sync") -> None:
+                     way: str = "sync") -> bool:
         """A speculating step: `width` 1 for a plain step that drafted nothing. The
         first of each (batch size, width, way) is not learnt from: it pays one-off
         setup (on a GPU, compiling the kernels of that shape: seconds), which would
-        otherwise rule that width out for good."""
+        otherwise rule that width out for good. Returns whether it was learnt from."""
         if self.skip_first and (B, width, way) not in self._cold:
             self._cold.add((B, width, way))
-            return
+            return False
         if width > 1:
             v = self.verify.setdefault(B, {})
             v[width] = self._avg(v.get(width), seconds)
@@ -246,10 +267,44 @@ class StepTimes:
         s[0], s[1] = self._avg(s[0], tokens / seconds), s[1] + 1
         plain = self.plain.get(B)
         if s[1] >= self.MIN_SPEC and plain and s[0] < self.FLOOR * B / plain:
-            hold = self._hold.get(B, self.HOLD)
-            self._held[B], self._hold[B] = hold, min(2 * hold, self.MAX_HOLD)
-            self._spec[B] = [None, 0]  # judged afresh when tried again
+            self._hold_off(B)
+        return True
+
+    def _hold_off(self, B: int, steps: Optional[int] = None) -> None:
+        """Speculation off at B for `steps` (a probe), or for the next hold."""
+        if steps is None:
+            steps = self._hold.get(B, self.HOLD)
+            self._hold[B] = min(2 * steps, self.MAX_HOLD)
             self.holds += 1
+        self._held[B] = steps
+        self._spec[B] = [None, 0]  # judged afresh when tried again
+        self._on.pop(B, None)
+
+    def observe_regime(self, B: int, seconds: float, tokens: int, held: bool) -> None:
+        """A decode step of B rows gave `tokens` in `seconds` while speculation was
+        held off (`held`) or on (whether or not this step verified); see the class
+        docstring's second rule."""
+        if held:
+            n = self._into[B] = self._into.get(B, 0) + 1
+            if n > self.SETTLE:
+                b = self._base.setdefault(B, [0.0, 0.0])
+                b[0], b[1] = self.FLOW * b[0] + tokens, self.FLOW * b[1] + seconds
+            return
+        self._into[B] = 0
+        on = self._on.setdefault(B, [0.0, 0.0, 0])
+        d = self.ON_DECAY
+        on[0], on[1], on[2] = d * on[0] + tokens, d * on[1] + seconds, on[2] + 1
+        if on[2] < self.JUDGE or on[1] <= 0:
+            return
+        rate = on[0] / on[1]
+        base = self._base.get(B)
+        if base is not None and base[1] > 0:
+            if rate < self.FLOOR * base[0] / base[1]:
+                self._hold_off(B)
+            return
+        plain = self.plain.get(B)
+        if not (plain and rate > self.CLEAR * B / plain):
+            self._hold_off(B, self.PROBE)
 
     def allowed(self, B: int) -> bool:
         """May a batch of B rows speculate this step? (Counts down a hold.)"""

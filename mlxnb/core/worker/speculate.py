@@ -106,6 +106,7 @@ class Speculation:
         self.draft = None  # draft.py: a draft model's source, when the engine has one
         self._draft_due = False  # a draft row's draft is due this step
         self._considered = False  # this step some row was ready to draft
+        self._regime = None  # "on" or "held" (the guard): how this step is judged
 
     def add_draft(self, source) -> None:
         """Register a draft model's source (draft.py). Its rows' drafting schedule is
@@ -134,7 +135,7 @@ class Speculation:
 
     def observe(self, rows: int, seconds: float, verified: Optional[tuple],
                 drained: bool, pipelined: bool, wide: bool = False,
-                wide_read: Optional[tuple] = None) -> None:
+                wide_read: Optional[tuple] = None, taken: Optional[int] = None) -> None:
         """A decode-only step of `rows` rows took `seconds` of wall time. It is the
         cost of what it waited for: a verification read at once (`verified`; less
         the plain step in flight when it read one too), a pipelined one it read
@@ -142,7 +143,14 @@ class Speculation:
         reads one waits for its compute, as the step that launched it waited for
         the one before), a plain step that read the step in flight to draft and
         did not (`drained`), or a plain step of the pipeline that read a plain one
-        (`pipelined`; one launching a pipelined verification (`wide`) is neither)."""
+        (`pipelined`; one launching a pipelined verification (`wide`) is neither).
+        `taken`: the tokens the rows took this step, for the guard's judging of
+        every step while speculation is on or held off (`StepTimes.observe_regime`)."""
+        learnt = self._observe(rows, seconds, verified, drained, pipelined, wide, wide_read)
+        if self._regime is not None and taken is not None and learnt:
+            self.times.observe_regime(rows, seconds, taken, self._regime == "held")
+
+    def _observe(self, rows, seconds, verified, drained, pipelined, wide, wide_read) -> bool:
         t = self.times
         if verified is not None:
             own = seconds
@@ -152,24 +160,26 @@ class Speculation:
                 # The verification's own cost is the rest (at least half: where the
                 # host, not the device, bounds a step, the two overlap)
                 own = max(seconds - t.plain_s(rows), seconds / 2)
-            t.observe_spec(rows, verified[3], own, verified[2])
+            learnt = t.observe_spec(rows, verified[3], own, verified[2])
             if drained:  # those tokens count to its way too
                 t.observe_flow(rows, seconds - own, rows, "sync")
-        elif wide_read is not None:
-            t.observe_spec(rows, wide_read[0], seconds, wide_read[1], "wide")
-        elif drained:
-            t.observe_spec(rows, 1, seconds, rows)
-        else:
-            if self._considered:  # a row could draft: the way in effect (`way`) counts
-                t.observe_flow(rows, seconds, rows if pipelined else 0)
-            if pipelined and not wide:
-                t.observe_plain(rows, seconds)
+            return learnt
+        if wide_read is not None:
+            return t.observe_spec(rows, wide_read[0], seconds, wide_read[1], "wide")
+        if drained:
+            return t.observe_spec(rows, 1, seconds, rows)
+        if self._considered:  # a row could draft: the way in effect (`way`) counts
+            t.observe_flow(rows, seconds, rows if pipelined else 0)
+        if pipelined and not wide:
+            t.observe_plain(rows, seconds)
+        return True
 
     def wanted(self, ex) -> bool:
         """Worth drafting this step? Some row, not paused, is ready, and the best
         case (each such row drafting its k) would pay; counts down paused rows'
         pauses and the guard's hold."""
         self._considered = False
+        self._regime = None
         self._draft_due = self.draft is not None and self.draft.wanted(ex)
         if self._draft_due:
             self._ready = []
@@ -178,6 +188,10 @@ class Speculation:
         B = len(rows)
         if not ex._any_spec or B > MAX_SPEC_BATCH:
             return False
+        held = not self.times.allowed(B)
+        # a user-given num_draft verifies whatever it costs: not the guard's to judge
+        forced = any(r.spec is not None and r.spec.fixed for r in rows)
+        self._regime = None if forced else "held" if held else "on"
         if ex.inflight is not None and ex.inflight.firsts:
             return False  # a first token to show: keep the plain step (its TTFT)
         qs, ks, fixed, ready = [], [], False, []
@@ -197,7 +211,7 @@ class Speculation:
         self._considered = bool(ready)
         if not any(ks):
             return False
-        if not self.times.allowed(B) and not fixed:  # the guard holds it off
+        if held and not fixed:  # the guard holds it off
             return False
         ahead = ex.inflight is not None and not ex._any_constrained
         return fixed or best_width(self.times, qs, ks, qs if ahead else None) > 1
