@@ -520,6 +520,25 @@ def test_nothing_measured_tries_a_verification_and_then_measures_it():
     assert t.verify_s(1, 4) < 0.25  # a line through three widths: not ruled out for good
 
 
+def test_a_batch_size_not_measured_yet_takes_the_nearest_measured_ones_costs():
+    """A batch loses its rows one by one as they end; each new size would otherwise
+    start by verifying its widest drafts blind, on a CPU the dearest step of all."""
+    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+
+    t = StepTimes()
+    t.skip_first = False
+    # 8 rows on a CPU: each position costs (W5 2.2x a plain step, W13 4.3x)
+    t.observe_plain(8, 0.138)
+    for w, s in ((3, 0.21), (5, 0.30), (13, 0.59)):
+        t.observe_spec(8, w, s, 8)
+    t.observe_plain(1, 0.075)
+    assert t.nearest(7) == 8 and t.nearest(4) == 8 and t.nearest(2) == 1  # by ratio
+    w7 = best_width(t, [0.8] * 7, [12] * 7)
+    assert 1 < w7 < 8  # not 13: narrow, as at 8 rows
+    assert w7 == best_width(t, [0.8] * 8, [12] * 8)
+    assert best_width(StepTimes(), [0.8] * 7, [12] * 7) == 13  # nothing measured at all
+
+
 def test_a_narrow_widths_stale_cost_does_not_outweigh_wider_ones_measured_cheap():
     """Verify times as a host-bound GPU's policy held them: narrow widths last
     measured on a busy host, wider ones since measured at about a plain step's

@@ -317,6 +317,10 @@ class StepTimes:
     def plain_s(self, B: int) -> Optional[float]:
         return self.plain.get(B)
 
+    def nearest(self, B: int) -> Optional[int]:
+        """The measured batch size nearest B by ratio (None: none measured)."""
+        return min(self.plain, key=lambda b: max(b / B, B / b), default=None)
+
     def verify_s(self, B: int, W: int) -> Optional[float]:
         v = self.verify.get(B)
         if not v:
@@ -368,15 +372,19 @@ def best_width(times: StepTimes, qs: List[float], lens: List[int],
     second for rows whose drafts hold with probabilities `qs` and are `lens` long,
     and count at all with probabilities `live` (a guess that must hold first)."""
     B = len(lens)
-    plain = times.plain_s(B)
-    if plain is None:
+    # a batch size measured: its own costs; else the nearest measured one's, whose
+    # costs relative to its plain step are a batch size's next to it (a batch loses
+    # rows one by one as they end, and the widest width tried blind costs most)
+    src = B if times.plain_s(B) is not None else times.nearest(B)
+    if src is None:
         return max(lens) + 1  # nothing measured yet: try it, then measure
+    plain = times.plain_s(src)
     live = live or [1.0] * B
     best_w, best = 1, B / plain
     for w in range(2, max(lens) + 2):
         toks = B + sum(g * expected_accepts(q, min(n, w - 1))
                        for q, n, g in zip(qs, lens, live))
-        v = toks / times.verify_s(B, w)
+        v = toks / times.verify_s(src, w)
         if v > best:
             best_w, best = w, v
     return best_w
