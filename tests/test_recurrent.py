@@ -229,7 +229,7 @@ def test_gated_delta_kernel_gates_are_mlx_lms():
 
 
 def test_gated_delta_update_is_wrapped_only_in_kernel_traces(monkeypatch):
-    """In a kernel-mode trace, a one-token update with plain gates goes to the
+    """In a "gates" trace, a one-token update with plain gates goes to the
     gates-inside kernel; anything else (a mask, a lower bound, no trace) to mlx-lm."""
     import sys
 
@@ -250,7 +250,7 @@ def test_gated_delta_update_is_wrapped_only_in_kernel_traces(monkeypatch):
     q, k = mx.zeros((2, 1, 2, 32)), mx.zeros((2, 1, 2, 32))
     v, a, b = mx.zeros((2, 1, 4, 8)), mx.zeros((2, 1, 4)), mx.zeros((2, 1, 4))
     A_log, dt, st = mx.zeros((4,)), mx.zeros((4,)), mx.zeros((2, 4, 8, 32))
-    with gated_delta.tracing("kernel"):
+    with gated_delta.tracing("gates"):
         assert update(q, k, v, a, b, A_log, dt, st) == ("y", "state")
         assert update(q, k, v, a, b, A_log, dt, st, lower_bound=-5.0) == ("y", "state")
         out = update(q, k, v, a, b, A_log, dt, st, mask=mx.ones((2, 1), mx.bool_))
@@ -259,22 +259,24 @@ def test_gated_delta_update_is_wrapped_only_in_kernel_traces(monkeypatch):
     assert seen == ["ab", "given"]
 
 
-@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("broken", ["", "gates", "both"])
 def test_gated_delta_kernel_path_is_checked_and_keeps_tokens(broken, monkeypatch, arun):
     """On a CUDA-like backend the compiled gated delta-net steps run the recurrence
-    as gated_delta.py's kernel (its stand-in here: the same step in MLX ops, counted);
-    a kernel that disagrees is caught at load and MLX's fused op takes over."""
+    as gated_delta.py's kernel (its stand-in here: the same step in MLX ops, counted),
+    the gates computed inside; one that disagrees is caught at load and the kernel
+    given the gates takes over, and where that disagrees too, MLX's fused op."""
     from mlxnb.core.worker import gated_delta, kv_attention
     monkeypatch.setattr(kv_attention, "cuda_backend", lambda: True)
     calls = []
 
-    def kernel(q, k, v, g, beta, state):
+    def kernel(q, k, v, g, beta, state, bad=broken == "both"):
         calls.append(q.shape)
         y, st = _gd_reference(q, k, v, g, beta, state)
-        return (y * 1.5 if broken else y), st
+        return (y * 1.5 if bad else y), st
 
     def kernel_ab(q, k, v, a, b, A_log, dt_bias, state):
-        return kernel(q, k, v, *gated_delta.gates(a, b, A_log, dt_bias), state)
+        return kernel(q, k, v, *gated_delta.gates(a, b, A_log, dt_bias), state,
+                      bad=bool(broken))
 
     monkeypatch.setattr(gated_delta, "decode_step", kernel)
     monkeypatch.setattr(gated_delta, "decode_step_ab", kernel_ab)
@@ -290,7 +292,8 @@ def test_gated_delta_kernel_path_is_checked_and_keeps_tokens(broken, monkeypatch
         return tokens, [r.prompt_ids for r in rows], status
 
     tokens, ids, status = arun(main)
-    want = "(gated delta: mx.fast)" if broken else "(gated delta: fused kernel)"
+    want = {"": "(gated delta: fused kernel, gates inside)",
+            "gates": "(gated delta: fused kernel)", "both": "(gated delta: mx.fast)"}[broken]
     assert f"recurrent decode compiled {want}" in status
     assert calls  # the kernel was traced (and checked) at least once
     mx.random.seed(5)

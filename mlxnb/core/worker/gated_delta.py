@@ -12,13 +12,13 @@ and writes it once.
 Only traces of the engine's compiled decode steps (recurrent.py) take it:
 `tracing(mode)` marks them, and `install()` wraps mlx-lm's `gated_delta_ops` so that
 calls made inside such a trace, for one token without a mask, go to `mode`:
-  "kernel"  the kernel below
+  "gates"   the kernel below, computing the gates too: mlx-lm's `gated_delta_update`
+            (the caller that computes g and beta from the layer's projections) is
+            wrapped as well, so per layer and step two launches fewer -- on a
+            host-bound GPU a launch costs about the same whatever it does
+  "kernel"  the kernel below, given g and beta
   "fast"    mx.fast.gated_delta_update (MLX's own, where its backend implements it)
   "ops"     mlx-lm's ops (what every other caller gets)
-In "kernel" mode mlx-lm's `gated_delta_update` (the caller that computes g and beta
-from the layer's projections) is wrapped too, and its plain gates are computed inside
-the kernel: per layer and step two launches fewer, and on a host-bound GPU a launch
-costs about the same whatever it does.
 setup.py checks the compiled steps against the plain ones at load and falls back
 down that list.
 """
@@ -31,7 +31,7 @@ import mlx.core as mx
 
 __all__ = ["install", "tracing", "MODES"]
 
-MODES = ("kernel", "fast", "ops")
+MODES = ("gates", "kernel", "fast", "ops")
 _TRACING = [None]  # the mode of the trace being made (None: not an engine's step)
 SEEN = [0]  # recurrences routed off mlx-lm's ops (a probe reads it)
 
@@ -159,10 +159,10 @@ def _fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask) -> bool:
 
 def _wrap_update(orig):
     """mlx-lm's gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, ...),
-    which computes g and beta and then calls gated_delta_ops: in a kernel-mode trace,
+    which computes g and beta and then calls gated_delta_ops: in a "gates" trace,
     one token, the plain gates (no lower bound, beta in [0, 1]): one kernel for all."""
     def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
-        if (_TRACING[0] == "kernel" and state is not None and kw.get("lower_bound") is None
+        if (_TRACING[0] == "gates" and state is not None and kw.get("lower_bound") is None
                 and not kw.get("allow_neg_eigval")
                 and _fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask)):
             SEEN[0] += 1
@@ -191,10 +191,10 @@ def install() -> None:
 
     def gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
         mode = _TRACING[0]
-        if (mode in ("kernel", "fast") and state is not None
+        if (mode in ("gates", "kernel", "fast") and state is not None
                 and _fits(q, k, v, g, beta, state, mask)):
             SEEN[0] += 1
-            if mode == "kernel":
+            if mode != "fast":
                 return decode_step(q, k, v, g, beta, state)
             return tuple(mx.fast.gated_delta_update(q, k, v, g, beta, state))
         return orig(q, k, v, g, beta, state, mask)

@@ -56,6 +56,7 @@ class BatchModel:
             self.cache_kinds += f", padded decode attention: MLX's ({self.dense_note})"
         if self.compiled_layers:
             self.cache_kinds += ", recurrent decode compiled" + {
+                "gates": " (gated delta: fused kernel, gates inside)",
                 "kernel": " (gated delta: fused kernel)",
                 "fast": " (gated delta: mx.fast)"}.get(self.recurrence, "")
         elif self.compile_note:
