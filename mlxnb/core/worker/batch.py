@@ -115,7 +115,7 @@ class BatchExecutor:
         self._batch_rows, self._want_lp, self._any_procs, self._headroom = [], [], False, 0
         self._ids_tuple: tuple = ()  # self.ids, shared by step records until it changes
         self._row_adapters: tuple = ()  # each batch row's adapter name (None: base)
-        self._any_constrained = self._any_spec = False
+        self._any_constrained = self._any_spec = self._any_fixed_draft = False
         self.masks.reset()
 
     @property
@@ -331,6 +331,7 @@ class BatchExecutor:
         self._any_procs = any(r.processors for r in rows)
         self._any_constrained = any(r.matcher is not None for r in rows)
         self._any_spec = any(r.spec is not None for r in rows)
+        self._any_fixed_draft = any(r.spec is not None and r.spec.fixed for r in rows)
         self._row_adapters = tuple(r.params.adapter for r in rows)
         # steps until the first row has launched all its tokens
         self._headroom = min((r.params.max_tokens - r.launched for r in rows), default=0)

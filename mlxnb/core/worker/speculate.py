@@ -190,8 +190,7 @@ class Speculation:
             return False
         held = not self.times.allowed(B)
         # a user-given num_draft verifies whatever it costs: not the guard's to judge
-        forced = any(r.spec is not None and r.spec.fixed for r in rows)
-        self._regime = None if forced else "held" if held else "on"
+        self._regime = None if ex._any_fixed_draft else "held" if held else "on"
         if ex.inflight is not None and ex.inflight.firsts:
             return False  # a first token to show: keep the plain step (its TTFT)
         qs, ks, fixed, ready = [], [], False, []
