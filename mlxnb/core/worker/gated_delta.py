@@ -89,24 +89,24 @@ _GIVEN = r"""
 # ... or from the layer's raw projections, as mlx-lm's gated_delta_update computes
 # them (beta = sigmoid(b), g = exp(-exp(A_log) * softplus(a + dt_bias))): each is
 # otherwise a launch of its own per layer and step, as costly on the host as this one.
-# Each value is rounded to the dtype mlx-lm's ops give it (BT: beta's, XT: a +
-# dt_bias's and its softplus's): over a few steps of a random-weight model the
-# float32 gates alone moved the logits past the load check's tolerance
+# Each op is MLX's own device functor at the dtype mlx-lm's ops give its result (BT:
+# beta's, XT: a + dt_bias's), so the gates are bit for bit the ops' gates: g =
+# exp(-A * softplus) turns one rounding of softplus into an error A times larger,
+# and over a few steps of a random-weight model that moved the logits past the load
+# check's tolerance
+_OPS = """
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+"""
 _FROM_AB = r"""
-    const float bt = static_cast<float>(static_cast<BT>(1.f / (1.f + expf(-static_cast<float>(
-        b_in[bi * b_in_strides[0] + hv * b_in_strides[2]])))));
-    const float ax = static_cast<float>(static_cast<XT>(
-        static_cast<float>(a_in[bi * a_in_strides[0] + hv * a_in_strides[2]])
-        + static_cast<float>(dt_bias[hv * dt_bias_strides[0]])));
-    // softplus(x) = logaddexp(x, 0) as MLX's op computes it in XT: max +
-    // log1p(exp(min - max)), each step rounded to XT (g = exp(-A * softplus) turns
-    // a rounding of softplus into a relative error of g A times larger)
-    const float mxv = fmaxf(ax, 0.f);
-    const float ex = static_cast<float>(static_cast<XT>(expf(
-        static_cast<float>(static_cast<XT>(fminf(ax, 0.f) - mxv)))));
-    const float sp = static_cast<float>(static_cast<XT>(
-        static_cast<float>(static_cast<XT>(log1pf(ex))) + mxv));
-    const float gv = expf(-expf(static_cast<float>(A_log[hv * A_log_strides[0]])) * sp);
+    namespace cu = mlx::core::cu;
+    const float bt = static_cast<float>(cu::Sigmoid{}(static_cast<BT>(
+        b_in[bi * b_in_strides[0] + hv * b_in_strides[2]])));
+    const XT ax = cu::Add{}(static_cast<XT>(a_in[bi * a_in_strides[0] + hv * a_in_strides[2]]),
+                            static_cast<XT>(dt_bias[hv * dt_bias_strides[0]]));
+    const float sp = static_cast<float>(cu::LogAddExp{}(ax, static_cast<XT>(0.f)));
+    const float decay = cu::Negative{}(cu::Exp{}(static_cast<float>(A_log[hv * A_log_strides[0]])));
+    const float gv = cu::Exp{}(cu::Multiply{}(decay, sp));
 """
 
 _KERNEL = {}
@@ -120,6 +120,7 @@ def _kernel(from_ab: bool):
             input_names=["q", "k", "v", *gates, "state_in"],
             output_names=["y", "state_out"],
             source=_BODY.replace("GATES_HERE", _FROM_AB if from_ab else _GIVEN),
+            header=_OPS if from_ab else "",
             ensure_row_contiguous=False)
     return _KERNEL[from_ab]
 
@@ -153,11 +154,9 @@ def decode_step_ab(q, k, v, a, b, A_log, dt_bias, state):
 
 
 def gates(a, b, A_log, dt_bias):
-    """(g, beta) from the raw projections in MLX ops, each rounded as decode_step_ab
-    rounds it inside its kernel (mlx-lm's dtypes)."""
-    x = a + dt_bias
-    hi = mx.maximum(x, 0)
-    sp = mx.log1p(mx.exp(mx.minimum(x, 0) - hi)) + hi  # each op in x's dtype
+    """(g, beta) from the raw projections in MLX ops: decode_step_ab's gates, op for
+    op (mlx-lm's compute_g and sigmoid)."""
+    sp = mx.logaddexp(a + dt_bias, 0)
     g = mx.exp(-mx.exp(A_log.astype(mx.float32)) * sp)
     return g, mx.sigmoid(b)
 
