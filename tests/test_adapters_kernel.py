@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxnb.core.worker import lowrank_kernels as lk
+from mlxnb.core.worker import lowrank, lowrank_kernels as lk
 from mlxnb.core.worker.lowrank import Selection, Stacked
 
 
@@ -28,6 +28,22 @@ def emulate(y2, bmat, tab, bounds, slot, scale, B, L, out):
             res[r, j0:j1] = y2n[r, j0:j1] + sc[b] * (
                 y2n[r, out + c0:out + c1] @ bn[c0:c1, j0:j1])
     return mx.array(res).astype(y2.dtype).reshape(B, L, out)
+
+
+def emulate_ops(y2, bmat, tab, bounds, slot, scale, B, L, out):
+    """The same loop in MLX ops, so a compiled decode step can trace it: column j of
+    part p adds y2's columns tab[p, slot of the row] times B_all's."""
+    f32 = mx.float32
+    C = y2.shape[1] - out
+    j = mx.arange(out)
+    part = (j[None, :] >= bounds[1:-1, None]).astype(mx.int32).sum(0)  # [out]
+    cols = tab[part][:, slot]  # [out, B, 2]
+    c0, c1 = cols[..., 0].T[:, None, :], cols[..., 1].T[:, None, :]  # [B, 1, out]
+    c = mx.arange(C)[None, :, None]
+    keep = ((c >= c0) & (c < c1)).astype(f32)  # [B, C, out]
+    yb = y2.astype(f32).reshape(B, L, -1)
+    u = (yb[:, :, out:, None] * (bmat[:, :out].astype(f32)[None] * keep)[:, None]).sum(2)
+    return (yb[:, :, :out] + scale.reshape(B, 1, 1) * u).astype(y2.dtype)
 
 
 def fused_group(seed=0, dtype=mx.float32):
@@ -141,11 +157,13 @@ def adapter_set(monkeypatch, kernel=None, check=None):
     calls = []
 
     def launch(*a):
-        calls.append(a[-2:])
-        return emulate(*a)
+        calls.append(a[-2:])  # (L, out); a decode step's once per compiled trace
+        return emulate_ops(*a)
 
     monkeypatch.setattr(lk, "backend", lambda: "cuda")
     monkeypatch.setattr(lk, "_CHECKED", {})
+    monkeypatch.setattr(lk, "_LAUNCHERS", {})
+    monkeypatch.setattr(lowrank, "_KERNEL_STEPS", {})
     monkeypatch.setattr(lk, "_launch", lambda kind, *a: launch(*a))
     if check is not None:
         monkeypatch.setattr(lk, "self_check", lambda dtype, impl: check)
@@ -176,7 +194,11 @@ def test_an_adapter_set_runs_the_kernel_where_it_checks_out(monkeypatch, tmp_pat
     with aset.using(sel):
         got = model(ids, cache=make_prompt_cache(model))  # prefill chunk: L = 3
         step = model(ids[:, :1], cache=make_prompt_cache(model))  # L = 1
+        traced = len(calls)
+        again = model(ids[:, :1], cache=make_prompt_cache(model))
     assert calls and {c[0] for c in calls} == {1, 3}
+    # a decode step replays its compiled trace: no kernel call built again
+    assert len(calls) == traced and mx.array_equal(again, step).item()
     # the same forwards on the ops (kernel off)
     aset.kernel = False
     aset._rebuild()

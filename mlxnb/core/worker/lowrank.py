@@ -120,6 +120,28 @@ def _folded_update(x, a, mask, b, y):
     return mx.addmm(y.reshape(n, -1), z, b).reshape(y.shape).astype(y.dtype)
 
 
+_KERNEL_STEPS: Dict[object, object] = {}
+
+
+def _kernel_step(launch):
+    """A decode step's folded product and update kernel as one compiled function
+    (per kernel launcher): MLX builds a custom kernel's whole source string at every
+    call in a graph, host time on the critical path of a host-bound step, where a
+    compiled function replays the primitive it traced once per shape."""
+    step = _KERNEL_STEPS.get(launch)
+    if step is None:
+        def fold_and_update(x, wt, bpad, tab, bounds, slots, scale, *bias):
+            # x [B, 1, in], wt [in, out + C], bpad [C, out + C] -> [B, 1, out]
+            n = x.shape[0]
+            x2 = x.reshape(n, -1)
+            y2 = mx.addmm(bias[0], x2, wt) if bias else x2 @ wt  # [B, out + C]
+            c = bpad.shape[0]
+            return launch(y2, bpad, tab, bounds, slots, scale, n, 1, bpad.shape[1] - c)
+
+        step = _KERNEL_STEPS[launch] = mx.compile(fold_and_update)
+    return step
+
+
 def linear_dims(layer) -> Optional[Tuple[int, int]]:
     """(in, out) of a linear the adapters can wrap, or None."""
     if isinstance(layer, nn.QuantizedLinear):
@@ -248,6 +270,10 @@ class Stacked:
         if (self.lin is None or sel.folded is None or (length != 1 and self.kernel is None)
                 or (sel.dora and self.mag is not None)):
             return self(x, base(x), sel)
+        if self.kernel is not None and length == 1:
+            bias = () if self.bcat is None else (self.bcat,)
+            return _kernel_step(self.kernel)(x, self.wt, self.bpad, self.tab, self.bounds,
+                                             sel.slots, sel.scale_rows, *bias)
         x2 = x.reshape(n * length, -1)
         y2 = (x2 @ self.wt if self.bcat is None else
               mx.addmm(self.bcat, x2, self.wt))  # [B * L, out + C]: y and x @ A_all

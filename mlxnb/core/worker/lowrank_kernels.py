@@ -83,7 +83,8 @@ _METAL = r"""
 
 _NAMES = ["y2", "bmat", "tab", "bounds", "slot", "scale"]
 _KERNELS: Dict[str, object] = {}
-_CHECKED: Dict[tuple, Optional[str]] = {}  # (backend, dtype) -> None or why not
+_CHECKED: Dict[tuple, Optional[str]] = {}
+_LAUNCHERS: Dict[str, Callable] = {}  # (backend, dtype) -> None or why not
 
 
 def backend() -> Optional[str]:
@@ -203,9 +204,12 @@ def kernel_for(dtype) -> Tuple[Optional[Launch], str]:
     if kind is None:
         return None, "no GPU kernel API on this device"
 
-    def launch(*a):
-        return _launch(kind, *a)
+    launch = _LAUNCHERS.get(kind)
+    if launch is None:  # one per backend: lowrank.py compiles a decode step per launcher
+        def launch(*a):
+            return _launch(kind, *a)
 
+        _LAUNCHERS[kind] = launch
     key = (kind, dtype)
     if key not in _CHECKED:
         why = _CHECKED[key] = self_check(dtype, launch)
