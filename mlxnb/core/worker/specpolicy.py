@@ -166,8 +166,8 @@ class StepTimes:
         self.plain: Dict[int, float] = {}  # B -> seconds
         self.verify: Dict[int, Dict[int, float]] = {}  # B -> {W: seconds}
         self._spec: Dict[int, list] = {}  # B -> [tokens/s average, steps]
-        self._held: Dict[int, int] = {}  # B -> steps left off
-        self._hold: Dict[int, int] = {}  # B -> the next hold
+        self._held: Dict[int, int] = {}  # group(B) -> steps left off
+        self._hold: Dict[int, int] = {}  # group(B) -> the next hold
         self.holds = 0  # times the guard turned speculation off (tests, status)
         # B -> {way: [tokens/s average, steps]}: "wide" (pipelined, wide.py) or
         # "sync" (read back at once), and B -> [steps since a try of the other, way
@@ -182,9 +182,9 @@ class StepTimes:
         self._cold: set = set()  # (B, width, way) seen once: the next ones are learnt from
         self._env: Dict[int, Dict[int, float]] = {}  # B -> `_envelope` of verify[B]
         self.skip_first = True  # (tests of the other rules turn it off)
-        # B -> [tokens, seconds, steps] of every step since speculation was last
-        # allowed (decayed), and [tokens, seconds] of steps held off (decayed), and
-        # B -> steps into the current hold
+        # group(B) -> [tokens per row, plain steps' time, steps] of every step since
+        # speculation was last allowed (decayed), and [tokens per row, plain steps'
+        # time] of steps held off (decayed), and group(B) -> steps into the hold
         self._on: Dict[int, list] = {}
         self._base: Dict[int, list] = {}
         self._into: Dict[int, int] = {}
@@ -270,47 +270,62 @@ class StepTimes:
             self._hold_off(B)
         return True
 
+    @staticmethod
+    def group(B: int) -> int:
+        """The batch sizes judged together by the guard: 1, 2, 3-4, 5-8, 9-16, ...
+        A wave of rows shrinks one row at a time as rows end, so no single size
+        gathers the steps a judgement needs; within a group the guard compares
+        tokens per row per plain step's time at each step's own size."""
+        return (B - 1).bit_length()
+
     def _hold_off(self, B: int, steps: Optional[int] = None) -> None:
-        """Speculation off at B for `steps` (a probe), or for the next hold."""
+        """Speculation off at B's group for `steps` (a probe), or for the next hold."""
+        g = self.group(B)
         if steps is None:
-            steps = self._hold.get(B, self.HOLD)
-            self._hold[B] = min(2 * steps, self.MAX_HOLD)
+            steps = self._hold.get(g, self.HOLD)
+            self._hold[g] = min(2 * steps, self.MAX_HOLD)
             self.holds += 1
-        self._held[B] = steps
+        self._held[g] = steps
         self._spec[B] = [None, 0]  # judged afresh when tried again
-        self._on.pop(B, None)
+        self._on.pop(g, None)
 
     def observe_regime(self, B: int, seconds: float, tokens: int, held: bool) -> None:
         """A decode step of B rows gave `tokens` in `seconds` while speculation was
         held off (`held`) or on (whether or not this step verified); see the class
         docstring's second rule."""
-        if held:
-            n = self._into[B] = self._into.get(B, 0) + 1
-            if n > self.SETTLE:
-                b = self._base.setdefault(B, [0.0, 0.0])
-                b[0], b[1] = self.FLOW * b[0] + tokens, self.FLOW * b[1] + seconds
+        # each step's time in plain steps of its own size, so the sizes of a group
+        # compare where a step's cost grows with B (a CPU) as where it does not
+        ref = self.plain.get(B) or self.plain.get(self.nearest(B) or 0)
+        if not ref:
             return
-        self._into[B] = 0
-        on = self._on.setdefault(B, [0.0, 0.0, 0])
+        g, per_row, seconds = self.group(B), tokens / B, seconds / ref
+        if held:
+            n = self._into[g] = self._into.get(g, 0) + 1
+            if n > self.SETTLE:
+                b = self._base.setdefault(g, [0.0, 0.0])
+                b[0], b[1] = self.FLOW * b[0] + per_row, self.FLOW * b[1] + seconds
+            return
+        self._into[g] = 0
+        on = self._on.setdefault(g, [0.0, 0.0, 0])
         d = self.ON_DECAY
-        on[0], on[1], on[2] = d * on[0] + tokens, d * on[1] + seconds, on[2] + 1
+        on[0], on[1], on[2] = d * on[0] + per_row, d * on[1] + seconds, on[2] + 1
         if on[2] < self.JUDGE or on[1] <= 0:
             return
-        rate = on[0] / on[1]
-        base = self._base.get(B)
+        rate = on[0] / on[1]  # tokens per row per plain step's time (plain: 1)
+        base = self._base.get(g)
         if base is not None and base[1] > 0:
             if rate < self.FLOOR * base[0] / base[1]:
                 self._hold_off(B)
             return
-        plain = self.plain.get(B)
-        if not (plain and rate > self.CLEAR * B / plain):
+        if not rate > self.CLEAR:
             self._hold_off(B, self.PROBE)
 
     def allowed(self, B: int) -> bool:
         """May a batch of B rows speculate this step? (Counts down a hold.)"""
-        left = self._held.get(B, 0)
+        g = self.group(B)
+        left = self._held.get(g, 0)
         if left > 0:
-            self._held[B] = left - 1
+            self._held[g] = left - 1
             return False
         return True
 
