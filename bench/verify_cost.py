@@ -4,9 +4,11 @@ Speculative decoding pays where verifying W positions of a row costs little more
 decoding one. On a host-bound GPU that depends on how the backend launches the
 forward's matmuls, which this measures apart from the engine:
 
-  matmul M      a chain of --chain dependent [1, M, d] @ [d, f] matmuls (SmolLM2's MLP
-                width): host graph build and eval, microseconds per matmul; "M as
-                batch" is the same rows as a batch of one-row matmuls
+  matmul M      a chain of --chain dependent [1, M, d] @ [f, d].T matmuls (as a linear
+                layer runs; --dims, default SmolLM2's MLP): host graph build and
+                eval, microseconds per matmul; "M one-row matmuls" is the same rows
+                as a batch of one-row matmuls, "rows GEMV" worker/rows_gemv.py's
+                kernel (CUDA, where its check passes)
   forward W     the model's forward of W positions on a KV cache of --prompt tokens,
                 trimmed back after each call (the cache grows by one per call, as a
                 decode does); multi-position attention as verification runs it
@@ -41,28 +43,52 @@ def _sync_ms(build):
 
 
 def matmul_rows(ms, n, dtype, d=576, f=1536, reps=4):
-    """Per M: (build us, eval us) per matmul in a chain of n, as [1, M, d] and as [M, 1, d]."""
-    w1 = mx.random.normal((d, f)).astype(dtype) * d ** -0.5
-    w2 = mx.random.normal((f, d)).astype(dtype) * f ** -0.5
+    """Per M and way: (build us, eval us) per matmul in a chain of n: [1, M, d] as one
+    matmul, [M, 1, d] as M one-row matmuls, and [M, d] by the rows GEMV kernel."""
+    from mlxnb.core.worker import rows_gemv
+
+    w1 = (mx.random.normal((f, d)) * d ** -0.5).astype(dtype)  # [out, in], as nn.Linear
+    w2 = (mx.random.normal((d, f)) * f ** -0.5).astype(dtype)
+    gemv = rows_gemv.check([(f, d), (d, f)], dtype) is None
     rows = []
     for M in ms:
-        for batched in (False, True) if M > 1 else (False,):
-            x = mx.random.normal((M, 1, d) if batched else (1, M, d)).astype(dtype)
+        ways = ["one"] + (["batched"] if M > 1 else []) + (
+            ["gemv"] if gemv and 1 < M <= rows_gemv.MAX_ROWS else [])
+        for way in ways:
+            shape = {"one": (1, M, d), "batched": (M, 1, d), "gemv": (M, d)}[way]
+            x = mx.random.normal(shape).astype(dtype)
             mx.eval(w1, w2, x)
 
             def chain():
                 y = x
                 for _ in range(n // 2):
-                    y = (y @ w1) @ w2
+                    if way == "gemv":
+                        y = rows_gemv.matmul(rows_gemv.matmul(y, w1), w2)
+                    else:
+                        y = (y @ w1.T) @ w2.T
                 return y
 
             b, e = zip(*[_sync_ms(chain) for _ in range(reps)])
-            rows.append(dict(M=M, batched=batched, build_us=1e3 * median(b[1:]) / n,
+            rows.append(dict(M=M, way=way, build_us=1e3 * median(b[1:]) / n,
                              eval_us=1e3 * median(e[1:]) / n))
     return rows
 
 
 def forward_widths(model, widths, prompt, calls, skip):
+    """Each width with MLX's matmuls, then (where rows_gemv installs) with the kernel."""
+    from mlxnb.core.worker import rows_gemv
+
+    rows = _forward_widths(model, widths, prompt, calls, skip, "MLX")
+    note = rows_gemv.install(model)
+    for r in rows:
+        r["linears"] = note
+    if note.startswith("kernel"):
+        rows += _forward_widths(model, [w for w in widths if w > 1], prompt, calls, skip,
+                                "rows GEMV")
+    return rows
+
+
+def _forward_widths(model, widths, prompt, calls, skip, way):
     from mlxnb.core.worker import tokens
     from mlxnb.core.worker.wideattn import wide_attention
 
@@ -85,23 +111,33 @@ def forward_widths(model, widths, prompt, calls, skip):
             for c in cache:
                 c.trim(W - 1)
         b, e = zip(*got[skip:])
-        rows.append(dict(W=W, build_ms=median(b), eval_ms=median(e), first_ms=sum(got[0])))
+        rows.append(dict(W=W, way=way, build_ms=median(b), eval_ms=median(e),
+                         first_ms=sum(got[0]), linears=""))
     return rows
 
 
-def render(mm, fw, args) -> str:
-    L = [f"Matmuls [rows, {576}] @ [{576}, {1536}], {args.chain} chained, {args.dtype}:", "",
-         "| rows M | as | build us/matmul | eval us/matmul |", "|---|---|---|---|"]
-    L += [f"| {r['M']} | {'M one-row matmuls' if r['batched'] else 'one matmul'} | "
-          f"{r['build_us']:.1f} | {r['eval_us']:.1f} |" for r in mm]
-    L += ["", f"Forward of W positions, model `{args.model}` ({args.dtype}), cache of "
-          f"{args.prompt} tokens, {args.calls} calls (first {args.skip} left out):", "",
-          "| W | build ms | eval ms | total ms | x W=1 | first call ms |", "|---|---|---|---|---|---|"]
+WAYS = {"one": "one matmul", "batched": "M one-row matmuls", "gemv": "rows GEMV kernel"}
+
+
+def render(mms, fw, args) -> str:
+    L = []
+    for (d, f), mm in mms:
+        L += [f"Matmuls [rows, {d}] @ [{f}, {d}].T and back, {args.chain} chained, "
+              f"{args.dtype}:", "",
+              "| rows M | as | build us/matmul | eval us/matmul |", "|---|---|---|---|"]
+        L += [f"| {r['M']} | {WAYS[r['way']]} | {r['build_us']:.1f} | {r['eval_us']:.1f} |"
+              for r in mm]
+        L.append("")
+    L += [f"Forward of W positions, model `{args.model}` ({args.dtype}), cache of "
+          f"{args.prompt} tokens, {args.calls} calls (first {args.skip} left out); "
+          f"linears: {fw[0]['linears']}:", "",
+          "| W | linears | build ms | eval ms | total ms | x W=1 | first call ms |",
+          "|---|---|---|---|---|---|---|"]
     one = next((r["build_ms"] + r["eval_ms"] for r in fw if r["W"] == 1), None)
     for r in fw:
         t = r["build_ms"] + r["eval_ms"]
-        L.append(f"| {r['W']} | {r['build_ms']:.2f} | {r['eval_ms']:.2f} | {t:.2f} | "
-                 f"{t / one:.2f} | {r['first_ms']:.1f} |" if one else "")
+        L.append(f"| {r['W']} | {r['way']} | {r['build_ms']:.2f} | {r['eval_ms']:.2f} | "
+                 f"{t:.2f} | {t / one:.2f} | {r['first_ms']:.1f} |" if one else "")
     return "\n".join(L)
 
 
@@ -112,6 +148,7 @@ def main(argv=None, prog=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rows", default="1,2,3,5,8,16", help="matmul rows M")
     ap.add_argument("--chain", type=int, default=200)
+    ap.add_argument("--dims", default="576x1536", help="matmul shapes d x f, comma-separated")
     ap.add_argument("--widths", default="1,2,5,8")
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--calls", type=int, default=15)
@@ -125,7 +162,9 @@ def main(argv=None, prog=None):
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# verify-cost  {report.env}")
     dtype = getattr(mx, args.dtype)
-    mm = matmul_rows([int(m) for m in args.rows.split(",")], args.chain, dtype)
+    ms = [int(m) for m in args.rows.split(",")]
+    dims = [tuple(int(v) for v in p.split("x")) for p in args.dims.split(",")]
+    mm = [((d, f), matmul_rows(ms, args.chain, dtype, d, f)) for d, f in dims]
     if args.model == "default":
         from mlxnb.models.loading import load_model
 

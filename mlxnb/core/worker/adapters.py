@@ -304,7 +304,7 @@ class AdapterSet:
         widths = [(p, linear_dims(layer)[1]) for p, layer in parts]
         # a plain linear (or fused group): A_all goes under its rows (Stacked._merge)
         lin = (fused.linear if len(parts) > 1 else
-               first if type(first) is nn.Linear else None)
+               first if isinstance(first, nn.Linear) else None)
         return Stacked(widths, blocks, dtype, lid, layout, mag, cols, base, bias,
                        lin if self.fold else None)
 

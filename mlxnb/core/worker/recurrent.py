@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from . import gated_delta
+from .rows_gemv import RowsLinear
 
 __all__ = ["compile_recurrent", "uncompile"]
 
@@ -132,7 +133,7 @@ class _Decode(_Gated):
 
 
 _MLP_NAMES = ("mlp", "feed_forward")
-_LINEARS = (nn.Linear, nn.QuantizedLinear)
+_LINEARS = (nn.Linear, nn.QuantizedLinear, RowsLinear)
 
 
 def _mlp_subclass(cls):

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from . import caches, gated_delta, kv_attention, recurrent
+from . import caches, gated_delta, kv_attention, recurrent, rows_gemv
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
@@ -40,6 +40,8 @@ class BatchModel:
         # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
         self.fused = fuse_projections(model, lambda: model(
             tokens_of([[0]]), cache=self.make_cache())) if fuse else 0
+        # rows_gemv.py: 2-16 rows through a linear as one GEMV (CUDA), the same bits
+        self.linears = rows_gemv.install(model)
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
         self.dense_note = self._pick_dense_decode()
         # recurrent.py: recurrent layers decode through compiled steps; the executor
@@ -61,6 +63,8 @@ class BatchModel:
                 "fast": " (gated delta: mx.fast)"}.get(self.recurrence, "")
         elif self.compile_note:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
+        if self.linears.startswith("kernel"):
+            self.cache_kinds += ", few-row linears: GEMV kernel"
         # prefix entries are slices of full-attention KV (quantized or not): windows
         # and recurrent states would need a snapshot at the prefix boundary instead
         self.prefix_reusable = PrefixStore.supports(probe)

@@ -1,0 +1,174 @@
+"""A linear layer's product for a few rows as one GEMV kernel per layer, on CUDA.
+
+MLX's CUDA backend runs `x @ W.T` as its GEMV kernel only for one row; from two rows
+on it calls cuBLAS, which on an H200 costs 24-25 us a call for a [2..16, 576] @ [576,
+1536] product against 7.8 us for one row (`bench verify-cost`). A decode step of a few
+rows, and a verification forward of a row's drafts, are such products on every
+projection of every layer, and the weights they read are a few MB: the time is launch
+and set-up, not bandwidth. This kernel is MLX's GEMV given M rows: each warp reads one
+output's weight row once and keeps M sums.
+
+Each row's sum is formed exactly as MLX's one-row GEMV forms it (the same elements per
+lane in the same order, `NPT` picked by the same rule, cooperative groups' warp
+reduction), so a row's product has the same bits whether it runs alone, beside other
+rows, or as one position of a verification: `check` asserts that on this device
+before any layer uses the kernel, and `install` leaves the model untouched where it
+does not hold (or where there is no CUDA kernel API: the CPU, Metal).
+
+Only layers that MLX itself would run as a GEMV for one row take it: plain
+`nn.Linear` without a bias (a bias goes through cuBLAS's epilogue), float weights,
+2 <= rows <= MAX_ROWS.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["MAX_ROWS", "install", "check", "matmul", "RowsLinear"]
+
+MAX_ROWS = 16  # above this cuBLAS's tiles pay for themselves (bench verify-cost)
+WARPS = 8  # outputs per block, as MLX's gemv
+
+_HEADER = r"""
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
+template <typename T, int N> struct alignas(sizeof(T) * N) MlxnbVec { T v[N]; };
+"""
+
+# x [M, K], w [N, K] -> out [M, N]; lane l of the warp for output n sums columns
+# NPT*l .. NPT*l+NPT-1, then + 32*NPT, ... (MLX's gemv_impl), float accumulators
+_BODY = r"""
+    namespace cg = cooperative_groups;
+    auto block = cg::this_thread_block();
+    auto warp = cg::tiled_partition<32>(block);
+    const int n = blockIdx.x * WARPS + threadIdx.y;
+    if (n >= N) return;
+    float sum[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) sum[m] = 0.f;
+    const T* wr = w + static_cast<int64_t>(n) * K;
+    for (int col = NPT * warp.thread_rank(); col < K; col += 32 * NPT) {
+        const auto wv = *reinterpret_cast<const MlxnbVec<T, NPT>*>(wr + col);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const auto xv = *reinterpret_cast<const MlxnbVec<T, NPT>*>(x + m * K + col);
+#pragma unroll
+            for (int j = 0; j < NPT; ++j) {
+                sum[m] += static_cast<float>(wv.v[j]) * static_cast<float>(xv.v[j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float s = cg::reduce(warp, sum[m], cg::plus<float>());
+        if (warp.thread_rank() == 0) out[static_cast<int64_t>(m) * N + n] = static_cast<T>(s);
+    }
+"""
+
+_KERNEL = []
+_STATE = {"on": False, "why": "not checked"}
+
+
+def _kernel():
+    if not _KERNEL:
+        _KERNEL.append(mx.fast.cuda_kernel(
+            name="mlxnb_rows_gemv", input_names=["x", "w"], output_names=["out"],
+            source=_BODY, header=_HEADER))
+    return _KERNEL[0]
+
+
+def _npt(K: int) -> int:
+    # MLX's choice for aligned operands (MLX's arrays are allocated aligned, and a
+    # row of K elements keeps the alignment when K is a multiple of the vector)
+    return 4 if K % 128 == 0 else 2 if K % 64 == 0 else 1
+
+
+def matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype, by the kernel (CUDA only)."""
+    M, K = x.shape
+    N = w.shape[0]
+    return _kernel()(
+        inputs=[x, w],
+        template=[("T", x.dtype), ("M", M), ("K", K), ("N", N), ("NPT", _npt(K)),
+                  ("WARPS", WARPS)],
+        grid=(32 * ((N + WARPS - 1) // WARPS), WARPS, 1), threadgroup=(32, WARPS, 1),
+        output_shapes=[(M, N)], output_dtypes=[x.dtype])[0]
+
+
+class RowsLinear(nn.Linear):
+    """nn.Linear whose product for 2..MAX_ROWS rows runs as `matmul` while the kernel
+    is on (`install`); the same weights, the same parameters."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        K = x.shape[-1]
+        rows = x.size // K if K else 0
+        if (_STATE["on"] and 2 <= rows <= MAX_ROWS and "bias" not in self
+                and x.dtype == self.weight.dtype):
+            w = self.weight
+            return matmul(x.reshape(rows, K), w).reshape(*x.shape[:-1], w.shape[0])
+        return super().__call__(x)
+
+
+def _backend_ok() -> Optional[str]:
+    try:
+        if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+            return "not a CUDA device"
+    except Exception:
+        return "not a CUDA device"
+    if not hasattr(mx.fast, "cuda_kernel"):
+        return "this MLX has no mx.fast.cuda_kernel"
+    return None
+
+
+def check(shapes, dtype) -> Optional[str]:
+    """None if, for every (N, K) in `shapes`, the kernel's rows equal MLX's own
+    one-row products bit for bit (1, 3 and MAX_ROWS rows), else why not (one line)."""
+    why = _backend_ok()
+    if why:
+        return why
+    try:
+        key = mx.random.key(7)
+        for N, K in shapes:
+            k1, k2, key = mx.random.split(key, 3)
+            w = (mx.random.normal((N, K), key=k1) / K ** 0.5).astype(dtype)
+            for M in (1, 3, MAX_ROWS):
+                x = mx.random.normal((M, K), key=k2).astype(dtype)
+                got = matmul(x, w)
+                want = mx.concatenate([x[i:i + 1] @ w.T for i in range(M)])
+                if not mx.array_equal(got, want).item():
+                    err = (got.astype(mx.float32) - want.astype(mx.float32)).abs().max()
+                    return (f"rows differ from MLX's one-row products by {err.item():.3g} "
+                            f"({N}x{K}, {M} rows, {dtype})")
+    except Exception as e:
+        return f"kernel failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    return None
+
+
+def _plain_linears(model):
+    for path, m in model.named_modules():
+        if (type(m) in (nn.Linear, RowsLinear) and "bias" not in m
+                and m.weight.dtype in (mx.float16, mx.bfloat16, mx.float32)):
+            yield path, m
+
+
+def install(model) -> str:
+    """Turn the model's plain bias-free linears into RowsLinear (in place: the class
+    of each module object changes, its weights stay) once `check` passes on their
+    shapes; returns what runs ("kernel, N layers" or "MLX's matmul (why)")."""
+    layers = list(_plain_linears(model))
+    if not layers:
+        _STATE.update(on=False, why="no plain linear layers")
+        return "MLX's matmul (no plain linear layers)"
+    dtypes = {m.weight.dtype for _, m in layers}
+    shapes = sorted({tuple(m.weight.shape) for _, m in layers})
+    why = next((w for w in (check(shapes, d) for d in dtypes) if w), None)
+    if why:
+        _STATE.update(on=False, why=why)
+        return f"MLX's matmul ({why})"
+    for _, m in layers:
+        m.__class__ = RowsLinear
+    _STATE.update(on=True, why="")
+    return f"kernel, {len(layers)} layers"

@@ -1,0 +1,134 @@
+"""worker/rows_gemv.py: which linears take the few-row GEMV kernel, and that nothing
+changes where its check fails. The kernel itself runs only on CUDA; here a stand-in
+with the kernel's contract (each row's product as MLX forms it for one row) records
+what reaches it."""
+
+import asyncio
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlxnb import Engine
+from mlxnb.core.worker import rows_gemv
+from mlxnb.models.tiny import tiny_model
+
+
+def test_on_this_cpu_the_model_is_left_alone():
+    model, _ = tiny_model(seed=1)
+    assert rows_gemv.check([(64, 64)], mx.float32) == "not a CUDA device"
+    assert rows_gemv.install(model) == "MLX's matmul (not a CUDA device)"
+    assert not any(type(m) is rows_gemv.RowsLinear for _, m in model.named_modules())
+
+
+class StandIn(list):
+    """The row counts the stand-in kernel was given outside the load check."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.mp, self.checking = monkeypatch, False
+
+    def device(self, cuda: bool):
+        """Whether install finds a CUDA device (for engines made from now on)."""
+        self.mp.setattr(rows_gemv, "_backend_ok", lambda: None if cuda else "off")
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """The kernel's contract on the CPU: each row's product as MLX forms it alone."""
+    calls = StandIn(monkeypatch)
+    check = rows_gemv.check
+
+    def matmul(x, w):
+        if not calls.checking:
+            calls.append(x.shape[0])
+        return mx.concatenate([x[i:i + 1] @ w.T for i in range(x.shape[0])])
+
+    def checked(*a):
+        calls.checking = True
+        try:
+            return check(*a)
+        finally:
+            calls.checking = False
+
+    calls.device(True)
+    monkeypatch.setattr(rows_gemv, "matmul", matmul)
+    monkeypatch.setattr(rows_gemv, "check", checked)
+    monkeypatch.setitem(rows_gemv._STATE, "on", False)
+    return calls
+
+
+def _generate(arun, model, tok, prompts, **kw):
+    async def run():
+        eng = Engine((model, tok), kv_budget=None)
+        rows = await asyncio.gather(*[eng.submit(p, chat=False, max_tokens=12, **kw)
+                                      for p in prompts])
+        await eng.aclose()
+        return [r.tokens for r in rows]
+
+    return arun(run)
+
+
+def test_batched_rows_take_the_kernel_and_decode_the_same(arun, stand_in):
+    prompts = ["hello there", "the cat sat", "one two three"]
+    stand_in.device(False)
+    plain = _generate(arun, *tiny_model(seed=2), prompts)
+    stand_in.device(True)
+    model, tok = tiny_model(seed=2)
+    got = _generate(arun, model, tok, prompts)
+    assert got == plain
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is rows_gemv.RowsLinear for m in linears)
+    # three rows decoding (and fewer as they end); never one row or a prefill
+    assert 3 in stand_in and all(2 <= M <= rows_gemv.MAX_ROWS for M in stand_in)
+
+
+def test_verification_positions_take_the_kernel(arun, stand_in):
+    text = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta "
+    stand_in.device(False)
+    plain = _generate(arun, *tiny_model(seed=2), [text], speculate=None)
+    stand_in.device(True)
+    model, tok = tiny_model(seed=2)
+    spec = _generate(arun, model, tok, [text], speculate="lookup", num_draft=4)
+    assert spec == plain
+    assert any(M > 1 for M in stand_in)
+
+
+def test_a_kernel_that_differs_by_a_bit_is_not_used(monkeypatch, stand_in):
+    def off(x, w):
+        return mx.concatenate([x[i:i + 1] @ w.T for i in range(x.shape[0])]) * 1.001
+
+    monkeypatch.setattr(rows_gemv, "matmul", off)
+    model, _ = tiny_model(seed=1)
+    note = rows_gemv.install(model)
+    assert note.startswith("MLX's matmul (rows differ from MLX's one-row products")
+    assert not rows_gemv._STATE["on"]
+    assert not any(type(m) is rows_gemv.RowsLinear for _, m in model.named_modules())
+
+
+def test_biased_and_quantized_linears_keep_mlx(stand_in):
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=True),
+                          nn.QuantizedLinear(64, 64, bias=False))
+    assert rows_gemv.install(model) == "kernel, 1 layers"
+    kinds = [type(m) for m in model.layers]
+    assert kinds == [rows_gemv.RowsLinear, nn.Linear, nn.QuantizedLinear]
+    stand_in.clear()
+    mx.eval(model(mx.zeros((4, 64))))
+    assert stand_in == [4]  # the first layer only
+    stand_in.clear()
+    mx.eval(model(mx.zeros((rows_gemv.MAX_ROWS + 1, 64))), model(mx.zeros((1, 64))))
+    assert stand_in == []
+
+
+def test_hybrid_mlps_still_compile_over_kernel_linears(stand_in):
+    from test_cache_kinds import build  # tests/ is on sys.path (pytest)
+    from mlxnb.core.worker.setup import BatchModel
+
+    tok = tiny_model(seed=0)[1]
+    stand_in.device(False)
+    plain = BatchModel(build("qwen3_5", seed=4), tok)
+    assert plain.linears == "MLX's matmul (off)"
+    stand_in.device(True)
+    setup = BatchModel(build("qwen3_5", seed=4), tok)
+    assert setup.linears.startswith("kernel")
+    assert setup.compiled_layers == plain.compiled_layers > 0
