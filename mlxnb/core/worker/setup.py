@@ -40,9 +40,10 @@ class BatchModel:
         # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
         self.fused = fuse_projections(model, lambda: model(
             tokens_of([[0]]), cache=self.make_cache())) if fuse else 0
-        # rows_gemv.py: 2-16 rows through a linear as one GEMV (CUDA), the same bits
-        self.linears = rows_gemv.install(model)
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
+        # rows_gemv.py: a few rows through a linear as one GEMV (CUDA), each row's bits
+        # as alone; after the padding probe, whose noise floor is a batch change's
+        self.linears = rows_gemv.install(model)
         self.dense_note = self._pick_dense_decode()
         # recurrent.py: recurrent layers decode through compiled steps; the executor
         # sets `decode_gate` (no adapter selected) before any step runs
