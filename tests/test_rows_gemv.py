@@ -132,3 +132,40 @@ def test_hybrid_mlps_still_compile_over_kernel_linears(stand_in):
     setup = BatchModel(build("qwen3_5", seed=4), tok)
     assert setup.linears.startswith("kernel")
     assert setup.compiled_layers == plain.compiled_layers > 0
+
+
+def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
+    """nvcc over the kernel as MLX's cuda_kernel wraps it (its Shape type, inputs and
+    template constants), for each dtype, vector width and row capacity: the GPU run
+    (bench verify-cost, the load check) is the real check."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc")
+    body = "\n".join(f"""
+__global__ void k{i}(const {T}* x, const __grid_constant__ Shape x_shape, const {T}* w,
+                     const __grid_constant__ Shape w_shape, {T}* out) {{
+  using T = {T};
+  constexpr int NPT = {npt};
+  constexpr int MAXM = {m};
+  constexpr int WARPS = {rows_gemv.WARPS};
+{rows_gemv._BODY}
+}}"""
+        for i, (T, npt, m) in enumerate(
+            (T, npt, m) for T in ("__nv_bfloat16", "__half", "float") for npt in (1, 2, 4)
+            for m in rows_gemv.BUCKETS))
+    src = tmp_path / "k.cu"
+    src.write_text(f"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cstdint>
+{rows_gemv._HEADER}
+namespace cg = cooperative_groups;
+using Shape = cuda::std::array<int32_t, 8>;
+{body}
+""")
+    r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
+                        str(tmp_path / "k.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

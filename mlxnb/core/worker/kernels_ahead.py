@@ -4,8 +4,9 @@ On a fresh CUDA machine (MLX's on-disk kernel cache empty) an engine's start was
 mostly NVRTC compiling a handful of kernels one after another, 4-10 s each on an
 H200 host: the embedding lookup and the caches' row filters (a gather per data and
 index type), the row filter of the token vector, the roll of right-padded prefill
-caches (mlx-lm's `dynamic_roll`), and the fused SwiGLU of the MLP
-(bench/results/cold-start-h200.md). None of their names depends on the model's
+caches (mlx-lm's `dynamic_roll`), the fused SwiGLU of the MLP
+(bench/results/cold-start-h200.md), and rows_gemv.py's few-row linears (12
+kernels, 1-2 s each, that its load check runs). None of their names depends on the model's
 sizes, only on its dtype, so tiny inputs of that dtype compile the same kernels.
 
 `start` runs one process per piece (each importing mlx alone: about a second) into
@@ -31,7 +32,7 @@ from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
 from .compilers import move_kernels, spawn, wanted
 
-PIECES = ("gather", "rows", "roll", "swiglu")
+PIECES = ("gather", "rows", "roll", "swiglu", "gemv")
 _DONE = "mlxnb-model-kernels-{dtype}.done"
 
 
@@ -138,6 +139,10 @@ def _compile(piece: str, dtype: str) -> None:
         x, shifts = mx.zeros((2, 2, 8, 4), dt), mx.array([0, 3])[:, None]
         out = [mx.take_along_axis(x, (mx.arange(8)[:, None] - shifts[..., None, None]) % 8,
                                   axis=2)]
+    elif piece == "gemv":  # rows_gemv.py's kernels (their load check runs them all)
+        from .rows_gemv import compile_ahead
+
+        return compile_ahead(dt)
     else:  # swiglu over the two halves of a fused gate/up product (fuse.py)
         swiglu = _activations().swiglu
         out = []

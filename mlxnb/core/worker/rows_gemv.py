@@ -33,6 +33,7 @@ import mlx.nn as nn
 __all__ = ["MAX_ROWS", "MAX_WORK", "install", "check", "matmul", "RowsLinear"]
 
 MAX_ROWS = 16  # above this cuBLAS's tiles pay for themselves (bench verify-cost)
+BUCKETS = (2, 4, 8, MAX_ROWS)  # the kernels' row capacities (MAXM)
 MAX_WORK = 40_000_000  # rows * out * in: above it cuBLAS is faster (see above)
 WARPS = 8  # outputs per block, as MLX's gemv
 
@@ -44,15 +45,19 @@ template <typename T, int N> struct alignas(sizeof(T) * N) MlxnbVec { T v[N]; };
 
 # x [M, K], w [N, K] -> out [M, N]; lane l of the warp for output n sums columns
 # NPT*l .. NPT*l+NPT-1, then + 32*NPT, ... (MLX's gemv_impl), float accumulators.
-# M, K and N are read at run time: one compiled kernel per dtype and NPT serves every
-# shape and row count (NVRTC takes about a second a kernel, and a batch's row count
-# changes step by step).
+# K, N and M <= MAXM are read at run time, so one kernel per dtype, NPT and MAXM
+# (BUCKETS) serves every shape and row count: NVRTC takes 1-2 s a kernel, and a
+# batch's row count changes step by step. Rows past M repeat row M - 1 (no branch in
+# the loop) and are not written.
 _BODY = r"""
     auto block = cg::this_thread_block();
     auto warp = cg::tiled_partition<32>(block);
     const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
     const int n = blockIdx.x * WARPS + threadIdx.y;
     if (n >= N) return;
+    const T* xr[MAXM];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) xr[m] = x + static_cast<int64_t>(m < M ? m : M - 1) * K;
     float sum[MAXM];
 #pragma unroll
     for (int m = 0; m < MAXM; ++m) sum[m] = 0.f;
@@ -61,21 +66,18 @@ _BODY = r"""
         const auto wv = *reinterpret_cast<const MlxnbVec<T, NPT>*>(wr + col);
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
-            if (m < M) {
-                const auto xv = *reinterpret_cast<const MlxnbVec<T, NPT>*>(
-                    x + static_cast<int64_t>(m) * K + col);
+            const auto xv = *reinterpret_cast<const MlxnbVec<T, NPT>*>(xr[m] + col);
 #pragma unroll
-                for (int j = 0; j < NPT; ++j) {
-                    sum[m] += static_cast<float>(wv.v[j]) * static_cast<float>(xv.v[j]);
-                }
+            for (int j = 0; j < NPT; ++j) {
+                sum[m] += static_cast<float>(wv.v[j]) * static_cast<float>(xv.v[j]);
             }
         }
     }
 #pragma unroll
     for (int m = 0; m < MAXM; ++m) {
-        if (m < M) {
-            const float s = cg::reduce(warp, sum[m], cg::plus<float>());
-            if (warp.thread_rank() == 0) out[static_cast<int64_t>(m) * N + n] = static_cast<T>(s);
+        const float s = cg::reduce(warp, sum[m], cg::plus<float>());
+        if (m < M && warp.thread_rank() == 0) {
+            out[static_cast<int64_t>(m) * N + n] = static_cast<T>(s);
         }
     }
 """
@@ -105,7 +107,8 @@ def matmul(x: mx.array, w: mx.array) -> mx.array:
     N = w.shape[0]
     return _kernel()(
         inputs=[x, w],
-        template=[("T", x.dtype), ("NPT", _npt(K)), ("MAXM", MAX_ROWS), ("WARPS", WARPS)],
+        template=[("T", x.dtype), ("NPT", _npt(K)), ("MAXM", next(b for b in BUCKETS if M <= b)),
+                  ("WARPS", WARPS)],
         grid=(32 * ((N + WARPS - 1) // WARPS), WARPS, 1), threadgroup=(32, WARPS, 1),
         output_shapes=[(M, N)], output_dtypes=[x.dtype])[0]
 
@@ -146,7 +149,7 @@ def check(shapes, dtype) -> Optional[str]:
         for N, K in shapes:
             k1, k2, key = mx.random.split(key, 3)
             w = (mx.random.normal((N, K), key=k1) / K ** 0.5).astype(dtype)
-            for M in (1, 2, 5, MAX_ROWS):
+            for M in (1, 2, 3, 5, MAX_ROWS):  # every bucket
                 x = mx.random.normal((M, K), key=k2).astype(dtype)
                 got = matmul(x, w)
                 want = mx.concatenate([x[i:i + 1] @ w.T for i in range(M)])
@@ -157,6 +160,19 @@ def check(shapes, dtype) -> Optional[str]:
     except Exception as e:
         return f"kernel failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
     return None
+
+
+def compile_ahead(dtype) -> None:
+    """Run every kernel this module can use for `dtype` once (kernels_ahead.py's
+    compilers: MLX keeps them on disk for the engine's check to find); nothing where
+    there is no CUDA kernel API."""
+    if _backend_ok():
+        return
+    out = []
+    for K in (128, 64, 32):  # NPT 4, 2, 1
+        w = mx.zeros((8, K), dtype)
+        out += [matmul(mx.zeros((b, K), dtype), w) for b in BUCKETS]
+    mx.eval(out)
 
 
 def _plain_linears(model):
