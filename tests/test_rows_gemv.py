@@ -136,7 +136,7 @@ def test_hybrid_mlps_still_compile_over_kernel_linears(stand_in):
 
 def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
     """nvcc over the kernel as MLX's cuda_kernel wraps it (its Shape type, inputs and
-    template constants), for each dtype, vector width and row capacity: the GPU run
+    template constants), for the extremes of dtype, vector width and row capacity: the GPU run
     (bench verify-cost, the load check) is the real check."""
     import shutil
     import subprocess
@@ -153,8 +153,8 @@ __global__ void k{i}(const {T}* x, const __grid_constant__ Shape x_shape, const 
 {rows_gemv._BODY}
 }}"""
         for i, (T, npt, m) in enumerate(
-            (T, npt, m) for T in ("__nv_bfloat16", "__half", "float") for npt in (1, 2, 4)
-            for m in rows_gemv.BUCKETS))
+            (T, npt, m) for T in ("__nv_bfloat16", "float") for npt in (1, 4)
+            for m in (rows_gemv.BUCKETS[0], rows_gemv.BUCKETS[-1])))
     src = tmp_path / "k.cu"
     src.write_text(f"""
 #include <cuda_bf16.h>
