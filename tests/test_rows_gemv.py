@@ -14,9 +14,12 @@ from mlxnb.core.worker import rows_gemv
 from mlxnb.models.tiny import tiny_model
 
 
-def test_on_this_cpu_the_model_is_left_alone():
+def test_on_this_cpu_the_model_is_left_alone(monkeypatch):
     model, _ = tiny_model(seed=1)
     assert rows_gemv.check([(64, 64)], mx.float32) == "not a CUDA device"
+    monkeypatch.delenv("MLXNB_ROWS_GEMV", raising=False)
+    assert rows_gemv.install(model).startswith("MLX's matmul (MLXNB_ROWS_GEMV=1 tries")
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
     assert rows_gemv.install(model) == "MLX's matmul (not a CUDA device)"
     assert not any(type(m) is rows_gemv.RowsLinear for _, m in model.named_modules())
 
@@ -52,6 +55,7 @@ def stand_in(monkeypatch):
             calls.checking = False
 
     calls.device(True)
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
     monkeypatch.setattr(rows_gemv, "matmul", matmul)
     monkeypatch.setattr(rows_gemv, "check", checked)
     monkeypatch.setitem(rows_gemv._STATE, "on", False)
@@ -169,3 +173,9 @@ using Shape = cuda::std::array<int32_t, 8>;
     r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
                         str(tmp_path / "k.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_its_compile_ahead_piece_runs_where_there_is_no_kernel_api():
+    from mlxnb.core.worker import kernels_ahead
+
+    kernels_ahead._compile("gemv", "float32")  # the CPU: nothing to compile, no error

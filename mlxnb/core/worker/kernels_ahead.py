@@ -5,8 +5,8 @@ mostly NVRTC compiling a handful of kernels one after another, 4-10 s each on an
 H200 host: the embedding lookup and the caches' row filters (a gather per data and
 index type), the row filter of the token vector, the roll of right-padded prefill
 caches (mlx-lm's `dynamic_roll`), the fused SwiGLU of the MLP
-(bench/results/cold-start-h200.md), and rows_gemv.py's few-row linears (12
-kernels, 1-2 s each, that its load check runs). None of their names depends on the model's
+(bench/results/cold-start-h200.md), and, where it is turned on, rows_gemv.py's
+few-row linears (12 kernels that its load check runs). None of their names depends on the model's
 sizes, only on its dtype, so tiny inputs of that dtype compile the same kernels.
 
 `start` runs one process per piece (each importing mlx alone: about a second) into
@@ -19,6 +19,7 @@ engine compiles whatever it does not find.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
 from .compilers import move_kernels, spawn, wanted
 
-PIECES = ("gather", "rows", "roll", "swiglu", "gemv")
+PIECES = ("gather", "rows", "roll", "swiglu")
 _DONE = "mlxnb-model-kernels-{dtype}.done"
 
 
@@ -62,7 +63,8 @@ class ModelKernels:
             return False
         if (ptx_dir() / _DONE.format(dtype=self.dtype)).exists():
             return False
-        self.private, self.procs = spawn(__name__, PIECES, self.dtype, "model")
+        pieces = PIECES + (("gemv",) if os.environ.get("MLXNB_ROWS_GEMV") == "1" else ())
+        self.private, self.procs = spawn(__name__, pieces, self.dtype, "model")
         if not self.procs:
             return False
         self.started_at = time.perf_counter()

@@ -15,6 +15,13 @@ rows, or as one position of a verification: `check` asserts that on this device
 before any layer uses the kernel, and `install` leaves the model untouched where it
 does not hold (or where there is no CUDA kernel API: the CPU, Metal).
 
+The engine installs it only where MLXNB_ROWS_GEMV=1: on an H200 it passes the load
+check bit for bit and a chain of 2-8-row products runs in 8-14 us against cuBLAS's
+25 us, but the model's forward of 5 and 8 positions measured slower with it than
+without (13.4 ms against 9.1 ms): each custom kernel call costs the host about 5 us
+more to build than a matmul (bench/results/verify-cost-2026-12-03-h200.md), and a
+forward has 210 of them. `python -m bench verify-cost` measures both.
+
 Only layers that MLX itself would run as a GEMV for one row take it: plain
 `nn.Linear` without a bias (a bias goes through cuBLAS's epilogue), float weights,
 2 <= rows <= MAX_ROWS, and rows * out * in <= MAX_WORK: each warp reads every row
@@ -25,6 +32,7 @@ cuBLAS, but 34 us for 8 rows of Llama-1B's [2048 <-> 8192] against 20 us).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -182,10 +190,16 @@ def _plain_linears(model):
             yield path, m
 
 
-def install(model) -> str:
+def install(model, enabled: Optional[bool] = None) -> str:
     """Turn the model's plain bias-free linears into RowsLinear (in place: the class
     of each module object changes, its weights stay) once `check` passes on their
-    shapes; returns what runs ("kernel, N layers" or "MLX's matmul (why)")."""
+    shapes, if `enabled` (default: MLXNB_ROWS_GEMV=1 in the environment); returns
+    what runs ("kernel, N layers" or "MLX's matmul (why)")."""
+    if enabled is None:
+        enabled = os.environ.get("MLXNB_ROWS_GEMV") == "1"
+    if not enabled:
+        _STATE.update(on=False, why="off")
+        return "MLX's matmul (MLXNB_ROWS_GEMV=1 tries the rows GEMV kernel)"
     layers = list(_plain_linears(model))
     if not layers:
         _STATE.update(on=False, why="no plain linear layers")
