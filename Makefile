@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.mlxnb-installed
 TEST_STAMP := $(VENV)/.mlxnb-test-installed
 UNIT := not integration and not e2e and not browser
+# pytest workers (pytest-xdist): the suite waits on kernels, servers and a browser
+# as much as it computes, so two workers take about 60% of the time on 2 cores
+JOBS ?= 2
 
 .PHONY: demo test test-fast system-deps browser-deps clean
 
@@ -44,15 +47,15 @@ demo: system-deps $(STAMP)
 
 test: system-deps browser-deps $(TEST_STAMP)
 	cd js && node --test test/
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(JOBS)
 	$(BIN)/python -m pytest -q --nbval-lax notebooks/
 	$(BIN)/python -m bench decode --quick > /dev/null && $(BIN)/python -m bench mixed --quick > /dev/null
 	$(BIN)/python -m bench speculate --quick > /dev/null
 
 # The unit tier: the tiny random-weight model, no kernels, subprocesses, servers or
-# bundled model (about three minutes on 2 cores).
+# bundled model (about four minutes on 2 cores).
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "$(UNIT)"
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "$(UNIT)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
