@@ -816,3 +816,33 @@ def test_a_verification_that_waited_for_the_step_in_flight_is_costed_without_it(
     assert abs(sp.times.verify[1][6] - 0.150) < 1e-9  # nothing in flight: all its own
     sp.observe(1, 0.120, (4, 3, 4, 7), drained=True, pipelined=True)
     assert abs(sp.times.verify[1][7] - 0.060) < 1e-9  # at least half stays its own
+
+
+def test_verifications_that_lose_are_held_off_within_one_shrinking_wave():
+    """The first rule (speculating steps against plain ones) by group too. 2-core CPU
+    timings of the bundled model on copy prompts at B=8: a plain step 115 ms + 13.7
+    ms a row, a verification 2.03x that giving 1.8 tokens a row, the plain steps
+    between at 0.88x. In a wave of 8 rows whose size shrinks every few steps no size
+    gathers MIN_SPEC verifications, the group does: the guard holds speculation off
+    at the first verification after its baseline probe, not a window later."""
+    from mlxnb.core.worker.specpolicy import StepTimes
+
+    t = StepTimes()
+    t.skip_first = False
+    steps, first_hold = 0, None
+    for B in (8, 8, 8, 8, 7, 7, 7, 6, 6, 6, 5, 5, 5, 5):
+        plain = 0.115 + 0.0137 * B
+        for i in range(3):
+            steps += 1
+            if not t.allowed(B):
+                t.observe_regime(B, plain, B, held=True)
+            elif i:
+                t.observe_plain(B, plain * 0.88)
+                t.observe_regime(B, plain * 0.88, B, held=False)
+            else:
+                t.observe_spec(B, 5, plain * 2.03, round(1.8 * B))
+                t.observe_regime(B, plain * 2.03, round(1.8 * B), held=False)
+            if t.holds and first_hold is None:
+                first_hold = steps
+    # 16 steps judged, an 8-step probe, then the next verification (step 27)
+    assert first_hold is not None and first_hold <= 28

@@ -133,9 +133,9 @@ class StepTimes:
     no verification measured is taken to verify at a plain step's cost, so the
     first verification is tried and then measured.
 
-    The guard, per batch size, judges two ways, and either turns speculation off
-    for a hold that doubles each time (from HOLD to MAX_HOLD steps), then tries it
-    again:
+    The guard, per group of batch sizes (`group`), judges two ways, and either
+    turns speculation off for a hold that doubles each time (from HOLD to MAX_HOLD
+    steps), then tries it again:
     * its speculating steps (verifications, and plain steps that waited for the
       step in flight to draft and found nothing) against the plain steps' average,
       below `FLOOR` of it;
@@ -165,7 +165,8 @@ class StepTimes:
     def __init__(self):
         self.plain: Dict[int, float] = {}  # B -> seconds
         self.verify: Dict[int, Dict[int, float]] = {}  # B -> {W: seconds}
-        self._spec: Dict[int, list] = {}  # B -> [tokens/s average, steps]
+        # group(B) -> [speculating steps' tokens per row per plain step, steps]
+        self._spec: Dict[int, list] = {}
         self._held: Dict[int, int] = {}  # group(B) -> steps left off
         self._hold: Dict[int, int] = {}  # group(B) -> the next hold
         self.holds = 0  # times the guard turned speculation off (tests, status)
@@ -263,11 +264,14 @@ class StepTimes:
         p[0] += 1
         if p[2] > 0 and p[1] == way:
             p[2] -= 1
-        s = self._spec.setdefault(B, [None, 0])
-        s[0], s[1] = self._avg(s[0], tokens / seconds), s[1] + 1
-        plain = self.plain.get(B)
-        if s[1] >= self.MIN_SPEC and plain and s[0] < self.FLOOR * B / plain:
-            self._hold_off(B)
+        # judged by group, in tokens per row per plain step's time at the step's own
+        # size (plain decoding: 1), as observe_regime judges every step
+        ref = self.plain.get(B) or self.plain.get(self.nearest(B) or 0)
+        if ref:
+            s = self._spec.setdefault(self.group(B), [None, 0])
+            s[0], s[1] = self._avg(s[0], (tokens / B) / (seconds / ref)), s[1] + 1
+            if s[1] >= self.MIN_SPEC and s[0] < self.FLOOR:
+                self._hold_off(B)
         return True
 
     @staticmethod
@@ -285,8 +289,9 @@ class StepTimes:
             steps = self._hold.get(g, self.HOLD)
             self._hold[g] = min(2 * steps, self.MAX_HOLD)
             self.holds += 1
+            self._spec[g] = [None, 0]  # judged afresh when tried again (a probe
+            # only measures the baseline: what was judged so far stands)
         self._held[g] = steps
-        self._spec[B] = [None, 0]  # judged afresh when tried again
         self._on.pop(g, None)
 
     def observe_regime(self, B: int, seconds: float, tokens: int, held: bool) -> None:
