@@ -79,7 +79,7 @@ def forward_widths(model, widths, prompt, calls, skip):
     from mlxnb.core.worker import rows_gemv
 
     rows = _forward_widths(model, widths, prompt, calls, skip, "MLX")
-    note = rows_gemv.install(model, enabled=True)
+    note = rows_gemv.install(model, on=True)
     for r in rows:
         r["linears"] = note
     if note.startswith("kernel"):

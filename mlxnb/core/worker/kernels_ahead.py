@@ -6,8 +6,9 @@ H200 host: the embedding lookup and the caches' row filters (a gather per data a
 index type), the row filter of the token vector, the roll of right-padded prefill
 caches (mlx-lm's `dynamic_roll`), the fused SwiGLU of the MLP
 (bench/results/cold-start-h200.md), and, where it is turned on, rows_gemv.py's
-few-row linears (12 kernels that its load check runs). None of their names depends on the model's
-sizes, only on its dtype, so tiny inputs of that dtype compile the same kernels.
+few-row linears (12 kernels that its load check runs). None of their names depends
+on the model's sizes, only on its dtype, so tiny inputs of that dtype compile the
+same kernels.
 
 `start` runs one process per piece (each importing mlx alone: about a second) into
 a private folder; `wait` moves what they wrote into MLX's folder, where the engine's
@@ -19,7 +20,6 @@ engine compiles whatever it does not find.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
+from . import rows_gemv
 from .compilers import move_kernels, spawn, wanted
 
 PIECES = ("gather", "rows", "roll", "swiglu")
@@ -63,7 +64,7 @@ class ModelKernels:
             return False
         if (ptx_dir() / _DONE.format(dtype=self.dtype)).exists():
             return False
-        pieces = PIECES + (("gemv",) if os.environ.get("MLXNB_ROWS_GEMV") == "1" else ())
+        pieces = PIECES + (("gemv",) if rows_gemv.enabled() else ())
         self.private, self.procs = spawn(__name__, pieces, self.dtype, "model")
         if not self.procs:
             return False
@@ -142,9 +143,7 @@ def _compile(piece: str, dtype: str) -> None:
         out = [mx.take_along_axis(x, (mx.arange(8)[:, None] - shifts[..., None, None]) % 8,
                                   axis=2)]
     elif piece == "gemv":  # rows_gemv.py's kernels (their load check runs them all)
-        from .rows_gemv import compile_ahead
-
-        return compile_ahead(dt)
+        return rows_gemv.compile_ahead(dt)
     else:  # swiglu over the two halves of a fused gate/up product (fuse.py)
         swiglu = _activations().swiglu
         out = []

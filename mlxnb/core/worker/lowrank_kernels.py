@@ -83,8 +83,8 @@ _METAL = r"""
 
 _NAMES = ["y2", "bmat", "tab", "bounds", "slot", "scale"]
 _KERNELS: Dict[str, object] = {}
-_CHECKED: Dict[tuple, Optional[str]] = {}
-_LAUNCHERS: Dict[str, Callable] = {}  # (backend, dtype) -> None or why not
+_CHECKED: Dict[tuple, Optional[str]] = {}  # (backend, dtype) -> None or why not
+_LAUNCHERS: Dict[str, Callable] = {}  # backend -> its one launcher
 
 
 def backend() -> Optional[str]:

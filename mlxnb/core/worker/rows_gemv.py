@@ -25,9 +25,9 @@ forward has 210 of them. `python -m bench verify-cost` measures both.
 Only layers that MLX itself would run as a GEMV for one row take it: plain
 `nn.Linear` without a bias (a bias goes through cuBLAS's epilogue), float weights,
 2 <= rows <= MAX_ROWS, and rows * out * in <= MAX_WORK: each warp reads every row
-of x, so the kernel's time grows by about 0.13 ns per row x out x in (measured on an
-H200: 5.5-10 us for 2-16 rows of SmolLM2's [576 <-> 1536] products against 15 us by
-cuBLAS, but 34 us for 8 rows of Llama-1B's [2048 <-> 8192] against 20 us).
+of x, so the kernel's time grows with rows x out x in (on an H200: 8-14 us for 2-8
+rows of SmolLM2's [576 <-> 1536] products against cuBLAS's 25 us, but 27 us for 3
+rows of Llama-1B's [2048 <-> 8192] against 28 us, and 58 us for 8 against 28).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["MAX_ROWS", "MAX_WORK", "install", "check", "matmul", "RowsLinear"]
+__all__ = ["MAX_ROWS", "MAX_WORK", "enabled", "install", "check", "matmul", "RowsLinear"]
 
 MAX_ROWS = 16  # above this cuBLAS's tiles pay for themselves (bench verify-cost)
 BUCKETS = (2, 4, 8, MAX_ROWS)  # the kernels' row capacities (MAXM)
@@ -91,7 +91,12 @@ _BODY = r"""
 """
 
 _KERNEL = []
-_STATE = {"on": False, "why": "not checked"}
+_STATE = {"on": False}  # install's verdict for the RowsLinear layers
+
+
+def enabled() -> bool:
+    """Whether the engine tries the kernel (MLXNB_ROWS_GEMV=1)."""
+    return os.environ.get("MLXNB_ROWS_GEMV") == "1"
 
 
 def _kernel():
@@ -115,8 +120,8 @@ def matmul(x: mx.array, w: mx.array) -> mx.array:
     N = w.shape[0]
     return _kernel()(
         inputs=[x, w],
-        template=[("T", x.dtype), ("NPT", _npt(K)), ("MAXM", next(b for b in BUCKETS if M <= b)),
-                  ("WARPS", WARPS)],
+        template=[("T", x.dtype), ("NPT", _npt(K)),
+                  ("MAXM", next(b for b in BUCKETS if M <= b)), ("WARPS", WARPS)],
         grid=(32 * ((N + WARPS - 1) // WARPS), WARPS, 1), threadgroup=(32, WARPS, 1),
         output_shapes=[(M, N)], output_dtypes=[x.dtype])[0]
 
@@ -126,12 +131,11 @@ class RowsLinear(nn.Linear):
     is on (`install`); the same weights, the same parameters."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        K = x.shape[-1]
-        rows = x.size // K if K else 0
-        w = self.weight
-        if (_STATE["on"] and 2 <= rows <= MAX_ROWS and rows * w.size <= MAX_WORK
-                and "bias" not in self and x.dtype == w.dtype):
-            return matmul(x.reshape(rows, K), w).reshape(*x.shape[:-1], w.shape[0])
+        if _STATE["on"] and "bias" not in self:
+            K, w = x.shape[-1], self.weight
+            rows = x.size // K if K else 0
+            if 2 <= rows <= MAX_ROWS and rows * w.size <= MAX_WORK and x.dtype == w.dtype:
+                return matmul(x.reshape(rows, K), w).reshape(*x.shape[:-1], w.shape[0])
         return super().__call__(x)
 
 
@@ -148,7 +152,8 @@ def _backend_ok() -> Optional[str]:
 
 def check(shapes, dtype) -> Optional[str]:
     """None if, for every (N, K) in `shapes`, the kernel's rows equal MLX's own
-    one-row products bit for bit (1, 3 and MAX_ROWS rows), else why not (one line)."""
+    one-row products bit for bit (row counts in every capacity), else why not (one
+    line)."""
     why = _backend_ok()
     if why:
         return why
@@ -190,27 +195,23 @@ def _plain_linears(model):
             yield path, m
 
 
-def install(model, enabled: Optional[bool] = None) -> str:
+def install(model, on: Optional[bool] = None) -> str:
     """Turn the model's plain bias-free linears into RowsLinear (in place: the class
     of each module object changes, its weights stay) once `check` passes on their
-    shapes, if `enabled` (default: MLXNB_ROWS_GEMV=1 in the environment); returns
+    shapes, if `on` (default: `enabled()`); returns
     what runs ("kernel, N layers" or "MLX's matmul (why)")."""
-    if enabled is None:
-        enabled = os.environ.get("MLXNB_ROWS_GEMV") == "1"
-    if not enabled:
-        _STATE.update(on=False, why="off")
+    _STATE["on"] = False
+    if not (enabled() if on is None else on):
         return "MLX's matmul (MLXNB_ROWS_GEMV=1 tries the rows GEMV kernel)"
     layers = list(_plain_linears(model))
     if not layers:
-        _STATE.update(on=False, why="no plain linear layers")
         return "MLX's matmul (no plain linear layers)"
     dtypes = {m.weight.dtype for _, m in layers}
     shapes = sorted({tuple(m.weight.shape) for _, m in layers})
     why = next((w for w in (check(shapes, d) for d in dtypes) if w), None)
     if why:
-        _STATE.update(on=False, why=why)
         return f"MLX's matmul ({why})"
     for _, m in layers:
         m.__class__ = RowsLinear
-    _STATE.update(on=True, why="")
+    _STATE["on"] = True
     return f"kernel, {len(layers)} layers"

@@ -266,13 +266,17 @@ class StepTimes:
             p[2] -= 1
         # judged by group, in tokens per row per plain step's time at the step's own
         # size (plain decoding: 1), as observe_regime judges every step
-        ref = self.plain.get(B) or self.plain.get(self.nearest(B) or 0)
+        ref = self._plain_ref(B)
         if ref:
             s = self._spec.setdefault(self.group(B), [None, 0])
             s[0], s[1] = self._avg(s[0], (tokens / B) / (seconds / ref)), s[1] + 1
             if s[1] >= self.MIN_SPEC and s[0] < self.FLOOR:
                 self._hold_off(B)
         return True
+
+    def _plain_ref(self, B: int) -> Optional[float]:
+        """A plain step's seconds at B, else at the nearest measured size (None)."""
+        return self.plain.get(B) or self.plain.get(self.nearest(B) or 0)
 
     @staticmethod
     def group(B: int) -> int:
@@ -300,7 +304,7 @@ class StepTimes:
         docstring's second rule."""
         # each step's time in plain steps of its own size, so the sizes of a group
         # compare where a step's cost grows with B (a CPU) as where it does not
-        ref = self.plain.get(B) or self.plain.get(self.nearest(B) or 0)
+        ref = self._plain_ref(B)
         if not ref:
             return
         g, per_row, seconds = self.group(B), tokens / B, seconds / ref
