@@ -152,12 +152,15 @@ __global__ void k{i}(const {T}* x, const __grid_constant__ Shape x_shape, const 
                      const __grid_constant__ Shape w_shape, {T}* out) {{
   using T = {T};
   constexpr int NPT = {npt};
+  constexpr int K = {K};
+  constexpr int N = {N};
   constexpr int MAXM = {m};
   constexpr int WARPS = {rows_gemv.WARPS};
 {rows_gemv._BODY}
 }}"""
-        for i, (T, npt, m) in enumerate(
-            (T, npt, m) for T in ("__nv_bfloat16", "float") for npt in (1, 4)
+        for i, (T, npt, m, K, N) in enumerate(
+            (T, npt, m, K, N) for T in ("__nv_bfloat16", "float")
+            for npt, K, N in ((1, 72, 40), (4, 2048, 8192))
             for m in (rows_gemv.BUCKETS[0], rows_gemv.BUCKETS[-1])))
     src = tmp_path / "k.cu"
     src.write_text(f"""
@@ -175,7 +178,30 @@ using Shape = cuda::std::array<int32_t, 8>;
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_its_compile_ahead_piece_runs_where_there_is_no_kernel_api():
+def test_its_compile_ahead_pieces_run_where_there_is_no_kernel_api(monkeypatch):
     from mlxnb.core.worker import kernels_ahead
 
-    kernels_ahead._compile("gemv", "float32")  # the CPU: nothing to compile, no error
+    model, _ = tiny_model(seed=1)
+    monkeypatch.delenv("MLXNB_ROWS_GEMV", raising=False)
+    assert kernels_ahead.gemv_pieces(model) == []
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
+    pieces = kernels_ahead.gemv_pieces(model)
+    assert pieces and all(p.startswith("gemv-") for p in pieces)
+    for piece in pieces:
+        kernels_ahead._compile(piece, "float32")  # the CPU: nothing to compile, no error
+
+
+@pytest.mark.parametrize("N,K", [(576, 1536), (3584, 1024), (2048, 8192), (49152, 576)])
+def test_every_row_count_routed_to_the_kernel_has_a_compiled_and_checked_capacity(N, K):
+    # the layer routes M rows when 2 <= M <= MAX_ROWS and M*N*K <= MAX_WORK; each such
+    # M must land in a capacity that compile_ahead builds and check covers at both ends
+    routed = [M for M in range(2, rows_gemv.MAX_ROWS + 1) if M * N * K <= rows_gemv.MAX_WORK]
+    caps = rows_gemv.buckets(N, K)
+    checked = rows_gemv._check_rows(N, K)
+    assert sorted({next(b for b in rows_gemv.BUCKETS if M <= b) for M in routed}) == caps
+    for b in caps:
+        inside = [M for M in routed if M <= b and M > max([c for c in caps if c < b], default=1)]
+        assert min(inside) in checked and max(inside) in checked
+    assert all(M in routed for M in checked)
+    assert (bool(routed) == bool(caps)
+            == ((N, K) in {(N2, K2) for N2, K2 in [(576, 1536), (3584, 1024), (2048, 8192)]}))

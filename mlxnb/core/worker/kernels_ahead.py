@@ -5,10 +5,10 @@ mostly NVRTC compiling a handful of kernels one after another, 4-10 s each on an
 H200 host: the embedding lookup and the caches' row filters (a gather per data and
 index type), the row filter of the token vector, the roll of right-padded prefill
 caches (mlx-lm's `dynamic_roll`), the fused SwiGLU of the MLP
-(bench/results/cold-start-h200.md), and, where it is turned on, rows_gemv.py's
-few-row linears (12 kernels that its load check runs). None of their names depends
-on the model's sizes, only on its dtype, so tiny inputs of that dtype compile the
-same kernels.
+(bench/results/cold-start-h200.md). None of their names depends on the model's sizes,
+only on its dtype, so tiny inputs of that dtype compile the same kernels. Where it is
+turned on, rows_gemv.py's few-row linears add a piece per weight shape (up to 4
+kernels each, sizes built in), run at the model's own shapes.
 
 `start` runs one process per piece (each importing mlx alone: about a second) into
 a private folder; `wait` moves what they wrote into MLX's folder, where the engine's
@@ -35,7 +35,7 @@ from . import rows_gemv
 from .compilers import move_kernels, spawn, wanted
 
 PIECES = ("gather", "rows", "roll", "swiglu")
-_DONE = "mlxnb-model-kernels-{dtype}.done"
+_DONE = "mlxnb-model-kernels-{dtype}-{piece}.done"
 
 
 def model_dtype(model) -> Optional[str]:
@@ -48,26 +48,41 @@ def model_dtype(model) -> Optional[str]:
     return None
 
 
-class ModelKernels:
-    """Compiles the pieces above for one dtype; `wait` before the model's first use."""
+def gemv_pieces(model) -> List[str]:
+    """rows_gemv.py's pieces for the model ("gemv-NxK" per weight shape) where the
+    engine will try its kernel, else none."""
+    if not rows_gemv.enabled():
+        return []
+    return [f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(model)]
 
-    def __init__(self, dtype: Optional[str]):
+
+class ModelKernels:
+    """Compiles the pieces above for one dtype, and `extra` ones (`gemv_pieces`);
+    `wait` before the model's first use."""
+
+    def __init__(self, dtype: Optional[str], extra=()):
         self.dtype = dtype
+        self.wanted = list(PIECES) + list(extra)
+        self.pieces: List[str] = []
         self.procs: List[subprocess.Popen] = []
         self.private: Optional[Path] = None
         self.started_at = 0.0
 
+    def _done(self, piece: str) -> Path:
+        return ptx_dir() / _DONE.format(dtype=self.dtype, piece=piece)
+
     def start(self) -> bool:
-        """Start the compilers unless this backend keeps no kernels or they ran
-        before for this dtype; True if started."""
+        """Start the compilers of the pieces not compiled before for this dtype,
+        unless this backend keeps no kernels; True if any started."""
         if self.dtype is None or not wanted():
             return False
-        if (ptx_dir() / _DONE.format(dtype=self.dtype)).exists():
+        pieces = [p for p in self.wanted if not self._done(p).exists()]
+        if not pieces:
             return False
-        pieces = PIECES + (("gemv",) if rows_gemv.enabled() else ())
         self.private, self.procs = spawn(__name__, pieces, self.dtype, "model")
         if not self.procs:
             return False
+        self.pieces = pieces
         self.started_at = time.perf_counter()
         return True
 
@@ -77,22 +92,23 @@ class ModelKernels:
         if not self.procs:
             return 0.0
         t0 = time.perf_counter()
-        failed = 0
-        for p in self.procs:
+        done = []
+        for piece, p in zip(self.pieces, self.procs):
             try:
                 p.wait(max(0.0, timeout - (time.perf_counter() - t0)))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-            if p.returncode != 0:
-                failed += 1
+            if p.returncode == 0:
+                done.append(piece)
+            else:
                 err = (p.stderr.read() or b"").decode(errors="replace").strip().splitlines()
-                log.info("model-kernel compiler exited %s: %s", p.returncode,
+                log.info("model-kernel compiler %s exited %s: %s", piece, p.returncode,
                          err[-1] if err else "")
         try:
             moved = move_kernels(self.private, ptx_dir())
-            if not failed:
-                (ptx_dir() / _DONE.format(dtype=self.dtype)).touch()
+            for piece in done:
+                self._done(piece).touch()
             log.info("model kernels compiled in %.1f s (%d files)",
                      time.perf_counter() - self.started_at, moved)
         except OSError:
@@ -106,7 +122,7 @@ class ModelKernels:
                 p.kill()
                 p.wait()
             p.stderr.close()
-        self.procs = []
+        self.procs, self.pieces = [], []
         if self.private is not None:
             shutil.rmtree(self.private, ignore_errors=True)
             self.private = None
@@ -142,8 +158,9 @@ def _compile(piece: str, dtype: str) -> None:
         x, shifts = mx.zeros((2, 2, 8, 4), dt), mx.array([0, 3])[:, None]
         out = [mx.take_along_axis(x, (mx.arange(8)[:, None] - shifts[..., None, None]) % 8,
                                   axis=2)]
-    elif piece == "gemv":  # rows_gemv.py's kernels (their load check runs them all)
-        return rows_gemv.compile_ahead(dt)
+    elif piece.startswith("gemv-"):  # rows_gemv.py's kernels for one weight shape
+        N, K = map(int, piece[len("gemv-"):].split("x"))
+        return rows_gemv.compile_ahead(dt, N, K)
     else:  # swiglu over the two halves of a fused gate/up product (fuse.py)
         swiglu = _activations().swiglu
         out = []

@@ -15,12 +15,16 @@ rows, or as one position of a verification: `check` asserts that on this device
 before any layer uses the kernel, and `install` leaves the model untouched where it
 does not hold (or where there is no CUDA kernel API: the CPU, Metal).
 
-The engine installs it only where MLXNB_ROWS_GEMV=1: on an H200 it passes the load
-check bit for bit and a chain of 2-8-row products runs in 8-14 us against cuBLAS's
-25 us, but the model's forward of 5 and 8 positions measured slower with it than
-without (13.4 ms against 9.1 ms): each custom kernel call costs the host about 5 us
-more to build than a matmul (bench/results/verify-cost-2026-12-03-h200.md), and a
-forward has 210 of them. `python -m bench verify-cost` measures both.
+The kernel's in and out sizes are template constants (its loops unroll; one kernel
+per layer shape and row capacity, 2, 4, 8 or 16 rows, a batch's row count read at
+run time): NVRTC takes 1-2 s a kernel, so kernels_ahead.py compiles a model's 4-5
+shapes' kernels in parallel processes before the load check runs, once per machine.
+The engine installs it only where MLXNB_ROWS_GEMV=1: on an H200, kernels with
+constant sizes ran a chain of 2-8-row products in 5.5-8 us against cuBLAS's 22-25 us,
+and the default model's forward of 2-8 positions in 1.25-1.32x a one-position step
+against 2.2-2.4x (bench/results/verify-cost-2026-12-03-h200.md); kernels with sizes
+read at run time were no faster than cuBLAS inside the forward.
+`python -m bench verify-cost` measures both.
 
 Only layers that MLX itself would run as a GEMV for one row take it: plain
 `nn.Linear` without a bias (a bias goes through cuBLAS's epilogue), float weights,
@@ -53,14 +57,13 @@ template <typename T, int N> struct alignas(sizeof(T) * N) MlxnbVec { T v[N]; };
 
 # x [M, K], w [N, K] -> out [M, N]; lane l of the warp for output n sums columns
 # NPT*l .. NPT*l+NPT-1, then + 32*NPT, ... (MLX's gemv_impl), float accumulators.
-# K, N and M <= MAXM are read at run time, so one kernel per dtype, NPT and MAXM
-# (BUCKETS) serves every shape and row count: NVRTC takes 1-2 s a kernel, and a
-# batch's row count changes step by step. Rows past M repeat row M - 1 (no branch in
-# the loop) and are not written.
+# K and N are template constants (the column loop unrolls); M <= MAXM is read at run
+# time, since a batch's row count changes step by step. Rows past M repeat row M - 1
+# (no branch in the loop) and are not written.
 _BODY = r"""
     auto block = cg::this_thread_block();
     auto warp = cg::tiled_partition<32>(block);
-    const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
+    const int M = x_shape[0];
     const int n = blockIdx.x * WARPS + threadIdx.y;
     if (n >= N) return;
     const T* xr[MAXM];
@@ -70,6 +73,7 @@ _BODY = r"""
 #pragma unroll
     for (int m = 0; m < MAXM; ++m) sum[m] = 0.f;
     const T* wr = w + static_cast<int64_t>(n) * K;
+#pragma unroll
     for (int col = NPT * warp.thread_rank(); col < K; col += 32 * NPT) {
         const auto wv = *reinterpret_cast<const MlxnbVec<T, NPT>*>(wr + col);
 #pragma unroll
@@ -113,6 +117,17 @@ def _npt(K: int) -> int:
     return 4 if K % 128 == 0 else 2 if K % 64 == 0 else 1
 
 
+def buckets(N: int, K: int):
+    """The row capacities an [N, K] weight's products can take: those holding a row
+    count within MAX_WORK."""
+    out, low = [], 1
+    for b in BUCKETS:
+        if (low + 1) * N * K <= MAX_WORK:
+            out.append(b)
+        low = b
+    return out
+
+
 def matmul(x: mx.array, w: mx.array) -> mx.array:
     """x [M <= MAX_ROWS, K] @ w[N, K].T -> [M, N] in x's dtype, by the kernel (CUDA
     only)."""
@@ -120,7 +135,7 @@ def matmul(x: mx.array, w: mx.array) -> mx.array:
     N = w.shape[0]
     return _kernel()(
         inputs=[x, w],
-        template=[("T", x.dtype), ("NPT", _npt(K)),
+        template=[("T", x.dtype), ("NPT", _npt(K)), ("K", K), ("N", N),
                   ("MAXM", next(b for b in BUCKETS if M <= b)), ("WARPS", WARPS)],
         grid=(32 * ((N + WARPS - 1) // WARPS), WARPS, 1), threadgroup=(32, WARPS, 1),
         output_shapes=[(M, N)], output_dtypes=[x.dtype])[0]
@@ -150,6 +165,16 @@ def _backend_ok() -> Optional[str]:
     return None
 
 
+def _check_rows(N: int, K: int):
+    """The fewest and most rows the kernel takes in each capacity `buckets(N, K)`
+    holds."""
+    top, low, out = min(MAX_ROWS, MAX_WORK // (N * K)), 2, set()
+    for b in buckets(N, K):
+        out |= {low, min(b, top)}
+        low = b + 1
+    return sorted(out)
+
+
 def check(shapes, dtype) -> Optional[str]:
     """None if, for every (N, K) in `shapes`, the kernel's rows equal MLX's own
     one-row products bit for bit (row counts in every capacity), else why not (one
@@ -162,7 +187,7 @@ def check(shapes, dtype) -> Optional[str]:
         for N, K in shapes:
             k1, k2, key = mx.random.split(key, 3)
             w = (mx.random.normal((N, K), key=k1) / K ** 0.5).astype(dtype)
-            for M in (1, 2, 3, 5, MAX_ROWS):  # every bucket
+            for M in _check_rows(N, K):
                 x = mx.random.normal((M, K), key=k2).astype(dtype)
                 got = matmul(x, w)
                 want = mx.concatenate([x[i:i + 1] @ w.T for i in range(M)])
@@ -175,17 +200,20 @@ def check(shapes, dtype) -> Optional[str]:
     return None
 
 
-def compile_ahead(dtype) -> None:
-    """Run every kernel this module can use for `dtype` once (kernels_ahead.py's
-    compilers: MLX keeps them on disk for the engine's check to find); nothing where
+def compile_ahead(dtype, N: int, K: int) -> None:
+    """Run every kernel an [N, K] weight of `dtype` can use once (a kernels_ahead.py
+    compiler: MLX keeps them on disk for the engine's check to find); nothing where
     there is no CUDA kernel API."""
     if _backend_ok():
         return
-    out = []
-    for K in (128, 64, 32):  # NPT 4, 2, 1
-        w = mx.zeros((8, K), dtype)
-        out += [matmul(mx.zeros((b, K), dtype), w) for b in BUCKETS]
-    mx.eval(out)
+    w = mx.zeros((N, K), dtype)
+    mx.eval([matmul(mx.zeros((b, K), dtype), w) for b in buckets(N, K)])
+
+
+def shapes(model):
+    """The [N, K] weight shapes of the model's linears that can take the kernel."""
+    return sorted({tuple(m.weight.shape) for _, m in _plain_linears(model)
+                   if buckets(*m.weight.shape)})
 
 
 def _plain_linears(model):
@@ -204,11 +232,10 @@ def install(model, on: Optional[bool] = None) -> str:
     if not (enabled() if on is None else on):
         return "MLX's matmul (MLXNB_ROWS_GEMV=1 tries the rows GEMV kernel)"
     layers = list(_plain_linears(model))
-    if not layers:
-        return "MLX's matmul (no plain linear layers)"
+    if not shapes(model):
+        return "MLX's matmul (no plain linear layer small enough)"
     dtypes = {m.weight.dtype for _, m in layers}
-    shapes = sorted({tuple(m.weight.shape) for _, m in layers})
-    why = next((w for w in (check(shapes, d) for d in dtypes) if w), None)
+    why = next((w for w in (check(shapes(model), d) for d in dtypes) if w), None)
     if why:
         return f"MLX's matmul ({why})"
     for _, m in layers:
