@@ -96,6 +96,7 @@ _BODY = r"""
 
 _KERNEL = []
 _STATE = {"on": False}  # install's verdict for the RowsLinear layers
+_PRODUCTS = {}  # weight shape -> compiled `matmul` (see _product)
 
 
 def enabled() -> bool:
@@ -141,6 +142,17 @@ def matmul(x: mx.array, w: mx.array) -> mx.array:
         output_shapes=[(M, N)], output_dtypes=[x.dtype])[0]
 
 
+def _product(shape):
+    """`matmul` compiled, one function per weight shape (each traced once per row
+    count): MLX builds a custom kernel's whole source string at every call in a graph,
+    host time on the critical path of a host-bound step, where a compiled function
+    replays the primitive it traced."""
+    f = _PRODUCTS.get(shape)
+    if f is None:
+        f = _PRODUCTS[shape] = mx.compile(lambda x, w: matmul(x, w))
+    return f
+
+
 class RowsLinear(nn.Linear):
     """nn.Linear whose product for 2..MAX_ROWS rows runs as `matmul` while the kernel
     is on (`install`); the same weights, the same parameters."""
@@ -150,7 +162,8 @@ class RowsLinear(nn.Linear):
             K, w = x.shape[-1], self.weight
             rows = x.size // K if K else 0
             if 2 <= rows <= MAX_ROWS and rows * w.size <= MAX_WORK and x.dtype == w.dtype:
-                return matmul(x.reshape(rows, K), w).reshape(*x.shape[:-1], w.shape[0])
+                y = _product(w.shape)(x.reshape(rows, K), w)
+                return y.reshape(*x.shape[:-1], w.shape[0])
         return super().__call__(x)
 
 
@@ -229,6 +242,7 @@ def install(model, on: Optional[bool] = None) -> str:
     shapes, if `on` (default: `enabled()`); returns
     what runs ("kernel, N layers" or "MLX's matmul (why)")."""
     _STATE["on"] = False
+    _PRODUCTS.clear()
     if not (enabled() if on is None else on):
         return "MLX's matmul (MLXNB_ROWS_GEMV=1 tries the rows GEMV kernel)"
     layers = list(_plain_linears(model))
