@@ -766,6 +766,71 @@ def test_verification_attention_matches_the_fused_kernel(mask, monkeypatch):
     assert mx.allclose(routed.astype(mx.float32), fused, atol=0.05).item()
 
 
+def test_per_position_attention_is_a_plain_steps_attention_at_each_position(monkeypatch):
+    """A causal verification of a few positions, attended one position at a time (on a
+    GPU), gives each position the bits of the single-query call a plain step makes
+    there; padded masks, long widths and float32 keep the other paths."""
+    import mlxnb.core.worker.wideattn as wa
+
+    B, Hq, Hkv, L, S, D = 1, 6, 2, 4, 13, 64
+    mx.random.seed(2)
+    q, k, v = (mx.random.normal(s).astype(mx.bfloat16)
+               for s in ((B, Hq, L, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    got = wa.per_position_attention(q, k, v, 0.125)
+    for i in range(L):  # the plain step at position i sees S - L + i + 1 keys
+        n = S - L + i + 1
+        step = wa._fused(q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n], scale=0.125)
+        assert mx.array_equal(got[:, :, i:i + 1], step).item()
+    full = wa._fused(*(x.astype(mx.float32) for x in (q, k, v)), scale=0.125, mask="causal")
+    assert mx.allclose(got.astype(mx.float32), full, atol=0.05).item()
+
+    routes = []
+    monkeypatch.setattr(wa, "per_position_attention",
+                        lambda *a: routes.append("position") or wa._fused(*a[:3], scale=a[3],
+                                                                           mask="causal"))
+    monkeypatch.setattr(wa, "unfused_attention",
+                        lambda *a, **kw: routes.append("unfused") or a[0])
+    monkeypatch.setitem(wa._per_position, "on", True)
+    wide = mx.random.normal((B, Hq, wa.PER_POSITION + 1, D)).astype(mx.bfloat16)
+    pad = mx.ones((B, 1, L, S), mx.bool_)
+    with wa.wide_attention():
+        for args, mask in (((q, k, v), "causal"), ((wide, k, v), "causal"),
+                           ((q, k, v), pad), ((q, k, v), None)):
+            mx.fast.scaled_dot_product_attention(*args, scale=0.125, mask=mask)
+        mx.fast.scaled_dot_product_attention(
+            *(x.astype(mx.float32) for x in (q, k, v)), scale=0.125, mask="causal")
+    assert routes == ["position", "unfused", "unfused", "unfused"]
+    monkeypatch.setitem(wa._per_position, "on", None)  # the default: by device
+    assert wa._by_position() == (mx.default_device() == mx.gpu)
+
+
+def test_a_half_precision_row_verifies_position_by_position_with_the_same_tokens(arun, monkeypatch):
+    """bfloat16, one row: verifications attend position by position (forced on here,
+    as on a GPU) and the tokens equal decoding without speculation."""
+    import mlxnb.core.worker.wideattn as wa
+
+    model, tok = tiny_model(hidden=128, heads=4)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())  # here: the engine's worker thread has its own stream
+    routed = []
+    real = wa.per_position_attention
+    monkeypatch.setattr(wa, "per_position_attention",
+                        lambda *a: routed.append(a[0].shape[2]) or real(*a))
+    monkeypatch.setitem(wa._per_position, "on", True)
+
+    async def main():
+        eng = Engine((model, tok), kv_budget=None, warmup=False)
+        base = [r.tokens for r in await _run(eng, PROMPTS[:3], None, batched=False)]
+        spec = await _run(eng, PROMPTS[:3], "lookup", batched=False)
+        await eng.aclose()
+        return base, spec
+
+    base, spec = arun(main)
+    assert [r.tokens for r in spec] == base
+    assert sum(r.draft_accepted for r in spec) > 0
+    assert routed and all(2 <= w <= wa.PER_POSITION for w in routed)
+
+
 def test_a_widths_first_verification_is_not_learnt_from():
     """The first verification of a shape pays one-off setup (seconds compiling
     kernels on a GPU); learnt from, it would rule that width out for good."""
