@@ -10,13 +10,6 @@ forward is built (`wide_attention`), half-precision attention over 2 or more que
 positions is composed from plain ops instead -- two matmuls and a softmax, the same
 kernels whatever the length -- which on a small W costs little anywhere. Single
 positions and float32 (where no backend prepares per shape) keep MLX's fused kernel.
-
-On a GPU, a causal verification of up to PER_POSITION positions (a row alone: no
-padding mask) runs instead as one fused single-query attention per position, each over
-the keys that position sees: exactly the call a plain decode step makes there, so a
-position's attention has a plain step's bits, and a fused single-query kernel costs
-the host less than the composed ops' batched matmuls and softmax. On a CPU there is no
-fused kernel to gain, so the composed form (one pass for all positions) stays.
 """
 
 from __future__ import annotations
@@ -25,11 +18,9 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-__all__ = ["per_position_attention", "unfused_attention", "wide_attention"]
+__all__ = ["unfused_attention", "wide_attention"]
 
 _fused = mx.fast.scaled_dot_product_attention
-PER_POSITION = 8  # most query positions attended one by one (see above)
-_per_position = {"on": None}  # None: where the default device is a GPU
 
 
 def _bias(mask, B: int, Hkv: int, rep: int, L: int, S: int):
@@ -68,26 +59,9 @@ def unfused_attention(q, k, v, scale: float, mask=None, bias=None) -> mx.array:
 _made: dict = {}  # within one forward: (mask's id, shape) -> its bias, made once
 
 
-def per_position_attention(q, k, v, scale: float) -> mx.array:
-    """Causal attention of q [B, Hq, L, D] over k, v [B, Hkv, S, D] as L fused
-    single-query calls: position i over the first S - L + i + 1 keys."""
-    L, S = q.shape[2], k.shape[2]
-    return mx.concatenate([
-        _fused(q[:, :, i:i + 1], k[:, :, :S - L + i + 1], v[:, :, :S - L + i + 1],
-               scale=scale) for i in range(L)], axis=2)
-
-
-def _by_position() -> bool:
-    on = _per_position["on"]
-    return mx.default_device() == mx.gpu if on is None else on
-
-
 def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **kw):
     if q.shape[2] < 2 or q.dtype == mx.float32 or sinks is not None or kw:
         return _fused(q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
-    if (isinstance(mask, str) and mask == "causal" and q.shape[2] <= PER_POSITION
-            and _by_position()):
-        return per_position_attention(q, k, v, scale)
     bias = None
     if mask is not None:  # every layer gets the same mask: one bias for them all
         B, Hq, L, _ = q.shape
