@@ -19,12 +19,14 @@ The kernel's in and out sizes are template constants (its loops unroll; one kern
 per layer shape and row capacity, 2, 4, 8 or 16 rows, a batch's row count read at
 run time): NVRTC takes 1-2 s a kernel, so kernels_ahead.py compiles a model's 4-5
 shapes' kernels in parallel processes before the load check runs, once per machine.
-The engine installs it only where MLXNB_ROWS_GEMV=1: on an H200, kernels with
-constant sizes ran a chain of 2-8-row products in 5.5-8 us against cuBLAS's 22-25 us,
-and the default model's forward of 2-8 positions in 1.25-1.32x a one-position step
-against 2.2-2.4x (bench/results/verify-cost-2026-12-03-h200.md); kernels with sizes
-read at run time were no faster than cuBLAS inside the forward.
-`python -m bench verify-cost` measures both.
+The engine installs it only where MLXNB_ROWS_GEMV=1. On H200 hosts a chain of 2-8-row
+products runs in 4-10 us against cuBLAS's 14-25 us, but the default model's forward of
+2-8 positions was faster with the kernel on one host only (1.25-1.32x a one-position
+step against 2.2-2.4x); on three others it was no faster (2.4-2.9x against 2.2-2.3x),
+with its products called directly or compiled: there a multi-position forward's time
+is the host's, 4.8 ms above one position's whichever product runs
+(bench/results/verify-cost-2026-12-03-h200.md). `python -m bench verify-cost` measures
+both.
 
 Only layers that MLX itself would run as a GEMV for one row take it: plain
 `nn.Linear` without a bias (a bias goes through cuBLAS's epilogue), float weights,
