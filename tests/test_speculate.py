@@ -846,3 +846,36 @@ def test_verifications_that_lose_are_held_off_within_one_shrinking_wave():
                 first_hold = steps
     # 16 steps judged, an 8-step probe, then the next verification (step 27)
     assert first_hold is not None and first_hold <= 28
+
+
+def test_first_verifications_that_paid_no_setup_are_learnt_from():
+    """The same shrinking wave with the guard's default of not learning from a
+    shape's first verification where it paid setup: these (a CPU's, no slower than
+    their width in plain steps) did not, so they count and the guard holds as soon;
+    a first verification that pays seconds of compiling still does not count."""
+    from mlxnb.core.worker.specpolicy import StepTimes
+
+    t = StepTimes()
+    assert t.skip_first
+    t.observe_plain(8, (0.115 + 0.0137 * 8) * 0.88)  # the wave's first, plain step
+    steps, first_hold = 1, None
+    for B in (8, 8, 8, 8, 7, 7, 7, 6, 6, 6, 5, 5, 5, 5):
+        plain = 0.115 + 0.0137 * B
+        for i in range(3):
+            steps += 1
+            if not t.allowed(B):
+                t.observe_regime(B, plain, B, held=True)
+            elif i:
+                t.observe_plain(B, plain * 0.88)
+                t.observe_regime(B, plain * 0.88, B, held=False)
+            else:
+                t.observe_spec(B, 5, plain * 2.03, round(1.8 * B))
+                t.observe_regime(B, plain * 2.03, round(1.8 * B), held=False)
+            if t.holds and first_hold is None:
+                first_hold = steps
+    assert first_hold is not None and first_hold <= 30
+    cold = StepTimes()
+    cold.observe_plain(4, 0.01)
+    assert not cold.observe_spec(4, 3, 2.5, 8)  # compiling: not learnt from
+    assert cold.observe_spec(4, 3, 0.025, 8)  # the next one is
+    assert cold.observe_spec(4, 4, 0.02, 8)  # a first that paid nothing is too

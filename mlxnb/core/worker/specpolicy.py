@@ -161,6 +161,7 @@ class StepTimes:
     PROBE = 8  # steps held off to measure the baseline when none is measured
     SETTLE = 2  # a hold's first steps (the pipeline refilling) are not the baseline
     CLEAR = 1.6  # speculating steps this far above the plain average need no probe
+    SETUP = 3  # a first step slower than this many plain steps a position paid setup
 
     def __init__(self):
         self.plain: Dict[int, float] = {}  # B -> seconds
@@ -247,12 +248,18 @@ class StepTimes:
     def observe_spec(self, B: int, width: int, seconds: float, tokens: int,
                      way: str = "sync") -> bool:
         """A speculating step: `width` 1 for a plain step that drafted nothing. The
-        first of each (batch size, width, way) is not learnt from: it pays one-off
-        setup (on a GPU, compiling the kernels of that shape: seconds), which would
-        otherwise rule that width out for good. Returns whether it was learnt from."""
+        first of each (batch size, width, way) is not learnt from where it may have
+        paid one-off setup (on a GPU, compiling the kernels of that shape: seconds),
+        which would otherwise rule that width out for good: where no plain step is
+        measured near B, or it took over SETUP times `width` plain steps. (A CPU
+        compiles nothing, and a wave of rows that shrinks as rows end would
+        otherwise spend most of its verifications on firsts.) Returns whether it
+        was learnt from."""
         if self.skip_first and (B, width, way) not in self._cold:
             self._cold.add((B, width, way))
-            return False
+            ref = self._plain_ref(B)
+            if not ref or seconds > self.SETUP * width * ref:
+                return False
         if width > 1:
             v = self.verify.setdefault(B, {})
             v[width] = self._avg(v.get(width), seconds)
