@@ -36,11 +36,11 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import kv_kernels
+from . import kv_kernels, wide_kernel
 
 __all__ = ["FusedKV", "DenseKV", "decode_attention", "dense_attention", "reference",
            "kernel_supports", "dense_supports", "install", "self_check",
-           "self_check_dense", "cuda_backend"]
+           "self_check_dense", "self_check_wide", "wide_supports", "cuda_backend"]
 
 
 class FusedKV(tuple):
@@ -93,6 +93,18 @@ def dense_supports(queries_shape, keys, mask, scale: float = 1.0) -> bool:
     return (L == 1 and Hq % Hkv == 0 and S > 0 and scale > 0 and D <= 256 and D % 4 == 0
             and keys.dtype in (mx.bfloat16, mx.float16, mx.float32)
             and (mask is None or _mask_ok(mask, B, S)))
+
+
+def wide_supports(queries_shape, keys, mask, scale: float = 1.0) -> bool:
+    """A verification's causal attention that wide_kernel.py takes: 2 to
+    MAX_POSITIONS query positions, the "causal" mask (a row alone or an unpadded
+    batch; masks of padded or windowed batches keep the composed attention)."""
+    B, Hq, L, D = queries_shape
+    return (isinstance(mask, str) and mask == "causal"
+            and 2 <= L <= wide_kernel.MAX_POSITIONS and L <= keys.shape[2]
+            and Hq % keys.shape[1] == 0 and scale > 0
+            and D <= 256 and D % 4 == 0
+            and keys.dtype in (mx.bfloat16, mx.float16, mx.float32))
 
 
 def _mask_ok(mask, B, S) -> bool:
@@ -328,4 +340,33 @@ def self_check_dense(calls: List[tuple], S: int = 300, B: int = 3,
                             f"{' masked' if mask is not None else ''})")
         except Exception as e:
             return f"dense kernel failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    return None
+
+
+def self_check_wide(calls: List[tuple], S: int = 300, B: int = 2,
+                    seed: int = 2) -> Optional[str]:
+    """wide_kernel.dense_wide against the composed attention (wideattn.py) on this
+    device at each recorded shape (`recording(dense=True)`'s tuples), for 2, 5 and
+    MAX_POSITIONS positions: None if every case matches, else what went wrong."""
+    from .wideattn import unfused_attention
+
+    key = mx.random.key(seed)
+    for Hq, Hkv, D, qdt, kdt, scale in sorted(set(calls), key=str):
+        for W in (2, 5, wide_kernel.MAX_POSITIONS):
+            try:
+                k1, k2, k3, key = mx.random.split(key, 4)
+                # queries as attention gets them: [B, W, Hq, D] transposed (strided)
+                q = mx.random.normal((B, W, Hq, D), key=k1).astype(qdt).transpose(0, 2, 1, 3)
+                k = mx.random.normal((B, Hkv, S + 40, D), key=k2).astype(kdt)[..., :S, :]
+                v = mx.random.normal((B, Hkv, S + 40, D), key=k3).astype(kdt)[..., :S, :]
+                if not wide_supports(q.shape, k, "causal", scale):
+                    return f"no wide kernel for shape Hq={Hq} Hkv={Hkv} D={D} W={W}"
+                got = wide_kernel.dense_wide(q, k, v, scale).astype(mx.float32)
+                want = unfused_attention(q, k, v, scale, "causal").astype(mx.float32)
+                err = (got - want).abs().max().item()
+                if not err <= 0.02 + 0.02 * want.abs().max().item():
+                    return (f"wide kernel differs from the composed attention by {err:.3g} "
+                            f"(Hq={Hq} Hkv={Hkv} D={D} W={W})")
+            except Exception as e:
+                return f"wide kernel failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
     return None

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from . import caches, gated_delta, kv_attention, recurrent, rows_gemv
+from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wideattn
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
@@ -45,6 +45,7 @@ class BatchModel:
         # as alone; after the padding probe, whose noise floor is a batch change's
         self.linears = rows_gemv.install(model)
         self.dense_note = self._pick_dense_decode()
+        self.wide_note = self._pick_wide_attention()
         # recurrent.py: recurrent layers decode through compiled steps; the executor
         # sets `decode_gate` (no adapter selected) before any step runs
         self.decode_gate = lambda: True
@@ -66,6 +67,8 @@ class BatchModel:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
         if self.linears.startswith("kernel"):
             self.cache_kinds += ", few-row linears: GEMV kernel"
+        if self.wide_note:
+            self.cache_kinds += f", verification attention: {self.wide_note}"
         # prefix entries are slices of full-attention KV (quantized or not): windows
         # and recurrent states would need a snapshot at the prefix boundary instead
         self.prefix_reusable = PrefixStore.supports(probe)
@@ -154,6 +157,7 @@ class BatchModel:
         returns why not when it does not."""
         Lean = caches.LeanBatchKVCache
         Lean.dense_decode = False
+        self._attention_shapes: list = []  # (Hq, Hkv, D, dtypes, scale) of its layers
         if not kv_attention.cuda_backend():
             return ""
         kv_attention.install()
@@ -164,10 +168,27 @@ class BatchModel:
                 self.model(mx.zeros((1, 3), TOKEN), cache=cache)
                 mx.eval(self.model(mx.zeros((1, 1), TOKEN), cache=cache))
             why = kv_attention.self_check_dense(calls) if calls else ""
+            self._attention_shapes = calls
         except Exception as e:
             why = f"failed: {type(e).__name__}: " + " ".join(str(e).split())[:120]
         Lean.dense_decode = bool(calls) and not why
         return why
+
+    def _pick_wide_attention(self) -> str:
+        """On CUDA, with MLXNB_WIDE_ATTENTION=kernel (not yet measured faster than the
+        composed form): verifications' causal attention through wide_kernel.py if its
+        self-check at this model's shapes passes; returns what runs ("" where not
+        asked for)."""
+        wideattn.use_kernel(False)
+        if not kv_attention.cuda_backend() or os.environ.get("MLXNB_WIDE_ATTENTION") != "kernel":
+            return ""
+        if not self._attention_shapes:
+            return "composed (no full-precision attention layer)"
+        why = kv_attention.self_check_wide(self._attention_shapes)
+        if why:
+            return f"composed ({why})"
+        wideattn.use_kernel(True)
+        return "fused kernel"
 
     def recurrent_ok(self) -> bool:
         """May this forward replay compiled recurrent steps? (recurrent.py holds this

@@ -10,6 +10,9 @@ forward is built (`wide_attention`), half-precision attention over 2 or more que
 positions is composed from plain ops instead -- two matmuls and a softmax, the same
 kernels whatever the length -- which on a small W costs little anywhere. Single
 positions and float32 (where no backend prepares per shape) keep MLX's fused kernel.
+On CUDA, where the engine has turned it on (`use_kernel`, after its check on the
+device), a causal verification of up to 16 positions runs as one kernel a layer
+instead (wide_kernel.py).
 """
 
 from __future__ import annotations
@@ -18,9 +21,17 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-__all__ = ["unfused_attention", "wide_attention"]
+from . import kv_attention, wide_kernel
+
+__all__ = ["unfused_attention", "use_kernel", "wide_attention"]
 
 _fused = mx.fast.scaled_dot_product_attention
+_kernel = {"on": False}  # wide_kernel.py for the causal attention it supports
+
+
+def use_kernel(on: bool) -> None:
+    """Route verification attention that wide_kernel.py supports through it."""
+    _kernel["on"] = on
 
 
 def _bias(mask, B: int, Hkv: int, rep: int, L: int, S: int):
@@ -62,6 +73,8 @@ _made: dict = {}  # within one forward: (mask's id, shape) -> its bias, made onc
 def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **kw):
     if q.shape[2] < 2 or q.dtype == mx.float32 or sinks is not None or kw:
         return _fused(q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
+    if _kernel["on"] and kv_attention.wide_supports(q.shape, k, mask, scale):
+        return wide_kernel.dense_wide(q, k, v, scale)
     bias = None
     if mask is not None:  # every layer gets the same mask: one bias for them all
         B, Hq, L, _ = q.shape

@@ -1,0 +1,107 @@
+"""A verification's attention (a few query positions per row, causal) in one CUDA
+kernel per layer, over a full-precision KV cache.
+
+A verification forward feeds each row W positions ([B, Hq, W, D] queries). MLX's CUDA
+backend would run that attention through cuDNN, building a graph per key length, so
+wideattn.py composes it from plain ops instead: scale, two batched matmuls (cuBLAS),
+casts, the mask's add and a softmax, some eight ops a layer where a one-position step
+has MLX's one fused kernel. On H200 hosts a forward of 2-8 positions of the default
+model spent about 4.8 ms more host time than one position's, whichever kernel ran its
+linears (bench/results/verify-cost-2026-12-03-h200.md): the composed attention is the
+rest of what differs. Here it is one kernel, kv_kernels.py's dense decode kernel
+given W query positions per block: position w of a row sees the keys up to
+S - W + w (and, in a padded batch, none of the row's left padding).
+
+Each block takes one query head of one row, all W positions (one head a block, so a
+lane's registers hold W queries, not W times a group of heads). A group's keys past a
+position's limit score -inf for it, so they add nothing to its softmax.
+
+kv_attention.py decides where it runs (`wide_supports`), checks it against the
+composed attention on the device before the engine uses it (`self_check_wide`), and
+turns it on only with MLXNB_WIDE_ATTENTION=kernel until it is measured faster.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import kv_kernels as kk
+
+__all__ = ["MAX_POSITIONS", "dense_wide", "source"]
+
+MAX_POSITIONS = 16  # query positions a block holds in registers
+_KERNELS = {}
+
+# the causal limit: a key past position w's last one scores -inf for that position
+_LIMIT = r"""
+        for (int u = 0; u < U; u++) {
+            for (int r = 0; r < RQ; r++) {
+                if (sidx[u] > S - WQ + r % WQ) sc[u][r] = NEG_INF;
+            }
+        }
+"""
+
+
+def source(masked: bool) -> str:
+    """kv_kernels' dense decode source, given WQ query positions per block (RQ =
+    RPB * WQ query rows: row r is head h0 + r / WQ, position r % WQ)."""
+    loop = (kk._LOOP.replace("/*MASK*/", kk._MASK if masked else "")
+            .replace("/*LOAD_K*/", kk._D_LOAD.format(x="k")).replace("/*DOT*/", kk._D_DOT)
+            .replace("/*LOAD_V*/", kk._D_LOAD.format(x="v")).replace("/*ACC*/", kk._D_ACC))
+    shuffle_end = "        for (int r = 0; r < RPB; r++) {\n            float mn = m[r];"
+    assert shuffle_end in loop
+    loop = loop.replace(shuffle_end, _LIMIT + shuffle_end)
+    # a position whose keys in this group all lie past its limit adds nothing
+    skip = "if (mn == NEG_INF) continue;  // no key of this group yet"
+    assert skip in loop
+    loop = loop.replace(skip, "if (mn == NEG_INF) {\n"
+                        "                for (int u = 0; u < U; u++) sc[u][r] = 0.f;\n"
+                        "                continue;\n            }")
+    text = (kk._D_CONSTS + "    constexpr int RQ = RPB * WQ;\n"
+            + kk._PROLOGUE.replace("KEYS_shape", "kd_shape") + loop + kk._EPILOGUE)
+    for old, new in (
+            ("(h0 + r) * queries_strides[1]",
+             "(h0 + r / WQ) * queries_strides[1] + (r % WQ) * queries_strides[2]"),
+            ("out[(b * HQ + h0 + r) * D + d]", "out[((b * HQ + h0 + r / WQ) * WQ + r % WQ) * D + d]"),
+            ("[RPB]", "[RQ]"), ("r < RPB;", "r < RQ;"), ("i < RPB * D;", "i < RQ * D;")):
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+def _kernel(masked: bool):
+    k = _KERNELS.get(masked)
+    if k is None:
+        names = ["queries", "kd", "vd"] + (["mask"] if masked else [])
+        k = _KERNELS[masked] = mx.fast.cuda_kernel(
+            name="mlxnb_dense_wide_attention" + ("_masked" if masked else ""),
+            input_names=names, output_names=["out"], source=source(masked),
+            ensure_row_contiguous=False)
+    return k
+
+
+def warps_for(D: int, positions: int) -> int:
+    """Warps per block: the block's combine buffer (warps x positions x D floats)
+    within kv_kernels' shared-memory budget."""
+    warps = kk.WARPS
+    while warps > 1 and warps * positions * D * 4 > kk.SMEM_BYTES:
+        warps //= 2
+    return warps
+
+
+def dense_wide(queries, keys, values, scale: float, mask=None) -> mx.array:
+    """queries [B, Hq, W, D] (W <= MAX_POSITIONS), keys and values [B, Hkv, S, D],
+    mask None or bool [B, 1, 1, S] (the row's keys that are not padding) ->
+    [B, Hq, W, D]: position w attends to keys up to S - W + w."""
+    B, Hq, W, D = queries.shape
+    Hkv = keys.shape[1]
+    n_rep = Hq // Hkv
+    warps = warps_for(D, W)
+    inputs = [queries, keys, values] + ([mask] if mask is not None else [])
+    return _kernel(mask is not None)(
+        inputs=inputs,
+        template=[("T", queries.dtype), ("D", D), ("NREP", n_rep), ("RPB", 1),
+                  ("WARPS", warps), ("U", 1), ("WQ", W), ("LK", kk.dense_lanes(D)),
+                  ("SCALE_BITS", kk._float_bits(scale)), ("TK", keys.dtype)],
+        grid=(B * Hq * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(B, Hq, W, D)], output_dtypes=[queries.dtype])[0]

@@ -1,0 +1,161 @@
+"""worker/wide_kernel.py: which verification attention reaches the kernel, that the
+engine uses it only once its self-check on the device passes and only where asked
+for, and that its CUDA source compiles. The kernel runs only on CUDA; here a stand-in
+with its contract (causal attention of W positions over S keys) records what reaches
+it."""
+
+import asyncio
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+
+from mlxnb import Engine
+from mlxnb.core.worker import kv_attention as ka
+from mlxnb.core.worker import wide_kernel, wideattn
+from mlxnb.models.tiny import tiny_model
+
+
+def _contract(q, k, v, scale, mask=None):
+    """What the kernel computes, by MLX: position w sees keys up to S - W + w."""
+    return wideattn._fused(q, k, v, scale=scale, mask="causal")
+
+
+@pytest.fixture
+def kernel_on(monkeypatch):
+    calls = []
+    monkeypatch.setattr(wide_kernel, "dense_wide",
+                        lambda q, k, v, scale, mask=None: calls.append(q.shape)
+                        or _contract(q, k, v, scale))
+    wideattn.use_kernel(True)
+    yield calls
+    wideattn.use_kernel(False)
+
+
+def test_causal_half_precision_verifications_take_the_kernel(kernel_on):
+    B, Hq, Hkv, S, D = 1, 6, 2, 30, 64
+    k, v = (mx.random.normal((B, Hkv, S, D)).astype(mx.bfloat16) for _ in range(2))
+    q = {W: mx.random.normal((B, Hq, W, D)).astype(mx.bfloat16)
+         for W in (1, 3, wide_kernel.MAX_POSITIONS, wide_kernel.MAX_POSITIONS + 1)}
+    padded = mx.ones((B, 1, 3, S), mx.bool_)
+    with wideattn.wide_attention():
+        got = mx.fast.scaled_dot_product_attention(q[3], k, v, scale=0.125, mask="causal")
+        for W, mask in ((1, None), (wide_kernel.MAX_POSITIONS, "causal"),
+                        (wide_kernel.MAX_POSITIONS + 1, "causal"), (3, padded), (3, None)):
+            mx.fast.scaled_dot_product_attention(q[W], k, v, scale=0.125, mask=mask)
+        mx.fast.scaled_dot_product_attention(q[3].astype(mx.float32), k.astype(mx.float32),
+                                             v.astype(mx.float32), scale=0.125, mask="causal")
+    # one position keeps MLX's kernel; padded or unmasked or too wide: composed
+    assert kernel_on == [(B, Hq, 3, D), (B, Hq, wide_kernel.MAX_POSITIONS, D)]
+    assert mx.array_equal(got, _contract(q[3], k, v, 0.125)).item()
+
+
+def test_wide_supports_only_what_the_kernel_computes():
+    k = mx.zeros((1, 2, 40, 64), mx.bfloat16)
+    assert ka.wide_supports((1, 6, 5, 64), k, "causal", 0.125)
+    assert not ka.wide_supports((1, 6, 5, 64), k, None, 0.125)  # no mask: all keys
+    assert not ka.wide_supports((1, 6, 5, 64), k, mx.ones((1, 1, 5, 40), mx.bool_), 0.125)
+    assert not ka.wide_supports((1, 6, 1, 64), k, "causal", 0.125)
+    assert not ka.wide_supports((1, 6, 17, 64), k, "causal", 0.125)
+    assert not ka.wide_supports((1, 5, 5, 64), k, "causal", 0.125)  # heads not grouped
+    assert not ka.wide_supports((1, 6, 5, 512), mx.zeros((1, 2, 40, 512)), "causal", 0.1)
+
+
+def _generate(arun, model, tok, prompts):
+    async def run():
+        eng = Engine((model, tok), kv_budget=None, warmup=False)
+        rows = [await eng.submit(p, chat=False, max_tokens=24, speculate="lookup",
+                                 num_draft=4) for p in prompts]
+        status = eng.cache_kinds
+        await eng.aclose()
+        return [r.tokens for r in rows], status
+
+    return arun(run)
+
+
+def _bf16_model(seed):
+    model, tok = tiny_model(seed=seed, hidden=128, heads=4)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())  # here: the engine's worker thread has its own stream
+    return model, tok
+
+
+PROMPTS = ["abc abc abc abc the cat", "hello world hello world hello"]
+
+
+def test_the_engine_verifies_through_the_kernel_once_checked_and_asked(
+        arun, monkeypatch, kernel_on):
+    monkeypatch.setattr(ka, "cuda_backend", lambda: True)
+    monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
+                        mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
+    checked = []
+    monkeypatch.setattr(ka, "self_check_wide", lambda calls: checked.append(calls) or None)
+    from mlxnb.core.worker.caches import LeanBatchKVCache
+    try:
+        monkeypatch.delenv("MLXNB_WIDE_ATTENTION", raising=False)
+        plain, status = _generate(arun, *_bf16_model(3), PROMPTS)
+        assert "verification attention" not in status and not kernel_on and not checked
+        monkeypatch.setenv("MLXNB_WIDE_ATTENTION", "kernel")
+        got, status = _generate(arun, *_bf16_model(3), PROMPTS)
+    finally:
+        LeanBatchKVCache.dense_decode = False
+        wideattn.use_kernel(False)
+    assert "verification attention: fused kernel" in status
+    assert checked and checked[0]  # the model's attention shapes were checked
+    assert got == plain
+    assert kernel_on and all(2 <= s[2] <= wide_kernel.MAX_POSITIONS for s in kernel_on)
+
+
+def test_a_failed_self_check_keeps_the_composed_attention(arun, monkeypatch):
+    shapes = [(6, 2, 64, mx.bfloat16, mx.bfloat16, 0.125)]
+    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale, mask=None:
+                        _contract(q, k, v, scale))
+    assert ka.self_check_wide(shapes) is None  # the contract passes its check
+    monkeypatch.setattr(ka, "cuda_backend", lambda: True)
+    monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
+                        mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
+    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale, mask=None: q * 0)
+    monkeypatch.setenv("MLXNB_WIDE_ATTENTION", "kernel")
+    from mlxnb.core.worker.caches import LeanBatchKVCache
+    try:
+        _, status = _generate(arun, *_bf16_model(3), PROMPTS[:1])
+    finally:
+        LeanBatchKVCache.dense_decode = False
+    assert "verification attention: composed (wide kernel differs" in status
+    assert not wideattn._kernel["on"]
+
+
+def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
+    """nvcc over the kernel as MLX's cuda_kernel wraps it (its Shape and Strides
+    types, inputs in order, template constants), for the extremes of dtype, head
+    size, positions and the padding mask: the GPU run (the self-check) is the real
+    check."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc")
+
+    def wrap(i, T, D, WQ, masked, warps):
+        args = [f"const {T}* queries", "const __grid_constant__ Strides queries_strides",
+                f"const {T}* kd", "const __grid_constant__ Shape kd_shape",
+                "const __grid_constant__ Strides kd_strides",
+                f"const {T}* vd", "const __grid_constant__ Strides vd_strides"]
+        args += ["const bool* mask", "const __grid_constant__ Strides mask_strides"] * masked
+        consts = "".join(f"  constexpr int {n} = {x};\n" for n, x in (
+            ("D", D), ("NREP", 3), ("RPB", 1), ("WARPS", warps), ("U", 1), ("WQ", WQ),
+            ("LK", wide_kernel.kk.dense_lanes(D)), ("SCALE_BITS", 1040187392)))
+        return (f"__global__ void k{i}({', '.join(args + [f'{T}* out'])}) {{\n"
+                f"  using T = {T};\n  using TK = {T};\n{consts}"
+                f"{wide_kernel.source(masked)}\n}}\n")
+
+    cases = [("__nv_bfloat16", 64, 2, False, 8), ("__half", 96, 5, True, 8),
+             ("float", 128, wide_kernel.MAX_POSITIONS, False,
+              wide_kernel.warps_for(128, wide_kernel.MAX_POSITIONS))]
+    src = tmp_path / "k.cu"
+    src.write_text("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+                   "#include <cuda/std/array>\n#include <cuda/std/limits>\n"
+                   "#include <cstdint>\nusing Shape = cuda::std::array<int32_t, 8>;\n"
+                   "using Strides = cuda::std::array<int64_t, 8>;\n"
+                   + "".join(wrap(i, *c) for i, c in enumerate(cases)))
+    r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
+                        str(tmp_path / "k.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
