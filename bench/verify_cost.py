@@ -12,8 +12,9 @@ forward's matmuls, which this measures apart from the engine:
   forward W     the model's forward of W positions on a KV cache of --prompt tokens,
                 trimmed back after each call (the cache grows by one per call, as a
                 decode does); multi-position attention as verification runs it
-                (worker/wideattn.py); median build and eval ms of --calls calls, the
-                first --skip (first uses) left out
+                (worker/wideattn.py), then on CUDA with worker/wide_kernel.py's
+                attention and with the rows GEMV too; median build and eval ms of
+                --calls calls, the first --skip (first uses) left out
 
   python -m bench verify-cost --quick
   python -m bench verify-cost --model default --widths 1,2,5,8
@@ -75,16 +76,30 @@ def matmul_rows(ms, n, dtype, d=576, f=1536, reps=4):
 
 
 def forward_widths(model, widths, prompt, calls, skip):
-    """Each width with MLX's matmuls, then (where rows_gemv installs) with the kernel."""
-    from mlxnb.core.worker import rows_gemv
+    """Each width with MLX's matmuls and the composed attention, then (where its
+    check passes: CUDA) with wide_kernel.py's attention, then (where rows_gemv
+    installs) with the rows GEMV kernel too."""
+    from mlxnb.core.worker import kv_attention, rows_gemv, wideattn
 
     rows = _forward_widths(model, widths, prompt, calls, skip, "MLX")
+    attn = model.layers[0].self_attn
+    Hq, Hkv = attn.n_heads, attn.n_kv_heads
+    dtype = attn.q_proj.weight.dtype
+    why = (kv_attention.self_check_wide(
+        [(Hq, Hkv, attn.q_proj.weight.shape[0] // Hq, dtype, dtype, float(attn.scale))])
+        if kv_attention.cuda_backend() else "not CUDA")
+    log(f"wide attention kernel: {why or 'checked'}")
+    if not why:
+        wideattn.use_kernel(True)
+        rows += _forward_widths(model, [w for w in widths if w > 1], prompt, calls, skip,
+                                "attention kernel")
     note = rows_gemv.install(model, on=True)
     for r in rows:
         r["linears"] = note
     if note.startswith("kernel"):
         rows += _forward_widths(model, [w for w in widths if w > 1], prompt, calls, skip,
-                                "rows GEMV")
+                                "rows GEMV" + (" + attention kernel" if not why else ""))
+    wideattn.use_kernel(False)
     return rows
 
 
@@ -131,7 +146,7 @@ def render(mms, fw, args) -> str:
     L += [f"Forward of W positions, model `{args.model}` ({args.dtype}), cache of "
           f"{args.prompt} tokens, {args.calls} calls (first {args.skip} left out); "
           f"linears: {fw[0]['linears']}:", "",
-          "| W | linears | build ms | eval ms | total ms | x W=1 | first call ms |",
+          "| W | kernels | build ms | eval ms | total ms | x W=1 | first call ms |",
           "|---|---|---|---|---|---|---|"]
     one = next((r["build_ms"] + r["eval_ms"] for r in fw if r["W"] == 1), None)
     for r in fw:
