@@ -869,7 +869,7 @@ def test_first_verifications_that_paid_no_setup_are_learnt_from():
     t = StepTimes()
     assert t.skip_first
     first_hold = _shrinking_wave(t)
-    assert first_hold is not None and first_hold <= 20  # (learning from none: 36)
+    assert first_hold is not None and first_hold <= 20  # (learning from no first: 35)
     cold = StepTimes()
     cold.observe_plain(4, 0.01)
     assert not cold.observe_spec(4, 3, 2.5, 8)  # compiling: not learnt from
