@@ -4,11 +4,13 @@ kernel per layer, over a full-precision KV cache.
 A verification forward feeds each row W positions ([B, Hq, W, D] queries). MLX's CUDA
 backend would run that attention through cuDNN, building a graph per key length, so
 wideattn.py composes it from plain ops instead: scale, two batched matmuls (cuBLAS),
-casts, the mask's add and a softmax, some eight ops a layer where a one-position step
-has MLX's one fused kernel. On H200 hosts a forward of 2-8 positions of the default
-model spent about 4.8 ms more host time than one position's, whichever kernel ran its
-linears (bench/results/verify-cost-2026-12-03-h200.md): the composed attention is the
-rest of what differs. Here it is one kernel, kv_kernels.py's dense decode kernel
+casts, the mask's add and a softmax, where a one-position step has MLX's one fused
+kernel: counted as a GPU builds them (bench/step_ops.py's `gpu_like`), the default
+model's forward of 2-5 positions is 1909 graph nodes against 1447 for one, 60 of the
+extra nodes cuBLAS matmuls. On H200 hosts that forward spent about 4.8 ms more host
+time than one position's, whichever kernel ran its linears
+(bench/results/verify-cost-2026-12-03-h200.md). Here the attention is one node a layer
+(the forward's count is one position's), kv_kernels.py's dense decode kernel
 given W query positions per block: position w of a row sees the keys up to
 S - W + w (and, in a padded batch, none of the row's left padding).
 
