@@ -17,7 +17,7 @@ from mlxnb.core.worker import wide_kernel, wideattn
 from mlxnb.models.tiny import tiny_model
 
 
-def _contract(q, k, v, scale, mask=None):
+def _contract(q, k, v, scale):
     """What the kernel computes, by MLX: position w sees keys up to S - W + w."""
     return wideattn._fused(q, k, v, scale=scale, mask="causal")
 
@@ -26,7 +26,7 @@ def _contract(q, k, v, scale, mask=None):
 def kernel_on(monkeypatch):
     calls = []
     monkeypatch.setattr(wide_kernel, "dense_wide",
-                        lambda q, k, v, scale, mask=None: calls.append(q.shape)
+                        lambda q, k, v, scale: calls.append(q.shape)
                         or _contract(q, k, v, scale))
     wideattn.use_kernel(True)
     yield calls
@@ -109,13 +109,12 @@ def test_the_engine_verifies_through_the_kernel_once_checked_and_asked(
 
 def test_a_failed_self_check_keeps_the_composed_attention(arun, monkeypatch):
     shapes = [(6, 2, 64, mx.bfloat16, mx.bfloat16, 0.125)]
-    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale, mask=None:
-                        _contract(q, k, v, scale))
+    monkeypatch.setattr(wide_kernel, "dense_wide", _contract)
     assert ka.self_check_wide(shapes) is None  # the contract passes its check
     monkeypatch.setattr(ka, "cuda_backend", lambda: True)
     monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
                         mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
-    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale, mask=None: q * 0)
+    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale: q * 0)
     monkeypatch.setenv("MLXNB_WIDE_ATTENTION", "kernel")
     from mlxnb.core.worker.caches import LeanBatchKVCache
     try:
@@ -129,26 +128,24 @@ def test_a_failed_self_check_keeps_the_composed_attention(arun, monkeypatch):
 def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
     """nvcc over the kernel as MLX's cuda_kernel wraps it (its Shape and Strides
     types, inputs in order, template constants), for the extremes of dtype, head
-    size, positions and the padding mask: the GPU run (the self-check) is the real
-    check."""
+    size and positions: the GPU run (the self-check) is the real check."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc")
 
-    def wrap(i, T, D, WQ, masked, warps):
+    def wrap(i, T, D, WQ, warps):
         args = [f"const {T}* queries", "const __grid_constant__ Strides queries_strides",
                 f"const {T}* kd", "const __grid_constant__ Shape kd_shape",
                 "const __grid_constant__ Strides kd_strides",
                 f"const {T}* vd", "const __grid_constant__ Strides vd_strides"]
-        args += ["const bool* mask", "const __grid_constant__ Strides mask_strides"] * masked
         consts = "".join(f"  constexpr int {n} = {x};\n" for n, x in (
             ("D", D), ("NREP", 3), ("RPB", 1), ("WARPS", warps), ("U", 1), ("WQ", WQ),
             ("LK", wide_kernel.kk.dense_lanes(D)), ("SCALE_BITS", 1040187392)))
         return (f"__global__ void k{i}({', '.join(args + [f'{T}* out'])}) {{\n"
                 f"  using T = {T};\n  using TK = {T};\n{consts}"
-                f"{wide_kernel.source(masked)}\n}}\n")
+                f"{wide_kernel.source()}\n}}\n")
 
-    cases = [("__nv_bfloat16", 64, 2, False, 8), ("__half", 96, 5, True, 8),
-             ("float", 128, wide_kernel.MAX_POSITIONS, False,
+    cases = [("__nv_bfloat16", 64, 2, 8), ("__half", 96, 5, 8),
+             ("float", 128, wide_kernel.MAX_POSITIONS,
               wide_kernel.warps_for(128, wide_kernel.MAX_POSITIONS))]
     src = tmp_path / "k.cu"
     src.write_text("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"

@@ -12,7 +12,7 @@ time than one position's, whichever kernel ran its linears
 (bench/results/verify-cost-2026-12-03-h200.md). Here the attention is one node a layer
 (the forward's count is one position's), kv_kernels.py's dense decode kernel
 given W query positions per block: position w of a row sees the keys up to
-S - W + w (and, in a padded batch, none of the row's left padding).
+S - W + w.
 
 Each block takes one query head of one row, all W positions (one head a block, so a
 lane's registers hold W queries, not W times a group of heads). A group's keys past a
@@ -32,7 +32,7 @@ from . import kv_kernels as kk
 __all__ = ["MAX_POSITIONS", "dense_wide", "source"]
 
 MAX_POSITIONS = 16  # query positions a block holds in registers
-_KERNELS = {}
+_KERNELS = []
 
 # the causal limit: a key past position w's last one scores -inf for that position
 _LIMIT = r"""
@@ -44,10 +44,10 @@ _LIMIT = r"""
 """
 
 
-def source(masked: bool) -> str:
+def source() -> str:
     """kv_kernels' dense decode source, given WQ query positions per block (RQ =
     RPB * WQ query rows: row r is head h0 + r / WQ, position r % WQ)."""
-    loop = (kk._LOOP.replace("/*MASK*/", kk._MASK if masked else "")
+    loop = (kk._LOOP.replace("/*MASK*/", "")
             .replace("/*LOAD_K*/", kk._D_LOAD.format(x="k")).replace("/*DOT*/", kk._D_DOT)
             .replace("/*LOAD_V*/", kk._D_LOAD.format(x="v")).replace("/*ACC*/", kk._D_ACC))
     shuffle_end = "        for (int r = 0; r < RPB; r++) {\n            float mn = m[r];"
@@ -71,15 +71,12 @@ def source(masked: bool) -> str:
     return text
 
 
-def _kernel(masked: bool):
-    k = _KERNELS.get(masked)
-    if k is None:
-        names = ["queries", "kd", "vd"] + (["mask"] if masked else [])
-        k = _KERNELS[masked] = mx.fast.cuda_kernel(
-            name="mlxnb_dense_wide_attention" + ("_masked" if masked else ""),
-            input_names=names, output_names=["out"], source=source(masked),
-            ensure_row_contiguous=False)
-    return k
+def _kernel():
+    if not _KERNELS:
+        _KERNELS.append(mx.fast.cuda_kernel(
+            name="mlxnb_dense_wide_attention", input_names=["queries", "kd", "vd"],
+            output_names=["out"], source=source(), ensure_row_contiguous=False))
+    return _KERNELS[0]
 
 
 def warps_for(D: int, positions: int) -> int:
@@ -91,17 +88,15 @@ def warps_for(D: int, positions: int) -> int:
     return warps
 
 
-def dense_wide(queries, keys, values, scale: float, mask=None) -> mx.array:
-    """queries [B, Hq, W, D] (W <= MAX_POSITIONS), keys and values [B, Hkv, S, D],
-    mask None or bool [B, 1, 1, S] (the row's keys that are not padding) ->
+def dense_wide(queries, keys, values, scale: float) -> mx.array:
+    """queries [B, Hq, W, D] (W <= MAX_POSITIONS), keys and values [B, Hkv, S, D] ->
     [B, Hq, W, D]: position w attends to keys up to S - W + w."""
     B, Hq, W, D = queries.shape
     Hkv = keys.shape[1]
     n_rep = Hq // Hkv
     warps = warps_for(D, W)
-    inputs = [queries, keys, values] + ([mask] if mask is not None else [])
-    return _kernel(mask is not None)(
-        inputs=inputs,
+    return _kernel()(
+        inputs=[queries, keys, values],
         template=[("T", queries.dtype), ("D", D), ("NREP", n_rep), ("RPB", 1),
                   ("WARPS", warps), ("U", 1), ("WQ", W), ("LK", kk.dense_lanes(D)),
                   ("SCALE_BITS", kk._float_bits(scale)), ("TK", keys.dtype)],
