@@ -110,7 +110,10 @@ class World:
         """A run decoding before, during and after the block; its tokens must equal
         the reference run's."""
         run = self.ip.run_cell_magic("generate", VICTIM_LINE, VICTIM_BODY)
-        self.step(0.05)
+        for _ in range(200):  # its rows' first tokens: a busy host may take a while
+            self.step(0.05)
+            if all(r.tokens for r in run.rows):
+                break
         assert not run.done and all(r.tokens for r in run.rows), "victim not decoding"
         self.running = run
         try:
