@@ -247,11 +247,11 @@ def install(model, on: Optional[bool] = None) -> str:
     _PRODUCTS.clear()
     if not (enabled() if on is None else on):
         return "MLX's matmul (MLXNB_ROWS_GEMV=1 tries the rows GEMV kernel)"
-    layers = list(_plain_linears(model))
-    if not shapes(model):
+    layers, sizes = list(_plain_linears(model)), shapes(model)
+    if not sizes:
         return "MLX's matmul (no plain linear layer small enough)"
     dtypes = {m.weight.dtype for _, m in layers}
-    why = next((w for w in (check(shapes(model), d) for d in dtypes) if w), None)
+    why = next((w for w in (check(sizes, d) for d in dtypes) if w), None)
     if why:
         return f"MLX's matmul ({why})"
     for _, m in layers:
