@@ -183,9 +183,9 @@ def test_its_compile_ahead_pieces_run_where_there_is_no_kernel_api(monkeypatch):
 
     model, _ = tiny_model(seed=1)
     monkeypatch.delenv("MLXNB_ROWS_GEMV", raising=False)
-    assert kernels_ahead.gemv_pieces(model) == []
+    assert kernels_ahead.extra_pieces(model) == []
     monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
-    pieces = kernels_ahead.gemv_pieces(model)
+    pieces = kernels_ahead.extra_pieces(model)
     assert pieces and all(p.startswith("gemv-") for p in pieces)
     for piece in pieces:
         kernels_ahead._compile(piece, "float32")  # the CPU: nothing to compile, no error

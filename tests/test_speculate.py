@@ -861,9 +861,9 @@ def test_verifications_that_lose_are_held_off_within_one_shrinking_wave():
 
 def test_first_verifications_that_paid_no_setup_are_learnt_from():
     """The same wave with the guard's default of not learning from a shape's first
-    verification where it paid setup: these (a CPU's, no slower than their width in
-    plain steps) did not, so they count and the guard holds as soon; a first
-    verification that pays seconds of compiling still does not count."""
+    verification where it paid setup: these (a CPU's, about two plain steps) did
+    not, so they count and the guard holds as soon; a first verification that pays
+    seconds of compiling, or a GPU process's loading its kernels, still does not."""
     from mlxnb.core.worker.specpolicy import StepTimes
 
     t = StepTimes()
@@ -875,3 +875,8 @@ def test_first_verifications_that_paid_no_setup_are_learnt_from():
     assert not cold.observe_spec(4, 3, 2.5, 8)  # compiling: not learnt from
     assert cold.observe_spec(4, 3, 0.025, 8)  # the next one is
     assert cold.observe_spec(4, 4, 0.02, 8)  # a first that paid nothing is too
+    # an H200 process's first 5-wide verification at B=1: 60 ms against 6.4 ms plain
+    gpu = StepTimes()
+    gpu.observe_plain(1, 0.0064)
+    assert not gpu.observe_spec(1, 5, 0.060, 3)
+    assert gpu.observe_spec(1, 5, 0.0068, 3)

@@ -1,6 +1,6 @@
 """worker/wide_kernel.py: which verification attention reaches the kernel, that the
-engine uses it only once its self-check on the device passes and only where asked
-for, and that its CUDA source compiles. The kernel runs only on CUDA; here a stand-in
+engine uses it on CUDA only once its self-check on the device passes and not where
+the user opted out, and that its CUDA source compiles. The kernel runs only on CUDA; here a stand-in
 with its contract (causal attention of W positions over S keys) records what reaches
 it."""
 
@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 
 from mlxnb import Engine
+from mlxnb.core.worker import kernels_ahead
 from mlxnb.core.worker import kv_attention as ka
 from mlxnb.core.worker import wide_kernel, wideattn
 from mlxnb.models.tiny import tiny_model
@@ -84,7 +85,7 @@ def _bf16_model(seed):
 PROMPTS = ["abc abc abc abc the cat", "hello world hello world hello"]
 
 
-def test_the_engine_verifies_through_the_kernel_once_checked_and_asked(
+def test_the_engine_verifies_through_the_kernel_on_cuda_once_checked(
         arun, monkeypatch, kernel_on):
     monkeypatch.setattr(ka, "cuda_backend", lambda: True)
     monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
@@ -93,10 +94,10 @@ def test_the_engine_verifies_through_the_kernel_once_checked_and_asked(
     monkeypatch.setattr(ka, "self_check_wide", lambda calls: checked.append(calls) or None)
     from mlxnb.core.worker.caches import LeanBatchKVCache
     try:
-        monkeypatch.delenv("MLXNB_WIDE_ATTENTION", raising=False)
+        monkeypatch.setenv("MLXNB_WIDE_ATTENTION", "composed")
         plain, status = _generate(arun, *_bf16_model(3), PROMPTS)
         assert "verification attention" not in status and not kernel_on and not checked
-        monkeypatch.setenv("MLXNB_WIDE_ATTENTION", "kernel")
+        monkeypatch.delenv("MLXNB_WIDE_ATTENTION")
         got, status = _generate(arun, *_bf16_model(3), PROMPTS)
     finally:
         LeanBatchKVCache.dense_decode = False
@@ -105,6 +106,24 @@ def test_the_engine_verifies_through_the_kernel_once_checked_and_asked(
     assert checked and checked[0]  # the model's attention shapes were checked
     assert got == plain
     assert kernel_on and all(2 <= s[2] <= wide_kernel.MAX_POSITIONS for s in kernel_on)
+    # the kernels compiled ahead are those the check runs: each capacity of each shape
+    pieces = kernels_ahead.extra_pieces(_bf16_model(3)[0])
+    assert pieces == [f"wide-{Hq}-{Hkv}-{D}-{scale!r}-{c}"
+                      for Hq, Hkv, D, _, _, scale in sorted(set(checked[0]))
+                      for c in wide_kernel.CAPACITIES]
+
+
+def test_every_width_runs_in_a_capacity_the_check_loads(monkeypatch):
+    """A width's kernel is its capacity's, and the load check reaches every capacity
+    (so no width compiles or loads a kernel mid-run), part-full ones included."""
+    assert [wide_kernel.capacity(W) for W in range(2, 17)] == [2, 4, 4] + [8] * 4 + [16] * 8
+    assert {wide_kernel.capacity(W) for W in ka.WIDE_CHECK_WIDTHS} == set(wide_kernel.CAPACITIES)
+    assert any(W < wide_kernel.capacity(W) for W in ka.WIDE_CHECK_WIDTHS)
+    seen = []
+    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale:
+                        seen.append(q.shape[2]) or _contract(q, k, v, scale))
+    assert ka.self_check_wide([(6, 2, 64, mx.bfloat16, mx.bfloat16, 0.125)]) is None
+    assert tuple(seen) == ka.WIDE_CHECK_WIDTHS
 
 
 def test_a_failed_self_check_keeps_the_composed_attention(arun, monkeypatch):
@@ -115,7 +134,7 @@ def test_a_failed_self_check_keeps_the_composed_attention(arun, monkeypatch):
     monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
                         mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
     monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale: q * 0)
-    monkeypatch.setenv("MLXNB_WIDE_ATTENTION", "kernel")
+    monkeypatch.delenv("MLXNB_WIDE_ATTENTION", raising=False)
     from mlxnb.core.worker.caches import LeanBatchKVCache
     try:
         _, status = _generate(arun, *_bf16_model(3), PROMPTS[:1])
@@ -128,12 +147,13 @@ def test_a_failed_self_check_keeps_the_composed_attention(arun, monkeypatch):
 def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
     """nvcc over the kernel as MLX's cuda_kernel wraps it (its Shape and Strides
     types, inputs in order, template constants), for the extremes of dtype, head
-    size and positions: the GPU run (the self-check) is the real check."""
+    size and position capacity: the GPU run (the self-check) is the real check."""
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc")
 
     def wrap(i, T, D, WQ, warps):
-        args = [f"const {T}* queries", "const __grid_constant__ Strides queries_strides",
+        args = [f"const {T}* queries", "const __grid_constant__ Shape queries_shape",
+                "const __grid_constant__ Strides queries_strides",
                 f"const {T}* kd", "const __grid_constant__ Shape kd_shape",
                 "const __grid_constant__ Strides kd_strides",
                 f"const {T}* vd", "const __grid_constant__ Strides vd_strides"]
@@ -144,7 +164,8 @@ def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
                 f"  using T = {T};\n  using TK = {T};\n{consts}"
                 f"{wide_kernel.source()}\n}}\n")
 
-    cases = [("__nv_bfloat16", 64, 2, 8), ("__half", 96, 5, 8),
+    assert wide_kernel.CAPACITIES == (2, 4, 8, 16)
+    cases = [("__nv_bfloat16", 64, 2, 8), ("__half", 96, 8, 8),
              ("float", 128, wide_kernel.MAX_POSITIONS,
               wide_kernel.warps_for(128, wide_kernel.MAX_POSITIONS))]
     src = tmp_path / "k.cu"

@@ -37,7 +37,7 @@ from .inflight import InFlight, LogprobArrays
 from .masks import MaskFiller
 from .prefill import Prefill, PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
-from .kernels_ahead import ModelKernels, gemv_pieces, model_dtype
+from .kernels_ahead import ModelKernels, extra_pieces, model_dtype
 from .precompile import Precompiler
 from .sampling import BatchSampler
 from .setup import BatchModel
@@ -60,7 +60,7 @@ class BatchExecutor:
         # ones before the load probes below need them (kernels_ahead.py)
         self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
         self.precompiler.start()
-        ahead = ModelKernels(model_dtype(model), gemv_pieces(model))
+        ahead = ModelKernels(model_dtype(model), extra_pieces(model))
         if ahead.start():
             ahead.wait()
         try:

@@ -8,7 +8,8 @@ caches (mlx-lm's `dynamic_roll`), the fused SwiGLU of the MLP
 (bench/results/cold-start-h200.md). None of their names depends on the model's sizes,
 only on its dtype, so tiny inputs of that dtype compile the same kernels. Where it is
 turned on, rows_gemv.py's few-row linears add a piece per weight shape (up to 4
-kernels each, sizes built in), run at the model's own shapes.
+kernels each, sizes built in), run at the model's own shapes; wide_kernel.py's
+verification attention adds one per capacity (`extra_pieces`).
 
 `start` runs one process per piece (each importing mlx alone: about a second) into
 a private folder; `wait` moves what they wrote into MLX's folder, where the engine's
@@ -31,7 +32,7 @@ import mlx.core as mx
 
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
-from . import rows_gemv
+from . import rows_gemv, wide_kernel
 from .compilers import move_kernels, spawn, wanted
 
 PIECES = ("gather", "rows", "roll", "swiglu")
@@ -48,16 +49,16 @@ def model_dtype(model) -> Optional[str]:
     return None
 
 
-def gemv_pieces(model) -> List[str]:
-    """rows_gemv.py's pieces for the model ("gemv-NxK" per weight shape) where the
-    engine will try its kernel, else none."""
-    if not rows_gemv.enabled():
-        return []
-    return [f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(model)]
+def extra_pieces(model) -> List[str]:
+    """The model's own pieces where the engine will try those kernels:
+    rows_gemv.py's ("gemv-NxK" per weight shape) and wide_kernel.py's."""
+    gemv = ([f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(model)]
+            if rows_gemv.enabled() else [])
+    return gemv + wide_kernel.ahead_pieces(model)
 
 
 class ModelKernels:
-    """Compiles the pieces above for one dtype, and `extra` ones (`gemv_pieces`);
+    """Compiles the pieces above for one dtype, and `extra` ones (`extra_pieces`);
     `wait` before the model's first use."""
 
     def __init__(self, dtype: Optional[str], extra=()):
@@ -161,6 +162,8 @@ def _compile(piece: str, dtype: str) -> None:
     elif piece.startswith("gemv-"):  # rows_gemv.py's kernels for one weight shape
         N, K = map(int, piece[len("gemv-"):].split("x"))
         return rows_gemv.compile_ahead(dt, N, K)
+    elif piece.startswith("wide-"):  # wide_kernel.py's verification attention
+        return wide_kernel.compile_ahead(piece, dt)
     else:  # swiglu over the two halves of a fused gate/up product (fuse.py)
         swiglu = _activations().swiglu
         out = []

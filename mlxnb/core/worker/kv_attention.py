@@ -343,16 +343,21 @@ def self_check_dense(calls: List[tuple], S: int = 300, B: int = 3,
     return None
 
 
+# every capacity of wide_kernel.py, full and part-full: the check compiles and loads
+# each kernel a verification can reach, at load rather than mid-run
+WIDE_CHECK_WIDTHS = (2, 3, 5, 9, 16)
+
+
 def self_check_wide(calls: List[tuple], S: int = 300, B: int = 2,
                     seed: int = 2) -> Optional[str]:
     """wide_kernel.dense_wide against the composed attention (wideattn.py) on this
-    device at each recorded shape (`recording(dense=True)`'s tuples), for 2, 5 and
-    MAX_POSITIONS positions: None if every case matches, else what went wrong."""
+    device at each recorded shape (`recording(dense=True)`'s tuples), for each of
+    WIDE_CHECK_WIDTHS: None if every case matches, else what went wrong."""
     from .wideattn import unfused_attention
 
     key = mx.random.key(seed)
     for Hq, Hkv, D, qdt, kdt, scale in sorted(set(calls), key=str):
-        for W in (2, 5, wide_kernel.MAX_POSITIONS):
+        for W in WIDE_CHECK_WIDTHS:
             try:
                 k1, k2, k3, key = mx.random.split(key, 4)
                 # queries as attention gets them: [B, W, Hq, D] transposed (strided)

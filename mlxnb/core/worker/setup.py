@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wideattn
+from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wide_kernel, wideattn
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
@@ -175,12 +175,11 @@ class BatchModel:
         return why
 
     def _pick_wide_attention(self) -> str:
-        """On CUDA, with MLXNB_WIDE_ATTENTION=kernel (not yet measured faster than the
-        composed form): verifications' causal attention through wide_kernel.py if its
-        self-check at this model's shapes passes; returns what runs ("" where not
-        asked for)."""
+        """On CUDA (unless MLXNB_WIDE_ATTENTION=composed): verifications' causal
+        attention through wide_kernel.py if its self-check at this model's shapes
+        passes; returns what runs ("" elsewhere)."""
         wideattn.use_kernel(False)
-        if not kv_attention.cuda_backend() or os.environ.get("MLXNB_WIDE_ATTENTION") != "kernel":
+        if not wide_kernel.wanted():
             return ""
         if not self._attention_shapes:
             return "composed (no full-precision attention layer)"

@@ -161,7 +161,10 @@ class StepTimes:
     PROBE = 8  # steps held off to measure the baseline when none is measured
     SETTLE = 2  # a hold's first steps (the pipeline refilling) are not the baseline
     CLEAR = 1.6  # speculating steps this far above the plain average need no probe
-    SETUP = 3  # a first step slower than this many plain steps a position paid setup
+    # a first verification slower than this many plain steps paid setup: measured
+    # verifications of 2-16 positions cost 1.7-3.2 plain steps (H200, 2-core CPU), a
+    # process's first of a shape 9 and more on a GPU (loading or compiling kernels)
+    SETUP = 4
 
     def __init__(self):
         self.plain: Dict[int, float] = {}  # B -> seconds
@@ -251,14 +254,13 @@ class StepTimes:
         first of each (batch size, width, way) is not learnt from where it may have
         paid one-off setup (on a GPU, compiling the kernels of that shape: seconds),
         which would otherwise rule that width out for good: where no plain step is
-        measured near B, or it took over SETUP times `width` plain steps. (A CPU
-        compiles nothing, and a wave of rows that shrinks as rows end would
-        otherwise spend most of its verifications on firsts.) Returns whether it
-        was learnt from."""
+        measured near B, or it took over SETUP plain steps. (A CPU compiles
+        nothing, and a wave of rows that shrinks as rows end would otherwise spend
+        most of its verifications on firsts.) Returns whether it was learnt from."""
         if self.skip_first and (B, width, way) not in self._cold:
             self._cold.add((B, width, way))
             ref = self._plain_ref(B)
-            if not ref or seconds > self.SETUP * width * ref:
+            if not ref or seconds > self.SETUP * ref:
                 return False
         if width > 1:
             v = self.verify.setdefault(B, {})

@@ -16,37 +16,50 @@ S - W + w.
 
 Each block takes one query head of one row, all W positions (one head a block, so a
 lane's registers hold W queries, not W times a group of heads). A group's keys past a
-position's limit score -inf for it, so they add nothing to its softmax.
+position's limit score -inf for it, so they add nothing to its softmax. W is read at
+run time and the registers are sized for a capacity of 2, 4, 8 or 16 positions: four
+kernels per model, all compiled and loaded by the engine's check at load, where a
+kernel per width would compile (seconds each on NVRTC) and load (tens of ms) the
+first time speculation reaches that width, in the middle of a run. Slots past W
+repeat position W - 1 and are not written.
 
-kv_attention.py decides where it runs (`wide_supports`), checks it against the
-composed attention on the device before the engine uses it (`self_check_wide`), and
-turns it on only with MLXNB_WIDE_ATTENTION=kernel until it is measured faster.
+kv_attention.py decides where it runs (`wide_supports`) and checks it against the
+composed attention on the device before the engine uses it (`self_check_wide`). On
+an H200 it cut the default model's forward of 2-8 positions from 3.0-3.2 to
+1.8-2.4 one-position steps (bench/results/verify-cost-2026-12-03-h200.md), so the
+engine uses it on CUDA unless MLXNB_WIDE_ATTENTION=composed. kernels_ahead.py
+compiles its four capacities beside the model's other first kernels (`ahead_pieces`).
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 
 from . import kv_kernels as kk
 
-__all__ = ["MAX_POSITIONS", "dense_wide", "source"]
+__all__ = ["CAPACITIES", "MAX_POSITIONS", "ahead_pieces", "capacity", "compile_ahead",
+           "dense_wide", "source", "wanted"]
 
-MAX_POSITIONS = 16  # query positions a block holds in registers
+CAPACITIES = (2, 4, 8, 16)  # query positions a block holds in registers
+MAX_POSITIONS = CAPACITIES[-1]
 _KERNELS = []
 
 # the causal limit: a key past position w's last one scores -inf for that position
 _LIMIT = r"""
         for (int u = 0; u < U; u++) {
             for (int r = 0; r < RQ; r++) {
-                if (sidx[u] > S - WQ + r % WQ) sc[u][r] = NEG_INF;
+                if (sidx[u] > S - W + min(r % WQ, W - 1)) sc[u][r] = NEG_INF;
             }
         }
 """
 
 
 def source() -> str:
-    """kv_kernels' dense decode source, given WQ query positions per block (RQ =
-    RPB * WQ query rows: row r is head h0 + r / WQ, position r % WQ)."""
+    """kv_kernels' dense decode source, given WQ query slots per block (RQ = RPB * WQ
+    query rows: row r is head h0 + r / WQ, slot r % WQ; slots from W on repeat
+    position W - 1)."""
     loop = (kk._LOOP.replace("/*MASK*/", "")
             .replace("/*LOAD_K*/", kk._D_LOAD.format(x="k")).replace("/*DOT*/", kk._D_DOT)
             .replace("/*LOAD_V*/", kk._D_LOAD.format(x="v")).replace("/*ACC*/", kk._D_ACC))
@@ -62,9 +75,12 @@ def source() -> str:
     text = (kk._D_CONSTS + "    constexpr int RQ = RPB * WQ;\n"
             + kk._PROLOGUE.replace("KEYS_shape", "kd_shape") + loop + kk._EPILOGUE)
     for old, new in (
+            ("const int S = kd_shape[2];",
+             "const int S = kd_shape[2];\n    const int W = queries_shape[2];  // <= WQ"),
             ("(h0 + r) * queries_strides[1]",
-             "(h0 + r / WQ) * queries_strides[1] + (r % WQ) * queries_strides[2]"),
-            ("out[(b * HQ + h0 + r) * D + d]", "out[((b * HQ + h0 + r / WQ) * WQ + r % WQ) * D + d]"),
+             "(h0 + r / WQ) * queries_strides[1] + min(r % WQ, W - 1) * queries_strides[2]"),
+            ("out[(b * HQ + h0 + r) * D + d] =",
+             "if (r % WQ < W) out[((b * HQ + h0 + r / WQ) * W + r % WQ) * D + d] ="),
             ("[RPB]", "[RQ]"), ("r < RPB;", "r < RQ;"), ("i < RPB * D;", "i < RQ * D;")):
         assert old in text, old
         text = text.replace(old, new)
@@ -77,6 +93,11 @@ def _kernel():
             name="mlxnb_dense_wide_attention", input_names=["queries", "kd", "vd"],
             output_names=["out"], source=source(), ensure_row_contiguous=False))
     return _KERNELS[0]
+
+
+def capacity(W: int) -> int:
+    """The fewest query slots that hold W positions."""
+    return next(c for c in CAPACITIES if c >= W)
 
 
 def warps_for(D: int, positions: int) -> int:
@@ -94,11 +115,47 @@ def dense_wide(queries, keys, values, scale: float) -> mx.array:
     B, Hq, W, D = queries.shape
     Hkv = keys.shape[1]
     n_rep = Hq // Hkv
-    warps = warps_for(D, W)
+    WQ = capacity(W)
+    warps = warps_for(D, WQ)
     return _kernel()(
         inputs=[queries, keys, values],
         template=[("T", queries.dtype), ("D", D), ("NREP", n_rep), ("RPB", 1),
-                  ("WARPS", warps), ("U", 1), ("WQ", W), ("LK", kk.dense_lanes(D)),
+                  ("WARPS", warps), ("U", 1), ("WQ", WQ), ("LK", kk.dense_lanes(D)),
                   ("SCALE_BITS", kk._float_bits(scale)), ("TK", keys.dtype)],
         grid=(B * Hq * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(B, Hq, W, D)], output_dtypes=[queries.dtype])[0]
+
+
+def wanted() -> bool:
+    """Should verifications on this machine try the kernel (CUDA, not opted out)?"""
+    from .kv_attention import cuda_backend
+
+    return os.environ.get("MLXNB_WIDE_ATTENTION") != "composed" and cuda_backend()
+
+
+def ahead_pieces(model) -> list:
+    """kernels_ahead.py's pieces for the model's attention layers, one per capacity:
+    "wide-Hq-Hkv-D-scale-capacity", read from mlx-lm's attention modules (heads,
+    KV heads, head size by q_proj, scale); none where the kernel is not wanted. A
+    piece that guesses a shape wrong costs only its process: the load check
+    compiles what it does not find."""
+    if not wanted():
+        return []
+    shapes = set()
+    for _, m in model.named_modules():
+        Hq, Hkv, scale = (getattr(m, a, None) for a in ("n_heads", "n_kv_heads", "scale"))
+        q = getattr(getattr(m, "q_proj", None), "weight", None)
+        if isinstance(Hq, int) and isinstance(Hkv, int) and isinstance(scale, float) \
+                and q is not None and Hkv and Hq % Hkv == 0 and q.shape[0] % Hq == 0:
+            shapes.add((Hq, Hkv, q.shape[0] // Hq, float(scale)))
+    return [f"wide-{Hq}-{Hkv}-{D}-{scale!r}-{c}"
+            for Hq, Hkv, D, scale in sorted(shapes) for c in CAPACITIES]
+
+
+def compile_ahead(piece: str, dtype) -> None:
+    """Run one `ahead_pieces` piece's kernel on zeros of `dtype` (in a compiler)."""
+    Hq, Hkv, D, scale, c = piece.split("-", 1)[1].split("-")
+    Hq, Hkv, D, c = int(Hq), int(Hkv), int(D), int(c)
+    q = mx.zeros((1, Hq, c, D), dtype)
+    kv = mx.zeros((1, Hkv, 2 * c, D), dtype)
+    mx.eval(dense_wide(q, kv, kv, float(scale)))
