@@ -136,7 +136,9 @@ def main(argv=None, prog=None):
     report = common.Report(NAME, RESULT, TITLE, args, argv or [])
     lines = ["| prompts | B | off tok/s | lookup tok/s | speedup | accept | tok/step | "
              "pipelined | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
-    data, policy = [], ["", "What the policy saw (lookup runs):", ""]
+    data, policy = [], ["", f"Engine: {eng.cache_kinds}", "",
+                        "What the policy saw (lookup runs):", ""]
+    log(policy[1])
     for name in args.sets.split(","):
         prompts = sets[name]
         for B in batches:
