@@ -18,17 +18,19 @@ from mlxnb.core.worker import wide_kernel, wideattn
 from mlxnb.models.tiny import tiny_model
 
 
-def _contract(q, k, v, scale):
-    """What the kernel computes, by MLX: position w sees keys up to S - W + w."""
-    return wideattn._fused(q, k, v, scale=scale, mask="causal")
+def _contract(q, k, v, scale, mask="causal"):
+    """What the kernel computes, by MLX: position w sees keys up to S - W + w, or
+    those a boolean mask [B, 1, W, S] allows."""
+    return wideattn._fused(q, k, v, scale=scale, mask=mask)
 
 
 @pytest.fixture
 def kernel_on(monkeypatch):
     calls = []
     monkeypatch.setattr(wide_kernel, "dense_wide",
-                        lambda q, k, v, scale: calls.append(q.shape)
-                        or _contract(q, k, v, scale))
+                        lambda q, k, v, scale, mask="causal":
+                        calls.append((q.shape, isinstance(mask, str)))
+                        or _contract(q, k, v, scale, mask))
     wideattn.use_kernel(True)
     yield calls
     wideattn.use_kernel(False)
@@ -39,24 +41,35 @@ def test_causal_half_precision_verifications_take_the_kernel(kernel_on):
     k, v = (mx.random.normal((B, Hkv, S, D)).astype(mx.bfloat16) for _ in range(2))
     q = {W: mx.random.normal((B, Hq, W, D)).astype(mx.bfloat16)
          for W in (1, 3, wide_kernel.MAX_POSITIONS, wide_kernel.MAX_POSITIONS + 1)}
-    padded = mx.ones((B, 1, 3, S), mx.bool_)
+    padded = mx.arange(S)[None, None, None] >= mx.array([4])[:, None, None, None]
+    padded = padded & (mx.arange(S) <= (mx.arange(3) + S - 3)[:, None])  # [B, 1, 3, S]
     with wideattn.wide_attention():
         got = mx.fast.scaled_dot_product_attention(q[3], k, v, scale=0.125, mask="causal")
+        got_padded = mx.fast.scaled_dot_product_attention(q[3], k, v, scale=0.125, mask=padded)
         for W, mask in ((1, None), (wide_kernel.MAX_POSITIONS, "causal"),
-                        (wide_kernel.MAX_POSITIONS + 1, "causal"), (3, padded), (3, None)):
+                        (wide_kernel.MAX_POSITIONS + 1, "causal"), (3, None),
+                        (3, padded.astype(mx.float32)),
+                        (3, mx.broadcast_to(padded, (B, Hq, 3, S)))):
             mx.fast.scaled_dot_product_attention(q[W], k, v, scale=0.125, mask=mask)
         mx.fast.scaled_dot_product_attention(q[3].astype(mx.float32), k.astype(mx.float32),
                                              v.astype(mx.float32), scale=0.125, mask="causal")
-    # one position keeps MLX's kernel; padded or unmasked or too wide: composed
-    assert kernel_on == [(B, Hq, 3, D), (B, Hq, wide_kernel.MAX_POSITIONS, D)]
+    # one position keeps MLX's kernel; unmasked, too wide, a float or a per-head
+    # mask: composed
+    assert kernel_on == [((B, Hq, 3, D), True), ((B, Hq, 3, D), False),
+                         ((B, Hq, wide_kernel.MAX_POSITIONS, D), True)]
     assert mx.array_equal(got, _contract(q[3], k, v, 0.125)).item()
+    assert mx.array_equal(got_padded, _contract(q[3], k, v, 0.125, padded)).item()
 
 
 def test_wide_supports_only_what_the_kernel_computes():
     k = mx.zeros((1, 2, 40, 64), mx.bfloat16)
     assert ka.wide_supports((1, 6, 5, 64), k, "causal", 0.125)
     assert not ka.wide_supports((1, 6, 5, 64), k, None, 0.125)  # no mask: all keys
-    assert not ka.wide_supports((1, 6, 5, 64), k, mx.ones((1, 1, 5, 40), mx.bool_), 0.125)
+    assert ka.wide_supports((1, 6, 5, 64), k, mx.ones((1, 1, 5, 40), mx.bool_), 0.125)
+    assert not ka.wide_supports((1, 6, 5, 64), k, mx.ones((1, 1, 5, 40)), 0.125)  # additive
+    assert not ka.wide_supports((2, 6, 5, 64), k, mx.ones((1, 1, 5, 40), mx.bool_), 0.125)
+    assert not ka.wide_supports((1, 6, 5, 64), k, mx.ones((1, 1, 1, 40), mx.bool_), 0.125)
+    assert not ka.wide_supports((1, 6, 5, 64), k, mx.ones((1, 6, 5, 40), mx.bool_), 0.125)
     assert not ka.wide_supports((1, 6, 1, 64), k, "causal", 0.125)
     assert not ka.wide_supports((1, 6, 17, 64), k, "causal", 0.125)
     assert not ka.wide_supports((1, 5, 5, 64), k, "causal", 0.125)  # heads not grouped
@@ -66,8 +79,12 @@ def test_wide_supports_only_what_the_kernel_computes():
 def _generate(arun, model, tok, prompts):
     async def run():
         eng = Engine((model, tok), kv_budget=None, warmup=False)
-        rows = [await eng.submit(p, chat=False, max_tokens=24, speculate="lookup",
-                                 num_draft=4) for p in prompts]
+        # submitted together: the rows share steps, their verifications left-padded,
+        # until the first ends and the last goes on alone
+        rows = [eng.submit(p, chat=False, max_tokens=24 * (i + 1), speculate="lookup",
+                           num_draft=4) for i, p in enumerate(prompts)]
+        for r in rows:
+            await r
         status = eng.cache_kinds
         await eng.aclose()
         return [r.tokens for r in rows], status
@@ -105,7 +122,8 @@ def test_the_engine_verifies_through_the_kernel_on_cuda_once_checked(
     assert "verification attention: fused kernel" in status
     assert checked and checked[0]  # the model's attention shapes were checked
     assert got == plain
-    assert kernel_on and all(2 <= s[2] <= wide_kernel.MAX_POSITIONS for s in kernel_on)
+    assert kernel_on and all(2 <= s[2] <= wide_kernel.MAX_POSITIONS for s, _ in kernel_on)
+    assert {causal for _, causal in kernel_on} == {True, False}  # alone and padded
     # the kernels compiled ahead are those the check runs: each capacity of each shape
     pieces = kernels_ahead.extra_pieces(_bf16_model(3)[0])
     assert pieces == [f"wide-{Hq}-{Hkv}-{D}-{scale!r}-{c}"
@@ -120,10 +138,11 @@ def test_every_width_runs_in_a_capacity_the_check_loads(monkeypatch):
     assert {wide_kernel.capacity(W) for W in ka.WIDE_CHECK_WIDTHS} == set(wide_kernel.CAPACITIES)
     assert any(W < wide_kernel.capacity(W) for W in ka.WIDE_CHECK_WIDTHS)
     seen = []
-    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale:
-                        seen.append(q.shape[2]) or _contract(q, k, v, scale))
+    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale, mask:
+                        seen.append((q.shape[2], isinstance(mask, str)))
+                        or _contract(q, k, v, scale, mask))
     assert ka.self_check_wide([(6, 2, 64, mx.bfloat16, mx.bfloat16, 0.125)]) is None
-    assert tuple(seen) == ka.WIDE_CHECK_WIDTHS
+    assert seen == [(W, causal) for W in ka.WIDE_CHECK_WIDTHS for causal in (True, False)]
 
 
 def test_a_failed_self_check_keeps_the_composed_attention(arun, monkeypatch):
@@ -133,7 +152,7 @@ def test_a_failed_self_check_keeps_the_composed_attention(arun, monkeypatch):
     monkeypatch.setattr(ka, "cuda_backend", lambda: True)
     monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
                         mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
-    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale: q * 0)
+    monkeypatch.setattr(wide_kernel, "dense_wide", lambda q, k, v, scale, mask: q * 0)
     monkeypatch.delenv("MLXNB_WIDE_ATTENTION", raising=False)
     from mlxnb.core.worker.caches import LeanBatchKVCache
     try:
@@ -151,18 +170,20 @@ def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc")
 
-    def wrap(i, T, D, WQ, warps):
+    def wrap(i, T, D, WQ, warps, masked):
         args = [f"const {T}* queries", "const __grid_constant__ Shape queries_shape",
                 "const __grid_constant__ Strides queries_strides",
                 f"const {T}* kd", "const __grid_constant__ Shape kd_shape",
                 "const __grid_constant__ Strides kd_strides",
                 f"const {T}* vd", "const __grid_constant__ Strides vd_strides"]
+        if masked:
+            args += ["const bool* mask", "const __grid_constant__ Strides mask_strides"]
         consts = "".join(f"  constexpr int {n} = {x};\n" for n, x in (
             ("D", D), ("NREP", 3), ("RPB", 1), ("WARPS", warps), ("U", 1), ("WQ", WQ),
             ("LK", wide_kernel.kk.dense_lanes(D)), ("SCALE_BITS", 1040187392)))
         return (f"__global__ void k{i}({', '.join(args + [f'{T}* out'])}) {{\n"
                 f"  using T = {T};\n  using TK = {T};\n{consts}"
-                f"{wide_kernel.source()}\n}}\n")
+                f"{wide_kernel.source(masked)}\n}}\n")
 
     assert wide_kernel.CAPACITIES == (2, 4, 8, 16)
     cases = [("__nv_bfloat16", 64, 2, 8), ("__half", 96, 8, 8),
@@ -173,7 +194,8 @@ def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
                    "#include <cuda/std/array>\n#include <cuda/std/limits>\n"
                    "#include <cstdint>\nusing Shape = cuda::std::array<int32_t, 8>;\n"
                    "using Strides = cuda::std::array<int64_t, 8>;\n"
-                   + "".join(wrap(i, *c) for i, c in enumerate(cases)))
+                   + "".join(wrap(2 * i + m, *c, bool(m)) for i, c in enumerate(cases)
+                           for m in (0, 1)))
     r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
                         str(tmp_path / "k.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -96,12 +96,18 @@ def dense_supports(queries_shape, keys, mask, scale: float = 1.0) -> bool:
 
 
 def wide_supports(queries_shape, keys, mask, scale: float = 1.0) -> bool:
-    """A verification's causal attention that wide_kernel.py takes: 2 to
-    MAX_POSITIONS query positions, the "causal" mask (a row alone or an unpadded
-    batch; masks of padded or windowed batches keep the composed attention)."""
+    """A verification's attention that wide_kernel.py takes: 2 to MAX_POSITIONS
+    query positions, the "causal" mask (a row alone or an unpadded batch) or a
+    boolean one per row and position over the keys, [B, 1, W, S] (a left-padded
+    batch's; sliding windows' masks are of this kind too)."""
     B, Hq, L, D = queries_shape
-    return (isinstance(mask, str) and mask == "causal"
-            and 2 <= L <= wide_kernel.MAX_POSITIONS and L <= keys.shape[2]
+    S = keys.shape[2]
+    if isinstance(mask, str):
+        mask_ok = mask == "causal"
+    else:
+        mask_ok = (isinstance(mask, mx.array) and mask.dtype == mx.bool_
+                   and tuple(mask.shape) == (B, 1, L, S))
+    return (mask_ok and 2 <= L <= wide_kernel.MAX_POSITIONS and L <= S
             and Hq % keys.shape[1] == 0 and scale > 0
             and D <= 256 and D % 4 == 0
             and keys.dtype in (mx.bfloat16, mx.float16, mx.float32))
@@ -352,26 +358,34 @@ def self_check_wide(calls: List[tuple], S: int = 300, B: int = 2,
                     seed: int = 2) -> Optional[str]:
     """wide_kernel.dense_wide against the composed attention (wideattn.py) on this
     device at each recorded shape (`recording(dense=True)`'s tuples), for each of
-    WIDE_CHECK_WIDTHS: None if every case matches, else what went wrong."""
+    WIDE_CHECK_WIDTHS, causal and with a left-padded batch's mask: None if every
+    case matches, else what went wrong."""
     from .wideattn import unfused_attention
 
     key = mx.random.key(seed)
     for Hq, Hkv, D, qdt, kdt, scale in sorted(set(calls), key=str):
         for W in WIDE_CHECK_WIDTHS:
-            try:
-                k1, k2, k3, key = mx.random.split(key, 4)
-                # queries as attention gets them: [B, W, Hq, D] transposed (strided)
-                q = mx.random.normal((B, W, Hq, D), key=k1).astype(qdt).transpose(0, 2, 1, 3)
-                k = mx.random.normal((B, Hkv, S + 40, D), key=k2).astype(kdt)[..., :S, :]
-                v = mx.random.normal((B, Hkv, S + 40, D), key=k3).astype(kdt)[..., :S, :]
-                if not wide_supports(q.shape, k, "causal", scale):
-                    return f"no wide kernel for shape Hq={Hq} Hkv={Hkv} D={D} W={W}"
-                got = wide_kernel.dense_wide(q, k, v, scale).astype(mx.float32)
-                want = unfused_attention(q, k, v, scale, "causal").astype(mx.float32)
-                err = (got - want).abs().max().item()
-                if not err <= 0.02 + 0.02 * want.abs().max().item():
-                    return (f"wide kernel differs from the composed attention by {err:.3g} "
-                            f"(Hq={Hq} Hkv={Hkv} D={D} W={W})")
-            except Exception as e:
-                return f"wide kernel failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+            # row 0 unpadded, row b left-padded by 37 * b keys
+            pad = mx.arange(B)[:, None, None, None] * 37
+            keys_at = mx.arange(S)[None, None, None]
+            padded = (keys_at >= pad) & (keys_at <= (mx.arange(W) + S - W)[None, None, :, None])
+            for mask in ("causal", padded):
+                try:
+                    k1, k2, k3, key = mx.random.split(key, 4)
+                    # queries as attention gets them: [B, W, Hq, D] transposed (strided)
+                    q = mx.random.normal((B, W, Hq, D), key=k1).astype(qdt).transpose(0, 2, 1, 3)
+                    k = mx.random.normal((B, Hkv, S + 40, D), key=k2).astype(kdt)[..., :S, :]
+                    v = mx.random.normal((B, Hkv, S + 40, D), key=k3).astype(kdt)[..., :S, :]
+                    if not wide_supports(q.shape, k, mask, scale):
+                        return f"no wide kernel for shape Hq={Hq} Hkv={Hkv} D={D} W={W}"
+                    got = wide_kernel.dense_wide(q, k, v, scale, mask).astype(mx.float32)
+                    want = unfused_attention(q, k, v, scale, mask).astype(mx.float32)
+                    err = (got - want).abs().max().item()
+                    if not err <= 0.02 + 0.02 * want.abs().max().item():
+                        how = "causal" if isinstance(mask, str) else "padded"
+                        return (f"wide kernel differs from the composed attention by "
+                                f"{err:.3g} (Hq={Hq} Hkv={Hkv} D={D} W={W}, {how})")
+                except Exception as e:
+                    return (f"wide kernel failed: {type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:160]}")
     return None

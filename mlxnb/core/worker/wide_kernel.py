@@ -12,7 +12,8 @@ time than one position's, whichever kernel ran its linears
 (bench/results/verify-cost-2026-12-03-h200.md). Here the attention is one node a layer
 (the forward's count is one position's), kv_kernels.py's dense decode kernel
 given W query positions per block: position w of a row sees the keys up to
-S - W + w.
+S - W + w; or, where rows are left-padded (a batch of rows of different lengths),
+the keys its boolean mask [B, 1, W, S] allows.
 
 Each block takes one query head of one row, all W positions (one head a block, so a
 lane's registers hold W queries, not W times a group of heads). A group's keys past a
@@ -44,7 +45,7 @@ __all__ = ["CAPACITIES", "MAX_POSITIONS", "ahead_pieces", "capacity", "compile_a
 
 CAPACITIES = (2, 4, 8, 16)  # query positions a block holds in registers
 MAX_POSITIONS = CAPACITIES[-1]
-_KERNELS = []
+_KERNELS = {}  # masked? -> the kernel
 
 # the causal limit: a key past position w's last one scores -inf for that position
 _LIMIT = r"""
@@ -54,18 +55,27 @@ _LIMIT = r"""
             }
         }
 """
+# or the mask's: position p of row b sees key s where mask[b, 0, p, s]
+_MASKED = r"""
+        for (int u = 0; u < U; u++) {
+            for (int r = 0; r < RQ; r++) {
+                if (ok[u] && !mask[b * mask_strides[0] + min(r % WQ, W - 1) * mask_strides[2]
+                                   + sidx[u] * mask_strides[3]]) sc[u][r] = NEG_INF;
+            }
+        }
+"""
 
 
-def source() -> str:
+def source(masked: bool = False) -> str:
     """kv_kernels' dense decode source, given WQ query slots per block (RQ = RPB * WQ
     query rows: row r is head h0 + r / WQ, slot r % WQ; slots from W on repeat
-    position W - 1)."""
+    position W - 1); causal, or `masked` by a [B, 1, W, S] boolean mask."""
     loop = (kk._LOOP.replace("/*MASK*/", "")
             .replace("/*LOAD_K*/", kk._D_LOAD.format(x="k")).replace("/*DOT*/", kk._D_DOT)
             .replace("/*LOAD_V*/", kk._D_LOAD.format(x="v")).replace("/*ACC*/", kk._D_ACC))
     shuffle_end = "        for (int r = 0; r < RPB; r++) {\n            float mn = m[r];"
     assert shuffle_end in loop
-    loop = loop.replace(shuffle_end, _LIMIT + shuffle_end)
+    loop = loop.replace(shuffle_end, (_MASKED if masked else _LIMIT) + shuffle_end)
     # a position whose keys in this group all lie past its limit adds nothing
     skip = "if (mn == NEG_INF) continue;  // no key of this group yet"
     assert skip in loop
@@ -87,12 +97,13 @@ def source() -> str:
     return text
 
 
-def _kernel():
-    if not _KERNELS:
-        _KERNELS.append(mx.fast.cuda_kernel(
-            name="mlxnb_dense_wide_attention", input_names=["queries", "kd", "vd"],
-            output_names=["out"], source=source(), ensure_row_contiguous=False))
-    return _KERNELS[0]
+def _kernel(masked: bool):
+    if masked not in _KERNELS:
+        _KERNELS[masked] = mx.fast.cuda_kernel(
+            name="mlxnb_dense_wide_attention" + ("_masked" if masked else ""),
+            input_names=["queries", "kd", "vd"] + (["mask"] if masked else []),
+            output_names=["out"], source=source(masked), ensure_row_contiguous=False)
+    return _KERNELS[masked]
 
 
 def capacity(W: int) -> int:
@@ -109,16 +120,18 @@ def warps_for(D: int, positions: int) -> int:
     return warps
 
 
-def dense_wide(queries, keys, values, scale: float) -> mx.array:
+def dense_wide(queries, keys, values, scale: float, mask="causal") -> mx.array:
     """queries [B, Hq, W, D] (W <= MAX_POSITIONS), keys and values [B, Hkv, S, D] ->
-    [B, Hq, W, D]: position w attends to keys up to S - W + w."""
+    [B, Hq, W, D]: position w attends to keys up to S - W + w ("causal"), or to
+    those `mask` [B, 1, W, S] (bool) allows."""
     B, Hq, W, D = queries.shape
     Hkv = keys.shape[1]
     n_rep = Hq // Hkv
     WQ = capacity(W)
     warps = warps_for(D, WQ)
-    return _kernel()(
-        inputs=[queries, keys, values],
+    masked = not isinstance(mask, str)
+    return _kernel(masked)(
+        inputs=[queries, keys, values] + ([mask] if masked else []),
         template=[("T", queries.dtype), ("D", D), ("NREP", n_rep), ("RPB", 1),
                   ("WARPS", warps), ("U", 1), ("WQ", WQ), ("LK", kk.dense_lanes(D)),
                   ("SCALE_BITS", kk._float_bits(scale)), ("TK", keys.dtype)],
@@ -153,9 +166,11 @@ def ahead_pieces(model) -> list:
 
 
 def compile_ahead(piece: str, dtype) -> None:
-    """Run one `ahead_pieces` piece's kernel on zeros of `dtype` (in a compiler)."""
+    """Run one `ahead_pieces` piece's kernels (causal and masked) on zeros of
+    `dtype` (in a compiler)."""
     Hq, Hkv, D, scale, c = piece.split("-", 1)[1].split("-")
     Hq, Hkv, D, c = int(Hq), int(Hkv), int(D), int(c)
     q = mx.zeros((1, Hq, c, D), dtype)
     kv = mx.zeros((1, Hkv, 2 * c, D), dtype)
-    mx.eval(dense_wide(q, kv, kv, float(scale)))
+    mask = mx.ones((1, 1, c, 2 * c), mx.bool_)
+    mx.eval(dense_wide(q, kv, kv, float(scale)), dense_wide(q, kv, kv, float(scale), mask))

@@ -11,8 +11,8 @@ positions is composed from plain ops instead -- two matmuls and a softmax, the s
 kernels whatever the length -- which on a small W costs little anywhere. Single
 positions and float32 (where no backend prepares per shape) keep MLX's fused kernel.
 On CUDA, where the engine has turned it on (`use_kernel`, after its check on the
-device), a causal verification of up to 16 positions runs as one kernel a layer
-instead (wide_kernel.py).
+device), a verification of up to 16 positions, causal or left-padded, runs as one
+kernel a layer instead (wide_kernel.py).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **kw):
     if q.shape[2] < 2 or q.dtype == mx.float32 or sinks is not None or kw:
         return _fused(q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
     if _kernel["on"] and kv_attention.wide_supports(q.shape, k, mask, scale):
-        return wide_kernel.dense_wide(q, k, v, scale)
+        return wide_kernel.dense_wide(q, k, v, scale, mask)
     bias = None
     if mask is not None:  # every layer gets the same mask: one bias for them all
         B, Hq, L, _ = q.shape
