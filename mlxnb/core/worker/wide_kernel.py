@@ -1,5 +1,5 @@
-"""A verification's attention (a few query positions per row, causal) in one CUDA
-kernel per layer, over a full-precision KV cache.
+"""A verification's attention (a few query positions per row, causal or left-padded)
+in one CUDA kernel per layer, over a full-precision KV cache.
 
 A verification forward feeds each row W positions ([B, Hq, W, D] queries). MLX's CUDA
 backend would run that attention through cuDNN, building a graph per key length, so
@@ -19,7 +19,7 @@ Each block takes one query head of one row, all W positions (one head a block, s
 lane's registers hold W queries, not W times a group of heads). A group's keys past a
 position's limit score -inf for it, so they add nothing to its softmax. W is read at
 run time and the registers are sized for a capacity of 2, 4, 8 or 16 positions: four
-kernels per model, all compiled and loaded by the engine's check at load, where a
+kernels per model and mask kind, all compiled and loaded by the check at load, where a
 kernel per width would compile (seconds each on NVRTC) and load (tens of ms) the
 first time speculation reaches that width, in the middle of a run. Slots past W
 repeat position W - 1 and are not written.
