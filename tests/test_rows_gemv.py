@@ -18,7 +18,7 @@ def test_on_this_cpu_the_model_is_left_alone(monkeypatch):
     model, _ = tiny_model(seed=1)
     assert rows_gemv.check([(64, 64)], mx.float32) == "not a CUDA device"
     monkeypatch.delenv("MLXNB_ROWS_GEMV", raising=False)
-    assert rows_gemv.install(model).startswith("MLX's matmul (MLXNB_ROWS_GEMV=1 tries")
+    assert rows_gemv.install(model).startswith("MLX's matmul (MLXNB_ROWS_GEMV=1 or verify")
     monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
     assert rows_gemv.install(model) == "MLX's matmul (not a CUDA device)"
     assert not any(type(m) is rows_gemv.RowsLinear for _, m in model.named_modules())
@@ -96,6 +96,27 @@ def test_verification_positions_take_the_kernel(arun, stand_in):
     spec = _generate(arun, model, tok, [text], speculate="lookup", num_draft=4)
     assert spec == plain
     assert any(M > 1 for M in stand_in)
+
+
+def test_verify_mode_gives_the_kernel_verifications_only(arun, stand_in, monkeypatch):
+    """MLXNB_ROWS_GEMV=verify: rows decoding side by side keep MLX's matmul; the
+    positions of a verification take the kernel; tokens as without it."""
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "verify")
+    prompts = ["hello there", "the cat sat", "one two three"]
+    stand_in.device(False)
+    plain = _generate(arun, *tiny_model(seed=2), prompts)
+    stand_in.device(True)
+    assert _generate(arun, *tiny_model(seed=2), prompts) == plain
+    assert not stand_in  # three rows decoding, no verification: nothing reached it
+    text = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta "
+    stand_in.device(False)
+    plain = _generate(arun, *tiny_model(seed=2), [text], speculate=None)
+    stand_in.device(True)
+    model, tok = tiny_model(seed=2)
+    assert rows_gemv.install(tiny_model(seed=2)[0]).endswith(", verifications only")
+    spec = _generate(arun, model, tok, [text], speculate="lookup", num_draft=4)
+    assert spec == plain
+    assert stand_in and all(2 <= M <= rows_gemv.MAX_ROWS for M in stand_in)
 
 
 def test_a_kernel_that_differs_by_a_bit_is_not_used(monkeypatch, stand_in):

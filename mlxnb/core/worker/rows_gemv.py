@@ -19,14 +19,20 @@ The kernel's in and out sizes are template constants (its loops unroll; one kern
 per layer shape and row capacity, 2, 4, 8 or 16 rows, a batch's row count read at
 run time): NVRTC takes 1-2 s a kernel, so kernels_ahead.py compiles a model's 4-5
 shapes' kernels in parallel processes before the load check runs, once per machine.
-The engine installs it only where MLXNB_ROWS_GEMV=1. On H200 hosts a chain of 2-8-row
-products runs in 4-10 us against cuBLAS's 14-25 us, but the default model's forward of
-2-8 positions was faster with the kernel on one host only (1.25-1.32x a one-position
-step against 2.2-2.4x); on three others it was no faster (2.4-2.9x against 2.2-2.3x),
-with its products called directly or compiled: there a multi-position forward's time
-is the host's, 4.8 ms above one position's whichever product runs
-(bench/results/verify-cost-2026-12-03-h200.md). `python -m bench verify-cost` measures
-both.
+The engine installs it only where asked: MLXNB_ROWS_GEMV=1 for every few-row product,
+MLXNB_ROWS_GEMV=verify for those of verification forwards only (`verifying`), which
+leaves plain decoding as MLX runs it (a plain step at B=1 is one row, which neither
+mode gives the kernel). With the verification attention kernel (wide_kernel.py) and
+this one on, copy-heavy speculation at B=1 on an H200 ran at 1.94-2.33x, against
+1.39-1.66x with the attention kernel alone (bench/results/speculate-2026-12-03-h200.md).
+
+On H200 hosts a chain of 2-8-row products runs in 4-10 us against cuBLAS's 14-25 us.
+While verifications composed their attention from some eight ops a layer, that did
+not show in the forward (a multi-position forward's time was the host's, 4.8 ms above
+one position's whichever product ran); with wide_kernel.py's attention the forward of
+2-8 positions took 1.66-1.72 one-position steps with this kernel against 1.78-2.35
+without (bench/results/verify-cost-2026-12-03-h200.md). `python -m bench verify-cost`
+measures both.
 
 Only layers that MLX itself would run as a GEMV for one row take it: plain
 `nn.Linear` without a bias (a bias goes through cuBLAS's epilogue), float weights,
@@ -39,12 +45,14 @@ rows of Llama-1B's [2048 <-> 8192] against 28 us, and 58 us for 8 against 28).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["MAX_ROWS", "MAX_WORK", "enabled", "install", "check", "matmul", "RowsLinear"]
+__all__ = ["MAX_ROWS", "MAX_WORK", "enabled", "install", "check", "matmul", "mode",
+           "RowsLinear", "verifying"]
 
 MAX_ROWS = 16  # above this cuBLAS's tiles pay for themselves (bench verify-cost)
 BUCKETS = (2, 4, 8, MAX_ROWS)  # the kernels' row capacities (MAXM)
@@ -97,13 +105,32 @@ _BODY = r"""
 """
 
 _KERNEL = []
-_STATE = {"on": False}  # install's verdict for the RowsLinear layers
+# install's verdict for the RowsLinear layers; "all": every few-row product, else only
+# while `verifying`
+_STATE = {"on": False, "all": True, "verifying": False}
 _PRODUCTS = {}  # weight shape -> compiled `matmul` (see _product)
 
 
+def mode() -> Optional[str]:
+    """"all" (MLXNB_ROWS_GEMV=1), "verify" (MLXNB_ROWS_GEMV=verify) or None (off)."""
+    return {"1": "all", "verify": "verify"}.get(os.environ.get("MLXNB_ROWS_GEMV", ""))
+
+
 def enabled() -> bool:
-    """Whether the engine tries the kernel (MLXNB_ROWS_GEMV=1)."""
-    return os.environ.get("MLXNB_ROWS_GEMV") == "1"
+    """Whether the engine tries the kernel (`mode` not None)."""
+    return mode() is not None
+
+
+@contextmanager
+def verifying():
+    """While a verification forward is built (on the worker thread): the products
+    that "verify" mode gives the kernel."""
+    before = _STATE["verifying"]
+    _STATE["verifying"] = True
+    try:
+        yield
+    finally:
+        _STATE["verifying"] = before
 
 
 def _kernel():
@@ -160,7 +187,7 @@ class RowsLinear(nn.Linear):
     is on (`install`); the same weights, the same parameters."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _STATE["on"] and "bias" not in self:
+        if _STATE["on"] and (_STATE["all"] or _STATE["verifying"]) and "bias" not in self:
             K, w = x.shape[-1], self.weight
             rows = x.size // K if K else 0
             if 2 <= rows <= MAX_ROWS and rows * w.size <= MAX_WORK and x.dtype == w.dtype:
@@ -241,12 +268,13 @@ def _plain_linears(model):
 def install(model, on: Optional[bool] = None) -> str:
     """Turn the model's plain bias-free linears into RowsLinear (in place: the class
     of each module object changes, its weights stay) once `check` passes on their
-    shapes, if `on` (default: `enabled()`); returns
-    what runs ("kernel, N layers" or "MLX's matmul (why)")."""
+    shapes, if `on` (default: `enabled()`), for `mode()`'s products; returns what
+    runs ("kernel, N layers[, verifications only]" or "MLX's matmul (why)")."""
     _STATE["on"] = False
+    _STATE["all"] = mode() != "verify"
     _PRODUCTS.clear()
     if not (enabled() if on is None else on):
-        return "MLX's matmul (MLXNB_ROWS_GEMV=1 tries the rows GEMV kernel)"
+        return "MLX's matmul (MLXNB_ROWS_GEMV=1 or verify tries the rows GEMV kernel)"
     layers, sizes = list(_plain_linears(model)), shapes(model)
     if not sizes:
         return "MLX's matmul (no plain linear layer small enough)"
@@ -257,4 +285,4 @@ def install(model, on: Optional[bool] = None) -> str:
     for _, m in layers:
         m.__class__ = RowsLinear
     _STATE["on"] = True
-    return f"kernel, {len(layers)} layers"
+    return f"kernel, {len(layers)} layers" + ("" if _STATE["all"] else ", verifications only")

@@ -66,7 +66,8 @@ class BatchModel:
         elif self.compile_note:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
         if self.linears.startswith("kernel"):
-            self.cache_kinds += ", few-row linears: GEMV kernel"
+            self.cache_kinds += ", few-row linears: GEMV kernel" + (
+                " in verifications" if self.linears.endswith("verifications only") else "")
         if self.wide_note:
             self.cache_kinds += f", verification attention: {self.wide_note}"
         # prefix entries are slices of full-attention KV (quantized or not): windows

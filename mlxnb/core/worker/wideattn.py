@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from . import kv_attention, wide_kernel
+from . import kv_attention, rows_gemv, wide_kernel
 
 __all__ = ["unfused_attention", "use_kernel", "wide_attention"]
 
@@ -89,10 +89,12 @@ def _sdpa(q, k, v, *, scale, mask=None, sinks=None, **kw):
 @contextmanager
 def wide_attention():
     """While a verification forward is built (on the worker thread, which alone
-    builds MLX graphs): attention through `_sdpa`."""
+    builds MLX graphs): attention through `_sdpa`, and few-row products through
+    rows_gemv.py's kernel where it is on for verifications."""
     mx.fast.scaled_dot_product_attention = _sdpa
     try:
-        yield
+        with rows_gemv.verifying():
+            yield
     finally:
         mx.fast.scaled_dot_product_attention = _fused
         _made.clear()  # (also drops the masks whose ids keyed it)
