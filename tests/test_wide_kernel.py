@@ -199,3 +199,66 @@ def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
     r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
                         str(tmp_path / "k.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_kernels_it_could_not_foresee_compile_in_the_background(
+        arun, monkeypatch, tmp_path, kernel_on):
+    """A model whose attention shapes kernels_ahead.py did not compile for: the
+    engine starts on the composed attention, its compilers run beside the rows, and
+    between ticks after they exit the check runs and verifications take the kernel."""
+    import subprocess
+    import sys
+
+    from mlxnb.core.worker import batch
+    from mlxnb.core.worker.caches import LeanBatchKVCache
+
+    gate = tmp_path / "compiled"
+
+    def spawn(module, pieces, arg, what):  # stand-in compilers: wide ones wait on `gate`
+        (tmp_path / "ptx").mkdir(exist_ok=True)
+        private = tmp_path / f"private-{what}-{len(list(tmp_path.iterdir()))}"
+        private.mkdir()
+        wait = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.01)"
+        return private, [subprocess.Popen(
+            [sys.executable, "-c", wait if p.startswith("wide-") else "pass", str(gate)],
+            stderr=subprocess.PIPE) for p in pieces]
+
+    monkeypatch.setattr(kernels_ahead, "spawn", spawn)
+    monkeypatch.setattr(kernels_ahead, "wanted", lambda: True)
+    monkeypatch.setattr(kernels_ahead, "ptx_dir", lambda: tmp_path / "ptx")
+    monkeypatch.setattr(batch, "extra_pieces", lambda model: [])  # shapes not foreseen
+    monkeypatch.setattr(ka, "cuda_backend", lambda: True)
+    monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
+                        mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
+    checked = []
+    monkeypatch.setattr(ka, "self_check_wide", lambda calls: checked.append(calls) or None)
+    monkeypatch.delenv("MLXNB_WIDE_ATTENTION", raising=False)
+
+    async def run():
+        eng = Engine(_bf16_model(3), kv_budget=None, warmup=False)
+        status = eng.cache_kinds
+        before = (list(checked), wideattn._kernel["on"])
+        first = await eng.submit(PROMPTS[0], chat=False, max_tokens=24, speculate="lookup",
+                                 num_draft=4)
+        during = (list(checked), list(kernel_on))
+        gate.touch()
+        for _ in range(100):
+            if wideattn._kernel["on"]:
+                break
+            await eng.submit("x", chat=False, max_tokens=1)  # ticks
+        last = await eng.submit(PROMPTS[1], chat=False, max_tokens=24, speculate="lookup",
+                                num_draft=4)
+        await eng.aclose()
+        return status, before, during, first.tokens, last.tokens
+
+    try:
+        status, before, during, first, last = arun(run)
+    finally:
+        LeanBatchKVCache.dense_decode = False
+        wideattn.use_kernel(False)
+    assert "verification attention: fused kernel once its kernels compile" in status
+    assert before == ([], False) and during == ([], []) and first
+    assert checked and checked[0]  # checked once the compilers were done
+    assert kernel_on and last
+    # the pieces are marked compiled: the next engine checks them at load
+    assert len(list((tmp_path / "ptx").glob("mlxnb-model-kernels-bfloat16-wide-*.done"))) == 4

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
+from ..._log import log
 from .._trace import lap, pc, timed
 from ..constrain import Constraints
 from ..constraint_results import verdict
@@ -69,6 +70,10 @@ class BatchExecutor:
         except BaseException:
             self.precompiler.close()
             raise
+        # wide_kernel.py's kernels for shapes kernels_ahead.py could not foresee
+        self.wide_compiler = self.setup.wide_pending
+        if self.wide_compiler is not None and not self.wide_compiler.start():
+            self._enable_wide()
         self.model, self.tokenizer = model, tokenizer
         self.make_cache = self.setup.make_cache
         self.tracer = None  # see trace()
@@ -151,6 +156,8 @@ class BatchExecutor:
         updates, emitted = Updates(), []
         if self.precompiler.pending:
             self.precompiler.poll()
+        if self.wide_compiler is not None and self.wide_compiler.finished:
+            self._enable_wide()
         for rid in cancels:
             self._cancel(rid, updates, emitted)
         self.prefill.admit(admits)
@@ -493,11 +500,21 @@ class BatchExecutor:
                 other[rid] = b // max(len(live), 1)
         return total, share, other
 
+    def _enable_wide(self) -> None:
+        """Between ticks, once the verification attention's compilers are done:
+        move their kernels, check them, and use them if they pass."""
+        self.wide_compiler.wait(0)
+        self.wide_compiler = None
+        log.info("verification attention: %s", self.setup.enable_wide())
+
     def close(self, clear_cache: bool = True):
         """Forget every row; `clear_cache` (a final close, unlike warm-up's reset)
         also frees MLX's buffer cache and stops background kernel compiles."""
         if clear_cache:
             self.precompiler.close()
+            if self.wide_compiler is not None:
+                self.wide_compiler.close()
+                self.wide_compiler = None
         self.prefill.clear()
         self._reset_batch()
         self.masks.close()

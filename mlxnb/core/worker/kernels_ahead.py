@@ -61,9 +61,9 @@ class ModelKernels:
     """Compiles the pieces above for one dtype, and `extra` ones (`extra_pieces`);
     `wait` before the model's first use."""
 
-    def __init__(self, dtype: Optional[str], extra=()):
+    def __init__(self, dtype: Optional[str], extra=(), base: bool = True):
         self.dtype = dtype
-        self.wanted = list(PIECES) + list(extra)
+        self.wanted = (list(PIECES) if base else []) + list(extra)
         self.pieces: List[str] = []
         self.procs: List[subprocess.Popen] = []
         self.private: Optional[Path] = None
@@ -72,12 +72,22 @@ class ModelKernels:
     def _done(self, piece: str) -> Path:
         return ptx_dir() / _DONE.format(dtype=self.dtype, piece=piece)
 
+    def missing(self) -> List[str]:
+        """The wanted pieces not compiled before for this dtype, where this backend
+        keeps compiled kernels (else none)."""
+        if self.dtype is None or not wanted():
+            return []
+        return [p for p in self.wanted if not self._done(p).exists()]
+
+    @property
+    def finished(self) -> bool:
+        """Have the started compilers all exited? (`wait` then returns at once.)"""
+        return all(p.poll() is not None for p in self.procs)
+
     def start(self) -> bool:
         """Start the compilers of the pieces not compiled before for this dtype,
         unless this backend keeps no kernels; True if any started."""
-        if self.dtype is None or not wanted():
-            return False
-        pieces = [p for p in self.wanted if not self._done(p).exists()]
+        pieces = self.missing()
         if not pieces:
             return False
         self.private, self.procs = spawn(__name__, pieces, self.dtype, "model")

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wide_kernel, wideattn
 from .fuse import fuse_projections
+from .kernels_ahead import ModelKernels
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
 from .prefix import PrefixStore
@@ -176,14 +177,32 @@ class BatchModel:
         return why
 
     def _pick_wide_attention(self) -> str:
-        """On CUDA (unless MLXNB_WIDE_ATTENTION=composed): verifications' causal
-        attention through wide_kernel.py if its self-check at this model's shapes
-        passes; returns what runs ("" elsewhere)."""
+        """On CUDA (unless MLXNB_WIDE_ATTENTION=composed): verifications' attention
+        through wide_kernel.py if its self-check at this model's shapes passes;
+        returns what runs ("" elsewhere). Where kernels_ahead.py did not compile its
+        kernels for these shapes (a model whose attention modules it could not
+        read), they compile in the background (`wide_pending`, batch.py) and
+        `enable_wide` checks them then: compiled inline, they would hold the load
+        for some 16 s on a fresh machine."""
         wideattn.use_kernel(False)
+        self.wide_pending: Optional[ModelKernels] = None
         if not wide_kernel.wanted():
             return ""
         if not self._attention_shapes:
             return "composed (no full-precision attention layer)"
+        dtype = str(self._attention_shapes[0][3]).rsplit(".", 1)[-1]
+        pending = ModelKernels(dtype, wide_kernel.pieces_for(
+            (Hq, Hkv, D, scale) for Hq, Hkv, D, _, _, scale in self._attention_shapes),
+            base=False)
+        if pending.missing():
+            self.wide_pending = pending
+            return ("fused kernel once its kernels compile (in the background; "
+                    "composed until then)")
+        return self.enable_wide()
+
+    def enable_wide(self) -> str:
+        """Check wide_kernel.py at this model's attention shapes and use it if the
+        check passes; returns what runs."""
         why = kv_attention.self_check_wide(self._attention_shapes)
         if why:
             return f"composed ({why})"

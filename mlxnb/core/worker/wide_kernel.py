@@ -41,7 +41,7 @@ import mlx.core as mx
 from . import kv_kernels as kk
 
 __all__ = ["CAPACITIES", "MAX_POSITIONS", "ahead_pieces", "capacity", "compile_ahead",
-           "dense_wide", "source", "wanted"]
+           "dense_wide", "pieces_for", "source", "wanted"]
 
 CAPACITIES = (2, 4, 8, 16)  # query positions a block holds in registers
 MAX_POSITIONS = CAPACITIES[-1]
@@ -151,7 +151,7 @@ def ahead_pieces(model) -> list:
     "wide-Hq-Hkv-D-scale-capacity", read from mlx-lm's attention modules (heads,
     KV heads, head size by q_proj, scale); none where the kernel is not wanted. A
     piece that guesses a shape wrong costs only its process: the load check
-    compiles what it does not find."""
+    compiles what it does not find, in the background (setup.py)."""
     if not wanted():
         return []
     shapes = set()
@@ -161,8 +161,13 @@ def ahead_pieces(model) -> list:
         if isinstance(Hq, int) and isinstance(Hkv, int) and isinstance(scale, float) \
                 and q is not None and Hkv and Hq % Hkv == 0 and q.shape[0] % Hq == 0:
             shapes.add((Hq, Hkv, q.shape[0] // Hq, float(scale)))
+    return pieces_for(shapes)
+
+
+def pieces_for(shapes) -> list:
+    """The pieces of (Hq, Hkv, D, scale) attention shapes: one per capacity."""
     return [f"wide-{Hq}-{Hkv}-{D}-{scale!r}-{c}"
-            for Hq, Hkv, D, scale in sorted(shapes) for c in CAPACITIES]
+            for Hq, Hkv, D, scale in sorted(set(shapes)) for c in CAPACITIES]
 
 
 def compile_ahead(piece: str, dtype) -> None:
