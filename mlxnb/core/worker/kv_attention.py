@@ -363,12 +363,11 @@ def self_check_wide(calls: List[tuple], S: int = 300, B: int = 2,
     from .wideattn import unfused_attention
 
     key = mx.random.key(seed)
+    keys_at = mx.arange(S)[None, None, None]  # [1, 1, 1, S]
+    unpadded = keys_at >= mx.arange(B)[:, None, None, None] * 37  # row b: 37 * b pads
     for Hq, Hkv, D, qdt, kdt, scale in sorted(set(calls), key=str):
         for W in WIDE_CHECK_WIDTHS:
-            # row 0 unpadded, row b left-padded by 37 * b keys
-            pad = mx.arange(B)[:, None, None, None] * 37
-            keys_at = mx.arange(S)[None, None, None]
-            padded = (keys_at >= pad) & (keys_at <= (mx.arange(W) + S - W)[None, None, :, None])
+            padded = unpadded & (keys_at <= (mx.arange(W) + S - W)[None, None, :, None])
             for mask in ("causal", padded):
                 try:
                     k1, k2, k3, key = mx.random.split(key, 4)
