@@ -49,8 +49,7 @@ demo: system-deps $(STAMP)
 
 test: system-deps browser-deps $(TEST_STAMP)
 	cd js && node --test test/
-	$(BIN)/python -m pytest -q -n $(JOBS)
-	$(BIN)/python -m pytest -q --nbval-lax notebooks/
+	$(BIN)/python -m pytest -q -n $(JOBS) --nbval-lax tests notebooks
 	$(BIN)/python -m bench decode --quick > /dev/null && $(BIN)/python -m bench mixed --quick > /dev/null
 	$(BIN)/python -m bench speculate --quick > /dev/null
 

@@ -371,13 +371,14 @@ def engine(model, **kw):
     return mlxnb.Engine((model, byte_tokenizer()), **kw)
 
 
-async def _alone(model, prompt, n, kw):
-    eng = engine(model, **kw)
-    try:
-        row = await eng.submit(prompt, chat=False, max_tokens=n)
-        return row.tokens, row.finish_reason, row.error
-    finally:
-        await eng.aclose()
+async def _alone(eng, prompts, n):
+    """Each prompt alone: one row at a time on one engine without a prefix cache (a
+    row never sees another's state), which is what a fresh engine per prompt gives."""
+    out = []
+    for p in prompts:
+        row = await eng.submit(p, chat=False, max_tokens=n)
+        out.append((row.tokens, row.finish_reason, row.error))
+    return out
 
 
 async def _batched(model, prompts, n, kw):
@@ -439,11 +440,14 @@ async def parity(m: Member, prompts=PROMPTS, n=MAX_TOKENS, reference=True,
         except ValueError:  # a model mlx-lm cannot run this way: the engine says why
             r.reference = None
     try:
-        engine(m.model, **engine_kw).close()
+        eng = engine(m.model, **dict(engine_kw, prefix_cache=None))
     except ValueError as e:
         r.status, r.detail = "refused", str(e)
         return r
-    alone = [await _alone(m.model, p, n, engine_kw) for p in prompts]
+    try:
+        alone = await _alone(eng, prompts, n)
+    finally:
+        await eng.aclose()
     r.alone = [a[0] for a in alone]
     r.batched, ends = await _batched(m.model, prompts, n, engine_kw)
     errs = [e for _, _, e in alone] + [e for _, e in ends]
