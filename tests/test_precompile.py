@@ -86,6 +86,50 @@ def test_compilers_run_then_sampling_is_fused_again(tmp_path, monkeypatch):
     assert not precompile.Precompiler(512).start()
 
 
+def test_each_pieces_kernels_land_as_soon_as_it_exits(tmp_path, monkeypatch):
+    """The filters' kernels reach MLX's folder while the slow fused Gumbel piece still
+    compiles: a top-p row's unfused draw then finds them on disk."""
+    from mlxnb.core.worker.compilers import piece_folder
+
+    cache, gate = tmp_path / "ptx", tmp_path / "gumbel-done"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
+    monkeypatch.setattr(precompile, "wanted", lambda: True)
+
+    def spawn(module, pieces, arg, what):  # stand-ins: each writes one kernel
+        private = tmp_path / "private"
+        procs = []
+        for i, piece in enumerate(pieces):
+            folder = piece_folder(private, i)
+            folder.mkdir(parents=True)
+            (folder / f"{piece}.ptx").write_text("ptx")
+            (folder / f"{piece}.txt").write_text("names")
+            wait = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.01)"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", wait if piece == "gumbel" else "pass", str(gate)],
+                stderr=subprocess.PIPE))
+        return private, procs
+
+    monkeypatch.setattr(precompile, "spawn", spawn)
+    p = precompile.Precompiler(512)
+    assert p.start()
+    try:
+        for proc, piece in zip(p.procs, p.pieces):
+            if piece != "gumbel":
+                proc.wait(timeout=60)
+        p.poll()
+        landed = sorted(f.stem for f in cache.glob("*.ptx"))
+        assert landed == sorted(x for x in precompile.PIECES if x != "gumbel")
+        assert p.pending and sampling._gumbel_argmax is sampling._gumbel_argmax_unfused
+        gate.touch()
+        p.procs[p.pieces.index("gumbel")].wait(timeout=60)
+        p.poll()
+    finally:
+        p.close()
+    assert sorted(f.stem for f in cache.glob("*.ptx")) == sorted(precompile.PIECES)
+    assert sampling._gumbel_argmax is sampling._gumbel_argmax_fused
+    assert (cache / "mlxnb-sampling-512.done").exists()
+
+
 def test_close_stops_the_compilers(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     monkeypatch.setattr(precompile, "wanted", lambda: True)

@@ -199,17 +199,65 @@ using Shape = cuda::std::array<int32_t, 8>;
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_its_compile_ahead_pieces_run_where_there_is_no_kernel_api(monkeypatch):
+def test_its_compile_pieces_run_where_there_is_no_kernel_api():
     from mlxnb.core.worker import kernels_ahead
 
     model, _ = tiny_model(seed=1)
-    monkeypatch.delenv("MLXNB_ROWS_GEMV", raising=False)
-    assert kernels_ahead.extra_pieces(model) == []
-    monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
-    pieces = kernels_ahead.extra_pieces(model)
-    assert pieces and all(p.startswith("gemv-") for p in pieces)
+    pieces = [f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(model)]
+    assert pieces
     for piece in pieces:
         kernels_ahead._compile(piece, "float32")  # the CPU: nothing to compile, no error
+
+
+def test_on_a_fresh_machine_its_kernels_compile_beside_the_rows(
+        arun, stand_in, monkeypatch, tmp_path):
+    """Kernels never compiled on this machine: the engine loads without waiting for
+    them and rows decode on MLX's matmul; once the compilers exit, the check runs
+    between ticks and later rows take the kernel, with the same tokens."""
+    import subprocess
+    import sys
+
+    from mlxnb.core.worker import kernels_ahead
+
+    gate = tmp_path / "compiled"
+
+    def spawn(module, pieces, arg, what):  # stand-ins: GEMV pieces wait for `gate`
+        private = tmp_path / f"private-{what}-{len(list(tmp_path.iterdir()))}"
+        private.mkdir()
+        wait = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.01)"
+        return private, [subprocess.Popen(
+            [sys.executable, "-c", wait if p.startswith("gemv-") else "pass", str(gate)],
+            stderr=subprocess.PIPE) for p in pieces]
+
+    (tmp_path / "ptx").mkdir()
+    monkeypatch.setattr(kernels_ahead, "spawn", spawn)
+    monkeypatch.setattr(kernels_ahead, "wanted", lambda: True)
+    monkeypatch.setattr(kernels_ahead, "ptx_dir", lambda: tmp_path / "ptx")
+    prompts = ["hello there", "the cat sat", "one two three"]
+
+    async def run():
+        eng = Engine(tiny_model(seed=2), kv_budget=None, warmup=False)
+        status = eng.cache_kinds
+        before = [r.tokens for r in await asyncio.gather(
+            *[eng.submit(p, chat=False, max_tokens=12) for p in prompts])]
+        reached_before = list(stand_in)
+        gate.touch()
+        for _ in range(200):
+            if rows_gemv._STATE["on"]:
+                break
+            await eng.submit("x", chat=False, max_tokens=1)  # ticks
+        after = [r.tokens for r in await asyncio.gather(
+            *[eng.submit(p, chat=False, max_tokens=12) for p in prompts])]
+        await eng.aclose()
+        return status, before, reached_before, after
+
+    status, before, reached_before, after = arun(run)
+    assert "few-row linears: GEMV kernel once its kernels compile (in the background" \
+        in status
+    assert reached_before == []  # nothing took the kernel while it compiled
+    assert stand_in and after == before
+    done = list((tmp_path / "ptx").glob("mlxnb-model-kernels-float32-gemv-*.done"))
+    assert len(done) == len(rows_gemv.shapes(tiny_model(seed=2)[0]))
 
 
 @pytest.mark.parametrize("N,K", [(576, 1536), (3584, 1024), (2048, 8192), (49152, 576)])

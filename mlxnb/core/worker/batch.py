@@ -70,10 +70,14 @@ class BatchExecutor:
         except BaseException:
             self.precompiler.close()
             raise
-        # wide_kernel.py's kernels for shapes kernels_ahead.py could not foresee
-        self.wide_compiler = self.setup.wide_pending
-        if self.wide_compiler is not None and not self.wide_compiler.start():
-            self._enable_wide()
+        # kernels that compile beside the rows (setup.pending): each is turned on
+        # between ticks once its compilers exit, or now if none had to start
+        self.compiling = []
+        for compiler, enable in self.setup.pending:
+            if compiler.start():
+                self.compiling.append((compiler, enable))
+            else:
+                enable()
         self.model, self.tokenizer = model, tokenizer
         self.make_cache = self.setup.make_cache
         self.tracer = None  # see trace()
@@ -156,8 +160,8 @@ class BatchExecutor:
         updates, emitted = Updates(), []
         if self.precompiler.pending:
             self.precompiler.poll()
-        if self.wide_compiler is not None and self.wide_compiler.finished:
-            self._enable_wide()
+        if self.compiling:
+            self._enable_compiled()
         for rid in cancels:
             self._cancel(rid, updates, emitted)
         self.prefill.admit(admits)
@@ -500,21 +504,23 @@ class BatchExecutor:
                 other[rid] = b // max(len(live), 1)
         return total, share, other
 
-    def _enable_wide(self) -> None:
-        """Between ticks, once the verification attention's compilers are done:
-        move their kernels, check them, and use them if they pass."""
-        self.wide_compiler.wait(0)
-        self.wide_compiler = None
-        log.info("verification attention: %s", self.setup.enable_wide())
+    def _enable_compiled(self) -> None:
+        """Between ticks: for each background compile whose compilers have exited,
+        move its kernels into MLX's folder and turn it on (each checks its kernels
+        first and stays off if the check fails)."""
+        for item in [c for c in self.compiling if c[0].finished]:
+            self.compiling.remove(item)
+            item[0].wait(0)
+            item[1]()
 
     def close(self, clear_cache: bool = True):
         """Forget every row; `clear_cache` (a final close, unlike warm-up's reset)
         also frees MLX's buffer cache and stops background kernel compiles."""
         if clear_cache:
             self.precompiler.close()
-            if self.wide_compiler is not None:
-                self.wide_compiler.close()
-                self.wide_compiler = None
+            for compiler, _ in self.compiling:
+                compiler.close()
+            self.compiling = []
         self.prefill.clear()
         self._reset_batch()
         self.masks.close()

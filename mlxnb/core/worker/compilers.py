@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..._log import swallowed
 from ...models.kernel_cache import ptx_dir
 
-__all__ = ["move_kernels", "spawn", "wanted"]
+__all__ = ["move_kernels", "piece_folder", "spawn", "wanted"]
 
 
 def wanted() -> bool:
@@ -34,16 +34,18 @@ def wanted() -> bool:
 
 
 def spawn(module: str, pieces, arg: str, what: str):
-    """(private folder, processes): `python -m module piece arg` per piece, each
-    compiling into the private folder beside MLX's; (None, []) if they cannot start."""
+    """(private folder, processes): `python -m module piece arg` per piece, the i-th
+    compiling into `piece_folder(private, i)` (its kernels can move into MLX's folder
+    as soon as it exits); (None, []) if they cannot start."""
     cache = ptx_dir()
     private, procs = None, []
     try:
         cache.mkdir(parents=True, exist_ok=True)
         private = Path(tempfile.mkdtemp(prefix=f"mlxnb-{what}-", dir=cache.parent))
-        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private),
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        for piece in pieces:
+        path = os.pathsep.join(p for p in sys.path if p)
+        for i, piece in enumerate(pieces):
+            env = dict(os.environ, MLX_PTX_CACHE_DIR=str(piece_folder(private, i)),
+                       PYTHONPATH=path)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", module, piece, arg], env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
@@ -59,12 +61,19 @@ def spawn(module: str, pieces, arg: str, what: str):
     return private, procs
 
 
+def piece_folder(private: Path, i: int) -> Path:
+    """Where the i-th process of `spawn` writes its kernels."""
+    return private / str(i)
+
+
 def move_kernels(src: Path, dst: Path) -> int:
     """Move kernels that `dst` lacks from `src` (see the module docstring for the
     order); returns the number of files moved. MLX names a kernel's files by its
     fused ops and splits names too long for one file name into nested folders, so
     the walk is recursive."""
     moved = 0
+    if not src.is_dir():  # a compiler that wrote nothing
+        return 0
     for ptx in sorted(src.rglob("*.ptx")):
         txt = ptx.with_suffix(".txt")
         target = dst / ptx.relative_to(src)

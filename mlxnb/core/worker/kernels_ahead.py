@@ -6,10 +6,12 @@ H200 host: the embedding lookup and the caches' row filters (a gather per data a
 index type), the row filter of the token vector, the roll of right-padded prefill
 caches (mlx-lm's `dynamic_roll`), the fused SwiGLU of the MLP
 (bench/results/cold-start-h200.md). None of their names depends on the model's sizes,
-only on its dtype, so tiny inputs of that dtype compile the same kernels. Where it is
-turned on, rows_gemv.py's few-row linears add a piece per weight shape (up to 4
-kernels each, sizes built in), run at the model's own shapes; wide_kernel.py's
-verification attention adds one per capacity (`extra_pieces`).
+only on its dtype, so tiny inputs of that dtype compile the same kernels.
+wide_kernel.py's verification attention adds one piece per capacity, at the model's
+own shapes (`extra_pieces`). The same class compiles what the engine turns on later
+(setup.py's `pending`, with `base=False`): rows_gemv.py's few-row linears, a piece
+per weight shape (up to 4 kernels each, sizes built in), and the verification
+attention where its shapes could not be read ahead.
 
 `start` runs one process per piece (each importing mlx alone: about a second) into
 a private folder; `wait` moves what they wrote into MLX's folder, where the engine's
@@ -33,7 +35,7 @@ import mlx.core as mx
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
 from . import rows_gemv, wide_kernel
-from .compilers import move_kernels, spawn, wanted
+from .compilers import move_kernels, piece_folder, spawn, wanted
 
 PIECES = ("gather", "rows", "roll", "swiglu")
 _DONE = "mlxnb-model-kernels-{dtype}-{piece}.done"
@@ -50,11 +52,9 @@ def model_dtype(model) -> Optional[str]:
 
 
 def extra_pieces(model) -> List[str]:
-    """The model's own pieces where the engine will try those kernels:
-    rows_gemv.py's ("gemv-NxK" per weight shape) and wide_kernel.py's."""
-    gemv = ([f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(model)]
-            if rows_gemv.enabled() else [])
-    return gemv + wide_kernel.ahead_pieces(model)
+    """The model's own pieces that the load check needs: wide_kernel.py's (rows_gemv.py's
+    compile in the background, setup.py's `pending`: some 60 s on a fresh host)."""
+    return wide_kernel.ahead_pieces(model)
 
 
 class ModelKernels:
@@ -117,7 +117,8 @@ class ModelKernels:
                 log.info("model-kernel compiler %s exited %s: %s", piece, p.returncode,
                          err[-1] if err else "")
         try:
-            moved = move_kernels(self.private, ptx_dir())
+            moved = sum(move_kernels(piece_folder(self.private, i), ptx_dir())
+                        for i in range(len(self.procs)))
             for piece in done:
                 self._done(piece).touch()
             log.info("model kernels compiled in %.1f s (%d files)",

@@ -9,10 +9,13 @@ B=8) (bench/results/cold-start-h200.md). Compiled inline, these paths held an
 Engine's start (its warm-up samples) or a row's first token for that long.
 
 So when the sampling kernels are not yet on disk, `Precompiler` starts one process
-per piece (they compile in parallel, one CPU core each) into a private folder, and
-the sampler draws with the unfused ops meanwhile (`sampling.use_fused(False)`). When
-the processes have exited, their files move into MLX's folder and the sampler
-switches to the fused kernel, which MLX then loads from disk in milliseconds. Both
+per piece (they compile in parallel, one CPU core each) into private folders, and
+the sampler draws with the unfused ops meanwhile (`sampling.use_fused(False)`). Each
+process's files move into MLX's folder as soon as it exits: the filters (mlx-lm's
+compiled top-p, min-p and top-k, 3-11 s each on a fresh H200 host, which the unfused
+draw needs too) land before the fused Gumbel kernel, so a top-p row's first token
+need not wait for the slowest piece. Once all have exited the sampler switches to
+the fused kernel, which MLX then loads from disk in milliseconds. Both
 draw the same tokens: the same ops on the same values (the fused kernel may contract
 a multiply-add, which changes a noise value by an ulp at most: a token whose
 perturbed logit ties the best one to that precision could differ).
@@ -37,7 +40,7 @@ import mlx.core as mx
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
 from . import sampling
-from .compilers import move_kernels as _move_kernels, spawn, wanted
+from .compilers import move_kernels as _move_kernels, piece_folder, spawn, wanted
 
 # One process per piece: a piece's kernels compile serially within a process.
 PIECES = ("gumbel", "top_k", "top_p", "min_p", "logprobs", "penalty")
@@ -53,6 +56,8 @@ class Precompiler:
     def __init__(self, vocab: int):
         self.vocab = vocab
         self.procs: List[subprocess.Popen] = []
+        self.pieces: List[str] = []
+        self.moved: List[bool] = []  # per process: its kernels are in MLX's folder
         self.private: Optional[Path] = None
         self.started_at = 0.0
         self.took: Optional[float] = None  # seconds, once done
@@ -67,32 +72,42 @@ class Precompiler:
         cache = ptx_dir()
         if not wanted() or (cache / _DONE.format(vocab=self.vocab)).exists():
             return False
-        self.private, self.procs = spawn(__name__, PIECES, str(self.vocab), "sampling")
+        self.pieces = list(PIECES)
+        self.private, self.procs = spawn(__name__, self.pieces, str(self.vocab), "sampling")
         if not self.procs:
             return False
+        self.moved = [False] * len(self.procs)
         self.started_at = time.perf_counter()
         sampling.use_fused(False)
         return True
 
     def poll(self) -> None:
-        if not self.procs or any(p.poll() is None for p in self.procs):
+        if not self.procs:
             return
-        failed = [p for p in self.procs if p.returncode != 0]
-        for p in failed:
-            err = (p.stderr.read() or b"").decode(errors="replace").strip().splitlines()
-            log.info("sampling-kernel compiler exited %s: %s", p.returncode,
-                     err[-1] if err else "")
+        for i, p in enumerate(self.procs):
+            if not self.moved[i] and p.poll() is not None:
+                self.moved[i] = True
+                if p.returncode != 0:
+                    err = (p.stderr.read() or b"").decode(errors="replace").strip()
+                    log.info("sampling-kernel compiler %s exited %s: %s", self.pieces[i],
+                             p.returncode, err.splitlines()[-1] if err else "")
+                try:
+                    _move_kernels(piece_folder(self.private, i), ptx_dir())
+                except OSError:
+                    swallowed("moving the compiled sampling kernels")
+        if not all(self.moved):
+            return
+        failed = any(p.returncode != 0 for p in self.procs)
         for p in self.procs:
             p.stderr.close()
         self.procs = []
         self.took = time.perf_counter() - self.started_at
-        try:
-            moved = _move_kernels(self.private, ptx_dir())
-            if not failed:
+        if not failed:
+            try:
                 (ptx_dir() / _DONE.format(vocab=self.vocab)).touch()
-            log.info("sampling kernels compiled in %.1f s (%d files)", self.took, moved)
-        except OSError:
-            swallowed("moving the compiled sampling kernels")
+            except OSError:
+                swallowed("marking the sampling kernels compiled")
+        log.info("sampling kernels compiled in %.1f s", self.took)
         self._cleanup()
         sampling.use_fused(True)
 
@@ -114,8 +129,11 @@ class Precompiler:
 
 def _compile(piece: str, vocab: int) -> None:
     """Run `piece` once at two batch sizes on float32 logits, as the engine's
-    sampled steps do."""
+    sampled steps do. Only the "gumbel" piece draws with the fused kernel: the
+    others exit as soon as their own kernels are on disk."""
     from mlx_lm.sample_utils import make_logits_processors
+
+    sampling.use_fused(piece == "gumbel")
 
     for B in (1, 8):
         logits = mx.random.normal((B, vocab)).astype(mx.float32)

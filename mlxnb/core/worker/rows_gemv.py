@@ -17,8 +17,10 @@ does not hold (or where there is no CUDA kernel API: the CPU, Metal).
 
 The kernel's in and out sizes are template constants (its loops unroll; one kernel
 per layer shape and row capacity, 2, 4, 8 or 16 rows, a batch's row count read at
-run time): NVRTC takes 1-2 s a kernel, so kernels_ahead.py compiles a model's 4-5
-shapes' kernels in parallel processes before the load check runs, once per machine.
+run time): NVRTC takes seconds a kernel (a fresh H200 host spent about a minute on
+the default model's 4-5 shapes in parallel processes), so where they are not on disk
+yet they compile in the background while rows decode on MLX's matmul, and the engine
+checks them and installs the layers between ticks (setup.py's `pending`).
 The engine installs it only where asked: MLXNB_ROWS_GEMV=1 for every few-row product,
 MLXNB_ROWS_GEMV=verify for those of verification forwards only (`verifying`), which
 leaves plain decoding as MLX runs it (a plain step at B=1 is one row, which neither

@@ -5,19 +5,23 @@ and fused projections."""
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
+from ..._log import log
 from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wide_kernel, wideattn
 from .fuse import fuse_projections
-from .kernels_ahead import ModelKernels
+from .kernels_ahead import ModelKernels, model_dtype
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
 from .prefix import PrefixStore
 from .tokens import TOKEN, ids as tokens_of
+
+# a status note for kernels that compile in the background (`pending`)
+_IN_BACKGROUND = " once its kernels compile (in the background; {until} until then)"
 
 
 class BatchModel:
@@ -42,9 +46,12 @@ class BatchModel:
         self.fused = fuse_projections(model, lambda: model(
             tokens_of([[0]]), cache=self.make_cache())) if fuse else 0
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
+        # kernels compiling in the background, each with what turns it on once they
+        # are done: the executor polls them between ticks (batch.py)
+        self.pending: List[Tuple[ModelKernels, Callable[[], None]]] = []
         # rows_gemv.py: a few rows through a linear as one GEMV (CUDA), each row's bits
         # as alone; after the padding probe, whose noise floor is a batch change's
-        self.linears = rows_gemv.install(model)
+        self.linears = self._pick_rows_gemv()
         self.dense_note = self._pick_dense_decode()
         self.wide_note = self._pick_wide_attention()
         # recurrent.py: recurrent layers decode through compiled steps; the executor
@@ -68,7 +75,9 @@ class BatchModel:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
         if self.linears.startswith("kernel"):
             self.cache_kinds += ", few-row linears: GEMV kernel" + (
-                " in verifications" if self.linears.endswith("verifications only") else "")
+                " in verifications" if "verifications only" in self.linears else "") + (
+                _IN_BACKGROUND.format(until="MLX's matmul")
+                if self.linears.startswith("kernel once") else "")
         if self.wide_note:
             self.cache_kinds += f", verification attention: {self.wide_note}"
         # prefix entries are slices of full-attention KV (quantized or not): windows
@@ -181,11 +190,10 @@ class BatchModel:
         through wide_kernel.py if its self-check at this model's shapes passes;
         returns what runs ("" elsewhere). Where kernels_ahead.py did not compile its
         kernels for these shapes (a model whose attention modules it could not
-        read), they compile in the background (`wide_pending`, batch.py) and
+        read), they compile in the background (`pending`, batch.py) and
         `enable_wide` checks them then: compiled inline, they would hold the load
         for some 16 s on a fresh machine."""
         wideattn.use_kernel(False)
-        self.wide_pending: Optional[ModelKernels] = None
         if not wide_kernel.wanted():
             return ""
         if not self._attention_shapes:
@@ -195,10 +203,29 @@ class BatchModel:
             (Hq, Hkv, D, scale) for Hq, Hkv, D, _, _, scale in self._attention_shapes),
             base=False)
         if pending.missing():
-            self.wide_pending = pending
-            return ("fused kernel once its kernels compile (in the background; "
-                    "composed until then)")
+            self.pending.append((pending, lambda: log.info(
+                "verification attention: %s", self.enable_wide())))
+            return "fused kernel" + _IN_BACKGROUND.format(until="composed")
         return self.enable_wide()
+
+    def _pick_rows_gemv(self) -> str:
+        """rows_gemv.install where asked (MLXNB_ROWS_GEMV); where its kernels for this
+        model's weight shapes were never compiled on this machine, they compile in
+        the background first (`pending`): some 60 s of NVRTC on a fresh H200 host,
+        which would otherwise hold the load."""
+        if rows_gemv.enabled():
+            pieces = [f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(self.model)]
+            compiler = ModelKernels(model_dtype(self.model), pieces, base=False)
+            if pieces and compiler.missing():
+                rows_gemv.install(self.model, on=False)
+                self.pending.append((compiler, self._enable_rows_gemv))
+                return "kernel once its kernels compile" + (
+                    ", verifications only" if rows_gemv.mode() == "verify" else "")
+        return rows_gemv.install(self.model)
+
+    def _enable_rows_gemv(self) -> None:
+        self.linears = rows_gemv.install(self.model)
+        log.info("few-row linears: %s", self.linears)
 
     def enable_wide(self) -> str:
         """Check wide_kernel.py at this model's attention shapes and use it if the
