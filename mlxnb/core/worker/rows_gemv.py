@@ -21,10 +21,12 @@ run time): NVRTC takes seconds a kernel (a fresh H200 host spent about a minute 
 the default model's 4-5 shapes in parallel processes), so where they are not on disk
 yet they compile in the background while rows decode on MLX's matmul, and the engine
 checks them and installs the layers between ticks (setup.py's `pending`).
-On CUDA the engine installs it for every few-row product (MLXNB_ROWS_GEMV=0 turns it
-off); MLXNB_ROWS_GEMV=verify gives it those of verification forwards only
-(`verifying`), which leaves plain decoding as MLX runs it (a plain step at B=1 is one
-row, which neither mode gives the kernel). With the verification attention kernel (wide_kernel.py) and
+The engine installs it only where asked: MLXNB_ROWS_GEMV=1 for every few-row product,
+MLXNB_ROWS_GEMV=verify for those of verification forwards only (`verifying`), which
+leaves plain decoding as MLX runs it (a plain step at B=1 is one row, which neither
+mode gives the kernel). It stays opt-in: on H200 hosts it sped speculation up in some
+runs and not in others, and while its kernels compile on a fresh machine they slow
+the engine's own first compiles (bench/results/first-token-2026-12-03-h200.md). With the verification attention kernel (wide_kernel.py) and
 this one on, copy-heavy speculation at B=1 on an H200 ran at 1.94-2.33x, against
 1.39-1.66x with the attention kernel alone (bench/results/speculate-2026-12-03-h200.md).
 
@@ -114,12 +116,9 @@ _PRODUCTS = {}  # weight shape -> compiled `matmul` (see _product)
 
 
 def mode() -> Optional[str]:
-    """"all" (the default on CUDA, or MLXNB_ROWS_GEMV=1), "verify"
-    (MLXNB_ROWS_GEMV=verify) or None (MLXNB_ROWS_GEMV=0, or no CUDA kernel API)."""
-    asked = os.environ.get("MLXNB_ROWS_GEMV", "")
-    if not asked:
-        return "all" if _backend_ok() is None else None
-    return {"1": "all", "verify": "verify"}.get(asked)
+    """"all" (MLXNB_ROWS_GEMV=1), "verify" (MLXNB_ROWS_GEMV=verify) or None (off,
+    the default)."""
+    return {"1": "all", "verify": "verify"}.get(os.environ.get("MLXNB_ROWS_GEMV", ""))
 
 
 def enabled() -> bool:
@@ -280,7 +279,7 @@ def install(model, on: Optional[bool] = None) -> str:
     _STATE["all"] = mode() != "verify"
     _PRODUCTS.clear()
     if not (enabled() if on is None else on):
-        return "MLX's matmul (" + (_backend_ok() or "MLXNB_ROWS_GEMV=0") + ")"
+        return "MLX's matmul (MLXNB_ROWS_GEMV=1 or verify tries the rows GEMV kernel)"
     layers, sizes = list(_plain_linears(model)), shapes(model)
     if not sizes:
         return "MLX's matmul (no plain linear layer small enough)"
