@@ -89,27 +89,13 @@ def test_compilers_run_then_sampling_is_fused_again(tmp_path, monkeypatch):
 def test_each_pieces_kernels_land_as_soon_as_it_exits(tmp_path, monkeypatch):
     """The filters' kernels reach MLX's folder while the slow fused Gumbel piece still
     compiles: a top-p row's unfused draw then finds them on disk."""
-    from mlxnb.core.worker.compilers import piece_folder
+    from _compilers import gated_spawn
 
     cache, gate = tmp_path / "ptx", tmp_path / "gumbel-done"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
     monkeypatch.setattr(precompile, "wanted", lambda: True)
-
-    def spawn(module, pieces, arg, what):  # stand-ins: each writes one kernel
-        private = tmp_path / "private"
-        procs = []
-        for i, piece in enumerate(pieces):
-            folder = piece_folder(private, i)
-            folder.mkdir(parents=True)
-            (folder / f"{piece}.ptx").write_text("ptx")
-            (folder / f"{piece}.txt").write_text("names")
-            wait = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.01)"
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", wait if piece == "gumbel" else "pass", str(gate)],
-                stderr=subprocess.PIPE))
-        return private, procs
-
-    monkeypatch.setattr(precompile, "spawn", spawn)
+    monkeypatch.setattr(precompile, "spawn", gated_spawn(
+        tmp_path, gate, lambda piece: piece == "gumbel", kernels=True))
     p = precompile.Precompiler(512)
     assert p.start()
     try:

@@ -214,25 +214,9 @@ def test_on_a_fresh_machine_its_kernels_compile_beside_the_rows(
     """Kernels never compiled on this machine: the engine loads without waiting for
     them and rows decode on MLX's matmul; once the compilers exit, the check runs
     between ticks and later rows take the kernel, with the same tokens."""
-    import subprocess
-    import sys
+    from _compilers import gated_kernels_ahead
 
-    from mlxnb.core.worker import kernels_ahead
-
-    gate = tmp_path / "compiled"
-
-    def spawn(module, pieces, arg, what):  # stand-ins: GEMV pieces wait for `gate`
-        private = tmp_path / f"private-{what}-{len(list(tmp_path.iterdir()))}"
-        private.mkdir()
-        wait = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.01)"
-        return private, [subprocess.Popen(
-            [sys.executable, "-c", wait if p.startswith("gemv-") else "pass", str(gate)],
-            stderr=subprocess.PIPE) for p in pieces]
-
-    (tmp_path / "ptx").mkdir()
-    monkeypatch.setattr(kernels_ahead, "spawn", spawn)
-    monkeypatch.setattr(kernels_ahead, "wanted", lambda: True)
-    monkeypatch.setattr(kernels_ahead, "ptx_dir", lambda: tmp_path / "ptx")
+    gate = gated_kernels_ahead(monkeypatch, tmp_path, lambda p: p.startswith("gemv-"))
     prompts = ["hello there", "the cat sat", "one two three"]
 
     async def run():

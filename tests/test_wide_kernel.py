@@ -206,26 +206,11 @@ def test_kernels_it_could_not_foresee_compile_in_the_background(
     """A model whose attention shapes kernels_ahead.py did not compile for: the
     engine starts on the composed attention, its compilers run beside the rows, and
     between ticks after they exit the check runs and verifications take the kernel."""
-    import subprocess
-    import sys
-
+    from _compilers import gated_kernels_ahead
     from mlxnb.core.worker import batch
     from mlxnb.core.worker.caches import LeanBatchKVCache
 
-    gate = tmp_path / "compiled"
-
-    def spawn(module, pieces, arg, what):  # stand-in compilers: wide ones wait on `gate`
-        (tmp_path / "ptx").mkdir(exist_ok=True)
-        private = tmp_path / f"private-{what}-{len(list(tmp_path.iterdir()))}"
-        private.mkdir()
-        wait = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.01)"
-        return private, [subprocess.Popen(
-            [sys.executable, "-c", wait if p.startswith("wide-") else "pass", str(gate)],
-            stderr=subprocess.PIPE) for p in pieces]
-
-    monkeypatch.setattr(kernels_ahead, "spawn", spawn)
-    monkeypatch.setattr(kernels_ahead, "wanted", lambda: True)
-    monkeypatch.setattr(kernels_ahead, "ptx_dir", lambda: tmp_path / "ptx")
+    gate = gated_kernels_ahead(monkeypatch, tmp_path, lambda p: p.startswith("wide-"))
     monkeypatch.setattr(batch, "extra_pieces", lambda model: [])  # shapes not foreseen
     monkeypatch.setattr(ka, "cuda_backend", lambda: True)
     monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
