@@ -258,3 +258,25 @@ def test_every_row_count_routed_to_the_kernel_has_a_compiled_and_checked_capacit
     assert all(M in routed for M in checked)
     assert (bool(routed) == bool(caps)
             == ((N, K) in {(N2, K2) for N2, K2 in [(576, 1536), (3584, 1024), (2048, 8192)]}))
+
+
+def test_a_failure_turning_them_on_leaves_the_rows_on_mlx(arun, stand_in, monkeypatch,
+                                                         tmp_path):
+    from _compilers import gated_kernels_ahead
+
+    gated_kernels_ahead(monkeypatch, tmp_path, lambda p: False)  # compilers exit at once
+    install, raised = rows_gemv.install, []
+
+    def broken(model, on=None):
+        if on is None:  # turning the kernel on, between ticks
+            raised.append(model)
+            raise RuntimeError("a bug in the check")
+        return install(model, on)
+
+    monkeypatch.setattr(rows_gemv, "install", broken)
+    prompts = ["hello there", "the cat sat", "one two three"]
+    stand_in.device(False)
+    plain = _generate(arun, *tiny_model(seed=2), prompts)
+    stand_in.device(True)
+    assert _generate(arun, *tiny_model(seed=2), prompts) == plain
+    assert raised and not stand_in and not rows_gemv._STATE["on"]

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from ..._log import log
+from ..._log import log, swallowed
 from .._trace import lap, pc, timed
 from ..constrain import Constraints
 from ..constraint_results import verdict
@@ -511,7 +511,10 @@ class BatchExecutor:
         for item in [c for c in self.compiling if c[0].finished]:
             self.compiling.remove(item)
             item[0].wait(0)
-            item[1]()
+            try:
+                item[1]()
+            except Exception:  # the rows go on without these kernels
+                swallowed("turning on kernels compiled in the background", item[1])
 
     def close(self, clear_cache: bool = True):
         """Forget every row; `clear_cache` (a final close, unlike warm-up's reset)
