@@ -264,6 +264,10 @@ def test_a_failure_turning_them_on_leaves_the_rows_on_mlx(arun, stand_in, monkey
                                                          tmp_path):
     from _compilers import gated_kernels_ahead
 
+    prompts = ["hello there", "the cat sat", "one two three"]
+    monkeypatch.delenv("MLXNB_ROWS_GEMV")
+    plain = _generate(arun, *tiny_model(seed=2), prompts)
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
     gated_kernels_ahead(monkeypatch, tmp_path, lambda p: False)  # compilers exit at once
     install, raised = rows_gemv.install, []
 
@@ -274,9 +278,14 @@ def test_a_failure_turning_them_on_leaves_the_rows_on_mlx(arun, stand_in, monkey
         return install(model, on)
 
     monkeypatch.setattr(rows_gemv, "install", broken)
-    prompts = ["hello there", "the cat sat", "one two three"]
-    stand_in.device(False)
-    plain = _generate(arun, *tiny_model(seed=2), prompts)
-    stand_in.device(True)
-    assert _generate(arun, *tiny_model(seed=2), prompts) == plain
+
+    async def run():
+        eng = Engine(tiny_model(seed=2), kv_budget=None, warmup=False)
+        await asyncio.sleep(1.0)  # the stand-in compilers exit meanwhile
+        rows = await asyncio.gather(*[eng.submit(p, chat=False, max_tokens=12)
+                                      for p in prompts])
+        await eng.aclose()
+        return [r.tokens for r in rows]
+
+    assert arun(run) == plain
     assert raised and not stand_in and not rows_gemv._STATE["on"]
