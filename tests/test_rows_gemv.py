@@ -233,11 +233,13 @@ def test_on_a_fresh_machine_its_kernels_compile_beside_the_rows(
         after = [r.tokens for r in await asyncio.gather(
             *[eng.submit(p, chat=False, max_tokens=12) for p in prompts])]
         await eng.aclose()
-        return status, before, reached_before, after
+        return status, before, reached_before, after, eng.cache_kinds
 
-    status, before, reached_before, after = arun(run)
+    status, before, reached_before, after, status_after = arun(run)
     assert "few-row linears: GEMV kernel once its kernels compile (in the background" \
         in status
+    assert status_after == status.replace(
+        " once its kernels compile (in the background; MLX's matmul until then)", "")
     assert reached_before == []  # nothing took the kernel while it compiled
     assert stand_in and after == before
     done = list((tmp_path / "ptx").glob("mlxnb-model-kernels-float32-gemv-*.done"))
@@ -285,7 +287,8 @@ def test_a_failure_turning_them_on_leaves_the_rows_on_mlx(arun, stand_in, monkey
         rows = await asyncio.gather(*[eng.submit(p, chat=False, max_tokens=12)
                                       for p in prompts])
         await eng.aclose()
-        return [r.tokens for r in rows]
+        return [r.tokens for r in rows], eng.cache_kinds
 
-    assert arun(run) == plain
+    tokens, status = arun(run)
+    assert tokens == plain and "GEMV" not in status
     assert raised and not stand_in and not rows_gemv._STATE["on"]

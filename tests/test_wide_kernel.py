@@ -234,14 +234,15 @@ def test_kernels_it_could_not_foresee_compile_in_the_background(
         last = await eng.submit(PROMPTS[1], chat=False, max_tokens=24, speculate="lookup",
                                 num_draft=4)
         await eng.aclose()
-        return status, before, during, first.tokens, last.tokens
+        return status, before, during, first.tokens, last.tokens, eng.cache_kinds
 
     try:
-        status, before, during, first, last = arun(run)
+        status, before, during, first, last, status_after = arun(run)
     finally:
         LeanBatchKVCache.dense_decode = False
         wideattn.use_kernel(False)
     assert "verification attention: fused kernel once its kernels compile" in status
+    assert status_after.endswith("verification attention: fused kernel")
     assert before == ([], False) and during == ([], []) and first
     assert checked and checked[0]  # checked once the compilers were done
     assert kernel_on and last

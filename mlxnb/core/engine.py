@@ -415,6 +415,8 @@ class Engine(Listeners, Closing, Adapters, Reports):
                 self._report = dataclasses.replace(self._report, busy=False)
                 continue
             self._report = report
+            if report.cache_kinds is not None:  # a background-compiled kernel is on
+                self.cache_kinds = report.cache_kinds
             self._apply(report, time.perf_counter() - t0)
 
     def trace(self, tracer) -> None:

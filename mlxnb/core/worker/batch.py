@@ -158,6 +158,7 @@ class BatchExecutor:
         """One scheduler iteration: one step, and with `streak_s` > 0 more steps for
         up to that long while nothing needs the loop (`_streak_goes_on`)."""
         updates, emitted = Updates(), []
+        kinds = self.setup.cache_kinds
         if self.precompiler.pending:
             self.precompiler.poll()
         if self.compiling:
@@ -179,7 +180,8 @@ class BatchExecutor:
             tr("n.prefill_tokens", first.prefill_tokens)
             tr("n.emitted", len(emitted))
             tr("tick", pc() - t0)
-        return TickReport(updates.by_row, emitted, steps, self.busy, self.policy.current)
+        return TickReport(updates.by_row, emitted, steps, self.busy, self.policy.current,
+                          None if self.setup.cache_kinds == kinds else self.setup.cache_kinds)
 
     def _step(self, updates: Updates, emitted: List[Emitted]):
         """One decode step with what rides along: (its StepStat, whether a decode was

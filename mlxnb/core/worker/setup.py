@@ -60,29 +60,36 @@ class BatchModel:
         self.recurrence = ""  # what compiled gated delta rules run as, if any
         self._live = [True]
         self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
-        self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
-                                           self.kv_attention_note)
+        kinds = caches.describe(probe, kv_bits, self.kv_attention, self.kv_attention_note)
         if caches.LeanBatchKVCache.dense_decode:
-            self.cache_kinds += ", padded decode attention: fused kernel"
+            kinds += ", padded decode attention: fused kernel"
         elif self.dense_note:
-            self.cache_kinds += f", padded decode attention: MLX's ({self.dense_note})"
+            kinds += f", padded decode attention: MLX's ({self.dense_note})"
         if self.compiled_layers:
-            self.cache_kinds += ", recurrent decode compiled" + {
+            kinds += ", recurrent decode compiled" + {
                 "gates": " (gated delta: fused kernel, gates inside)",
                 "kernel": " (gated delta: fused kernel)",
                 "fast": " (gated delta: mx.fast)"}.get(self.recurrence, "")
         elif self.compile_note:
-            self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
+            kinds += f", recurrent decode not compiled ({self.compile_note})"
+        self._kinds = kinds
+        self.cache_kinds = self.describe()
+        # prefix entries are slices of full-attention KV (quantized or not): windows
+        # and recurrent states would need a snapshot at the prefix boundary instead
+        self.prefix_reusable = PrefixStore.supports(probe)
+
+    def describe(self) -> str:
+        """The status line's model part: cache kinds and the kernels that run (built
+        again when a background compile turns a kernel on)."""
+        out = self._kinds
         if self.linears.startswith("kernel"):
-            self.cache_kinds += ", few-row linears: GEMV kernel" + (
+            out += ", few-row linears: GEMV kernel" + (
                 " in verifications" if "verifications only" in self.linears else "") + (
                 _IN_BACKGROUND.format(until="MLX's matmul")
                 if self.linears.startswith("kernel once") else "")
         if self.wide_note:
-            self.cache_kinds += f", verification attention: {self.wide_note}"
-        # prefix entries are slices of full-attention KV (quantized or not): windows
-        # and recurrent states would need a snapshot at the prefix boundary instead
-        self.prefix_reusable = PrefixStore.supports(probe)
+            out += f", verification attention: {self.wide_note}"
+        return out
 
     def probe_ids(self) -> List[int]:
         """Token ids of ordinary text, for probe forwards (any ids if the tokenizer
@@ -203,10 +210,17 @@ class BatchModel:
             (Hq, Hkv, D, scale) for Hq, Hkv, D, _, _, scale in self._attention_shapes),
             base=False)
         if pending.missing():
-            self.pending.append((pending, lambda: log.info(
-                "verification attention: %s", self.enable_wide())))
+            self.pending.append((pending, self._enable_wide_later))
             return "fused kernel" + _IN_BACKGROUND.format(until="composed")
         return self.enable_wide()
+
+    def _enable_wide_later(self) -> None:
+        # what the status says if the check raises (batch.py logs it; rows go on)
+        self.wide_note = "composed (its check failed to run)"
+        self.cache_kinds = self.describe()
+        self.wide_note = self.enable_wide()
+        self.cache_kinds = self.describe()
+        log.info("verification attention: %s", self.wide_note)
 
     def _pick_rows_gemv(self) -> str:
         """rows_gemv.install where asked (MLXNB_ROWS_GEMV); where its kernels for this
@@ -224,7 +238,10 @@ class BatchModel:
         return rows_gemv.install(self.model)
 
     def _enable_rows_gemv(self) -> None:
+        self.linears = "MLX's matmul (its check failed to run)"  # unless install returns
+        self.cache_kinds = self.describe()
         self.linears = rows_gemv.install(self.model)
+        self.cache_kinds = self.describe()
         log.info("few-row linears: %s", self.linears)
 
     def enable_wide(self) -> str:
