@@ -28,9 +28,21 @@ KINDS = (("greedy", {}), ("sampled", {"temperature": 0.8}),
 
 async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True) -> dict:
     """`t_start`: the wall-clock time the parent started this process."""
+    import logging
+
     import mlxnb
     from . import common
 
+    events = []  # (seconds since start, what): background compiles and first tokens
+
+    class Events(logging.Handler):
+        def emit(self, record):
+            if "kernel" in record.getMessage():  # (not the load's other chatter)
+                events.append((round(time.time() - t_start, 1), record.getMessage()))
+
+    logger = logging.getLogger("mlxnb")
+    logger.addHandler(Events(logging.INFO))
+    logger.setLevel(logging.INFO)
     out = {"import_s": time.time() - t_start}
     t = time.perf_counter()
     if shape == "default":
@@ -44,18 +56,22 @@ async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True) ->
     out["engine_s"] = time.perf_counter() - t
     out["warmup_s"] = eng.warmup_s
     out["ready_since_start_s"] = time.time() - t_start
+    events.append((round(out["ready_since_start_s"], 1), "engine ready"))
     for name, kw in KINDS:
         t = time.perf_counter()
         run = eng.generate(prompts, chat=False, max_tokens=4, **kw)
         while not any(r.ntok for r in run):
             await asyncio.sleep(0.002)
         out[f"{name}_first_token_s"] = time.perf_counter() - t
+        events.append((round(time.time() - t_start, 1), f"first {name} token"))
         if name == "greedy":
             out["first_token_since_start_s"] = time.time() - t_start
         while not run.done:
             await asyncio.sleep(0.01)
     eng.close()
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+    out = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+    out["events"] = [f"{t} s: {m}" for t, m in events]
+    return out
 
 
 def main(argv=None, prog=None):
@@ -102,7 +118,10 @@ def main(argv=None, prog=None):
     table += ["| " + " | ".join(str(r.get(k)) for k in keys) + " |" for r in rows]
     what = "each process with an empty MLXNB_CACHE" if args.fresh else "processes sharing one cache"
     what += ", Engine(warmup=False)" if args.no_warmup else ""
-    report.write(f"{args.shape} {args.dtype}, {what}; seconds.\n\n" + "\n".join(table) + "\n",
-                 {"rows": rows})
+    # what the engine logged about its background compiles, on the same clock
+    events = [f"- run {r['run']}: " + "; ".join(r.get("events") or ["none"]) for r in rows]
+    report.write(f"{args.shape} {args.dtype}, {what}; seconds.\n\n" + "\n".join(table)
+                 + "\n\nSeconds since the process started, kernels and first tokens:\n\n"
+                 + "\n".join(events) + "\n", {"rows": rows})
     print("\n".join(table))
     return 0

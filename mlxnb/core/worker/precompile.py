@@ -93,6 +93,8 @@ class Precompiler:
                              p.returncode, err.splitlines()[-1] if err else "")
                 try:
                     _move_kernels(piece_folder(self.private, i), ptx_dir())
+                    log.info("sampling kernels for %s on disk %.1f s after the start",
+                             self.pieces[i], time.perf_counter() - self.started_at)
                 except OSError:
                     swallowed("moving the compiled sampling kernels")
         if not all(self.moved):
