@@ -78,6 +78,7 @@ class BatchExecutor:
                 self.compiling.append((compiler, enable))
             else:
                 enable()
+                self.setup.cache_kinds = self.setup.describe()
         self.model, self.tokenizer = model, tokenizer
         self.make_cache = self.setup.make_cache
         self.tracer = None  # see trace()
@@ -158,11 +159,9 @@ class BatchExecutor:
         """One scheduler iteration: one step, and with `streak_s` > 0 more steps for
         up to that long while nothing needs the loop (`_streak_goes_on`)."""
         updates, emitted = Updates(), []
-        kinds = self.setup.cache_kinds
         if self.precompiler.pending:
             self.precompiler.poll()
-        if self.compiling:
-            self._enable_compiled()
+        kinds = self._enable_compiled() if self.compiling else None
         for rid in cancels:
             self._cancel(rid, updates, emitted)
         self.prefill.admit(admits)
@@ -181,7 +180,7 @@ class BatchExecutor:
             tr("n.emitted", len(emitted))
             tr("tick", pc() - t0)
         return TickReport(updates.by_row, emitted, steps, self.busy, self.policy.current,
-                          None if self.setup.cache_kinds == kinds else self.setup.cache_kinds)
+                          kinds)
 
     def _step(self, updates: Updates, emitted: List[Emitted]):
         """One decode step with what rides along: (its StepStat, whether a decode was
@@ -506,17 +505,22 @@ class BatchExecutor:
                 other[rid] = b // max(len(live), 1)
         return total, share, other
 
-    def _enable_compiled(self) -> None:
+    def _enable_compiled(self) -> Optional[str]:
         """Between ticks: for each background compile whose compilers have exited,
         move its kernels into MLX's folder and turn it on (each checks its kernels
-        first and stays off if the check fails)."""
-        for item in [c for c in self.compiling if c[0].finished]:
+        first and stays off if the check fails); the model's status anew if any."""
+        done = [c for c in self.compiling if c[0].finished]
+        for item in done:
             self.compiling.remove(item)
             item[0].wait(0)
             try:
                 item[1]()
             except Exception:  # the rows go on without these kernels
                 swallowed("turning on kernels compiled in the background", item[1])
+        if not done:
+            return None
+        self.setup.cache_kinds = self.setup.describe()
+        return self.setup.cache_kinds
 
     def close(self, clear_cache: bool = True):
         """Forget every row; `clear_cache` (a final close, unlike warm-up's reset)

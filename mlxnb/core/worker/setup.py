@@ -206,20 +206,26 @@ class BatchModel:
         if not self._attention_shapes:
             return "composed (no full-precision attention layer)"
         dtype = str(self._attention_shapes[0][3]).rsplit(".", 1)[-1]
-        pending = ModelKernels(dtype, wide_kernel.pieces_for(
-            (Hq, Hkv, D, scale) for Hq, Hkv, D, _, _, scale in self._attention_shapes),
-            base=False)
-        if pending.missing():
-            self.pending.append((pending, self._enable_wide_later))
+        pieces = wide_kernel.pieces_for(
+            (Hq, Hkv, D, scale) for Hq, Hkv, D, _, _, scale in self._attention_shapes)
+        if self._compile_later(dtype, pieces, self._enable_wide_later):
             return "fused kernel" + _IN_BACKGROUND.format(until="composed")
         return self.enable_wide()
 
+    def _compile_later(self, dtype, pieces, enable) -> bool:
+        """Where `pieces` were never compiled on this machine, queue them to compile
+        beside the rows and `enable` to run once they are done; True if queued."""
+        compiler = ModelKernels(dtype, pieces, base=False)
+        if not (pieces and compiler.missing()):
+            return False
+        self.pending.append((compiler, enable))
+        return True
+
+    # The two below run between ticks (batch.py), which then describes the model
+    # anew; the note set first is what the status says if the check raises.
     def _enable_wide_later(self) -> None:
-        # what the status says if the check raises (batch.py logs it; rows go on)
         self.wide_note = "composed (its check failed to run)"
-        self.cache_kinds = self.describe()
         self.wide_note = self.enable_wide()
-        self.cache_kinds = self.describe()
         log.info("verification attention: %s", self.wide_note)
 
     def _pick_rows_gemv(self) -> str:
@@ -227,21 +233,17 @@ class BatchModel:
         model's weight shapes were never compiled on this machine, they compile in
         the background first (`pending`): some 60 s of NVRTC on a fresh H200 host,
         which would otherwise hold the load."""
-        if rows_gemv.enabled():
-            pieces = [f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(self.model)]
-            compiler = ModelKernels(model_dtype(self.model), pieces, base=False)
-            if pieces and compiler.missing():
-                rows_gemv.install(self.model, on=False)
-                self.pending.append((compiler, self._enable_rows_gemv))
-                return "kernel once its kernels compile" + (
-                    ", verifications only" if rows_gemv.mode() == "verify" else "")
+        pieces = [f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(self.model)]
+        if rows_gemv.enabled() and self._compile_later(
+                model_dtype(self.model), pieces, self._enable_rows_gemv):
+            rows_gemv.install(self.model, on=False)
+            return "kernel once its kernels compile" + (
+                ", verifications only" if rows_gemv.mode() == "verify" else "")
         return rows_gemv.install(self.model)
 
     def _enable_rows_gemv(self) -> None:
-        self.linears = "MLX's matmul (its check failed to run)"  # unless install returns
-        self.cache_kinds = self.describe()
+        self.linears = "MLX's matmul (its check failed to run)"
         self.linears = rows_gemv.install(self.model)
-        self.cache_kinds = self.describe()
         log.info("few-row linears: %s", self.linears)
 
     def enable_wide(self) -> str:
