@@ -14,6 +14,8 @@ Quantized KV (--no-kv skips it): a Llama-3.2-1B-shaped model.
 
   python -m bench cache-kinds --quick       # tiny shapes, seconds
   python -m bench cache-kinds --rounds 3 --save
+  python -m bench cache-kinds --no-kv --shapes lfm2-1.2b --batch 128 --profile 128
+                                            # and where the engine's step goes (host)
   python -m bench cache-kinds --proxy --ops --gpu-like --no-decode --no-kv --batch 1,8
                                             # graph nodes per step, counted as on a GPU
 """
@@ -33,7 +35,7 @@ import mlxnb
 
 from . import common
 from .common import fmt, log, median, pc
-from .decode import measure
+from .decode import do_profile, measure
 
 NAME, RESULT, TITLE = "cache-kinds", "cache-kinds", "Every cache kind in one batch"
 
@@ -136,6 +138,10 @@ async def decode_part(args, rng):
             rows.append(dict(shape=name, B=B, kinds=kinds,
                              **{m: median(per[m]) for m in methods},
                              rounds=per, eng_bg=ratio["bg"], eng_raw=ratio["raw"]))
+        if args.profile:
+            p = await do_profile(model, twin, tok, rng, SimpleNamespace(
+                **vars(margs), prompt=args.prompt), args.profile, vocab)
+            rows[-1]["profile"] = p.get("text") or f"profile ERROR {p.get('error')}"
         del model, twin
         gc.collect()
         mx.clear_cache()
@@ -155,7 +161,11 @@ def decode_table(rows, args):
     out += [f"{r['shape']} B={r['B']}: " + ", ".join(
         " / ".join(fmt(r["rounds"][m][i]) for m in ("raw", "bg", "engine"))
         for i in range(len(r["rounds"]["raw"]))) for r in rows]
-    return "\n".join(out + ["```"])
+    out.append("```")
+    for r in rows:
+        if r.get("profile"):
+            out += ["", f"### {r['shape']}: where a decode step goes", "", r["profile"]]
+    return "\n".join(out)
 
 
 def ops_table(args, rng) -> str:
@@ -309,6 +319,9 @@ def main(argv=None, prog=None):
     ap.add_argument("--kv-batch", default="",
                     help="batch sizes of the kv decode runs, e.g. 8,32,128 (default: the "
                          "rows full precision admits)")
+    ap.add_argument("--profile", type=int, default=0, metavar="B",
+                    help="after each shape's rounds: where the engine's decode step at "
+                         "batch B goes (host timers), beside the bare loop's")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds")
     ap.add_argument("--proxy", action="store_true",
                     help="the real layer patterns at toy width, float32 (a CPU's stand-in "
