@@ -124,11 +124,13 @@ def test_the_engine_verifies_through_the_kernel_on_cuda_once_checked(
     assert got == plain
     assert kernel_on and all(2 <= s[2] <= wide_kernel.MAX_POSITIONS for s, _ in kernel_on)
     assert {causal for _, causal in kernel_on} == {True, False}  # alone and padded
-    # the kernels compiled ahead are those the check runs: each capacity of each shape
+    # the kernels compiled ahead are those the checks run: the decode kernel of each
+    # shape, and each capacity of each shape
     pieces = kernels_ahead.extra_pieces(_bf16_model(3)[0])
-    assert pieces == [f"wide-{Hq}-{Hkv}-{D}-{scale!r}-{c}"
-                      for Hq, Hkv, D, _, _, scale in sorted(set(checked[0]))
-                      for c in wide_kernel.CAPACITIES]
+    shapes = sorted(set(checked[0]))
+    assert pieces == [f"dense-{Hq}-{Hkv}-{D}-{scale!r}" for Hq, Hkv, D, _, _, scale in shapes
+                      ] + [f"wide-{Hq}-{Hkv}-{D}-{scale!r}-{c}"
+                           for Hq, Hkv, D, _, _, scale in shapes for c in wide_kernel.CAPACITIES]
 
 
 def test_every_width_runs_in_a_capacity_the_check_loads(monkeypatch):

@@ -29,6 +29,7 @@ from collections import Counter
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from .. import _aio
+from .._log import Laps
 from ..models import progress
 from .constrain import SUBMIT_WAIT_S, Constraints
 from .adapters import Adapters
@@ -121,10 +122,12 @@ class Engine(Listeners, Closing, Adapters, Reports):
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
         with progress.loading(self.model_name):
+            laps = Laps("load")
             if isinstance(model, (tuple, list)):
                 m, tok = model
             else:
                 m, tok = load_bounded(model, load_timeout)
+            laps("model files")
             draft = draft_model
             if isinstance(draft, str) and not draft.strip().startswith("layers:"):
                 progress.stage(f"loading draft {draft}")
@@ -139,6 +142,7 @@ class Engine(Listeners, Closing, Adapters, Reports):
                                    self.constraints, draft)
             if warmup:
                 progress.stage("warming up")
+            laps("engine setup")
             self.warmup_s = warm_up(self._exec, run=on_worker) if warmup else 0.0
             self._report = on_worker(self._exec.report)
             facts = on_worker(self._exec.facts)

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from ..._log import log, swallowed
+from ..._log import Laps, log, swallowed
 from .._trace import lap, pc, timed
 from ..constrain import Constraints
 from ..constraint_results import verdict
@@ -59,17 +59,20 @@ class BatchExecutor:
         # CUDA: kernels compile in helper processes, all at once (a fresh machine
         # compiles them once): the sampler's in the background, the model's first
         # ones before the load probes below need them (kernels_ahead.py)
+        laps = Laps("load")
         self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
         self.precompiler.start()
         ahead = ModelKernels(model_dtype(model), extra_pieces(model))
         if ahead.start():
             ahead.wait()
+        laps("kernels compiled ahead")
         try:
             self.setup = BatchModel(model, tokenizer, fuse=fuse, kv_bits=kv_bits,
                                     kv_group_size=kv_group_size, prefill_chunk=prefill_chunk)
         except BaseException:
             self.precompiler.close()
             raise
+        laps("model checks")
         # kernels that compile beside the rows (setup.pending): each is turned on
         # between ticks once its compilers exit, or now if none had to start
         self.compiling = []
@@ -108,6 +111,7 @@ class BatchExecutor:
         self._wide_taken = None  # and its (width, tokens taken), for the policy
         # every step's time split (stepsplit.py); a profiler's tracer rides on it
         self.split = self.tracer = self.prefill.tracer = StepSplit()
+        laps("batch state")
 
     def trace(self, tracer) -> None:
         """Report each tick's parts to `tracer(name, seconds)` (_trace.py); None: off."""

@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
-from . import rows_gemv, wide_kernel
+from . import kv_attention, kv_kernels, rows_gemv, wide_kernel
 from .compilers import move_kernels, piece_folder, spawn, wanted
 
 PIECES = ("gather", "rows", "roll", "swiglu")
@@ -52,9 +52,14 @@ def model_dtype(model) -> Optional[str]:
 
 
 def extra_pieces(model) -> List[str]:
-    """The model's own pieces that the load check needs: wide_kernel.py's (rows_gemv.py's
-    compile in the background, setup.py's `pending`: some 60 s on a fresh host)."""
-    return wide_kernel.ahead_pieces(model)
+    """The model's own pieces that the load checks need: kv_kernels.py's dense decode
+    attention (setup.py's `_pick_dense_decode`) and wide_kernel.py's, at the model's
+    attention shapes (rows_gemv.py's compile in the background, setup.py's `pending`:
+    some 60 s on a fresh host)."""
+    dense = ([f"dense-{Hq}-{Hkv}-{D}-{scale!r}"
+              for Hq, Hkv, D, scale in sorted(wide_kernel.attention_shapes(model))]
+             if kv_attention.cuda_backend() else [])
+    return dense + wide_kernel.ahead_pieces(model)
 
 
 class ModelKernels:
@@ -175,6 +180,13 @@ def _compile(piece: str, dtype: str) -> None:
         return rows_gemv.compile_ahead(dt, N, K)
     elif piece.startswith("wide-"):  # wide_kernel.py's verification attention
         return wide_kernel.compile_ahead(piece, dt)
+    elif piece.startswith("dense-"):  # kv_kernels.py's decode attention, as the
+        # load check runs it (kv_attention.self_check_dense): plain and left-padded
+        Hq, Hkv, D, scale = piece.split("-", 1)[1].split("-")
+        q = mx.zeros((1, int(Hq), 1, int(D)), dt)
+        kv = mx.zeros((1, int(Hkv), 4, int(D)), dt)
+        out = [kv_kernels.dense(q, kv, kv, float(scale), mask)
+               for mask in (None, mx.ones((1, 1, 1, 4), mx.bool_))]
     else:  # swiglu over the two halves of a fused gate/up product (fuse.py)
         swiglu = _activations().swiglu
         out = []

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from ..._log import log
+from ..._log import Laps, log
 from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wide_kernel, wideattn
 from .fuse import fuse_projections
 from .kernels_ahead import ModelKernels, model_dtype
@@ -41,11 +41,15 @@ class BatchModel:
                 f"mlxnb cannot batch this model: its {', '.join(bad)} cache has no "
                 f"batched form (mlxnb batches KVCache, RotatingKVCache, ArraysCache, "
                 f"CacheList and quantized KV). Use mlx_lm.generate for it.")
+        laps = Laps("load")
         self.layer_costs = self._probe_costs()
+        laps("cache probes")
         # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
         self.fused = fuse_projections(model, lambda: model(
             tokens_of([[0]]), cache=self.make_cache())) if fuse else 0
+        laps("fused projections")
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
+        laps("padding check")
         # kernels compiling in the background, each with what turns it on once they
         # are done: the executor polls them between ticks (batch.py)
         self.pending: List[Tuple[ModelKernels, Callable[[], None]]] = []
@@ -53,13 +57,16 @@ class BatchModel:
         # as alone; after the padding probe, whose noise floor is a batch change's
         self.linears = self._pick_rows_gemv()
         self.dense_note = self._pick_dense_decode()
+        laps("decode attention check")
         self.wide_note = self._pick_wide_attention()
+        laps("verification attention check")
         # recurrent.py: recurrent layers decode through compiled steps; the executor
         # sets `decode_gate` (no adapter selected) before any step runs
         self.decode_gate = lambda: True
         self.recurrence = ""  # what compiled gated delta rules run as, if any
         self._live = [True]
         self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
+        laps("recurrent steps")
         kinds = caches.describe(probe, kv_bits, self.kv_attention, self.kv_attention_note)
         if caches.LeanBatchKVCache.dense_decode:
             kinds += ", padded decode attention: fused kernel"

@@ -40,8 +40,8 @@ import mlx.core as mx
 
 from . import kv_kernels as kk
 
-__all__ = ["CAPACITIES", "MAX_POSITIONS", "ahead_pieces", "capacity", "compile_ahead",
-           "dense_wide", "pieces_for", "source", "wanted"]
+__all__ = ["CAPACITIES", "MAX_POSITIONS", "ahead_pieces", "attention_shapes", "capacity",
+           "compile_ahead", "dense_wide", "pieces_for", "source", "wanted"]
 
 CAPACITIES = (2, 4, 8, 16)  # query positions a block holds in registers
 MAX_POSITIONS = CAPACITIES[-1]
@@ -146,14 +146,10 @@ def wanted() -> bool:
     return os.environ.get("MLXNB_WIDE_ATTENTION") != "composed" and cuda_backend()
 
 
-def ahead_pieces(model) -> list:
-    """kernels_ahead.py's pieces for the model's attention layers, one per capacity:
-    "wide-Hq-Hkv-D-scale-capacity", read from mlx-lm's attention modules (heads,
-    KV heads, head size by q_proj, scale); none where the kernel is not wanted. A
-    piece that guesses a shape wrong costs only its process: the load check
-    compiles what it does not find, in the background (setup.py)."""
-    if not wanted():
-        return []
+def attention_shapes(model) -> set:
+    """(Hq, Hkv, D, scale) of the model's attention layers, read from mlx-lm's
+    attention modules (heads, KV heads, head size by q_proj, scale); empty where they
+    use other names (fused qkv, `num_heads`)."""
     shapes = set()
     for _, m in model.named_modules():
         Hq, Hkv, scale = (getattr(m, a, None) for a in ("n_heads", "n_kv_heads", "scale"))
@@ -161,7 +157,15 @@ def ahead_pieces(model) -> list:
         if isinstance(Hq, int) and isinstance(Hkv, int) and isinstance(scale, float) \
                 and q is not None and Hkv and Hq % Hkv == 0 and q.shape[0] % Hq == 0:
             shapes.add((Hq, Hkv, q.shape[0] // Hq, float(scale)))
-    return pieces_for(shapes)
+    return shapes
+
+
+def ahead_pieces(model) -> list:
+    """kernels_ahead.py's pieces for the model's attention layers, one per capacity:
+    "wide-Hq-Hkv-D-scale-capacity"; none where the kernel is not wanted. A piece that
+    guesses a shape wrong costs only its process: the load check compiles what it
+    does not find, in the background (setup.py)."""
+    return pieces_for(attention_shapes(model)) if wanted() else []
 
 
 def pieces_for(shapes) -> list:
