@@ -250,3 +250,25 @@ def test_kernels_it_could_not_foresee_compile_in_the_background(
     assert kernel_on and last
     # the pieces are marked compiled: the next engine checks them at load
     assert len(list((tmp_path / "ptx").glob("mlxnb-model-kernels-bfloat16-wide-*.done"))) == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next", "gpt_neox", "phi3", "internlm2",
+                                    "lfm2"])
+def test_the_shapes_read_ahead_are_those_the_forward_attends_with(family, monkeypatch):
+    """kernels_ahead.py compiles the attention kernels of the shapes read from the
+    model's modules; families spell heads, KV heads and head size differently (and
+    Qwen3-Next's q_proj holds a gate besides the queries)."""
+    from tests import zoo
+    from mlxnb.core.worker.caches import LeanBatchKVCache, empty_batch, make_row_cache
+    from mlxnb.core.worker.tokens import TOKEN
+
+    model = zoo.build(family).model
+    ka.install()
+    monkeypatch.setattr(LeanBatchKVCache, "dense_decode", True)
+    with ka.recording(dense=True) as calls:
+        cache = empty_batch(make_row_cache(model), 1)
+        model(mx.zeros((1, 3), TOKEN), cache=cache)
+        mx.eval(model(mx.zeros((1, 1), TOKEN), cache=cache))
+    assert calls
+    assert wide_kernel.attention_shapes(model) == {(Hq, Hkv, D, scale)
+                                                   for Hq, Hkv, D, _, _, scale in calls}

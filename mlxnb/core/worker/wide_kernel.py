@@ -146,17 +146,35 @@ def wanted() -> bool:
     return os.environ.get("MLXNB_WIDE_ATTENTION") != "composed" and cuda_backend()
 
 
+# how mlx-lm's attention modules spell their sizes, family by family
+_HEADS = ("n_heads", "num_attention_heads", "num_heads", "n_head")
+_KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
+_SCALES = ("scale", "scale_attn", "softmax_scale")
+
+
+def _first(m, names, kind):
+    return next((v for v in (getattr(m, a, None) for a in names)
+                 if isinstance(v, kind) and not isinstance(v, bool)), None)
+
+
 def attention_shapes(model) -> set:
     """(Hq, Hkv, D, scale) of the model's attention layers, read from mlx-lm's
-    attention modules (heads, KV heads, head size by q_proj, scale); empty where they
-    use other names (fused qkv, `num_heads`)."""
+    attention modules: heads, KV heads (as many as heads where a family names none),
+    head size (`head_dim`, else q_proj's rows per head) and scale. A module that only
+    looks like one costs a compile process, never a wrong kernel: the load checks run
+    the shapes the forward records."""
     shapes = set()
     for _, m in model.named_modules():
-        Hq, Hkv, scale = (getattr(m, a, None) for a in ("n_heads", "n_kv_heads", "scale"))
+        Hq, scale = _first(m, _HEADS, int), _first(m, _SCALES, float)
+        if not Hq or scale is None:
+            continue
+        Hkv = _first(m, _KV_HEADS, int) or Hq
+        D = _first(m, ("head_dim",), int)
         q = getattr(getattr(m, "q_proj", None), "weight", None)
-        if isinstance(Hq, int) and isinstance(Hkv, int) and isinstance(scale, float) \
-                and q is not None and Hkv and Hq % Hkv == 0 and q.shape[0] % Hq == 0:
-            shapes.add((Hq, Hkv, q.shape[0] // Hq, float(scale)))
+        if D is None and q is not None and q.shape[0] % Hq == 0:
+            D = q.shape[0] // Hq
+        if D and Hq % Hkv == 0:
+            shapes.add((Hq, Hkv, D, float(scale)))
     return shapes
 
 
