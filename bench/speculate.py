@@ -127,7 +127,9 @@ def main(argv=None, prog=None):
         model, args.new, args.repeat, args.batch = tiny_model(), 24, 1, "1,4"
     else:
         model = args.model
-    eng = mlxnb.Engine(model, kv_budget=None, prefix_cache=None)
+    # speculating by default: on CUDA the engine then compiles the verification
+    # attention kernel at load (rows still say speculate=None or "lookup" each)
+    eng = mlxnb.Engine(model, kv_budget=None, prefix_cache=None, speculate="lookup")
     eng._exec.spec.times.only = args.way
     sets = {"copy": COPY, "free": FREE}
     if args.layer_skip:

@@ -1,4 +1,4 @@
-"""Stand-in kernel compilers for the background-compile tests: the same contract as
+"""Stand-in kernel compilers for the sampling precompile tests: the same contract as
 worker/compilers.py's `spawn` (a private folder and one process per piece), with
 processes that exit at once or wait until a gate file exists."""
 
@@ -30,16 +30,3 @@ def gated_spawn(root: Path, gate: Path, waits, kernels: bool = False):
         return private, procs
 
     return spawn
-
-
-def gated_kernels_ahead(monkeypatch, root: Path, waits) -> Path:
-    """kernels_ahead.py as on CUDA (compiled kernels kept under root/ptx), its
-    compilers `gated_spawn`'s; returns the gate file."""
-    from mlxnb.core.worker import kernels_ahead
-
-    gate = root / "compiled"
-    (root / "ptx").mkdir()
-    monkeypatch.setattr(kernels_ahead, "spawn", gated_spawn(root, gate, waits))
-    monkeypatch.setattr(kernels_ahead, "wanted", lambda: True)
-    monkeypatch.setattr(kernels_ahead, "ptx_dir", lambda: root / "ptx")
-    return gate

@@ -199,57 +199,10 @@ using Shape = cuda::std::array<int32_t, 8>;
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_its_compile_pieces_run_where_there_is_no_kernel_api():
-    from mlxnb.core.worker import kernels_ahead
-
-    model, _ = tiny_model(seed=1)
-    pieces = [f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(model)]
-    assert pieces
-    for piece in pieces:
-        kernels_ahead._compile(piece, "float32")  # the CPU: nothing to compile, no error
-
-
-def test_on_a_fresh_machine_its_kernels_compile_beside_the_rows(
-        arun, stand_in, monkeypatch, tmp_path):
-    """Kernels never compiled on this machine: the engine loads without waiting for
-    them and rows decode on MLX's matmul; once the compilers exit, the check runs
-    between ticks and later rows take the kernel, with the same tokens."""
-    from _compilers import gated_kernels_ahead
-
-    gate = gated_kernels_ahead(monkeypatch, tmp_path, lambda p: p.startswith("gemv-"))
-    prompts = ["hello there", "the cat sat", "one two three"]
-
-    async def run():
-        eng = Engine(tiny_model(seed=2), kv_budget=None, warmup=False)
-        status = eng.cache_kinds
-        before = [r.tokens for r in await asyncio.gather(
-            *[eng.submit(p, chat=False, max_tokens=12) for p in prompts])]
-        reached_before = list(stand_in)
-        gate.touch()
-        for _ in range(200):
-            if rows_gemv._STATE["on"]:
-                break
-            await eng.submit("x", chat=False, max_tokens=1)  # ticks
-        after = [r.tokens for r in await asyncio.gather(
-            *[eng.submit(p, chat=False, max_tokens=12) for p in prompts])]
-        await eng.aclose()
-        return status, before, reached_before, after, eng.cache_kinds
-
-    status, before, reached_before, after, status_after = arun(run)
-    assert "few-row linears: GEMV kernel once its kernels compile (in the background" \
-        in status
-    assert status_after == status.replace(
-        " once its kernels compile (in the background; MLX's matmul until then)", "")
-    assert reached_before == []  # nothing took the kernel while it compiled
-    assert stand_in and after == before
-    done = list((tmp_path / "ptx").glob("mlxnb-model-kernels-float32-gemv-*.done"))
-    assert len(done) == len(rows_gemv.shapes(tiny_model(seed=2)[0]))
-
-
 @pytest.mark.parametrize("N,K", [(576, 1536), (3584, 1024), (2048, 8192), (49152, 576)])
 def test_every_row_count_routed_to_the_kernel_has_a_compiled_and_checked_capacity(N, K):
     # the layer routes M rows when 2 <= M <= MAX_ROWS and M*N*K <= MAX_WORK; each such
-    # M must land in a capacity that compile_ahead builds and check covers at both ends
+    # M must land in a capacity whose kernel check compiles and covers at both ends
     routed = [M for M in range(2, rows_gemv.MAX_ROWS + 1) if M * N * K <= rows_gemv.MAX_WORK]
     caps = rows_gemv.buckets(N, K)
     checked = rows_gemv._check_rows(N, K)
@@ -260,35 +213,3 @@ def test_every_row_count_routed_to_the_kernel_has_a_compiled_and_checked_capacit
     assert all(M in routed for M in checked)
     assert (bool(routed) == bool(caps)
             == ((N, K) in {(N2, K2) for N2, K2 in [(576, 1536), (3584, 1024), (2048, 8192)]}))
-
-
-def test_a_failure_turning_them_on_leaves_the_rows_on_mlx(arun, stand_in, monkeypatch,
-                                                         tmp_path):
-    from _compilers import gated_kernels_ahead
-
-    prompts = ["hello there", "the cat sat", "one two three"]
-    monkeypatch.delenv("MLXNB_ROWS_GEMV")
-    plain = _generate(arun, *tiny_model(seed=2), prompts)
-    monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
-    gated_kernels_ahead(monkeypatch, tmp_path, lambda p: False)  # compilers exit at once
-    install, raised = rows_gemv.install, []
-
-    def broken(model, on=None):
-        if on is None:  # turning the kernel on, between ticks
-            raised.append(model)
-            raise RuntimeError("a bug in the check")
-        return install(model, on)
-
-    monkeypatch.setattr(rows_gemv, "install", broken)
-
-    async def run():
-        eng = Engine(tiny_model(seed=2), kv_budget=None, warmup=False)
-        await asyncio.sleep(1.0)  # the stand-in compilers exit meanwhile
-        rows = await asyncio.gather(*[eng.submit(p, chat=False, max_tokens=12)
-                                      for p in prompts])
-        await eng.aclose()
-        return [r.tokens for r in rows], eng.cache_kinds
-
-    tokens, status = arun(run)
-    assert tokens == plain and "GEMV" not in status
-    assert raised and not stand_in and not rows_gemv._STATE["on"]

@@ -12,7 +12,6 @@ import mlx.core as mx
 import pytest
 
 from mlxnb import Engine
-from mlxnb.core.worker import kernels_ahead
 from mlxnb.core.worker import kv_attention as ka
 from mlxnb.core.worker import wide_kernel, wideattn
 from mlxnb.models.tiny import tiny_model
@@ -76,9 +75,10 @@ def test_wide_supports_only_what_the_kernel_computes():
     assert not ka.wide_supports((1, 6, 5, 512), mx.zeros((1, 2, 40, 512)), "causal", 0.1)
 
 
-def _generate(arun, model, tok, prompts):
+def _generate(arun, model, tok, prompts, engine_speculates=True):
     async def run():
-        eng = Engine((model, tok), kv_budget=None, warmup=False)
+        eng = Engine((model, tok), kv_budget=None, warmup=False,
+                     speculate="lookup" if engine_speculates else None)
         # submitted together: the rows share steps, their verifications left-padded,
         # until the first ends and the last goes on alone
         rows = [eng.submit(p, chat=False, max_tokens=24 * (i + 1), speculate="lookup",
@@ -124,13 +124,6 @@ def test_the_engine_verifies_through_the_kernel_on_cuda_once_checked(
     assert got == plain
     assert kernel_on and all(2 <= s[2] <= wide_kernel.MAX_POSITIONS for s, _ in kernel_on)
     assert {causal for _, causal in kernel_on} == {True, False}  # alone and padded
-    # the kernels compiled ahead are those the checks run: the decode kernel of each
-    # shape, and each capacity of each shape
-    pieces = kernels_ahead.extra_pieces(_bf16_model(3)[0])
-    shapes = sorted(set(checked[0]))
-    assert pieces == [f"dense-{Hq}-{Hkv}-{D}-{scale!r}" for Hq, Hkv, D, _, _, scale in shapes
-                      ] + [f"wide-{Hq}-{Hkv}-{D}-{scale!r}-{c}"
-                           for Hq, Hkv, D, _, _, scale in shapes for c in wide_kernel.CAPACITIES]
 
 
 def test_every_width_runs_in_a_capacity_the_check_loads(monkeypatch):
@@ -145,6 +138,30 @@ def test_every_width_runs_in_a_capacity_the_check_loads(monkeypatch):
                         or _contract(q, k, v, scale, mask))
     assert ka.self_check_wide([(6, 2, 64, mx.bfloat16, mx.bfloat16, 0.125)]) is None
     assert seen == [(W, causal) for W in ka.WIDE_CHECK_WIDTHS for causal in (True, False)]
+
+
+def test_an_engine_that_does_not_speculate_by_default_compiles_no_kernel(
+        arun, monkeypatch, kernel_on):
+    """Its rows may still ask to speculate: they verify with the composed attention,
+    and the load never compiles (checks) the kernel."""
+    monkeypatch.setattr(ka, "cuda_backend", lambda: True)
+    monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
+                        mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
+    checked = []
+    monkeypatch.setattr(ka, "self_check_wide", lambda calls: checked.append(calls) or None)
+    monkeypatch.delenv("MLXNB_WIDE_ATTENTION", raising=False)
+    from mlxnb.core.worker.caches import LeanBatchKVCache
+    try:
+        got, status = _generate(arun, *_bf16_model(3), PROMPTS, engine_speculates=False)
+        reached = list(kernel_on)
+        want, on = _generate(arun, *_bf16_model(3), PROMPTS)
+    finally:
+        LeanBatchKVCache.dense_decode = False
+        wideattn.use_kernel(False)
+    assert "verification attention: composed (Engine(speculate=...)" in status
+    assert len(checked) == 1 and "verification attention: fused kernel" in on
+    assert reached == [] and kernel_on  # only the second engine's verifications
+    assert got == want
 
 
 def test_a_failed_self_check_keeps_the_composed_attention(arun, monkeypatch):
@@ -201,74 +218,3 @@ def test_the_cuda_source_compiles_where_nvcc_is(tmp_path):
     r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
                         str(tmp_path / "k.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-
-
-def test_kernels_it_could_not_foresee_compile_in_the_background(
-        arun, monkeypatch, tmp_path, kernel_on):
-    """A model whose attention shapes kernels_ahead.py did not compile for: the
-    engine starts on the composed attention, its compilers run beside the rows, and
-    between ticks after they exit the check runs and verifications take the kernel."""
-    from _compilers import gated_kernels_ahead
-    from mlxnb.core.worker import batch
-    from mlxnb.core.worker.caches import LeanBatchKVCache
-
-    gate = gated_kernels_ahead(monkeypatch, tmp_path, lambda p: p.startswith("wide-"))
-    monkeypatch.setattr(batch, "extra_pieces", lambda model: [])  # shapes not foreseen
-    monkeypatch.setattr(ka, "cuda_backend", lambda: True)
-    monkeypatch.setattr(ka, "_dense_cuda", lambda q, k, v, scale, mask:
-                        mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
-    checked = []
-    monkeypatch.setattr(ka, "self_check_wide", lambda calls: checked.append(calls) or None)
-    monkeypatch.delenv("MLXNB_WIDE_ATTENTION", raising=False)
-
-    async def run():
-        eng = Engine(_bf16_model(3), kv_budget=None, warmup=False)
-        status = eng.cache_kinds
-        before = (list(checked), wideattn._kernel["on"])
-        first = await eng.submit(PROMPTS[0], chat=False, max_tokens=24, speculate="lookup",
-                                 num_draft=4)
-        during = (list(checked), list(kernel_on))
-        gate.touch()
-        for _ in range(100):
-            if wideattn._kernel["on"]:
-                break
-            await eng.submit("x", chat=False, max_tokens=1)  # ticks
-        last = await eng.submit(PROMPTS[1], chat=False, max_tokens=24, speculate="lookup",
-                                num_draft=4)
-        await eng.aclose()
-        return status, before, during, first.tokens, last.tokens, eng.cache_kinds
-
-    try:
-        status, before, during, first, last, status_after = arun(run)
-    finally:
-        LeanBatchKVCache.dense_decode = False
-        wideattn.use_kernel(False)
-    assert "verification attention: fused kernel once its kernels compile" in status
-    assert status_after.endswith("verification attention: fused kernel")
-    assert before == ([], False) and during == ([], []) and first
-    assert checked and checked[0]  # checked once the compilers were done
-    assert kernel_on and last
-    # the pieces are marked compiled: the next engine checks them at load
-    assert len(list((tmp_path / "ptx").glob("mlxnb-model-kernels-bfloat16-wide-*.done"))) == 4
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3_next", "gpt_neox", "phi3", "internlm2",
-                                    "lfm2"])
-def test_the_shapes_read_ahead_are_those_the_forward_attends_with(family, monkeypatch):
-    """kernels_ahead.py compiles the attention kernels of the shapes read from the
-    model's modules; families spell heads, KV heads and head size differently (and
-    Qwen3-Next's q_proj holds a gate besides the queries)."""
-    from tests import zoo
-    from mlxnb.core.worker.caches import LeanBatchKVCache, empty_batch, make_row_cache
-    from mlxnb.core.worker.tokens import TOKEN
-
-    model = zoo.build(family).model
-    ka.install()
-    monkeypatch.setattr(LeanBatchKVCache, "dense_decode", True)
-    with ka.recording(dense=True) as calls:
-        cache = empty_batch(make_row_cache(model), 1)
-        model(mx.zeros((1, 3), TOKEN), cache=cache)
-        mx.eval(model(mx.zeros((1, 1), TOKEN), cache=cache))
-    assert calls
-    assert wide_kernel.attention_shapes(model) == {(Hq, Hkv, D, scale)
-                                                   for Hq, Hkv, D, _, _, scale in calls}

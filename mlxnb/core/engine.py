@@ -139,7 +139,8 @@ class Engine(Listeners, Closing, Adapters, Reports):
             self.constraints.warm()  # while the model sets up, not at the first submit
             self._exec = on_worker(BatchExecutor, m, tok, prefill_chunk, prefix_bytes,
                                    fuse, kv_bits, kv_group_size, fill_threads,
-                                   self.constraints, draft)
+                                   self.constraints, draft,
+                                   speculate is not None or draft is not None)
             if warmup:
                 progress.stage("warming up")
             laps("engine setup")
@@ -419,8 +420,6 @@ class Engine(Listeners, Closing, Adapters, Reports):
                 self._report = dataclasses.replace(self._report, busy=False)
                 continue
             self._report = report
-            if report.cache_kinds is not None:  # a background-compiled kernel is on
-                self.cache_kinds = report.cache_kinds
             self._apply(report, time.perf_counter() - t0)
 
     def trace(self, tracer) -> None:

@@ -87,8 +87,6 @@ class TickReport:
     steps: List[StepStat]
     busy: bool  # more work pending on the worker: tick again without new input
     prefill_chunk: int  # prompt tokens per step beside decoding rows, as it stands
-    # LoadFacts.cache_kinds anew, where this tick turned on a background-compiled kernel
-    cache_kinds: Optional[str] = None
 
 
 @dataclass
@@ -117,8 +115,6 @@ class WorkerState:
     has_batch_cache: bool
     prefix_bytes: int  # held by the prompt-prefix store
     prefill_chunk: int  # prompt tokens per step beside decoding rows, as it stands
-    # LoadFacts.cache_kinds anew, where this tick turned on a background-compiled kernel
-    cache_kinds: Optional[str] = None
 
 
 class Updates:

@@ -56,7 +56,10 @@ class MLXNBMagics(Magics):
                   kv_budget=c.kv_budget if kv_budget is None else kv_budget,
                   prefill_chunk=(c.prefill_chunk if prefill_chunk is None else
                                  None if prefill_chunk == "auto" else prefill_chunk),
-                  load_timeout=c.load_timeout, loop=_aio.shell_loop(), draft_model=draft)
+                  load_timeout=c.load_timeout, loop=_aio.shell_loop(), draft_model=draft,
+                  # an engine that speculates by default compiles its verification
+                  # kernels at load (CUDA); cells still pass their own --speculate
+                  speculate=c.speculate if c.speculate != "draft" or draft else None)
         if isinstance(kw["kv_budget"], str) and kw["kv_budget"].strip().isdigit():
             kw["kv_budget"] = int(kw["kv_budget"])
         if not quiet:

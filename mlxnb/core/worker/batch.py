@@ -38,7 +38,7 @@ from .inflight import InFlight, LogprobArrays
 from .masks import MaskFiller
 from .prefill import Prefill, PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
-from .kernels_ahead import ModelKernels, extra_pieces, model_dtype
+from .kernels_ahead import ModelKernels, model_dtype
 from .precompile import Precompiler
 from .sampling import BatchSampler
 from .setup import BatchModel
@@ -54,7 +54,8 @@ class BatchExecutor:
                  prefix_bytes: int = 0, fuse: bool = False,
                  kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  fill_threads: Optional[int] = None,
-                 constraints: Optional[Constraints] = None, draft=None):
+                 constraints: Optional[Constraints] = None, draft=None,
+                 speculates: bool = False):
         self.prefix_bytes = prefix_bytes
         # CUDA: kernels compile in helper processes, all at once (a fresh machine
         # compiles them once): the sampler's in the background, the model's first
@@ -62,26 +63,18 @@ class BatchExecutor:
         laps = Laps("load")
         self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
         self.precompiler.start()
-        ahead = ModelKernels(model_dtype(model), extra_pieces(model))
+        ahead = ModelKernels(model_dtype(model))
         if ahead.start():
             ahead.wait()
         laps("kernels compiled ahead")
         try:
             self.setup = BatchModel(model, tokenizer, fuse=fuse, kv_bits=kv_bits,
-                                    kv_group_size=kv_group_size, prefill_chunk=prefill_chunk)
+                                    kv_group_size=kv_group_size, prefill_chunk=prefill_chunk,
+                                    verify_kernel=speculates)
         except BaseException:
             self.precompiler.close()
             raise
         laps("model checks")
-        # kernels that compile beside the rows (setup.pending): each is turned on
-        # between ticks once its compilers exit, or now if none had to start
-        self.compiling = []
-        for compiler, enable in self.setup.pending:
-            if compiler.start():
-                self.compiling.append((compiler, enable))
-            else:
-                enable()
-                self.setup.cache_kinds = self.setup.describe()
         self.model, self.tokenizer = model, tokenizer
         self.make_cache = self.setup.make_cache
         self.tracer = None  # see trace()
@@ -165,7 +158,6 @@ class BatchExecutor:
         updates, emitted = Updates(), []
         if self.precompiler.pending:
             self.precompiler.poll()
-        kinds = self._enable_compiled() if self.compiling else None
         for rid in cancels:
             self._cancel(rid, updates, emitted)
         self.prefill.admit(admits)
@@ -183,8 +175,7 @@ class BatchExecutor:
             tr("n.prefill_tokens", first.prefill_tokens)
             tr("n.emitted", len(emitted))
             tr("tick", pc() - t0)
-        return TickReport(updates.by_row, emitted, steps, self.busy, self.policy.current,
-                          kinds)
+        return TickReport(updates.by_row, emitted, steps, self.busy, self.policy.current)
 
     def _step(self, updates: Updates, emitted: List[Emitted]):
         """One decode step with what rides along: (its StepStat, whether a decode was
@@ -509,31 +500,11 @@ class BatchExecutor:
                 other[rid] = b // max(len(live), 1)
         return total, share, other
 
-    def _enable_compiled(self) -> Optional[str]:
-        """Between ticks: for each background compile whose compilers have exited,
-        move its kernels into MLX's folder and turn it on (each checks its kernels
-        first and stays off if the check fails); the model's status anew if any."""
-        done = [c for c in self.compiling if c[0].finished]
-        for item in done:
-            self.compiling.remove(item)
-            item[0].wait(0)
-            try:
-                item[1]()
-            except Exception:  # the rows go on without these kernels
-                swallowed("turning on kernels compiled in the background", item[1])
-        if not done:
-            return None
-        self.setup.cache_kinds = self.setup.describe()
-        return self.setup.cache_kinds
-
     def close(self, clear_cache: bool = True):
         """Forget every row; `clear_cache` (a final close, unlike warm-up's reset)
         also frees MLX's buffer cache and stops background kernel compiles."""
         if clear_cache:
             self.precompiler.close()
-            for compiler, _ in self.compiling:
-                compiler.close()
-            self.compiling = []
         self.prefill.clear()
         self._reset_batch()
         self.masks.close()

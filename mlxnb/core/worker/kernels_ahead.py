@@ -7,11 +7,14 @@ index type), the row filter of the token vector, the roll of right-padded prefil
 caches (mlx-lm's `dynamic_roll`), the fused SwiGLU of the MLP
 (bench/results/cold-start-h200.md). None of their names depends on the model's sizes,
 only on its dtype, so tiny inputs of that dtype compile the same kernels.
-wide_kernel.py's verification attention adds one piece per capacity, at the model's
-own shapes (`extra_pieces`). The same class compiles what the engine turns on later
-(setup.py's `pending`, with `base=False`): rows_gemv.py's few-row linears, a piece
-per weight shape (up to 4 kernels each, sizes built in), and the verification
-attention where its shapes could not be read ahead.
+
+This package's own CUDA kernels (kv_kernels.py's decode attention, wide_kernel.py's
+verification attention, rows_gemv.py) cannot be compiled here: MLX keeps a kernel
+made with `mx.fast.cuda_kernel` in the process that compiled it and never on disk
+(mlx/backend/cuda/custom_kernel.cpp passes `use_disk_cache=false`), so every process
+compiles them anew with NVRTC, at the load check that first runs them (on a fresh
+H200 host 3-4 s for the decode attention's two, 11-12 s for the verification
+attention's eight: bench/results/first-token-2026-12-03-h200.md).
 
 `start` runs one process per piece (each importing mlx alone: about a second) into
 a private folder; `wait` moves what they wrote into MLX's folder, where the engine's
@@ -34,7 +37,6 @@ import mlx.core as mx
 
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
-from . import kv_attention, kv_kernels, rows_gemv, wide_kernel
 from .compilers import move_kernels, piece_folder, spawn, wanted
 
 PIECES = ("gather", "rows", "roll", "swiglu")
@@ -51,24 +53,12 @@ def model_dtype(model) -> Optional[str]:
     return None
 
 
-def extra_pieces(model) -> List[str]:
-    """The model's own pieces that the load checks need: kv_kernels.py's dense decode
-    attention (setup.py's `_pick_dense_decode`) and wide_kernel.py's, at the model's
-    attention shapes (rows_gemv.py's compile in the background, setup.py's `pending`:
-    some 60 s on a fresh host)."""
-    dense = ([f"dense-{Hq}-{Hkv}-{D}-{scale!r}"
-              for Hq, Hkv, D, scale in sorted(wide_kernel.attention_shapes(model))]
-             if kv_attention.cuda_backend() else [])
-    return dense + wide_kernel.ahead_pieces(model)
-
-
 class ModelKernels:
-    """Compiles the pieces above for one dtype, and `extra` ones (`extra_pieces`);
-    `wait` before the model's first use."""
+    """Compiles the pieces above for one dtype; `wait` before the model's first use."""
 
-    def __init__(self, dtype: Optional[str], extra=(), base: bool = True):
+    def __init__(self, dtype: Optional[str]):
         self.dtype = dtype
-        self.wanted = (list(PIECES) if base else []) + list(extra)
+        self.wanted = list(PIECES)
         self.pieces: List[str] = []
         self.procs: List[subprocess.Popen] = []
         self.private: Optional[Path] = None
@@ -175,18 +165,6 @@ def _compile(piece: str, dtype: str) -> None:
         x, shifts = mx.zeros((2, 2, 8, 4), dt), mx.array([0, 3])[:, None]
         out = [mx.take_along_axis(x, (mx.arange(8)[:, None] - shifts[..., None, None]) % 8,
                                   axis=2)]
-    elif piece.startswith("gemv-"):  # rows_gemv.py's kernels for one weight shape
-        N, K = map(int, piece[len("gemv-"):].split("x"))
-        return rows_gemv.compile_ahead(dt, N, K)
-    elif piece.startswith("wide-"):  # wide_kernel.py's verification attention
-        return wide_kernel.compile_ahead(piece, dt)
-    elif piece.startswith("dense-"):  # kv_kernels.py's decode attention, as the
-        # load check runs it (kv_attention.self_check_dense): plain and left-padded
-        Hq, Hkv, D, scale = piece.split("-", 1)[1].split("-")
-        q = mx.zeros((1, int(Hq), 1, int(D)), dt)
-        kv = mx.zeros((1, int(Hkv), 4, int(D)), dt)
-        out = [kv_kernels.dense(q, kv, kv, float(scale), mask)
-               for mask in (None, mx.ones((1, 1, 1, 4), mx.bool_))]
     else:  # swiglu over the two halves of a fused gate/up product (fuse.py)
         swiglu = _activations().swiglu
         out = []

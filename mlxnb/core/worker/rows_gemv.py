@@ -17,16 +17,15 @@ does not hold (or where there is no CUDA kernel API: the CPU, Metal).
 
 The kernel's in and out sizes are template constants (its loops unroll; one kernel
 per layer shape and row capacity, 2, 4, 8 or 16 rows, a batch's row count read at
-run time): NVRTC takes seconds a kernel (a fresh H200 host spent about a minute on
-the default model's 4-5 shapes in parallel processes), so where they are not on disk
-yet they compile in the background while rows decode on MLX's matmul, and the engine
-checks them and installs the layers between ticks (setup.py's `pending`).
+run time): NVRTC takes seconds a kernel, and MLX keeps no custom kernel on disk
+(kernels_ahead.py), so `install`'s check compiles them in every process that turns the
+kernel on: about a minute for the default model's 4-5 shapes on a fresh H200 host.
 The engine installs it only where asked: MLXNB_ROWS_GEMV=1 for every few-row product,
 MLXNB_ROWS_GEMV=verify for those of verification forwards only (`verifying`), which
 leaves plain decoding as MLX runs it (a plain step at B=1 is one row, which neither
 mode gives the kernel). It stays opt-in: on H200 hosts it sped speculation up in some
-runs and not in others, and while its kernels compile on a fresh machine they slow
-the engine's own first compiles (bench/results/first-token-2026-12-03-h200.md). With the verification attention kernel (wide_kernel.py) and
+runs and not in others, and its compiles hold every process's load that turns it
+on (bench/results/first-token-2026-12-03-h200.md). With the verification attention kernel (wide_kernel.py) and
 this one on, copy-heavy speculation at B=1 on an H200 ran at 1.94-2.33x, against
 1.39-1.66x with the attention kernel alone (bench/results/speculate-2026-12-03-h200.md).
 
@@ -245,16 +244,6 @@ def check(shapes, dtype) -> Optional[str]:
     except Exception as e:
         return f"kernel failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
     return None
-
-
-def compile_ahead(dtype, N: int, K: int) -> None:
-    """Run every kernel an [N, K] weight of `dtype` can use once (a kernels_ahead.py
-    compiler: MLX keeps them on disk for the engine's check to find); nothing where
-    there is no CUDA kernel API."""
-    if _backend_ok():
-        return
-    w = mx.zeros((N, K), dtype)
-    mx.eval([matmul(mx.zeros((b, K), dtype), w) for b in buckets(N, K)])
 
 
 def shapes(model):

@@ -5,7 +5,7 @@ and fused projections."""
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -14,20 +14,16 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from ..._log import Laps, log
 from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wide_kernel, wideattn
 from .fuse import fuse_projections
-from .kernels_ahead import ModelKernels, model_dtype
 from .caches import aligned_views, empty_batch
 from .prefill import AUTO_MAX, IDLE_PREFILL
 from .prefix import PrefixStore
 from .tokens import TOKEN, ids as tokens_of
 
-# a status note for kernels that compile in the background (`pending`)
-_IN_BACKGROUND = " once its kernels compile (in the background; {until} until then)"
-
 
 class BatchModel:
     def __init__(self, model, tokenizer, *, fuse: bool = False,
                  kv_bits: Optional[int] = None, kv_group_size: int = 64,
-                 prefill_chunk: Optional[int] = None):
+                 prefill_chunk: Optional[int] = None, verify_kernel: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.prefill_chunk = prefill_chunk
@@ -50,15 +46,12 @@ class BatchModel:
         laps("fused projections")
         self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
         laps("padding check")
-        # kernels compiling in the background, each with what turns it on once they
-        # are done: the executor polls them between ticks (batch.py)
-        self.pending: List[Tuple[ModelKernels, Callable[[], None]]] = []
         # rows_gemv.py: a few rows through a linear as one GEMV (CUDA), each row's bits
         # as alone; after the padding probe, whose noise floor is a batch change's
-        self.linears = self._pick_rows_gemv()
+        self.linears = rows_gemv.install(model)
         self.dense_note = self._pick_dense_decode()
         laps("decode attention check")
-        self.wide_note = self._pick_wide_attention()
+        self.wide_note = self._pick_wide_attention(verify_kernel)
         laps("verification attention check")
         # recurrent.py: recurrent layers decode through compiled steps; the executor
         # sets `decode_gate` (no adapter selected) before any step runs
@@ -86,14 +79,11 @@ class BatchModel:
         self.prefix_reusable = PrefixStore.supports(probe)
 
     def describe(self) -> str:
-        """The status line's model part: cache kinds and the kernels that run (built
-        again when a background compile turns a kernel on)."""
+        """The status line's model part: cache kinds and the kernels that run."""
         out = self._kinds
         if self.linears.startswith("kernel"):
             out += ", few-row linears: GEMV kernel" + (
-                " in verifications" if "verifications only" in self.linears else "") + (
-                _IN_BACKGROUND.format(until="MLX's matmul")
-                if self.linears.startswith("kernel once") else "")
+                " in verifications" if "verifications only" in self.linears else "")
         if self.wide_note:
             out += f", verification attention: {self.wide_note}"
         return out
@@ -199,59 +189,23 @@ class BatchModel:
         Lean.dense_decode = bool(calls) and not why
         return why
 
-    def _pick_wide_attention(self) -> str:
-        """On CUDA (unless MLXNB_WIDE_ATTENTION=composed): verifications' attention
-        through wide_kernel.py if its self-check at this model's shapes passes;
-        returns what runs ("" elsewhere). Where kernels_ahead.py did not compile its
-        kernels for these shapes (a model whose attention modules it could not
-        read), they compile in the background (`pending`, batch.py) and
-        `enable_wide` checks them then: compiled inline, they would hold the load
-        for some 16 s on a fresh machine."""
+    def _pick_wide_attention(self, wanted: bool) -> str:
+        """On CUDA (unless MLXNB_WIDE_ATTENTION=composed), for an engine that speculates
+        by default (`wanted`): verifications' attention through wide_kernel.py if its
+        self-check at this model's shapes passes; returns what runs ("" elsewhere).
+        The check compiles the kernel's eight variants with NVRTC, 11-12 s in a fresh
+        process on an H200 host (bench/results/first-token-2026-12-03-h200.md), and
+        MLX keeps no custom kernel on disk (kernels_ahead.py): every load would pay
+        that, or the first verification in the middle of a run. So an engine whose
+        rows speculate only where they ask verifies with the composed attention."""
         wideattn.use_kernel(False)
         if not wide_kernel.wanted():
             return ""
+        if not wanted:
+            return "composed (Engine(speculate=...) compiles the fused kernel at load)"
         if not self._attention_shapes:
             return "composed (no full-precision attention layer)"
-        dtype = str(self._attention_shapes[0][3]).rsplit(".", 1)[-1]
-        pieces = wide_kernel.pieces_for(
-            (Hq, Hkv, D, scale) for Hq, Hkv, D, _, _, scale in self._attention_shapes)
-        if self._compile_later(dtype, pieces, self._enable_wide_later):
-            return "fused kernel" + _IN_BACKGROUND.format(until="composed")
         return self.enable_wide()
-
-    def _compile_later(self, dtype, pieces, enable) -> bool:
-        """Where `pieces` were never compiled on this machine, queue them to compile
-        beside the rows and `enable` to run once they are done; True if queued."""
-        compiler = ModelKernels(dtype, pieces, base=False)
-        if not (pieces and compiler.missing()):
-            return False
-        self.pending.append((compiler, enable))
-        return True
-
-    # The two below run between ticks (batch.py), which then describes the model
-    # anew; the note set first is what the status says if the check raises.
-    def _enable_wide_later(self) -> None:
-        self.wide_note = "composed (its check failed to run)"
-        self.wide_note = self.enable_wide()
-        log.info("verification attention: %s", self.wide_note)
-
-    def _pick_rows_gemv(self) -> str:
-        """rows_gemv.install where asked (MLXNB_ROWS_GEMV); where its kernels for this
-        model's weight shapes were never compiled on this machine, they compile in
-        the background first (`pending`): some 60 s of NVRTC on a fresh H200 host,
-        which would otherwise hold the load."""
-        pieces = [f"gemv-{N}x{K}" for N, K in rows_gemv.shapes(self.model)]
-        if rows_gemv.enabled() and self._compile_later(
-                model_dtype(self.model), pieces, self._enable_rows_gemv):
-            rows_gemv.install(self.model, on=False)
-            return "kernel once its kernels compile" + (
-                ", verifications only" if rows_gemv.mode() == "verify" else "")
-        return rows_gemv.install(self.model)
-
-    def _enable_rows_gemv(self) -> None:
-        self.linears = "MLX's matmul (its check failed to run)"
-        self.linears = rows_gemv.install(self.model)
-        log.info("few-row linears: %s", self.linears)
 
     def enable_wide(self) -> str:
         """Check wide_kernel.py at this model's attention shapes and use it if the

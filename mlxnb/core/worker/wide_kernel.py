@@ -28,8 +28,9 @@ kv_attention.py decides where it runs (`wide_supports`) and checks it against th
 composed attention on the device before the engine uses it (`self_check_wide`). On
 an H200 it cut the default model's forward of 2-8 positions from 3.0-3.2 to
 1.8-2.4 one-position steps (bench/results/verify-cost-2026-12-03-h200.md), so the
-engine uses it on CUDA unless MLXNB_WIDE_ATTENTION=composed. kernels_ahead.py
-compiles its four capacities beside the model's other first kernels (`ahead_pieces`).
+engine uses it on CUDA unless MLXNB_WIDE_ATTENTION=composed. Its load check
+compiles all eight kernels (four capacities, causal and masked) with NVRTC in every
+process: MLX keeps no custom kernel on disk (kernels_ahead.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ import mlx.core as mx
 
 from . import kv_kernels as kk
 
-__all__ = ["CAPACITIES", "MAX_POSITIONS", "ahead_pieces", "attention_shapes", "capacity",
-           "compile_ahead", "dense_wide", "pieces_for", "source", "wanted"]
+__all__ = ["CAPACITIES", "MAX_POSITIONS", "capacity", "dense_wide", "source", "wanted"]
 
 CAPACITIES = (2, 4, 8, 16)  # query positions a block holds in registers
 MAX_POSITIONS = CAPACITIES[-1]
@@ -144,60 +144,3 @@ def wanted() -> bool:
     from .kv_attention import cuda_backend
 
     return os.environ.get("MLXNB_WIDE_ATTENTION") != "composed" and cuda_backend()
-
-
-# how mlx-lm's attention modules spell their sizes, family by family
-_HEADS = ("n_heads", "num_attention_heads", "num_heads", "n_head")
-_KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
-_SCALES = ("scale", "scale_attn", "softmax_scale")
-
-
-def _first(m, names, kind):
-    return next((v for v in (getattr(m, a, None) for a in names)
-                 if isinstance(v, kind) and not isinstance(v, bool)), None)
-
-
-def attention_shapes(model) -> set:
-    """(Hq, Hkv, D, scale) of the model's attention layers, read from mlx-lm's
-    attention modules: heads, KV heads (as many as heads where a family names none),
-    head size (`head_dim`, else q_proj's rows per head) and scale. A module that only
-    looks like one costs a compile process, never a wrong kernel: the load checks run
-    the shapes the forward records."""
-    shapes = set()
-    for _, m in model.named_modules():
-        Hq, scale = _first(m, _HEADS, int), _first(m, _SCALES, float)
-        if not Hq or scale is None:
-            continue
-        Hkv = _first(m, _KV_HEADS, int) or Hq
-        D = _first(m, ("head_dim",), int)
-        q = getattr(getattr(m, "q_proj", None), "weight", None)
-        if D is None and q is not None and q.shape[0] % Hq == 0:
-            D = q.shape[0] // Hq
-        if D and Hq % Hkv == 0:
-            shapes.add((Hq, Hkv, D, float(scale)))
-    return shapes
-
-
-def ahead_pieces(model) -> list:
-    """kernels_ahead.py's pieces for the model's attention layers, one per capacity:
-    "wide-Hq-Hkv-D-scale-capacity"; none where the kernel is not wanted. A piece that
-    guesses a shape wrong costs only its process: the load check compiles what it
-    does not find, in the background (setup.py)."""
-    return pieces_for(attention_shapes(model)) if wanted() else []
-
-
-def pieces_for(shapes) -> list:
-    """The pieces of (Hq, Hkv, D, scale) attention shapes: one per capacity."""
-    return [f"wide-{Hq}-{Hkv}-{D}-{scale!r}-{c}"
-            for Hq, Hkv, D, scale in sorted(set(shapes)) for c in CAPACITIES]
-
-
-def compile_ahead(piece: str, dtype) -> None:
-    """Run one `ahead_pieces` piece's kernels (causal and masked) on zeros of
-    `dtype` (in a compiler)."""
-    Hq, Hkv, D, scale, c = piece.split("-", 1)[1].split("-")
-    Hq, Hkv, D, c = int(Hq), int(Hkv), int(D), int(c)
-    q = mx.zeros((1, Hq, c, D), dtype)
-    kv = mx.zeros((1, Hkv, 2 * c, D), dtype)
-    mask = mx.ones((1, 1, c, 2 * c), mx.bool_)
-    mx.eval(dense_wide(q, kv, kv, float(scale)), dense_wide(q, kv, kv, float(scale), mask))
