@@ -85,3 +85,20 @@ def test_load_with_a_draft_then_generate_speculate_draft(ip, models, arun_shut, 
     assert [r.params.speculate for r in on.rows + cfg.rows] == ["draft"] * 4
     assert sum(d["draft_proposed"] for d in on.records()) > 0
     assert "draft layers:1" in status and "draft acceptance" in status
+
+
+def test_load_passes_the_configured_speculation_to_the_engine(ip, models, arun_shut):
+    """An engine that speculates by default compiles its verification kernels at load
+    (CUDA), so `%mlxnb load` gives it the configured mode; 'draft' without --draft
+    still loads (cells that ask for it get the one-line error)."""
+    async def main():
+        ip.run_line_magic("config", "MLXNB.speculate = 'lookup'")
+        ip.run_line_magic("mlxnb", "load tiny")
+        lookup = magics._S.engine.speculate
+        ip.run_line_magic("config", "MLXNB.speculate = 'draft'")
+        ip.run_line_magic("mlxnb", "load tiny --max-batch 4")  # (a flag: a new engine)
+        draft = magics._S.engine.speculate
+        ip.run_line_magic("config", "MLXNB.speculate = None")
+        return lookup, draft
+
+    assert arun_shut(main) == ("lookup", None)
