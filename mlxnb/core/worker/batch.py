@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from ..._log import Laps, log, swallowed
+from ..._log import Laps
 from .._trace import lap, pc, timed
 from ..constrain import Constraints
 from ..constraint_results import verdict

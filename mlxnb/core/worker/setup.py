@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from ..._log import Laps, log
+from ..._log import Laps
 from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wide_kernel, wideattn
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
