@@ -162,3 +162,18 @@ def test_model_kernel_pieces_run_and_mark_their_dtype_done(tmp_path, monkeypatch
     assert ahead.private is None and not ahead.procs
     assert not kernels_ahead.ModelKernels("bfloat16").start()  # done: nothing to run
     assert not kernels_ahead.ModelKernels(None).start()
+
+
+def test_a_compiler_process_imports_no_more_of_mlx_lm_than_sample_utils():
+    """Six compilers start at once on a fresh machine: importing mlx-lm's package (and
+    with it transformers: some 10 s on a fresh GPU host) in each would come before any
+    kernel compiles. The piece still runs mlx-lm's own filters."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['precompile', 'top_p', '512']\n"
+            "runpy.run_module('mlxnb.core.worker.precompile', run_name='__main__')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('mlx_lm', 'transformers')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "['mlx_lm', 'mlx_lm.sample_utils']"

@@ -39,12 +39,18 @@ import mlx.core as mx
 
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
-from . import sampling
 from .compilers import move_kernels as _move_kernels, piece_folder, spawn, wanted
 
 # One process per piece: a piece's kernels compile serially within a process.
 PIECES = ("gumbel", "top_k", "top_p", "min_p", "logprobs", "penalty")
 _DONE = "mlxnb-sampling-{vocab}.done"
+
+
+def _sampling():
+    # imported when first used: a compiler process first trims what importing mlx-lm
+    # costs (`_mlx_lm_without_its_package`)
+    from . import sampling
+    return sampling
 
 
 class Precompiler:
@@ -78,7 +84,7 @@ class Precompiler:
             return False
         self.moved = [False] * len(self.procs)
         self.started_at = time.perf_counter()
-        sampling.use_fused(False)
+        _sampling().use_fused(False)
         return True
 
     def poll(self) -> None:
@@ -111,7 +117,7 @@ class Precompiler:
                 swallowed("marking the sampling kernels compiled")
         log.info("sampling kernels compiled in %.1f s", self.took)
         self._cleanup()
-        sampling.use_fused(True)
+        _sampling().use_fused(True)
 
     def close(self) -> None:
         """Stop compiling (the engine is closing); the sampler is fused again."""
@@ -121,7 +127,7 @@ class Precompiler:
             p.stderr.close()
         self.procs = []
         self._cleanup()
-        sampling.use_fused(True)
+        _sampling().use_fused(True)
 
     def _cleanup(self) -> None:
         if self.private is not None:
@@ -135,6 +141,7 @@ def _compile(piece: str, vocab: int) -> None:
     others exit as soon as their own kernels are on disk."""
     from mlx_lm.sample_utils import make_logits_processors
 
+    sampling = _sampling()
     sampling.use_fused(piece == "gumbel")
 
     for B in (1, 8):
@@ -155,5 +162,25 @@ def _compile(piece: str, vocab: int) -> None:
         mx.eval(out)
 
 
+def _mlx_lm_without_its_package() -> None:
+    """In a compiler process: let `import mlx_lm.sample_utils` (all that sampling.py
+    needs of mlx-lm, itself needing only MLX) run that one file. mlx-lm's package
+    __init__ imports its generate and load paths and with them transformers: 1.5 s
+    on a 2-core CPU, some 10 s on a fresh H200 host, in each of six processes at
+    once, before any kernel compiles. The engine's own process imports the package."""
+    import importlib.util
+    import types
+
+    if "mlx_lm" in sys.modules:
+        return
+    spec = importlib.util.find_spec("mlx_lm")  # (finds it without running it)
+    if spec is None or not spec.submodule_search_locations:
+        return
+    pkg = types.ModuleType("mlx_lm")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    sys.modules["mlx_lm"] = pkg
+
+
 if __name__ == "__main__":
+    _mlx_lm_without_its_package()
     _compile(sys.argv[1], int(sys.argv[2]))
