@@ -86,16 +86,40 @@ def test_compilers_run_then_sampling_is_fused_again(tmp_path, monkeypatch):
     assert not precompile.Precompiler(512).start()
 
 
+_WAIT = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.01)"
+
+
+def gated_spawn(root, gate, waits):
+    """compilers.spawn's contract (a private folder, one process per piece), each
+    piece leaving `<piece>.ptx` and `.txt` in its folder; processes of the pieces
+    where `waits(piece)` run until `gate` exists, the others exit at once."""
+    from mlxnb.core.worker.compilers import piece_folder
+
+    def spawn(module, pieces, arg, what):
+        private = root / f"private-{what}"
+        private.mkdir()
+        procs = []
+        for i, piece in enumerate(pieces):
+            folder = piece_folder(private, i)
+            folder.mkdir()
+            (folder / f"{piece}.ptx").write_text("ptx")
+            (folder / f"{piece}.txt").write_text("names")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", _WAIT if waits(piece) else "pass", str(gate)],
+                stderr=subprocess.PIPE))
+        return private, procs
+
+    return spawn
+
+
 def test_each_pieces_kernels_land_as_soon_as_it_exits(tmp_path, monkeypatch):
     """The filters' kernels reach MLX's folder while the slow fused Gumbel piece still
     compiles: a top-p row's unfused draw then finds them on disk."""
-    from _compilers import gated_spawn
-
     cache, gate = tmp_path / "ptx", tmp_path / "gumbel-done"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
     monkeypatch.setattr(precompile, "wanted", lambda: True)
     monkeypatch.setattr(precompile, "spawn", gated_spawn(
-        tmp_path, gate, lambda piece: piece == "gumbel", kernels=True))
+        tmp_path, gate, lambda piece: piece == "gumbel"))
     p = precompile.Precompiler(512)
     assert p.start()
     try:

@@ -13,7 +13,7 @@ verification attention, rows_gemv.py) cannot be compiled here: MLX keeps a kerne
 made with `mx.fast.cuda_kernel` in the process that compiled it and never on disk
 (mlx/backend/cuda/custom_kernel.cpp passes `use_disk_cache=false`), so every process
 compiles them anew with NVRTC, at the load check that first runs them (on a fresh
-H200 host 3-4 s for the decode attention's two, 11-12 s for the verification
+H200 host 3-4 s for two decode attention kernels, 11-12 s for the verification
 attention's eight: bench/results/first-token-2026-12-03-h200.md).
 
 `start` runs one process per piece (each importing mlx alone: about a second) into

@@ -60,33 +60,27 @@ class BatchModel:
         self._live = [True]
         self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
         laps("recurrent steps")
-        kinds = caches.describe(probe, kv_bits, self.kv_attention, self.kv_attention_note)
+        self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
+                                           self.kv_attention_note)
         if caches.LeanBatchKVCache.dense_decode:
-            kinds += ", padded decode attention: fused kernel"
+            self.cache_kinds += ", padded decode attention: fused kernel"
         elif self.dense_note:
-            kinds += f", padded decode attention: MLX's ({self.dense_note})"
+            self.cache_kinds += f", padded decode attention: MLX's ({self.dense_note})"
         if self.compiled_layers:
-            kinds += ", recurrent decode compiled" + {
+            self.cache_kinds += ", recurrent decode compiled" + {
                 "gates": " (gated delta: fused kernel, gates inside)",
                 "kernel": " (gated delta: fused kernel)",
                 "fast": " (gated delta: mx.fast)"}.get(self.recurrence, "")
         elif self.compile_note:
-            kinds += f", recurrent decode not compiled ({self.compile_note})"
-        self._kinds = kinds
-        self.cache_kinds = self.describe()
+            self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
+        if self.linears.startswith("kernel"):
+            self.cache_kinds += ", few-row linears: GEMV kernel" + (
+                " in verifications" if self.linears.endswith("verifications only") else "")
+        if self.wide_note:
+            self.cache_kinds += f", verification attention: {self.wide_note}"
         # prefix entries are slices of full-attention KV (quantized or not): windows
         # and recurrent states would need a snapshot at the prefix boundary instead
         self.prefix_reusable = PrefixStore.supports(probe)
-
-    def describe(self) -> str:
-        """The status line's model part: cache kinds and the kernels that run."""
-        out = self._kinds
-        if self.linears.startswith("kernel"):
-            out += ", few-row linears: GEMV kernel" + (
-                " in verifications" if "verifications only" in self.linears else "")
-        if self.wide_note:
-            out += f", verification attention: {self.wide_note}"
-        return out
 
     def probe_ids(self) -> List[int]:
         """Token ids of ordinary text, for probe forwards (any ids if the tokenizer
@@ -205,11 +199,6 @@ class BatchModel:
             return "composed (Engine(speculate=...) compiles the fused kernel at load)"
         if not self._attention_shapes:
             return "composed (no full-precision attention layer)"
-        return self.enable_wide()
-
-    def enable_wide(self) -> str:
-        """Check wide_kernel.py at this model's attention shapes and use it if the
-        check passes; returns what runs."""
         why = kv_attention.self_check_wide(self._attention_shapes)
         if why:
             return f"composed ({why})"
