@@ -3,6 +3,7 @@ test of a constraint, since nothing but the mask keeps its output valid."""
 
 import json
 import re
+import time
 
 import jsonschema
 import mlx.core as mx
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from mlxnb import Engine
+from mlxnb.core import engine as engine_module
 from mlxnb.core.constraint_params import kind_of
 from mlxnb.core.worker.masks import masked
 
@@ -249,7 +251,12 @@ def test_schema_forms_gbnf_and_pandas_columns(tiny, arun):
     (dict(regex=""), "non-empty string"),
     (dict(regex="a", choices=["a"]), "at most one"),
 ])
-def test_bad_constraints_raise_one_line_before_submitting(tiny, arun, kw, words):
+def test_bad_constraints_raise_one_line_before_submitting(tiny, arun, monkeypatch, kw,
+                                                         words):
+    # a compile past the submit's wait ends its rows instead (test_constrain_async);
+    # a loaded test machine must not turn this test into that one
+    monkeypatch.setattr(engine_module, "SUBMIT_WAIT_S", 30.0)
+
     async def main():
         eng = make(tiny)
         running = eng.submit("keep going", chat=False, max_tokens=30)
@@ -265,6 +272,32 @@ def test_bad_constraints_raise_one_line_before_submitting(tiny, arun, kw, words)
     err, n, running = arun(main)
     assert words in str(err) and "\n" not in str(err), str(err)
     assert n == 1 and running.finish_reason == "length"  # nothing submitted or disturbed
+
+
+def test_the_submit_wait_starts_once_the_tokenizer_is_built(tiny, arun, monkeypatch):
+    """llguidance's view of a real vocabulary takes ~0.4 s to build, once per engine;
+    the first constrained submit after load still gets its whole wait for the compile,
+    so a bad grammar raises there rather than ending a row."""
+    from mlxnb.core import constrain
+
+    build = constrain.Constraints.lltokenizer
+
+    def slow(self):
+        if self._llt is None:
+            time.sleep(3 * constrain.SUBMIT_WAIT_S)
+        return build(self)
+
+    monkeypatch.setattr(constrain.Constraints, "lltokenizer", slow)
+
+    async def main():
+        eng = make(tiny)
+        with pytest.raises(ValueError, match="grammar is invalid"):
+            eng.submit("x", chat=False, grammar="start: undefined_rule")
+        n = len(eng.rows)
+        await eng.aclose()
+        return n
+
+    assert arun(main) == 0
 
 
 def test_cancel_a_constrained_row_mid_batch(tiny, arun):

@@ -122,11 +122,12 @@ def _too_slow(what: str) -> str:
 
 class Compiling(Future):
     """The verdict on one constraint being compiled on a thread of its own: a result
-    of None when its rows can run, or a one-line ValueError. `t0`: when it began."""
+    of None when its rows can run, or a one-line ValueError. `t0`: when its compile
+    began, None while llguidance's tokenizer is still being built (once per engine)."""
 
     def __init__(self, kind: str):
         super().__init__()
-        self.kind, self.t0 = kind, time.monotonic()
+        self.kind, self.t0 = kind, None
 
 
 # -- per engine: the compiler ---------------------------------------------------------
@@ -209,9 +210,11 @@ class Constraints:
         fut = self.pending(p)
         if fut is None:
             return None
-        end = None if wait is None else fut.t0 + wait
         while not fut.done():
-            left = 0.1 if end is None else min(0.1, end - time.monotonic())
+            # the wait starts once the tokenizer is built: a first constrained submit
+            # after load gets the same wait for its compile as any other
+            t0 = fut.t0
+            left = 0.1 if wait is None or t0 is None else min(0.1, t0 + wait - time.monotonic())
             if left <= 0:
                 return fut
             try:  # short waits: a pending interrupt is raised between them
@@ -262,6 +265,7 @@ class Constraints:
         why = None
         try:
             self.lltokenizer()  # built once (~0.4 s for 49k tokens), outside the bound
+            fut.t0 = time.monotonic()
             timer = threading.Timer(COMPILE_TIMEOUT_S, self._settle,
                                     (key, fut, _too_slow(key[0])))
             timer.daemon = True
