@@ -15,6 +15,11 @@ forward's matmuls, which this measures apart from the engine:
                 (worker/wideattn.py), then on CUDA with worker/wide_kernel.py's
                 attention and with the rows GEMV too; median build and eval ms of
                 --calls calls, the first --skip (first uses) left out
+  rollback B    after a verification, the per-row roll of a --batch-row cache of
+                the model (rows of --prompt tokens and more) that drops each row's
+                rejected positions (0, 1, 2, ... a row): worker/rollback.py's gather
+                of [D] vectors against an element gather (mlx-lm's dynamic_roll),
+                median ms of --calls
 
   python -m bench verify-cost --quick
   python -m bench verify-cost --model default --widths 1,2,5,8
@@ -131,10 +136,43 @@ def _forward_widths(model, widths, prompt, calls, skip, way):
     return rows
 
 
+def rollback_cost(model, B, prompt, calls):
+    """(rows gather ms, element gather ms): median of `calls` rollbacks of a B-row
+    batch cache, every layer's keys and values evaluated."""
+    from mlx_lm.models.cache import dynamic_roll
+
+    from mlxnb.core.worker.caches import merge_lean
+    from mlxnb.core.worker.rollback import leaves, rollback
+
+    rows = []
+    for b in range(B):  # rows of different lengths: left padding, as a batch has
+        c = make_prompt_cache(model)
+        model(mx.array([[(7 * i + b) % 500 + 10 for i in range(prompt + 3 * b)]]), cache=c)
+        rows.append(c)
+    caches = merge_lean([[r[i] for r in rows] for i in range(len(rows[0]))])
+    rejected = [b % 4 for b in range(B)]  # min 0: the write index stays
+    shift = mx.array(rejected)[:, None]
+
+    def ours():
+        rollback(caches, rejected)
+        return [x for c in leaves(caches) for x in (c.keys, c.values)]
+
+    def element():
+        out = []
+        for c in leaves(caches):
+            i = c._idx
+            c.keys[..., :i, :] = dynamic_roll(c.keys[..., :i, :], shift, axis=2)
+            c.values[..., :i, :] = dynamic_roll(c.values[..., :i, :], shift, axis=2)
+            out += [c.keys, c.values]
+        return out
+
+    return tuple(median([sum(_sync_ms(f)) for _ in range(calls)][1:]) for f in (ours, element))
+
+
 WAYS = {"one": "one matmul", "batched": "M one-row matmuls", "gemv": "rows GEMV kernel"}
 
 
-def render(mms, fw, args) -> str:
+def render(mms, fw, rb, args) -> str:
     L = []
     for (d, f), mm in mms:
         L += [f"Matmuls [rows, {d}] @ [{f}, {d}].T and back, {args.chain} chained, "
@@ -153,6 +191,11 @@ def render(mms, fw, args) -> str:
         t = r["build_ms"] + r["eval_ms"]
         L.append(f"| {r['W']} | {r['way']} | {r['build_ms']:.2f} | {r['eval_ms']:.2f} | "
                  f"{t:.2f} | {t / one:.2f} | {r['first_ms']:.1f} |" if one else "")
+    if args.batch:
+        rows_ms, element_ms = rb
+        L += ["", f"Rollback of a {args.batch}-row batch cache ({args.prompt}+ tokens a row), "
+              f"median of {args.calls}: rows gather (the engine's) {rows_ms:.1f} ms, "
+              f"element gather (dynamic_roll) {element_ms:.1f} ms."]
     return "\n".join(L)
 
 
@@ -168,12 +211,14 @@ def main(argv=None, prog=None):
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8, help="rows of the rollback (0: none)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.dtype, args.rows, args.chain = "tiny", "float32", "1,2", 8
         args.widths, args.calls, args.skip, args.prompt = "1,3", 4, 1, 16
+        args.batch = 3
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# verify-cost  {report.env}")
     dtype = getattr(mx, args.dtype)
@@ -189,7 +234,8 @@ def main(argv=None, prog=None):
         model = common.build_model(args.model, args.dtype)[0]
     fw = forward_widths(model, [int(w) for w in args.widths.split(",")], args.prompt,
                         args.calls, args.skip)
-    text = render(mm, fw, args)
+    rb = rollback_cost(model, args.batch, args.prompt, args.calls) if args.batch else None
+    text = render(mm, fw, rb, args)
     print(text)
-    report.write(text, dict(matmul=mm, forward=fw))
+    report.write(text, dict(matmul=mm, forward=fw, rollback_ms=rb))
     return 0

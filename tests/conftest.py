@@ -22,6 +22,17 @@ def tiny_swa():
 
 
 @pytest.fixture
+def patient_submits(monkeypatch):
+    """A constrained submit waits for its compile's verdict as long as the compile
+    may take (its own bound), not SUBMIT_WAIT_S: tests of the errors a submit raises
+    do not turn, on a loaded machine, into tests of the rows a slow compile ends
+    (test_constrain_async.py has those)."""
+    from mlxnb.core import constrain, engine
+
+    monkeypatch.setattr(engine, "SUBMIT_WAIT_S", constrain.COMPILE_TIMEOUT_S)
+
+
+@pytest.fixture
 def arun():
     """Run a coroutine function on a fresh loop: arun(main, *args)."""
 

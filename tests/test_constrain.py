@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from mlxnb import Engine
-from mlxnb.core import engine as engine_module
 from mlxnb.core.constraint_params import kind_of
 from mlxnb.core.worker.masks import masked
 
@@ -251,12 +250,8 @@ def test_schema_forms_gbnf_and_pandas_columns(tiny, arun):
     (dict(regex=""), "non-empty string"),
     (dict(regex="a", choices=["a"]), "at most one"),
 ])
-def test_bad_constraints_raise_one_line_before_submitting(tiny, arun, monkeypatch, kw,
-                                                         words):
-    # a compile past the submit's wait ends its rows instead (test_constrain_async);
-    # a loaded test machine must not turn this test into that one
-    monkeypatch.setattr(engine_module, "SUBMIT_WAIT_S", 30.0)
-
+@pytest.mark.usefixtures("patient_submits")
+def test_bad_constraints_raise_one_line_before_submitting(tiny, arun, kw, words):
     async def main():
         eng = make(tiny)
         running = eng.submit("keep going", chat=False, max_tokens=30)

@@ -18,6 +18,8 @@ from mlxnb.core.rows import SamplingParams
 from test_magics import arun_shut, attach, gen, ip  # noqa: F401  (fixtures)
 
 
+pytestmark = pytest.mark.usefixtures("patient_submits")  # (conftest.py)
+
 def make(tiny, **kw):
     kw.setdefault("kv_budget", None)
     kw.setdefault("warmup", False)

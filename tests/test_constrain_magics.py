@@ -18,6 +18,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
           "required": ["ok", "n"], "additionalProperties": False}
 
 
+pytestmark = pytest.mark.usefixtures("patient_submits")  # (conftest.py)
+
 def test_each_flag_constrains_its_rows(ip, tiny, arun_shut):
     async def main():
         attach(tiny)

@@ -880,3 +880,38 @@ def test_first_verifications_that_paid_no_setup_are_learnt_from():
     gpu.observe_plain(1, 0.0064)
     assert not gpu.observe_spec(1, 5, 0.060, 3)
     assert gpu.observe_spec(1, 5, 0.0068, 3)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_rollback_keeps_each_rows_tokens_in_order_and_the_room_to_grow(lazy):
+    """Row b keeps its positions [pad_b, n - rejected_b), in order, ending at the
+    write index; its padding grows by what it rejected past the shared part; the
+    buffer's room beyond the rolled part is untouched (keys and values alike)."""
+    from mlxnb.core.worker.caches import LeanBatchKVCache
+    from mlxnb.core.worker.rollback import roll_lazy, rollback
+
+    B, H, n, D = 3, 2, 10, 4
+    pads, rejected = [0, 2, 1], [1, 3, 2]
+    c = LeanBatchKVCache(list(pads))
+    pos = 100 * mx.arange(B)[:, None, None, None] + mx.arange(n)[None, None, :, None]
+    keys = mx.broadcast_to(pos.astype(mx.float32), (B, H, n, D))
+    c.update_and_fetch(keys, keys + 0.5)
+    c.keys[..., n:, :] = -1.0  # the room to grow, marked
+    if lazy:
+        roll_lazy([c], mx.array(rejected))
+        end = n  # the write index stays; everything rejected becomes padding
+        shift = rejected
+    else:
+        rollback([c], rejected)
+        end = n - min(rejected)
+        shift = [r - min(rejected) for r in rejected]
+    assert c._idx == end
+    assert c.left_padding.tolist() == [p + s for p, s in zip(pads, shift)]
+    k, v = np.array(c.keys), np.array(c.values)
+    for b in range(B):
+        kept = 100 * b + np.arange(pads[b], n - rejected[b])
+        lo = end - len(kept)
+        assert lo == c.left_padding.tolist()[b]
+        assert (k[b, :, lo:end, :] == kept[None, :, None]).all(), k[b, 0, :end, 0]
+        assert (v[b, :, lo:end, :] == kept[None, :, None] + 0.5).all()
+    assert k.shape[2] > n and (k[:, :, n:, :] == -1.0).all()
