@@ -318,3 +318,33 @@ def test_kv_dequantized_for_attention_where_quantized_matmul_is_missing(monkeypa
     q = engine("gemma3_text", **kv)
     assert q.quantized_attention and q.layer_costs == costs
     q.close()
+
+
+@pytest.mark.parametrize("kind", ["full", "quantized"])
+def test_a_prefill_groups_right_padding_becomes_left_padding_in_order(kind):
+    """finalize: row b's tokens move from [0, n_b) to [pad_b, width), in order, and
+    its left padding grows by its right padding, for plain and quantized KV."""
+    from mlxnb.core.worker.caches import LeanBatchKVCache
+    from mlxnb.core.worker.quantized_kv import BatchQuantizedKVCache
+
+    B, H, D, lengths = 3, 2, 64, [5, 8, 2]
+    width = max(lengths)
+    pads = [width - n for n in lengths]
+    c = (LeanBatchKVCache([0] * B) if kind == "full"
+         else BatchQuantizedKVCache([0] * B, 64, 8))
+    c.prepare(lengths=lengths, right_padding=pads)
+    pos = 10 * mx.arange(B)[:, None, None, None] + mx.arange(width)[None, None, :, None]
+    keys = mx.broadcast_to(pos.astype(mx.float32), (B, H, width, D))
+    c.update_and_fetch(keys, -keys)
+    c.finalize()
+    assert c.left_padding.tolist() == pads
+    if kind == "full":
+        k, v = c.keys, c.values
+    else:
+        k = mx.dequantize(*c.keys, group_size=64, bits=8)
+        v = mx.dequantize(*c.values, group_size=64, bits=8)
+    for b in range(B):
+        want = (10 * b + mx.arange(lengths[b]))[None, :, None]
+        got_k, got_v = k[b, :, pads[b]:width, :], v[b, :, pads[b]:width, :]
+        assert mx.allclose(got_k, want, atol=0.5).item(), got_k[0, :, 0]
+        assert mx.allclose(got_v, -want, atol=0.5).item()

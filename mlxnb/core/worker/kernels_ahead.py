@@ -3,8 +3,9 @@
 On a fresh CUDA machine (MLX's on-disk kernel cache empty) an engine's start was
 mostly NVRTC compiling a handful of kernels one after another, 4-10 s each on an
 H200 host: the embedding lookup and the caches' row filters (a gather per data and
-index type), the row filter of the token vector, the roll of right-padded prefill
-caches (mlx-lm's `dynamic_roll`), the fused SwiGLU of the MLP
+index type), the row filter of the token vector, the rolls of rows' KV positions
+(a prefill group's and a verification's: roll.py's gather of [D] vectors, and
+mlx-lm's `dynamic_roll` for sliding-window caches), the fused SwiGLU of the MLP
 (bench/results/cold-start-h200.md). None of their names depends on the model's sizes,
 only on its dtype, so tiny inputs of that dtype compile the same kernels.
 
@@ -159,12 +160,16 @@ def _compile(piece: str, dtype: str) -> None:
     elif piece == "rows":  # the next-token vector, the sampler's counters, and
         # mlx-lm's batch caches' int32 offsets and paddings, filtered by row
         out = [ids([5, 6, 7])[ids([2, 0])], mx.array([5, 6, 7])[ids([2, 0])]]
-    elif piece == "roll":  # finalize() of a right-padded prefill group (mlx-lm)
-        # dynamic_roll's ops: take_along_axis with int32 positions [B, 1, S, 1]
-        # (importing mlx_lm.models.cache would import mlx_lm whole)
+    elif piece == "roll":  # finalize() of a right-padded prefill group, rollbacks
+        # roll.py's gather of [D] vectors by a flat int32 index; mlx-lm's
+        # dynamic_roll (its sliding-window caches): take_along_axis with int32
+        # positions [B, 1, S, 1] (importing mlx_lm.models.cache would import
+        # mlx_lm whole, roll.py imports mlx alone)
+        from .roll import RowRoll
+
         x, shifts = mx.zeros((2, 2, 8, 4), dt), mx.array([0, 3])[:, None]
         out = [mx.take_along_axis(x, (mx.arange(8)[:, None] - shifts[..., None, None]) % 8,
-                                  axis=2)]
+                                  axis=2), RowRoll(shifts[:, 0])(x, 6)]
     else:  # swiglu over the two halves of a fused gate/up product (fuse.py)
         swiglu = _activations().swiglu
         out = []

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache, dynamic_roll
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 from .kv_attention import FusedKV
+from .roll import RowRoll
 
 
 def round_up(n: int, step: int) -> int:
@@ -122,9 +123,9 @@ class BatchQuantizedKVCache(_Quantized):
     def finalize(self):
         """Right padding (a prefill group's) becomes left padding."""
         if self._right_padding is not None:
-            pad = self._right_padding[:, None]
-            self.keys = tuple(dynamic_roll(x, pad, axis=2) for x in self.keys)
-            self.values = tuple(dynamic_roll(x, pad, axis=2) for x in self.values)
+            roll = RowRoll(self._right_padding)  # (roll.py)
+            self.keys = tuple(roll(x) for x in self.keys)
+            self.values = tuple(roll(x) for x in self.values)
             self.left_padding = self.left_padding + self._right_padding
             self._right_padding = None
 

@@ -11,10 +11,8 @@ index (`_idx`), so the rollback is done in two parts:
   shrinks by the same amount.
 
 The roll copies the rows' KV once (all layers: [B, H, S, D] each), which costs
-memory bandwidth, not host work: one gather per layer and tensor, whatever B is. It
-gathers whole [D] vectors by a flat index shared by every layer of a shape
-(`_roll_rows`), not single elements (`mx.take_along_axis`, mlx-lm's `dynamic_roll`):
-on a 2-core CPU the element gather of a B=8 batch's KV took 4x as long. The
+memory bandwidth, not host work: one gather of [D] vectors per layer and tensor,
+whatever B is (roll.py). The
 alternatives cost more where decode is host-bound: masking each row's holes needs a
 per-row position map in every attention call; keeping rows unaligned needs a write
 index per row, which mlx-lm's batch caches and masks do not have. A batch whose rows
@@ -36,6 +34,7 @@ from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList
 
 from .caches import LeanBatchKVCache
 from .quantized_kv import BatchQuantizedKVCache
+from .roll import RowRoll
 
 __all__ = ["before_verify", "leaves", "roll_lazy", "rollback", "unsupported_reason"]
 
@@ -64,34 +63,13 @@ def before_verify(caches: list) -> None:
             c._temporal_order()
 
 
-class _Roller:
-    """Rolls row b of [B, H, S, D] buffers right by shift[b] within their first n
-    positions (all S when n is None; the rest, a buffer's room to grow, stays):
-    x[b, h, s] <- x[b, h, (s - shift[b]) % n] for s < n. One flat index of [D]
-    vectors per (shape, n), shared by every layer and tensor with them."""
-
-    def __init__(self, shift: mx.array):
-        self.shift, self._idx = shift, {}
-
-    def __call__(self, x: mx.array, n: Optional[int] = None) -> mx.array:
-        B, H, S, D = x.shape
-        n = S if n is None else n
-        idx = self._idx.get((B, H, S, n))
-        if idx is None:
-            pos = mx.arange(S)[None, :]
-            src = mx.where(pos < n, (pos - self.shift[:, None]) % n, pos)  # [B, S]
-            base = mx.arange(B * H).reshape(B, H, 1) * S
-            idx = self._idx[(B, H, S, n)] = (base + src[:, None, :]).reshape(-1)  # [B*H*S]
-        return mx.take(x.reshape(B * H * S, D), idx, axis=0).reshape(B, H, S, D)
-
-
 def rollback(caches: list, rejected: List[int]) -> bool:
     """Drop each row's last rejected[i] positions from every layer of the batch
     cache. Returns whether any row gained left padding."""
     m = min(rejected)
     extra = [r - m for r in rejected]
     shift = mx.array(extra) if any(extra) else None
-    roll = None if shift is None else _Roller(shift)
+    roll = None if shift is None else RowRoll(shift)
     for c in leaves(caches):
         if isinstance(c, (LeanBatchKVCache, BatchQuantizedKVCache)):
             _flat(c, m, shift, roll)
@@ -144,7 +122,7 @@ def roll_lazy(caches: list, rejected: mx.array) -> None:
     """Drop each row's last rejected[i] positions ([B], not yet computed) from every
     plain KV layer: each row rolled right by its count, the rejected tail becoming
     left padding. The write index stays: the host need not know the counts."""
-    roll = _Roller(rejected)
+    roll = RowRoll(rejected)
     for c in leaves(caches):
         c.keys, c.values = roll(c.keys, c._idx), roll(c.values, c._idx)
         c.left_padding = c.left_padding + rejected
