@@ -295,6 +295,36 @@ def test_the_submit_wait_starts_once_the_tokenizer_is_built(tiny, arun, monkeypa
     assert arun(main) == 0
 
 
+def test_a_stuck_tokenizer_build_holds_a_submit_no_longer_than_the_compile_bound(
+        tiny, arun, monkeypatch):
+    """The submit's wait for a tokenizer still being built is bounded by the compile's
+    own bound; past it the row is queued and runs once its constraint is ready."""
+    from mlxnb.core import constrain
+
+    build = constrain.Constraints.lltokenizer
+    monkeypatch.setattr(constrain, "COMPILE_TIMEOUT_S", 0.2)
+
+    def stuck(self):
+        if self._llt is None:
+            time.sleep(2.0)
+        return build(self)
+
+    monkeypatch.setattr(constrain.Constraints, "lltokenizer", stuck)
+
+    async def main():
+        eng = make(tiny)
+        t = time.monotonic()
+        row = eng.submit("x", chat=False, regex="[a-z]{3}", max_tokens=8)
+        took = time.monotonic() - t
+        await row
+        await eng.aclose()
+        return took, row
+
+    took, row = arun(main)
+    assert took < 1.5, took
+    assert row.finish_reason == "stop" and re.fullmatch("[a-z]{3}", row.text), row.text
+
+
 def test_cancel_a_constrained_row_mid_batch(tiny, arun):
     async def main():
         eng = make(tiny)

@@ -123,11 +123,12 @@ def _too_slow(what: str) -> str:
 class Compiling(Future):
     """The verdict on one constraint being compiled on a thread of its own: a result
     of None when its rows can run, or a one-line ValueError. `t0`: when its compile
-    began, None while llguidance's tokenizer is still being built (once per engine)."""
+    began, None while llguidance's tokenizer is still being built (once per engine,
+    from `queued`)."""
 
     def __init__(self, kind: str):
         super().__init__()
-        self.kind, self.t0 = kind, None
+        self.kind, self.t0, self.queued = kind, None, time.monotonic()
 
 
 # -- per engine: the compiler ---------------------------------------------------------
@@ -211,10 +212,13 @@ class Constraints:
         if fut is None:
             return None
         while not fut.done():
-            # the wait starts once the tokenizer is built: a first constrained submit
-            # after load gets the same wait for its compile as any other
+            # the wait starts once the tokenizer is built (within the compile's own
+            # bound): a first constrained submit after load gets the same wait for
+            # its compile as any other
             t0 = fut.t0
-            left = 0.1 if wait is None or t0 is None else min(0.1, t0 + wait - time.monotonic())
+            if t0 is None:
+                t0 = min(fut.queued + COMPILE_TIMEOUT_S, time.monotonic())
+            left = 0.1 if wait is None else min(0.1, t0 + wait - time.monotonic())
             if left <= 0:
                 return fut
             try:  # short waits: a pending interrupt is raised between them
