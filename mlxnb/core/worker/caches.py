@@ -29,7 +29,7 @@ from .kv_attention import DenseKV
 from .quantized_kv import (BatchQuantizedKVCache, BatchQuantizedRotatingKVCache,
                            QuantizedRotatingKVCache)
 from .quantized_kv import round_up  # noqa: F401  (prefill's widths grow as caches do)
-from .roll import RowRoll
+from .roll import finalize_padding
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
 KV_GROUP_SIZES = (32, 64, 128)
@@ -215,14 +215,7 @@ class LeanBatchKVCache(BatchKVCache):
             raise AttributeError("group_size")
         return 0
 
-    def finalize(self):
-        """A prefill group's right padding becomes left padding (mlx-lm's rule, its
-        roll as a gather of [D] vectors: roll.py)."""
-        if self._right_padding is not None:
-            roll = RowRoll(self._right_padding)
-            self.keys, self.values = roll(self.keys), roll(self.values)
-            self.left_padding = self.left_padding + self._right_padding
-            self._right_padding = None
+    finalize = finalize_padding  # (roll.py: a gather of [D] vectors)
 
     def update_and_fetch(self, keys, values):
         k, v = self.write(keys, values)

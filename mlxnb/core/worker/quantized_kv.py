@@ -8,7 +8,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 from .kv_attention import FusedKV
-from .roll import RowRoll
+from .roll import finalize_padding
 
 
 def round_up(n: int, step: int) -> int:
@@ -120,14 +120,7 @@ class BatchQuantizedKVCache(_Quantized):
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(right_padding)
 
-    def finalize(self):
-        """Right padding (a prefill group's) becomes left padding."""
-        if self._right_padding is not None:
-            roll = RowRoll(self._right_padding)  # (roll.py)
-            self.keys = tuple(roll(x) for x in self.keys)
-            self.values = tuple(roll(x) for x in self.values)
-            self.left_padding = self.left_padding + self._right_padding
-            self._right_padding = None
+    finalize = finalize_padding  # right padding (a prefill group's) to left (roll.py)
 
     @property
     def state(self):

@@ -15,7 +15,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-__all__ = ["RowRoll"]
+__all__ = ["RowRoll", "finalize_padding", "roll_cache"]
 
 
 class RowRoll:
@@ -37,3 +37,21 @@ class RowRoll:
             base = mx.arange(B * H).reshape(B, H, 1) * S
             idx = self._idx[(B, H, S, n)] = (base + src[:, None, :]).reshape(-1)  # [B*H*S]
         return mx.take(x.reshape(B * H * S, D), idx, axis=0).reshape(B, H, S, D)
+
+
+def roll_cache(c, roll: RowRoll, n: Optional[int] = None) -> None:
+    """Roll a KV layer's keys and values (or their quantized triplets) by `roll`."""
+    if isinstance(c.keys, tuple):
+        c.keys = tuple(roll(x, n) for x in c.keys)
+        c.values = tuple(roll(x, n) for x in c.values)
+    else:
+        c.keys, c.values = roll(c.keys, n), roll(c.values, n)
+
+
+def finalize_padding(c) -> None:
+    """A prefill group's right padding becomes left padding (mlx-lm's `finalize`
+    rule for its batch caches, rolled as above)."""
+    if c._right_padding is not None:
+        roll_cache(c, RowRoll(c._right_padding))
+        c.left_padding = c.left_padding + c._right_padding
+        c._right_padding = None

@@ -12,11 +12,11 @@ index (`_idx`), so the rollback is done in two parts:
 
 The roll copies the rows' KV once (all layers: [B, H, S, D] each), which costs
 memory bandwidth, not host work: one gather of [D] vectors per layer and tensor,
-whatever B is (roll.py). The
-alternatives cost more where decode is host-bound: masking each row's holes needs a
-per-row position map in every attention call; keeping rows unaligned needs a write
-index per row, which mlx-lm's batch caches and masks do not have. A batch whose rows
-all rejected the same count (B = 1 always) rolls nothing.
+whatever B is (roll.py). The alternatives cost more where decode is host-bound:
+masking each row's holes needs a per-row position map in every attention call;
+keeping rows unaligned needs a write index per row, which mlx-lm's batch caches and
+masks do not have. A batch whose rows all rejected the same count (B = 1 always)
+rolls nothing.
 
 Sliding-window layers (mlx-lm's BatchRotatingKVCache and its quantized form) are in
 temporal order after a multi-token write and hold max_size - 1 + W positions, so a
@@ -34,7 +34,7 @@ from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList
 
 from .caches import LeanBatchKVCache
 from .quantized_kv import BatchQuantizedKVCache
-from .roll import RowRoll
+from .roll import RowRoll, roll_cache
 
 __all__ = ["before_verify", "leaves", "roll_lazy", "rollback", "unsupported_reason"]
 
@@ -80,25 +80,12 @@ def rollback(caches: list, rejected: List[int]) -> bool:
     return shift is not None
 
 
-def _buffers(c) -> tuple:
-    """A KV layer's buffers: keys and values, or their quantized triplets."""
-    return (c.keys + c.values) if isinstance(c.keys, tuple) else (c.keys, c.values)
-
-
-def _set_buffers(c, bufs: list) -> None:
-    if isinstance(c.keys, tuple):
-        h = len(c.keys)
-        c.keys, c.values = tuple(bufs[:h]), tuple(bufs[h:])
-    else:
-        c.keys, c.values = bufs
-
-
 def _flat(c, m: int, shift, roll) -> None:
     c._idx -= m
     if shift is None:
         return
     # the whole buffer: its room to grow stays (and is copied as it is)
-    _set_buffers(c, [roll(x, c._idx) for x in _buffers(c)])
+    roll_cache(c, roll, c._idx)
     c.left_padding = c.left_padding + shift
 
 
@@ -112,7 +99,7 @@ def _window(c, m: int, shift, roll) -> None:
         c.values = c.values[..., :c._idx, :]
     if shift is None:
         return
-    c.keys, c.values = roll(c.keys), roll(c.values)
+    roll_cache(c, roll)
     # a negative left padding counts positions already trimmed: none is padding now
     c.left_padding = mx.maximum(c.left_padding, 0) + shift
     c.offset = c.offset - shift
@@ -124,5 +111,5 @@ def roll_lazy(caches: list, rejected: mx.array) -> None:
     left padding. The write index stays: the host need not know the counts."""
     roll = RowRoll(rejected)
     for c in leaves(caches):
-        c.keys, c.values = roll(c.keys, c._idx), roll(c.values, c._idx)
+        roll_cache(c, roll, c._idx)
         c.left_padding = c.left_padding + rejected
