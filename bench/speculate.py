@@ -16,6 +16,11 @@ token-identical (greedy), so both runs decode the same tokens.
 
 --way wide|sync: verify only one way (default: the policy picks by measured speed).
 
+--profile B: after the runs, one more pass of the copy-heavy prompts at batch B, with
+speculation and without, one step per tick (streak_s 0) under the engine's timing
+hooks: host ms per part of a step, for plain steps and for each kind of verifying
+step (read back at once; pipelined launch; the plain step that reads a pipelined one).
+
 --quick: the tiny random-weight model, a few tokens: a smoke run in seconds.
 
 --layer-skip 6,10,15,20: instead, how well would drafts from the target's own first
@@ -117,6 +122,8 @@ def main(argv=None, prog=None):
     ap.add_argument("--way", choices=("wide", "sync"), default=None,
                     help="verify only pipelined (wide) or read back at once (sync); "
                          "default: the policy's choice by measured speed")
+    ap.add_argument("--profile", type=int, default=0, metavar="B",
+                    help="then where a step's host time goes at batch B (copy prompts)")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     import mlxnb
@@ -167,8 +174,15 @@ def main(argv=None, prog=None):
             log(policy[-1])
             report.write("\n".join(lines) + NOTE + "\n".join(policy) + "\n",
                          dict(rows=data))
+    prof = []
+    if args.profile:
+        prof = ["", f"## Where a step goes at B={args.profile} (copy prompts, host ms)", "",
+                profile(eng, COPY, args.profile, args.new)]
+        log(prof[-1])
+        report.write("\n".join(lines) + NOTE + "\n".join(policy + prof) + "\n",
+                     dict(rows=data))
     eng.close()
-    print("\n".join(lines + policy))
+    print("\n".join(lines + policy + prof))
     return 0
 
 
@@ -185,6 +199,53 @@ def eng_loop():
         _LOOP = asyncio.new_event_loop()
         asyncio.set_event_loop(_LOOP)
     return _LOOP
+
+
+# a decode-only tick's kind, by the timing hooks it reported (first match)
+KINDS = [("verify, read back", "verify.wait"), ("pipelined verify launch", "wide.fwd_build"),
+         ("reads a pipelined one", "wide.read_wait"), ("plain", "launch")]
+
+
+def profile(eng, prompts, B, n) -> str:
+    """Mean host ms per part of decode-only steps, by kind of step (KINDS), over one
+    pass of `prompts` at batch B with speculation off and one with it on."""
+    from .tracing import EngineProfiler
+
+    streak, eng.streak_s = eng.streak_s, 0.0
+    by = {}
+    try:
+        for spec in (None, "lookup"):
+            prof = EngineProfiler()
+            prof.attach(eng)
+            for i in range(0, len(prompts), B):
+                eng_loop().run_until_complete(_wave(eng, prompts[i:i + B], n, spec))
+            prof.detach(eng)
+            for t in prof.ticks:
+                if t.get("n.prefill_tokens") or not t.get("n.decoded"):
+                    continue
+                kind = next((k for k, key in KINDS if key in t), None)
+                if kind is not None:
+                    label = kind + (" (speculation off)" if spec is None else "")
+                    by.setdefault(label, []).append(t)
+    finally:
+        eng.streak_s = streak
+    labels = [k for k in by if "off" in k] + [k for k in by if "off" not in k]
+    # tick.rest subtracts the plain step's parts only: not a verifying step's rest
+    keys = sorted({k for ts in by.values() for t in ts for k in t
+                   if k not in ("t0", "tick.rest")},
+                  key=lambda k: (k.startswith("n."), k))
+    out = ["| part | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|",
+           "| ticks | " + " | ".join(str(len(by[k])) for k in labels) + " |"]
+    for key in keys:
+        cells = []
+        for k in labels:
+            xs = [t.get(key, 0.0) for t in by[k]]
+            m = statistics.mean(xs)
+            cells.append(f"{m:.2f}" if key.startswith("n.") else f"{1e3 * m:.2f}")
+        out.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + ("\n\nn.*: counts per tick (n.width: positions per row "
+                            "verified); the rest ms per tick, means; parts nest "
+                            "(verify.read_inflight holds that read's read.*).")
 
 
 NOTE = """

@@ -65,6 +65,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from .._trace import lap, pc
 from ..messages import Emitted, Updates
 from .decoding import HISTORY
 from .inflight import InFlight
@@ -230,18 +231,24 @@ class Speculation:
         a wrong guess only makes drafts that fail. No proposal: nothing was read,
         and the plain step that follows stays pipelined."""
         done = ex.inflight
+        tr = ex.tracer
+        t = pc() if tr else 0.0
         # a draft model drafts from the token in flight itself: read it first
         ahead = done is not None and not ex._any_constrained and not self._draft_due
         self.drained = done is not None and not ahead
         if self.drained:
             ex.inflight = None
             ex._read(done, updates, emitted)
+            if tr:
+                t = lap(tr, "verify.read_before", t)
         rows, drop = ex._batch_rows, ex.drop
         props = self._propose(rows, drop, [[] for _ in rows], ahead)
         # drafting ahead, the first proposed token stands for the one in flight
         drafts = [p[1:] for p in props] if ahead else props
         # the guess must hold too
         w = self._width(rows, drop, drafts, lambda i, q: q if ahead else 1.0)
+        if tr:
+            lap(tr, "verify.propose", t)
         if w == 1:
             return None
         ex.inflight = None
@@ -310,6 +317,8 @@ class Speculation:
         a verification's drafts unless the one before it showed them stale, then
         its next token, which the proposal's first token guesses."""
         done = ex.inflight
+        tr = ex.tracer
+        t = pc() if tr else 0.0
         rows, drop = ex._batch_rows, ex.drop
         ahead = done is not None
         after: List[List[int]] = [[] for _ in rows]
@@ -323,6 +332,8 @@ class Speculation:
         # what it assumed held
         w = self._width(rows, drop, drafts,
                         lambda i, q: q ** (len(after[i]) + 1) if ahead else 1.0)
+        if tr:
+            lap(tr, "wide.propose", t)
         if w == 1:
             return None
         self.wide += 1
@@ -331,6 +342,8 @@ class Speculation:
     def _verify(self, ex, drafts: List[List[int]], done, updates: Updates, emitted: List[Emitted]) -> Tuple[int, int, int, int]:
         rows, ids = ex._batch_rows, list(ex.ids)
         want = ex._want_lp
+        tr = ex.tracer
+        t = pc() if tr else 0.0
         W = 1 + max(len(d) for d in drafts)
         padded = mx.array([d + [0] * (W - 1 - len(d)) for d in drafts], dtype=ex.y.dtype)
         inp = mx.concatenate([ex.y[:, None], padded], axis=1)  # [B, W]
@@ -348,6 +361,8 @@ class Speculation:
                 ex.masks.start(None, ex.rows, rows)
                 first = ex.masks.apply(first)
             full = mx.concatenate([first[:, None], full[:, 1:]], axis=1)
+        if tr:
+            t = lap(tr, "verify.fwd_build", t)
         judged = self.draft is not None and self.draft.judging
         toks = ex.sampler.sample_wide(full, keep=bool(want) or judged)  # [B, W]
         d = mx.array([x + [-1] * (W - 1 - len(x)) for x in drafts], dtype=mx.int32)
@@ -363,11 +378,17 @@ class Speculation:
             idx = mx.array(flat)
             lp = ex.sampler.logprobs(idx, toks.reshape(-1)[idx], k)
             outs += [a for a in lp if a is not None]
+        if tr:
+            t = lap(tr, "verify.sample", t)
         if done is not None:  # read the step in flight while this one computes
             mx.async_eval(*outs)
             ex._read(done, updates, emitted)
+            if tr:
+                t = lap(tr, "verify.read_inflight", t)
         mx.eval(*outs)
         T, A = toks.tolist(), acc.tolist()
+        if tr:
+            t = lap(tr, "verify.wait", t)
         lps = self._logprobs(ex, lp, want, ids, W) if lp is not None else {}
         ex.y = nxt
         proposed = accepted = taken = 0
@@ -388,10 +409,17 @@ class Speculation:
             taken += a + 1
             ex._take(r, T[i][:a + 1], [lps.get((i, j)) for j in range(a + 1)], one,
                      updates, emitted, drafted=a)
+        if tr:
+            t = lap(tr, "verify.take", t)
         rollback(ex.caches, [W - 1 - a for a in A])
         if self.draft is not None:
             self.draft.verified(ids, A)
+        if tr:
+            t = lap(tr, "verify.rollback", t)
         ex._align()  # new padding, and each row's remaining tokens
+        if tr:
+            lap(tr, "verify.align", t)
+            tr("n.width", W)
         return proposed, accepted, taken, W
 
     @staticmethod

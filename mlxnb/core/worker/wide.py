@@ -26,6 +26,7 @@ from typing import List
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from .._trace import lap, pc
 from .caches import LeanBatchKVCache, aligned_views
 from .inflight import InFlight
 from .rollback import leaves, roll_lazy
@@ -67,6 +68,8 @@ def trim(ex) -> None:
 def launch_wide(ex, drafts: List[List[int]]) -> InFlight:
     """Launch a verification of `drafts` (per batch row; [] none) without waiting."""
     spec = ex.spec
+    tr = ex.tracer
+    t = pc() if tr else 0.0
     if spec.slack >= TRIM_AT:
         trim(ex)
     W = 1 + max(len(d) for d in drafts)
@@ -77,6 +80,8 @@ def launch_wide(ex, drafts: List[List[int]]) -> InFlight:
         full = ex.model(inp, cache=ex.views)  # [B, W, V]
     if ex.sampler.needs_float32:
         full = full.astype(mx.float32)
+    if tr:
+        t = lap(tr, "wide.fwd_build", t)
     toks = ex.sampler.sample_wide(full, keep=False)  # [B, W]
     from .speculate import accept_drafts
 
@@ -86,7 +91,12 @@ def launch_wide(ex, drafts: List[List[int]]) -> InFlight:
     roll_lazy(ex.caches, (W - 1) - acc)
     spec.slack += W - 1
     ex.views = ex.caches  # rows may be padded now: masks and per-row offsets
+    if tr:
+        t = lap(tr, "wide.sample_roll", t)
     mx.async_eval(toks, acc)
+    if tr:
+        lap(tr, "wide.async_eval", t)
+        tr("n.width", W)
     for r in ex._batch_rows:
         r.launched += 1  # and what it accepted, once read
     ex._headroom -= 1
@@ -98,7 +108,11 @@ def launch_wide(ex, drafts: List[List[int]]) -> InFlight:
 def read_wide(ex, inflight: InFlight, updates, emitted) -> tuple:
     """Read a pipelined verification back: each row takes its tokens. Returns
     (drafts proposed, accepted) of the rows still running, (width, tokens taken)."""
+    tr = ex.tracer
+    t = pc() if tr else 0.0
     T, A = inflight.tokens.tolist(), inflight.accepted.tolist()
+    if tr:
+        t = lap(tr, "wide.read_wait", t)
     proposed = accepted = 0
     rows, drop = ex.rows, ex.drop
     for i, rid in enumerate(inflight.row_ids):
@@ -118,4 +132,6 @@ def read_wide(ex, inflight: InFlight, updates, emitted) -> tuple:
             r.spec.stale = a < len(dr)
             proposed, accepted = proposed + len(dr), accepted + a
         ex._take(r, T[i][:a + 1], [None] * (a + 1), inflight, updates, emitted, drafted=a)
+    if tr:
+        lap(tr, "wide.take", t)
     return (proposed, accepted), (len(T[0]), len(A) + sum(A))
