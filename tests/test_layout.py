@@ -79,3 +79,17 @@ def test_the_checks_see_imports():
     found = set(imports(PKG / "core" / "worker" / "batch.py"))
     assert {"mlx.core", "mlxnb.core.messages", "mlxnb.core.worker.prefill"} <= found
     assert "mlxnb.core.worker.batch" in set(imports(PKG / "core" / "engine.py"))
+
+
+def test_the_core_map_names_every_module():
+    """mlxnb/core/__init__.py draws the core's rooms: every module of the core and
+    its worker is on that map (a new one goes on it when it is added)."""
+    import re
+
+    text = (PKG / "core" / "__init__.py").read_text()
+    doc = text[:text.index("Threads.")]
+    named = set(re.findall(r"\b(\w+\.py)\b", doc))
+    for folder in ("core", "core/worker"):
+        for p in sorted((PKG / folder).glob("*.py")):
+            if p.name != "__init__.py":
+                assert p.name in named, f"{folder}/{p.name} is not on core/__init__.py's map"

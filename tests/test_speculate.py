@@ -13,7 +13,7 @@ from test_sampling import SMALL, assert_distribution, reference
 from mlxnb import Engine
 from mlxnb.core.worker.lookup import RowLookup
 from mlxnb.core.worker.sampling import BatchSampler
-from mlxnb.core.worker.speculate import accept_drafts
+from mlxnb.core.worker.verify import accept_drafts
 from mlxnb.models.tiny import tiny_model
 
 # Random-weight models fall into loops that the n-gram lookup catches, and these

@@ -2,8 +2,11 @@
 
     core/                 loop side: plain Python, no MLX
       engine.py           Engine: rows in, worker results applied, step records
+      reports.py          a tick's report applied to the rows (the one place it touches a Row)
       scheduler.py        admission: FIFO under max_batch and the KV budget
       rows.py  run.py     a row's record and the result handle over several rows
+      rowtrace.py         a row's life as phase records, and why it waited in the queue
+      adapters.py         named LoRA/DoRA adapters over the one base model (loop side)
       messages.py         what crosses to the worker and back (typed, plain values)
       states.py           row states and finish reasons
       constrain.py        structured rows: the compiler (llguidance), checks before submitting
@@ -12,9 +15,14 @@
     core/worker/          the MLX worker thread: the model, caches, every array
       batch.py            BatchExecutor.tick: join, launch, prefill, read back
       prefill.py  caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
-      prefix.py  fuse.py  setup.py  inflight.py  warmup.py
-      speculate.py  lookup.py  draft.py  draftrule.py  rollback.py   speculative decoding
+      prefix.py  fuse.py  setup.py  inflight.py  warmup.py  stepsplit.py
       tokens.py           one integer type for token ids and row indices
+      speculate.py  specpolicy.py  verify.py  wide.py   speculative decoding: when,
+      lookup.py  draft.py  draftrule.py  rollback.py  roll.py   the two ways, drafts, rollback
+      adapters.py  lowrank.py  gathered.py   rows with different LoRA/DoRA adapters
+      recurrent.py  gated_delta.py   hybrid models' recurrent layers, compiled
+      kv_attention.py  kv_kernels.py  wideattn.py  wide_kernel.py  rows_gemv.py
+      lowrank_kernels.py  GPU kernels (`mx.fast.cuda_kernel`), each self-checked at load
       kernels_ahead.py  precompile.py  compilers.py   CUDA kernels compiled ahead, in processes
 
 Threads. MLX keeps arrays on thread-local streams, so the rule is about threads:

@@ -24,7 +24,7 @@ step while the step before is still computing, read back a step later; acceptanc
 the next input and the rollback of rejected positions happen on the device, and a
 row's proposal follows the tokens read so far plus what the step in flight is
 expected to give (its drafts, all taken, and a guess of its last token: the first
-proposed token). Read back at once (`step`, for rows that need the host each step
+proposed token). Read back at once (`step`, verify.py; for rows that need the host each step
 -- logprobs, logits processors, a constraint -- and for sliding-window or quantized
 caches): launched while the step in flight computes, with the same guess, then both
 are read and the cache rolled back on the host (rollback.py). Either way the drafts
@@ -67,26 +67,16 @@ import mlx.core as mx
 
 from .._trace import lap, pc
 from ..messages import Emitted, Updates
-from .decoding import HISTORY
 from .inflight import InFlight
 from .lookup import LookupSource
-from .rollback import before_verify, rollback, unsupported_reason
+from .rollback import unsupported_reason
 from .specpolicy import StepTimes, best_width
+from .verify import verify
 from .wide import flat_only, launch_wide, trim
-from .wideattn import wide_attention
 
-__all__ = ["Speculation", "accept_drafts", "MAX_SPEC_BATCH"]
+__all__ = ["Speculation", "MAX_SPEC_BATCH"]
 
 MAX_SPEC_BATCH = 32  # larger batches are bound by the device: extra positions cost
-
-
-def accept_drafts(toks: mx.array, drafts: mx.array):
-    """toks [B, W] sampled at each position, drafts [B, W - 1] (-1: none) ->
-    (drafts accepted [B]: the longest prefix equal to the tokens sampled after
-    them, the row's next token [B]: the one sampled after that prefix)."""
-    match = (toks[:, :-1].astype(mx.int32) == drafts).astype(mx.int32)
-    acc = mx.cumprod(match, axis=1).sum(axis=1)
-    return acc, mx.take_along_axis(toks, acc[:, None], axis=1)[:, 0]
 
 
 class Speculation:
@@ -254,8 +244,8 @@ class Speculation:
         ex.inflight = None
         self.drained = done is not None
         self.sync += 1
-        return self._verify(ex, [d[:w - 1] for d in drafts], done if ahead else None,
-                            updates, emitted)
+        return verify(ex, [d[:w - 1] for d in drafts], done if ahead else None,
+                      self.draft, updates, emitted)
 
     def _width(self, rows, drop, drafts: List[List[int]], live_of) -> int:
         """The verification's width (1 + drafts kept per row) by the policy, 1 for
@@ -338,102 +328,3 @@ class Speculation:
             return None
         self.wide += 1
         return launch_wide(ex, [d[:w - 1] for d in drafts])
-
-    def _verify(self, ex, drafts: List[List[int]], done, updates: Updates, emitted: List[Emitted]) -> Tuple[int, int, int, int]:
-        rows, ids = ex._batch_rows, list(ex.ids)
-        want = ex._want_lp
-        tr = ex.tracer
-        t = pc() if tr else 0.0
-        W = 1 + max(len(d) for d in drafts)
-        padded = mx.array([d + [0] * (W - 1 - len(d)) for d in drafts], dtype=ex.y.dtype)
-        inp = mx.concatenate([ex.y[:, None], padded], axis=1)  # [B, W]
-        before_verify(ex.caches)
-        # each row's LoRA; attention without per-shape setup (wideattn.py)
-        with ex.adapters.using(ex.adapters.select(ex._row_adapters)), wide_attention():
-            full = ex.model(inp, cache=ex.views)  # [B, W, V]
-        if want or ex._any_procs or ex.sampler.needs_float32:
-            full = full.astype(mx.float32)
-        if ex._any_procs or ex._any_constrained:  # such rows take position 0 only
-            first = full[:, 0, :]
-            if ex._any_procs:
-                first = ex._process(rows, first, updates)
-            if ex._any_constrained:
-                ex.masks.start(None, ex.rows, rows)
-                first = ex.masks.apply(first)
-            full = mx.concatenate([first[:, None], full[:, 1:]], axis=1)
-        if tr:
-            t = lap(tr, "verify.fwd_build", t)
-        judged = self.draft is not None and self.draft.judging
-        toks = ex.sampler.sample_wide(full, keep=bool(want) or judged)  # [B, W]
-        d = mx.array([x + [-1] * (W - 1 - len(x)) for x in drafts], dtype=mx.int32)
-        acc, nxt = accept_drafts(toks, d)
-        if judged:  # drawing draft rows: the rejection rule (draftrule.py)
-            toks, acc, nxt = self.draft.judge(ex, toks, d, acc, nxt)
-        ex.sampler.advance(acc + 1)
-        lp = None
-        outs = [toks, acc, nxt]
-        if want:
-            flat = [i * W + j for i in want for j in range(W)]
-            k = max(rows[i].params.logprobs for i in want)
-            idx = mx.array(flat)
-            lp = ex.sampler.logprobs(idx, toks.reshape(-1)[idx], k)
-            outs += [a for a in lp if a is not None]
-        if tr:
-            t = lap(tr, "verify.sample", t)
-        if done is not None:  # read the step in flight while this one computes
-            mx.async_eval(*outs)
-            ex._read(done, updates, emitted)
-            if tr:
-                t = lap(tr, "verify.read_inflight", t)
-        mx.eval(*outs)
-        T, A = toks.tolist(), acc.tolist()
-        if tr:
-            t = lap(tr, "verify.wait", t)
-        lps = self._logprobs(ex, lp, want, ids, W) if lp is not None else {}
-        ex.y = nxt
-        proposed = accepted = taken = 0
-        one = InFlight(ids, nxt)  # what constrained rows' matchers read
-        for i, (rid, r, dr) in enumerate(zip(ids, rows, drafts)):
-            a = A[i]
-            r.launched += a + 1
-            if r.processors:
-                r.history = mx.concatenate([r.history[-HISTORY + 1:], nxt[i:i + 1]])
-            if rid in ex.drop or ex.rows.get(rid) is None:
-                continue
-            if dr:
-                up = updates.of(rid)
-                up.draft_proposed += len(dr)
-                up.draft_accepted += a
-                r.spec.verified(len(dr), a)
-                proposed, accepted = proposed + len(dr), accepted + a
-            taken += a + 1
-            ex._take(r, T[i][:a + 1], [lps.get((i, j)) for j in range(a + 1)], one,
-                     updates, emitted, drafted=a)
-        if tr:
-            t = lap(tr, "verify.take", t)
-        rollback(ex.caches, [W - 1 - a for a in A])
-        if self.draft is not None:
-            self.draft.verified(ids, A)
-        if tr:
-            t = lap(tr, "verify.rollback", t)
-        ex._align()  # new padding, and each row's remaining tokens
-        if tr:
-            lap(tr, "verify.align", t)
-            tr("n.width", W)
-        return proposed, accepted, taken, W
-
-    @staticmethod
-    def _logprobs(ex, lp, want, ids, W) -> dict:
-        chosen = lp.chosen.tolist()
-        top_ids = lp.top_ids.tolist() if lp.top_ids is not None else None
-        top_lp = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
-        out = {}
-        n = 0
-        for i in want:
-            k = ex.rows[ids[i]].params.logprobs if ids[i] in ex.rows else 0
-            for j in range(W):
-                out[(i, j)] = {"logprob": chosen[n],
-                               "top": [(t, x) for t, x in zip(top_ids[n][:k], top_lp[n][:k])
-                                       if x != -float("inf")] if top_ids else []}
-                n += 1
-        return out

@@ -3,7 +3,7 @@ read back a step later, so the host builds step N+1 while the device computes N.
 
 The step feeds every row [its next input, as the step before computes it, + its
 drafts] ([B, W]), samples each position (sampling.py `sample_wide`), and counts on
-the device each row's accepted drafts (speculate.py `accept_drafts`) and its next
+the device each row's accepted drafts (verify.py `accept_drafts`) and its next
 input. Nothing on the host waits for them: the rejected positions leave the cache
 by a roll whose shift is that device count (rollback.py `roll_lazy`: they become
 left padding), the sampler's counters move by it, and the host reads the tokens
@@ -30,6 +30,7 @@ from .._trace import lap, pc
 from .caches import LeanBatchKVCache, aligned_views
 from .inflight import InFlight
 from .rollback import leaves, roll_lazy
+from .verify import accept_drafts
 from .wideattn import wide_attention
 
 __all__ = ["flat_only", "launch_wide", "read_wide", "trim", "TRIM_AT"]
@@ -83,8 +84,6 @@ def launch_wide(ex, drafts: List[List[int]]) -> InFlight:
     if tr:
         t = lap(tr, "wide.fwd_build", t)
     toks = ex.sampler.sample_wide(full, keep=False)  # [B, W]
-    from .speculate import accept_drafts
-
     d = mx.array([x + [-1] * (W - 1 - len(x)) for x in drafts], dtype=mx.int32)
     acc, nxt = accept_drafts(toks, d)  # [B], [B]
     ex.sampler.advance(acc + 1)
