@@ -15,7 +15,7 @@
     core/worker/          the MLX worker thread: the model, caches, every array
       batch.py            BatchExecutor.tick: join, launch, prefill, read back
       prefill.py  caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
-      prefix.py  fuse.py  setup.py  inflight.py  warmup.py  stepsplit.py
+      readback.py  prefix.py  fuse.py  setup.py  inflight.py  warmup.py  stepsplit.py
       tokens.py           one integer type for token ids and row indices
       speculate.py  specpolicy.py  verify.py  wide.py   speculative decoding: when,
       lookup.py  draft.py  draftrule.py  rollback.py  roll.py   the two ways, drafts, rollback

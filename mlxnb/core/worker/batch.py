@@ -2,10 +2,10 @@
 
 One step = drop finished rows from the batch, join rows whose prefill is complete,
 launch decode step N+1, prefill up to one chunk, then read step N's tokens (so the
-device computes N+1 while the host reads N), detokenize and check stops. A `tick`
-takes one step, and then more while nothing needs the loop (`_streak_goes_on`): each
-return trip through the event loop costs host time the device waits for. The loop
-gets back plain Python values (messages.py: `TickReport`).
+device computes N+1 while the host reads N), detokenize and check stops
+(readback.py). A `tick` takes one step, and then more while nothing needs the loop
+(`_streak_goes_on`): each return trip through the event loop costs host time the
+device waits for. The loop gets back plain Python values (messages.py: `TickReport`).
 
 Admitted rows prefill in groups (prefill.py: a `Prefill` the executor owns);
 a done group's cache joins the running left-padded batch cache (caches.py: every
@@ -16,7 +16,6 @@ views of its KV layers: no mask array, scalar RoPE offsets.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import Dict, List, Optional
@@ -27,7 +26,6 @@ from mlx_lm.sample_utils import make_logits_processors
 from ..._log import Laps
 from .._trace import lap, pc, timed
 from ..constrain import Constraints
-from ..constraint_results import verdict
 from ..messages import (Admit, Emitted, LoadFacts, StepStat, TickReport, Updates,
                         WorkerState)
 from ..states import Finish, RowState
@@ -38,6 +36,7 @@ from .inflight import InFlight, LogprobArrays
 from .masks import MaskFiller
 from .prefill import Prefill, PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
+from .readback import ReadBack
 from .kernels_ahead import ModelKernels, model_dtype
 from .precompile import Precompiler
 from .sampling import BatchSampler
@@ -45,11 +44,10 @@ from .setup import BatchModel
 from .draft import DraftSource
 from .speculate import Speculation
 from .stepsplit import StepSplit
-from .wide import read_wide
 from .tokens import ids
 
 
-class BatchExecutor:
+class BatchExecutor(ReadBack):
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None,
                  prefix_bytes: int = 0, fuse: bool = False,
                  kv_bits: Optional[int] = None, kv_group_size: int = 64,
@@ -416,71 +414,6 @@ class BatchExecutor:
                     li = logits[i:i + 1]
             out.append(li)
         return mx.concatenate(out, axis=0)
-
-    # -- reading back --------------------------------------------------------------
-    def _read(self, inflight: InFlight, updates: Updates, emitted: List[Emitted]) -> None:
-        if inflight.accepted is not None:  # a pipelined verification
-            (d, a), self._wide_taken = read_wide(self, inflight, updates, emitted)
-            self._wide_read = (self._wide_read[0] + d, self._wide_read[1] + a)
-            return
-        tr = self.tracer
-        t0 = pc() if tr else 0.0
-        toks = inflight.tokens.tolist()  # the one host sync per step
-        if tr:
-            t1 = lap(tr, "read.wait", t0)
-        lps = self._read_logprobs(inflight) if inflight.logprobs is not None else None
-        rows, drop = self.rows, self.drop
-        for i, rid in enumerate(inflight.row_ids):
-            r = rows.get(rid)
-            if r is None or rid in drop:
-                continue
-            self._take(r, (toks[i],), (None if lps is None else lps.get(i),), inflight,
-                       updates, emitted)
-        if tr:
-            lap(tr, "read.accept", t1)
-            tr("read.py", pc() - t1)
-
-    def _take(self, r: RowDecoder, toks, lps, inflight: InFlight, updates: Updates,
-              emitted: List[Emitted], drafted: int = 0) -> None:
-        """Row r's tokens of one step read back, in order (the first `drafted` of
-        them were drafts it accepted), until it ends."""
-        rid, rows, drop = r.id, self.rows, self.drop
-        for j, tok in enumerate(toks):
-            self.taken += 1
-            ending = r.accept(tok, lps[j], emitted, self.eos, j < drafted)
-            if r.matcher is not None:
-                self.masks.advance(inflight, rows)  # once per step
-                ending = self.masks.finish(
-                    r, lambda t, e: r.accept(t, None, emitted, e), self.eos, ending)
-            if ending is not None:
-                up = updates.end(rid, ending.reason, ending.error)
-                if (r.matcher is not None and not r.params.stop
-                        and ending.reason != Finish.ERROR):
-                    # its matcher read exactly the tokens its text decodes from
-                    # (and its text: a value cut by max_tokens has no capture yet)
-                    up.checked, up.constraint_error = True, verdict(r.params, r.matcher,
-                                                                    r.detok.text)
-                drop.add(rid)
-                if rid not in self.ids:
-                    rows.pop(rid, None)
-                    drop.discard(rid)
-                return
-
-    def _read_logprobs(self, inflight: InFlight) -> dict:
-        lp, ids = inflight.logprobs, inflight.row_ids
-        chosen = lp.chosen.tolist()
-        top_ids = lp.top_ids.tolist() if lp.top_ids is not None else None
-        top_lp = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
-        out = {}
-        for j, i in enumerate(lp.positions):
-            k = self.rows[ids[i]].params.logprobs if ids[i] in self.rows else 0
-            # tokens the row could not draw (-inf) are not alternatives
-            out[i] = {"logprob": chosen[j],
-                      "top": [(t, x) for t, x in zip(top_ids[j][:k], top_lp[j][:k])
-                              if x != -math.inf] if top_ids else []}
-            if lp.allowed and i in lp.allowed:
-                out[i]["allowed"] = lp.allowed[i]
-        return out
 
     # -- memory ----------------------------------------------------------------------
     @timed("kv_report")

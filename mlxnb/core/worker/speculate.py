@@ -61,9 +61,7 @@ cache.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
-
-import mlx.core as mx
+from typing import Dict, List, Optional
 
 from .._trace import lap, pc
 from ..messages import Emitted, Updates

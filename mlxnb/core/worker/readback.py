@@ -1,0 +1,89 @@
+"""Reading a step back on the worker: the one host sync per decode step, then each row
+takes its tokens in order (decoding.py: text, stop strings, endings), with its
+logprobs and, for a constrained row, its grammar's say. `BatchExecutor` (batch.py)
+mixes this in; a pipelined verification's read is wide.py's `read_wide`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List
+
+from .._trace import lap, pc
+from ..constraint_results import verdict
+from ..messages import Emitted, Updates
+from ..states import Finish
+from .decoding import RowDecoder
+from .inflight import InFlight
+from .wide import read_wide
+
+__all__ = ["ReadBack"]
+
+
+class ReadBack:
+    """The executor's reading of a launched step (its rows, masks and counts are the
+    executor's: see batch.py `BatchExecutor`)."""
+
+    def _read(self, inflight: InFlight, updates: Updates, emitted: List[Emitted]) -> None:
+        if inflight.accepted is not None:  # a pipelined verification
+            (d, a), self._wide_taken = read_wide(self, inflight, updates, emitted)
+            self._wide_read = (self._wide_read[0] + d, self._wide_read[1] + a)
+            return
+        tr = self.tracer
+        t0 = pc() if tr else 0.0
+        toks = inflight.tokens.tolist()  # the one host sync per step
+        if tr:
+            t1 = lap(tr, "read.wait", t0)
+        lps = self._read_logprobs(inflight) if inflight.logprobs is not None else None
+        rows, drop = self.rows, self.drop
+        for i, rid in enumerate(inflight.row_ids):
+            r = rows.get(rid)
+            if r is None or rid in drop:
+                continue
+            self._take(r, (toks[i],), (None if lps is None else lps.get(i),), inflight,
+                       updates, emitted)
+        if tr:
+            lap(tr, "read.accept", t1)
+            tr("read.py", pc() - t1)
+
+    def _take(self, r: RowDecoder, toks, lps, inflight: InFlight, updates: Updates,
+              emitted: List[Emitted], drafted: int = 0) -> None:
+        """Row r's tokens of one step read back, in order (the first `drafted` of
+        them were drafts it accepted), until it ends."""
+        rid, rows, drop = r.id, self.rows, self.drop
+        for j, tok in enumerate(toks):
+            self.taken += 1
+            ending = r.accept(tok, lps[j], emitted, self.eos, j < drafted)
+            if r.matcher is not None:
+                self.masks.advance(inflight, rows)  # once per step
+                ending = self.masks.finish(
+                    r, lambda t, e: r.accept(t, None, emitted, e), self.eos, ending)
+            if ending is not None:
+                up = updates.end(rid, ending.reason, ending.error)
+                if (r.matcher is not None and not r.params.stop
+                        and ending.reason != Finish.ERROR):
+                    # its matcher read exactly the tokens its text decodes from
+                    # (and its text: a value cut by max_tokens has no capture yet)
+                    up.checked, up.constraint_error = True, verdict(r.params, r.matcher,
+                                                                    r.detok.text)
+                drop.add(rid)
+                if rid not in self.ids:
+                    rows.pop(rid, None)
+                    drop.discard(rid)
+                return
+
+    def _read_logprobs(self, inflight: InFlight) -> dict:
+        lp, ids = inflight.logprobs, inflight.row_ids
+        chosen = lp.chosen.tolist()
+        top_ids = lp.top_ids.tolist() if lp.top_ids is not None else None
+        top_lp = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
+        out = {}
+        for j, i in enumerate(lp.positions):
+            k = self.rows[ids[i]].params.logprobs if ids[i] in self.rows else 0
+            # tokens the row could not draw (-inf) are not alternatives
+            out[i] = {"logprob": chosen[j],
+                      "top": [(t, x) for t, x in zip(top_ids[j][:k], top_lp[j][:k])
+                              if x != -math.inf] if top_ids else []}
+            if lp.allowed and i in lp.allowed:
+                out[i]["allowed"] = lp.allowed[i]
+        return out
