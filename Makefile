@@ -51,7 +51,7 @@ test: system-deps browser-deps $(TEST_STAMP)
 	cd js && node --test test/
 	$(BIN)/python -m pytest -q -n $(JOBS) --nbval-lax tests notebooks
 	$(BIN)/python -m bench decode --quick > /dev/null && $(BIN)/python -m bench mixed --quick > /dev/null
-	$(BIN)/python -m bench speculate --quick > /dev/null
+	$(BIN)/python -m bench speculate --quick --profile 4 > /dev/null
 
 # The unit tier: the tiny random-weight model, no kernels, subprocesses, servers or
 # bundled model (about four minutes on 2 cores).

@@ -240,12 +240,15 @@ def profile(eng, prompts, B, n) -> str:
         cells = []
         for k in labels:
             xs = [t.get(key, 0.0) for t in by[k]]
-            m = statistics.mean(xs)
-            cells.append(f"{m:.2f}" if key.startswith("n.") else f"{1e3 * m:.2f}")
+            m, med = statistics.mean(xs), statistics.median(xs)
+            cells.append(f"{m:.2f}" if key.startswith("n.") else
+                         f"{1e3 * m:.2f} / {1e3 * med:.2f}")
         out.append(f"| {key} | " + " | ".join(cells) + " |")
-    return "\n".join(out) + ("\n\nn.*: counts per tick (n.width: positions per row "
-                            "verified); the rest ms per tick, means; parts nest "
-                            "(verify.read_inflight holds that read's read.*).")
+    return "\n".join(out) + (
+        "\n\nn.*: counts per tick (n.width: positions per row verified), means; the "
+        "rest ms per tick, mean / median (a shape's first verification may pay one-off "
+        "setup: the median is the steady cost); parts nest (verify.read_inflight holds "
+        "that read's read.*).")
 
 
 NOTE = """
