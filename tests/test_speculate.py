@@ -477,7 +477,7 @@ def test_verified_point_drafts_keep_the_rows_distribution(name):
 
 def _times(a, b, B=(1, 8), plain_extra=0.0):
     """Step times a + b * (rows x width) seconds, plain steps `plain_extra` more."""
-    from mlxnb.core.worker.specpolicy import StepTimes
+    from mlxnb.core.worker.steptimes import StepTimes
 
     t = StepTimes()
     t.skip_first = False
@@ -489,7 +489,7 @@ def _times(a, b, B=(1, 8), plain_extra=0.0):
 
 
 def test_width_follows_the_cost_of_a_step_and_the_rows_acceptance():
-    from mlxnb.core.worker.specpolicy import best_width
+    from mlxnb.core.worker.steptimes import best_width
 
     host_bound, compute_bound = _times(0.005, 0.0), _times(0.09, 0.013)
     # a step costs the same whatever it feeds: verify every draft
@@ -507,7 +507,7 @@ def test_width_follows_the_cost_of_a_step_and_the_rows_acceptance():
 
 
 def test_nothing_measured_tries_a_verification_and_then_measures_it():
-    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+    from mlxnb.core.worker.steptimes import StepTimes, best_width
 
     t = StepTimes()
     t.skip_first = False
@@ -525,7 +525,7 @@ def test_nothing_measured_tries_a_verification_and_then_measures_it():
 def test_a_batch_size_not_measured_yet_takes_the_nearest_measured_ones_costs():
     """A batch loses its rows one by one as they end; each new size would otherwise
     start by verifying its widest drafts blind, on a CPU the dearest step of all."""
-    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+    from mlxnb.core.worker.steptimes import StepTimes, best_width
 
     t = StepTimes()
     t.skip_first = False
@@ -546,7 +546,7 @@ def test_a_narrow_widths_stale_cost_does_not_outweigh_wider_ones_measured_cheap(
     measured on a busy host, wider ones since measured at about a plain step's
     cost. A fresh row (q = 0.5) must still be worth verifying: drafts that are
     never verified never teach the row its acceptance."""
-    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+    from mlxnb.core.worker.steptimes import StepTimes, best_width
 
     t = StepTimes()
     t.skip_first = False
@@ -574,7 +574,8 @@ def test_a_joining_row_starts_from_the_acceptance_of_the_rows_before_it():
     """Where a verification costs two plain steps, a row from an even prior is
     never verified, so it would never learn that it copies; it starts instead
     from what its source's rows showed, good or bad."""
-    from mlxnb.core.worker.specpolicy import Pooled, RowPolicy, StepTimes, best_width
+    from mlxnb.core.worker.specpolicy import Pooled, RowPolicy
+    from mlxnb.core.worker.steptimes import StepTimes, best_width
 
     t = StepTimes()
     t.skip_first = False
@@ -596,7 +597,7 @@ def test_a_joining_row_starts_from_the_acceptance_of_the_rows_before_it():
 
 
 def test_the_guard_turns_speculation_off_where_it_measures_slower_and_retries():
-    from mlxnb.core.worker.specpolicy import StepTimes
+    from mlxnb.core.worker.steptimes import StepTimes
 
     t = StepTimes()
     t.skip_first = False
@@ -648,7 +649,7 @@ def test_the_guard_judges_every_step_against_steps_held_off():
     (the verification emptied the pipeline): judged by its verifying steps against
     those, a speculation that is slower overall looks as if it pays. The guard
     measures a baseline with speculation held off and turns it off."""
-    from mlxnb.core.worker.specpolicy import StepTimes
+    from mlxnb.core.worker.steptimes import StepTimes
 
     t = StepTimes()
     t.skip_first = False
@@ -676,7 +677,7 @@ def test_the_guard_judges_a_shrinking_wave_by_its_batch_size_group():
     copy prompts: a plain step 11.3 ms at any size, a verification 2.2x that giving
     2.1 tokens a row, the plain steps between slowed 1.7x): no size sees 16 steps in
     a row, yet the guard holds speculation off."""
-    from mlxnb.core.worker.specpolicy import StepTimes
+    from mlxnb.core.worker.steptimes import StepTimes
 
     t = StepTimes()
     t.skip_first = False
@@ -698,7 +699,7 @@ def test_the_guard_judges_a_shrinking_wave_by_its_batch_size_group():
 
 
 def test_the_faster_way_of_verifying_is_kept_and_the_other_tried_again():
-    from mlxnb.core.worker.specpolicy import StepTimes
+    from mlxnb.core.worker.steptimes import StepTimes
 
     t = StepTimes()
     t.skip_first = False
@@ -771,7 +772,7 @@ def test_verification_attention_matches_the_fused_kernel(mask, monkeypatch):
 def test_a_widths_first_verification_is_not_learnt_from():
     """The first verification of a shape pays one-off setup (seconds compiling
     kernels on a GPU); learnt from, it would rule that width out for good."""
-    from mlxnb.core.worker.specpolicy import StepTimes, best_width
+    from mlxnb.core.worker.steptimes import StepTimes, best_width
 
     t = StepTimes()
     t.observe_plain(1, 0.008)
@@ -785,7 +786,7 @@ def test_ways_are_judged_by_every_step_while_in_effect():
     """A way whose verifying steps measure faster but which leaves more plain steps
     between them (pipelined drafts going stale) gives fewer tokens per second
     overall: it is the other that is kept."""
-    from mlxnb.core.worker.specpolicy import StepTimes
+    from mlxnb.core.worker.steptimes import StepTimes
 
     t = StepTimes()
     t.skip_first = False
@@ -850,7 +851,7 @@ def test_verifications_that_lose_are_held_off_within_one_shrinking_wave():
     whose size shrinks every few steps no size gathers MIN_SPEC verifications, the
     group does: the guard holds speculation off at the first verification after its
     baseline probe, not a window later."""
-    from mlxnb.core.worker.specpolicy import StepTimes
+    from mlxnb.core.worker.steptimes import StepTimes
 
     t = StepTimes()
     t.skip_first = False
@@ -864,7 +865,7 @@ def test_first_verifications_that_paid_no_setup_are_learnt_from():
     verification where it paid setup: these (a CPU's, about two plain steps) did
     not, so they count and the guard holds as soon; a first verification that pays
     seconds of compiling, or a GPU process's loading its kernels, still does not."""
-    from mlxnb.core.worker.specpolicy import StepTimes
+    from mlxnb.core.worker.steptimes import StepTimes
 
     t = StepTimes()
     assert t.skip_first

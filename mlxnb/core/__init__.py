@@ -17,8 +17,8 @@
       prefill.py  caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
       readback.py  prefix.py  fuse.py  setup.py  inflight.py  warmup.py  stepsplit.py
       tokens.py           one integer type for token ids and row indices
-      speculate.py  specpolicy.py  verify.py  wide.py   speculative decoding: when,
-      lookup.py  draft.py  draftrule.py  rollback.py  roll.py   the two ways, drafts, rollback
+      speculate.py  specpolicy.py  steptimes.py  verify.py  wide.py   speculative decoding:
+      lookup.py  draft.py  draftrule.py  rollback.py  roll.py   when, two ways, drafts, rollback
       adapters.py  lowrank.py  gathered.py   rows with different LoRA/DoRA adapters
       recurrent.py  gated_delta.py   hybrid models' recurrent layers, compiled
       kv_attention.py  kv_kernels.py  wideattn.py  wide_kernel.py  rows_gemv.py

@@ -19,22 +19,22 @@ batch. Rows with logits processors or a constraint do not draft (their one token
 comes from position 0, processed and masked as in a plain step); logprobs are those
 of each position's distribution. Rejected positions leave the cache (rollback.py).
 
-A verification runs one of two ways. Pipelined (wide.py): launched like a plain
-step while the step before is still computing, read back a step later; acceptance,
-the next input and the rollback of rejected positions happen on the device, and a
-row's proposal follows the tokens read so far plus what the step in flight is
-expected to give (its drafts, all taken, and a guess of its last token: the first
-proposed token). Read back at once (`step`, verify.py; for rows that need the host each step
+A verification runs one of two ways. Pipelined (wide.py): launched like a plain step
+while the step before is still computing, read back a step later; acceptance, the
+next input and the rollback of rejected positions happen on the device, and a row's
+proposal follows the tokens read so far plus what the step in flight is expected to
+give (its drafts, all taken, and a guess of its last token: the first proposed
+token). Read back at once (`step`, verify.py; for rows that need the host each step
 -- logprobs, logits processors, a constraint -- and for sliding-window or quantized
 caches): launched while the step in flight computes, with the same guess, then both
 are read and the cache rolled back on the host (rollback.py). Either way the drafts
 are checked against what the model computes after the row's real tokens, so a wrong
-guess only makes drafts that fail. The policy (specpolicy.py) verifies when a row,
-not paused, is `ready` and verifying is expected to give more tokens per second than
-a plain step -- each row's acceptance so far against the measured wall time of plain
-and verifying steps at this batch size -- at the width that gives the most, picks
-the way that measured faster, and holds speculation off at a batch size where
-speculating steps measure slower than plain ones.
+guess only makes drafts that fail. The policy (specpolicy.py, steptimes.py) verifies
+when a row, not paused, is `ready` and verifying is expected to give more tokens per
+second than a plain step -- each row's acceptance so far against the measured wall
+time of plain and verifying steps at this batch size -- at the width that gives the
+most, picks the way that measured faster, and holds speculation off at a batch size
+where speculating steps measure slower than plain ones.
 
 Draft sources. Rows name theirs in `SamplingParams.speculate`; the verifier asks a
 source (registered by its `mode`, `Speculation.register`) two things, on the worker
@@ -68,7 +68,7 @@ from ..messages import Emitted, Updates
 from .inflight import InFlight
 from .lookup import LookupSource
 from .rollback import unsupported_reason
-from .specpolicy import StepTimes, best_width
+from .steptimes import StepTimes, best_width
 from .verify import verify
 from .wide import flat_only, launch_wide, trim
 
