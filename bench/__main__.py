@@ -50,7 +50,7 @@ def usage() -> str:
     w = max(map(len, BENCHMARKS))
     return "\n".join([__doc__.strip(), "", "benchmarks:"]
                      + [f"  {k:<{w}}  {v[1]}" for k, v in BENCHMARKS.items()]
-                     + ["", "Results: --save writes bench/results/<result>-<hardware>.md "
+                     + ["", "Results: --save writes bench/results/<result>-<date>-<hardware>.md "
                         "(see bench/README.md)."])
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import importlib.util
 import json
 import os
@@ -239,8 +238,7 @@ def main(argv=None, prog=None):
         print(f"{CHROMIUM} not found (Debian: apt-get install chromium fonts-dejavu-core)",
               file=sys.stderr)
         return 2
-    result = f"browser-latency-{datetime.date.today().isoformat()}"
-    report = common.Report(NAME, result, TITLE, a, argv)
+    report = common.Report(NAME, "browser-latency", TITLE, a, argv)
     lines = []
     if a.model == "tiny":
         from mlxnb.models.tiny import save_tiny_model

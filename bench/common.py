@@ -281,6 +281,14 @@ def hardware() -> str:
     return f"cpu-{os.cpu_count()}core"
 
 
+def stamp(hw: str) -> str:
+    """A result file's name after the result: `<date>-<hardware>` (the date of the
+    run), or `hw` as given where it starts with a date."""
+    if re.match(r"\d{4}-\d{2}-\d{2}-", hw):
+        return hw
+    return f"{datetime.date.today().isoformat()}-{hw}"
+
+
 def env_info() -> dict:
     env = dict(device=str(mx.default_device()), mlx=mx.__version__,
                python=platform.python_version(), machine=platform.machine(),
@@ -311,11 +319,12 @@ def parser(doc: str, prog=None) -> argparse.ArgumentParser:
 def add_output_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("results")
     g.add_argument("--save", action="store_true",
-                   help="write bench/results/<result>-<hardware>.md (a new run overwrites "
-                        "it; git keeps the history)")
+                   help="write bench/results/<result>-<date>-<hardware>.md (a new run "
+                        "that day overwrites it; git keeps the history)")
     g.add_argument("--out", metavar="DIR",
-                   help="write <result>-<hardware>.md and .json into DIR instead")
-    g.add_argument("--hardware", help="the file name's hardware part (default: detected)")
+                   help="write <result>-<date>-<hardware>.md and .json into DIR instead")
+    g.add_argument("--hardware", help="the file name's hardware part (default: detected; "
+                   "one that starts with a date replaces the date too)")
 
 
 class Report:
@@ -324,7 +333,7 @@ class Report:
 
     def __init__(self, name: str, result: str, title: str, args, argv):
         self.dir = Path(args.out) if args.out else (RESULTS if args.save else None)
-        self.hw = args.hardware or hardware()
+        self.hw = stamp(args.hardware or hardware())
         self.env = env_info()
         self.path = self.dir / f"{result}-{self.hw}.md" if self.dir else None
         e = self.env

@@ -4,8 +4,8 @@ MLX's CUDA backend compiles fused kernels with NVRTC on first use and keeps them
 disk under `MLX_PTX_CACHE_DIR`, by default `<tmp>/mlx/<version>/ptx`: emptied by a
 reboot on many hosts (tmpfs, tmp cleaners), after which every kernel compiles again
 (about a minute of an engine's first start on an H200 host,
-bench/results/cold-start-h200.md). mlxnb points it into the user's cache, beside the
-converted models, unless the user chose a folder. Metal and the CPU backend ignore it.
+bench/results/cold-start-2026-11-29-h200.md). mlxnb points it into the user's cache,
+beside the converted models, unless the user chose a folder. Metal and the CPU backend ignore it.
 
 It must be set before MLX's first compile: MLX reads it once per process.
 """

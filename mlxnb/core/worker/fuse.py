@@ -14,7 +14,7 @@ it. The model code is mlx-lm's, untouched.
 Only plain `nn.Linear` groups are fused. Quantized matmuls cost more device time per
 node, so removing nodes saves little, and on the H200 the engine with fused 4-bit
 projections ran at 0.94 / 0.99 / 0.99 of the unfused one (medians at batch 8 / 32 /
-128, bench/results/engine-decode-h200.md): not worth a second
+128, bench/results/engine-decode-2026-11-29-h200.md): not worth a second
 copy at load.
 
 A group is fused only if a probe forward shows its parts called on one input each

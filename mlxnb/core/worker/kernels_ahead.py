@@ -6,8 +6,9 @@ H200 host: the embedding lookup and the caches' row filters (a gather per data a
 index type), the row filter of the token vector, the rolls of rows' KV positions
 (a prefill group's and a verification's: roll.py's gather of [D] vectors, and
 mlx-lm's `dynamic_roll` for sliding-window caches), the fused SwiGLU of the MLP
-(bench/results/cold-start-h200.md). None of their names depends on the model's sizes,
-only on its dtype, so tiny inputs of that dtype compile the same kernels.
+(bench/results/cold-start-2026-11-29-h200.md). None of their names depends on the
+model's sizes, only on its dtype, so tiny inputs of that dtype compile the same
+kernels.
 
 This package's own CUDA kernels (kv_kernels.py's decode attention, wide_kernel.py's
 verification attention, rows_gemv.py) cannot be compiled here: MLX keeps a kernel

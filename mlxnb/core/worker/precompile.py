@@ -5,7 +5,7 @@ kept on disk (models/kernel_cache.py). On a fresh H200 host the fused Gumbel
 sampling kernel took 36 s to compile, each truncation filter another 6-14 s,
 logprobs 19 s and the repetition penalty 8 s, while the unfused ops of the same
 draw are prebuilt in MLX's library (0.08 s on first use, ~0.6 ms more per step at
-B=8) (bench/results/cold-start-h200.md). Compiled inline, these paths held an
+B=8) (bench/results/cold-start-2026-11-29-h200.md). Compiled inline, these paths held an
 Engine's start (its warm-up samples) or a row's first token for that long.
 
 So when the sampling kernels are not yet on disk, `Precompiler` starts one process

@@ -1,7 +1,8 @@
 """One integer type for token ids and row indices on the device: uint32.
 
 MLX's CUDA backend JIT-compiles a gather kernel per (data type, index type) on its
-first use on a machine: 4-10 s each on an H200 (bench/results/cold-start-h200.md).
+first use on a machine: 4-10 s each on an H200
+(bench/results/cold-start-2026-11-29-h200.md).
 Sampled tokens are uint32 (argmax, the Gumbel draw), and a concatenate of int32
 prompt ids with them promotes to int64; with mixed types a fresh engine compiled
 the embedding lookup three times (int32, uint32, int64 ids) and the row filters twice

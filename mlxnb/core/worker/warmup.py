@@ -4,7 +4,7 @@ The first use of each kernel in a process pays one-off setup: MLX JIT-compiles a
 loads kernels, and on CUDA also creates library handles and cuDNN graphs. Measured
 on an H200 in a fresh process, the first prefill took 6.9 s and the first decode
 step of a padded batch 3.6 s
-(bench/results/cold-start-h200.md) -- inside the first cell a
+(bench/results/cold-start-2026-11-29-h200.md) -- inside the first cell a
 user runs, as time to first token. llama.cpp warms up at load for the
 same reason (its `--no-warmup` flag turns it off). Here two rows prefill as a group
 and decode unpadded (one greedy, one sampled), a third joins (a left-padded batch:
@@ -17,7 +17,7 @@ Truncation filters (top-k/top-p/min-p), logprobs and repetition penalties are le
 to their first use: off by default, and on a fresh CUDA machine (MLX's on-disk PTX
 cache empty) a warm-up that included them took 86 s against 57 s without; their
 kernels take 3-13 s each to compile (`python -m bench cold-start`,
-bench/results/cold-start-h200.md).
+bench/results/cold-start-2026-11-29-h200.md).
 """
 
 from __future__ import annotations
