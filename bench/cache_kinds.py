@@ -220,9 +220,10 @@ async def admitted(model, tok, vocab, rng, bits, budget, prompt, new, submit):
 
 
 async def kv_decode(eng, prompts, new):
-    """Decode tok/s of len(prompts) rows (all decoding, no prefill) on `eng`."""
-    _, steps, _, ok = await common.engine_run(eng, prompts, new)
-    w = common.decode_window(steps, len(prompts))
+    """Decode tok/s of len(prompts) rows, all decoding and no prefill, over `new`
+    steps on `eng` (rows that joined first decode on while the last ones prefill:
+    their contexts pass prompt + new by that ramp)."""
+    w, ok = await common.full_batch_decode(eng, prompts, new, limit=64 * new)
     return (w["tps"] if w else None), ok
 
 
@@ -255,8 +256,10 @@ async def kv_part(args, rng):
         out.append(f"| {kind} | "
                    f"{c['per_row'] / 2**20:.1f} | {c['rows']} | "
                    f"{c['rows'] / base if base else 0:.2f} |")
-    out += ["", f"Decode tok/s at {ctx}-token contexts (x {full}: median of per-round "
-            f"ratios over {args.rounds} interleaved rounds)", "",
+    out += ["", f"Decode tok/s at {ctx}-token contexts, over {new} steps with all B rows "
+            f"decoding (the rows that joined first decode on while the last ones prefill; "
+            f"x {full}: median of per-round ratios over {args.rounds} interleaved rounds)",
+            "",
             "| B | " + " | ".join(f"{b or full}" for b in bits_list) + " | "
             + " | ".join(f"{b}-bit x {full}" for b in bits_list if b) + " |",
             "|---|" + "---|" * (2 * len(bits_list) - 1)]
@@ -284,7 +287,8 @@ async def _kv_rounds(engines, sizes, args, rng, vocab, prompt, new, bits_list, f
             for bits in bits_list:
                 tps, ok = await kv_decode(engines[bits], ps, new)
                 if not ok:
-                    log(f"  WARNING kv_bits={bits}: not every row ran to max_tokens")
+                    log(f"  WARNING kv_bits={bits}: fewer than {new} steps with all "
+                        f"{B} rows decoding")
                 per[bits].append(tps)
                 gc.collect()
                 mx.clear_cache()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlxnb  # noqa: F401  (first: it puts OpenBLAS under MLX on Linux CPU)
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -244,6 +245,28 @@ async def engine_run(eng, prompts, n):
     wall = pc() - t0
     ok = all(r.finish_reason == "length" and len(r.tokens) == n for r in res)
     return res, eng.steps[s0:], wall, ok
+
+
+async def full_batch_decode(eng, prompts, n: int, limit: int):
+    """Decode tok/s of all len(prompts) rows decoding together, for `n` steps.
+
+    With long prompts, a batch's first rows would end before its last ones finish
+    their prefill (continuous batching), leaving no step with every row decoding; so
+    each row may take up to `limit` tokens, the run stops once n steps with all rows
+    decoding and no prefill are recorded, and the rows are cancelled. Returns
+    (decode_window of those steps or None, whether n such steps were recorded)."""
+    B, s0 = len(prompts), len(eng.steps)
+    rows = [eng.submit(as_text(p), max_tokens=limit, chat=False) for p in prompts]
+    while not all(r.done for r in rows):
+        full = sum(1 for s in eng.steps[s0:] if s.prefill_tokens == 0 and s.batch_size == B)
+        if full >= n:
+            break
+        await asyncio.sleep(0.005)
+    eng.cancel(rows)
+    for r in rows:
+        await r
+    steps = [s for s in eng.steps[s0:] if s.batch_size == B and s.prefill_tokens == 0]
+    return decode_window(steps[:n], B), len(steps) >= n
 
 
 def decode_window(steps, B):
