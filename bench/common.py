@@ -257,11 +257,12 @@ async def full_batch_decode(eng, prompts, n: int, limit: int):
     (decode_window of those steps or None, whether n such steps were recorded)."""
     B, s0 = len(prompts), len(eng.steps)
     rows = [eng.submit(as_text(p), max_tokens=limit, chat=False) for p in prompts]
-    while not all(r.done for r in rows):
-        full = sum(1 for s in eng.steps[s0:] if s.prefill_tokens == 0 and s.batch_size == B)
-        if full >= n:
-            break
+    seen = full = 0  # steps looked at (after s0), and those with every row decoding
+    while full < n and not all(r.done for r in rows):
         await asyncio.sleep(0.005)
+        new = eng.steps[s0 + seen:]
+        seen += len(new)
+        full += sum(1 for s in new if s.prefill_tokens == 0 and s.batch_size == B)
     eng.cancel(rows)
     for r in rows:
         await r

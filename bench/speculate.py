@@ -166,8 +166,9 @@ def main(argv=None, prog=None):
                        ratios=ratios, accept=rate, tok_per_step=on["tok_per_step"],
                        pipelined=on["pipelined"], same=same)
             data.append(row)
+            each = ", ".join(f"{x:.2f}" for x in ratios)
             line = (f"| {name} | {B} | {best_off:.1f} | {best_on:.1f} | {ratio:.2f}x | "
-                    f"{', '.join(f'{x:.2f}' for x in ratios)} | {rate:.0%} | {on['tok_per_step']:.2f} | {on['pipelined']:.0%} | "
+                    f"{each} | {rate:.0%} | {on['tok_per_step']:.2f} | {on['pipelined']:.0%} | "
                     f"{same} |")
             lines.append(line)
             log(line)
@@ -254,9 +255,10 @@ def profile(eng, prompts, B, n) -> str:
 
 NOTE = """
 
-speedup: median over rounds of lookup tok/s / off tok/s (each round runs both; per
-round: each round's, in order: their spread is the host's drift); tok/s columns: the best round. accept: accepted drafts / drafts verified. tok/step:
-tokens each row took per decode step (lookup run; 1.00 without speculation).
+speedup: median over rounds of lookup tok/s / off tok/s (each round runs both); per
+round: each round's ratio, in order (their spread is the host's drift); tok/s columns:
+the best round. accept: accepted drafts / drafts verified. tok/step: tokens each row
+took per decode step (lookup run; 1.00 without speculation).
 pipelined: verifying steps launched without a read of the step in flight (the rest
 read back at once). same tokens: the two runs' outputs are identical (greedy).
 """
