@@ -76,6 +76,9 @@ CONTRAST_JS = """() => {
   return {theme: document.querySelector('.mlxnb-widget').dataset.theme, texts: out};
 }"""
 
+CHART_STEPS_JS = """() => { const c = document.querySelector('.mlxnb-widget .mlxnb-chart-step');
+  return c && c._hit ? c._hit.steps.slice(-6) : null; }"""
+
 FIT_JS = """() => { const w = document.querySelector('.mlxnb-widget');
   const d = w.querySelector('.mlxnb-detail');
   const over = [d, ...d.querySelectorAll('.mlxnb-tokens, .mlxnb-wf, .mlxnb-step-lines, .mlxnb-tokinfo')]
@@ -275,6 +278,16 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path, app):
             # the step inspector, by keyboard: Enter opens the last step, arrow keys
             # walk back (four steps at least, and to a step in which rows decoded and
             # one ended), each step's lines checked against the engine's record
+            # the chart draws the run's last step (the one its last rows ended in) once
+            # the widget's last message is in; a busy host may take a moment
+            last = max(int(k) for k in exp["steps"])
+            for _ in range(100):
+                drawn = page.evaluate(CHART_STEPS_JS)
+                if drawn and drawn[-1] == last:
+                    break
+                assert left() > 30, f"the chart never drew step {last}: it ends {drawn}"
+                page.wait_for_timeout(200)
+            assert drawn and drawn[-1] == last, f"the chart never drew step {last}: it ends {drawn}"
             cell0 = page.evaluate(DETAIL_JS)["activeCell"]
             page.locator(".mlxnb-chart-step").first.focus()
             page.keyboard.press("Enter")
