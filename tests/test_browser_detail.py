@@ -278,9 +278,9 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path, app):
             # the step inspector, by keyboard: Enter opens the last step, arrow keys
             # walk back (four steps at least, and to a step in which rows decoded and
             # one ended), each step's lines checked against the engine's record
-            # the chart draws the run's last step (the one its last rows ended in) once
-            # the widget's last message is in; a busy host may take a moment
-            last = max(int(k) for k in exp["steps"])
+            # the chart ends at the step the run's last rows ended in, once the widget's
+            # last message is in (a busy host may take a moment)
+            last = max(int(k) for k, (_, ended, _) in exp["steps"].items() if ended)
             for _ in range(100):
                 drawn = page.evaluate(CHART_STEPS_JS)
                 if drawn and drawn[-1] == last:

@@ -83,8 +83,10 @@ class FakeEngine:
                 r.state, r.t_admit = PREFILL, self.clock()
                 self._active.append(r)
             decoded = prefilled = 0
+            batch, ended = [], []  # as the engine's records: rows decoding, rows ended
             for r in list(self._active):
                 if r.id in self._cancels:
+                    ended.append(r.id)
                     self._end(r, "cancelled")
                 elif r.state == PREFILL:
                     n = min(self.chunk, r.prompt_tokens - r.prefill_done)
@@ -98,11 +100,14 @@ class FakeEngine:
                     r.tokens.append(len(r.tokens))
                     r.text += f"t{len(r.tokens)} "
                     decoded += 1
+                    batch.append(r.id)
                     if r.ntok >= r.params.max_tokens:
+                        ended.append(r.id)
                         self._end(r, "length")
             row_kv = {r.id: (r.prefill_done + r.ntok) * self.bpt for r in self._active}
             rec = StepRecord(len(self.steps), self.clock(), self.step_s, decoded, prefilled,
-                             sum(row_kv.values()), prefill_bytes=row_kv, tokens=decoded)
+                             sum(row_kv.values()), batch, prefill_bytes=row_kv,
+                             tokens=decoded, ended=tuple(ended))
             self.steps.append(rec)
             self._notify("step", rec)
 
@@ -558,3 +563,44 @@ def test_a_second_run_counts_its_steps_from_one():
     assert w1.header["step0"] == -1 and w1.steps["s"][0] == 0
     assert n > 3 and w2.header["step0"] == n - 1, (n, w2.header["step0"])
     assert w2.steps["s"][0] - w2.header["step0"] == 1
+
+
+def test_a_step_in_which_rows_ended_is_a_point_of_its_own():
+    # 100 steps into 32 points: buckets of 4, but steps 6 and 50 end rows, and the
+    # inspector opens a point's last step, so each closes its bucket
+    from mlxnb.notebook import stepchart
+
+    recs = [StepRecord(i, 0.01 * i, 0.001 * (1 + i % 3), 2, 0, 64 * i, (0, 1), 32,
+                       tokens=2, ended=(7,) if i in (6, 50) else ())
+            for i in range(100)]
+    pts = stepchart.points(recs, 32)
+    assert {6, 50, 99} <= set(pts["s"]) and pts["s"] == sorted(pts["s"])
+    assert len(pts["s"]) <= 32 + 2
+    assert len({len(pts[k]) for k in stepchart.STEP_KEYS}) == 1
+    # each point's dt is the mean of the steps it holds: none lost, none twice
+    bounds = [-1] + pts["s"]
+    for lo, hi, dt in zip(bounds, bounds[1:], pts["dt"]):
+        grp = recs[lo + 1:hi + 1]
+        assert dt == round(1000 * sum(r.dt_s for r in grp) / len(grp), 2)
+    # without endings, buckets of 4 as before
+    plain = stepchart.points([StepRecord(i, 0, 0.001, 2, 0, 0) for i in range(100)], 32)
+    assert plain["s"] == list(range(3, 100, 4))
+
+
+def test_a_run_widget_ends_at_the_step_its_last_row_ended_in():
+    # Row b runs on after the run's rows end; the run's widget flushes twice a second,
+    # so b's steps reach it before the flush that sees its rows done
+    async def main():
+        eng = FakeEngine(step_s=0.001, max_batch=4)
+        run = [eng.submit(f"a{i}", max_tokens=5 + i, prompt_len=8) for i in range(2)]
+        eng.submit("b", max_tokens=300, prompt_len=8)
+        w = GenerationWidget(eng, run, flush_hz=2)
+        capture(w)
+        await eng.wait()
+        await settle(w, eng)
+        return eng, run, w
+
+    eng, run, w = asyncio.run(main())
+    last = max(s.step for s in eng.steps if run[1].id in s.ended)
+    assert eng.steps[-1].step > last + 50
+    assert w.steps["s"][-1] == last

@@ -18,11 +18,20 @@ STEP_KEYS = ("s", "t", "dt", "b", "pf", "kv", "tk")
 def points(recs, max_points: int) -> dict:
     """Buckets of consecutive steps: the last step's values, mean dt, summed prefill,
     mean tokens emitted per step (tk: above the batch size where rows took
-    speculative drafts)."""
+    speculative drafts). A bucket also closes at a step in which rows ended, so the
+    step inspector can open each row's last step (a flush gets a point more for each
+    such step)."""
     k = -(-len(recs) // max_points)
+    groups, grp = [], []
+    for rec in recs:
+        grp.append(rec)
+        if len(grp) == k or rec.ended:
+            groups.append(grp)
+            grp = []
+    if grp:
+        groups.append(grp)
     new = {key: [] for key in STEP_KEYS}
-    for i in range(0, len(recs), k):
-        grp = recs[i:i + k]
+    for grp in groups:
         last = grp[-1]
         new["s"].append(last.step)
         new["t"].append(round(last.t, 3))

@@ -92,6 +92,10 @@ class GenerationWidget(anywidget.AnyWidget):
         src = list(engine.rows)[-max_rows:] if self.dashboard else list(rows)
         self._rows = RowTable(src)  # display order; finished rows held weakly (rowtable.py)
         self._live = set(self._rows)  # rows not yet reported as done
+        # rows whose finish has not come: a widget's steps run from its first row's
+        # admission to the step its last row ended in, whenever the flushes fall (the
+        # tick after that reads a step launched for rows that had ended: not theirs)
+        self._open = {i for i in self._rows if not self._rows.done(i)}
         self._sent = {}  # id -> {"text": str, field: last value sent}
         self._seq = 0
         self._pending = []  # StepRecords since the last flush
@@ -128,16 +132,20 @@ class GenerationWidget(anywidget.AnyWidget):
     # -- engine events (on the engine loop) -------------------------------------------
     def _on_event(self, kind, obj):
         if kind == "step":
-            if self._live:
+            # (a tick's finishes reach here before its steps: rows that ended in a
+            # streak of steps are in those steps' batches)
+            if self._open or any(i in self._rows for i in (*obj.batch_ids, *obj.ended)):
                 self._pending.append(obj)
                 self._wake()
         elif kind == "submit":
             if self.dashboard and obj.id not in self._rows:
                 self._rows[obj.id] = obj
                 self._live.add(obj.id)
+                self._open.add(obj.id)
                 self._prune()
                 self._wake()
         elif kind == "finish" and obj.id in self._rows:
+            self._open.discard(obj.id)
             self._dirty = True
             self._wake()
 
@@ -158,7 +166,11 @@ class GenerationWidget(anywidget.AnyWidget):
             return steps[i:]
         # up to the step that finished the last row (stamped just before or after it)
         j = bisect.bisect_right(steps, max(ends), key=lambda s: s.t)
-        return steps[i:j + 1]
+        out = steps[i:j + 1]
+        if out and out[-1].t > max(ends) and not any(
+                rid in self._rows for rid in (*out[-1].batch_ids, *out[-1].ended)):
+            out.pop()  # a later step, none of its rows this widget's: as a live widget
+        return out
 
     def _prune(self):
         # Dashboard rows are bounded: drop the oldest finished rows (front end: lib.pruneRows).
