@@ -101,7 +101,7 @@ def test_drafted_tokens_are_marked_and_counted(tiny, arun):
     spans = row.drafted_spans
     assert spans and all(0 <= a < b <= len(row.text) for a, b in spans)
     assert all(spans[i][1] < spans[i + 1][0] for i in range(len(spans) - 1))
-    from mlxnb.notebook.widget import _draft_fields
+    from mlxnb.notebook.rowwire import draft_fields as _draft_fields
     assert _draft_fields(row) == {"draft": [row.draft_accepted, row.draft_proposed]}
     df = run.records()
     assert all("draft_accepted" in d and "draft_proposed" in d for d in df)

@@ -536,7 +536,7 @@ def test_saved_results_say_the_constraint_and_whether_each_row_meets_it():
 
 def test_widget_prompt_keeps_the_tail_of_a_long_prompt():
     """Rows of one long template differ near the end: the widget gets head and tail."""
-    from mlxnb.notebook.widget import PROMPT_CHARS, _prompt
+    from mlxnb.notebook.rowwire import PROMPT_CHARS, prompt_text as _prompt
 
     p = "Extract the person's name. " * 20 + "Sentence: Grace Hopper wrote a compiler."
     got = _prompt(p)

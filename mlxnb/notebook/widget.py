@@ -45,22 +45,15 @@ from .. import _aio
 from . import details as _details
 from . import stepchart as _stepchart
 from . import textview as _textview
-from . import results
+from . import results, rowwire
 from .frontend import asset, bundle
 from .gone_engine import GoneEngine
 from .rowtable import RowTable
 from .stepchart import MAX_STEP_POINTS, STEP_KEYS
-from ..core.constraint_results import widget_fields as constraint_fields
-from ..core.states import RowState
 
 FLUSH_HZ = 15
 STEPS_PER_FLUSH = 32  # steps beyond this in one flush are averaged into buckets
-PROMPT_CHARS = 200
 RESULTS_INTERVAL_S = 5.0  # traits + results output refresh while rows run (results.py)
-
-
-def _r(x, nd):
-    return None if x is None else round(float(x), nd)
 
 
 class GenerationWidget(anywidget.AnyWidget):
@@ -218,7 +211,7 @@ class GenerationWidget(anywidget.AnyWidget):
         rows = []
         for rid in [i for i in self._rows if i in self._live]:
             r = self._rows.get(rid)
-            d = None if r is None else self._row_delta(r)
+            d = None if r is None else rowwire.delta(r, self._sent)
             if d is not None:
                 rows.append(d)
             if r is None or r.done:  # its last delta is out: nothing more to diff against
@@ -241,41 +234,6 @@ class GenerationWidget(anywidget.AnyWidget):
             if hdiff:
                 msg["header"] = hdiff
             self.send(msg)
-
-    def _row_fields(self, r) -> dict:
-        pt = r.prompt_tokens
-        return {
-            "state": r.state, "ntok": r.ntok,
-            "pf": 100 if r.state in (RowState.DECODE, RowState.DONE) or not pt
-            else min(100, int(100 * r.prefill_done / pt)),
-            "tok_s": _r(r.tok_s, 1), "ttft": _r(r.ttft_s, 3),
-            "finish": r.finish_reason, "error": r.error and str(r.error)[:300],
-            "t_admit": _r(r.t_admit, 3), "t_first": _r(r.t_first, 3),
-            "t_done": _r(r.t_done, 3),
-            **constraint_fields(r),
-            **_draft_fields(r),
-        }
-
-    def _row_delta(self, r):
-        sent = self._sent.get(r.id)
-        out = {"id": r.id}
-        if sent is None:
-            sent = self._sent[r.id] = {"text": ""}
-            out.update(prompt=_prompt(r.prompt), prompt_tokens=r.prompt_tokens,
-                       t_submit=_r(r.t_submit, 3))
-            if getattr(r.params, "adapter", None) is not None:  # its label on the row
-                out["adapter"] = r.params.adapter
-        for k, v in self._row_fields(r).items():
-            if sent.get(k, ...) != v:
-                out[k] = sent[k] = v
-        text, old = r.text, sent["text"]
-        if text is not old and text != old:
-            if text.startswith(old):
-                out["d"] = text[len(old):]
-            else:  # text was rewritten (not just grown): replace it
-                out["text"] = text
-            sent["text"] = text
-        return out if len(out) > 1 else None
 
     def _take_steps(self, max_points: int):
         recs, self._pending = self._pending, []
@@ -316,22 +274,12 @@ class GenerationWidget(anywidget.AnyWidget):
         }
 
     # -- full state ----------------------------------------------------------------------
-    def _row_full(self, r) -> dict:
-        d = {"id": r.id, "prompt": _prompt(r.prompt), "prompt_tokens": r.prompt_tokens,
-             "t_submit": _r(r.t_submit, 3), "text": r.text}
-        if getattr(r.params, "adapter", None) is not None:
-            d["adapter"] = r.params.adapter
-        d.update(self._row_fields(r))
-        if getattr(r, "drafted_spans", None):  # [start, end) of text from accepted drafts
-            d["drafted_spans"] = [list(x) for x in r.drafted_spans]
-        return d
-
     def _write_traits(self) -> None:
         steps = {k: list(v) for k, v in self._hist.items()}
         steps["snap"] = list(self._snaps)
         alive = self._rows.values()  # held until the results below are written
         with self.hold_sync():  # one state message for all four traits
-            self.rows = self._rows.full(self._row_full)
+            self.rows = self._rows.full(rowwire.full)
             self.steps = steps
             self.header = self._header()
             self.seq = self._seq
@@ -451,26 +399,8 @@ class GenerationWidget(anywidget.AnyWidget):
         return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"
 
 
-def _prompt(p: str) -> str:
-    """A prompt for the widget's column: its head and its tail when it is long, since
-    rows made from one template differ anywhere, often near the end."""
-    if len(p) <= PROMPT_CHARS:
-        return p
-    half = (PROMPT_CHARS - 3) // 2
-    return p[:half] + " \u2026 " + p[-half:]
-
-
 def _short_model_name(name: str) -> str:
     """A local model directory shows as its folder name; hub ids stay whole."""
     if os.sep in name and os.path.isdir(name):
         return os.path.basename(name.rstrip(os.sep)) or name
     return name
-
-
-def _draft_fields(r) -> dict:
-    """A speculating row's drafts: [accepted, verified] (live)."""
-    proposed = getattr(r, "draft_proposed", 0)
-    if not proposed:
-        return {}
-    return {"draft": [r.draft_accepted, proposed]}
-
