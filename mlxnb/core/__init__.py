@@ -14,6 +14,7 @@
       prompts.py  options.py  closing.py  protocol.py  _threads.py  _trace.py
     core/worker/          the MLX worker thread: the model, caches, every array
       batch.py            BatchExecutor.tick: join, launch, prefill, read back
+      membership.py       rows leaving and joining the running batch
       prefill.py  caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
       readback.py  prefix.py  fuse.py  setup.py  inflight.py  warmup.py  stepsplit.py
       tokens.py           one integer type for token ids and row indices

@@ -21,19 +21,18 @@ import time
 from typing import Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors
 
 from ..._log import Laps
 from .._trace import lap, pc, timed
 from ..constrain import Constraints
 from ..messages import (Admit, Emitted, LoadFacts, StepStat, TickReport, Updates,
                         WorkerState)
-from ..states import Finish, RowState
+from ..states import Finish
 from .adapters import AdapterSet
-from .caches import aligned_views, left_padded
 from .decoding import HISTORY, RowDecoder
 from .inflight import InFlight, LogprobArrays
 from .masks import MaskFiller
+from .membership import Membership
 from .prefill import Prefill, PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
 from .readback import ReadBack
@@ -47,7 +46,7 @@ from .stepsplit import StepSplit
 from .tokens import ids
 
 
-class BatchExecutor(ReadBack):
+class BatchExecutor(ReadBack, Membership):
     def __init__(self, model, tokenizer, prefill_chunk: Optional[int] = None,
                  prefix_bytes: int = 0, fuse: bool = False,
                  kv_bits: Optional[int] = None, kv_group_size: int = 64,
@@ -263,90 +262,6 @@ class BatchExecutor(ReadBack):
             if not updates.ended(rid) and rid not in self.drop:
                 updates.end(rid, Finish.ERROR, msg)
         self._reset_batch()
-
-    # -- batch membership --------------------------------------------------------
-    @timed("filter")
-    def _filter(self):
-        """Drop finished/cancelled rows and rows that have launched all their tokens."""
-        if not self.drop and self._headroom > 0:  # the per-step common case
-            return
-        keep = [i for i, rid in enumerate(self.ids)
-                if rid not in self.drop
-                and self.rows[rid].launched < self.rows[rid].params.max_tokens]
-        if len(keep) == len(self.ids):
-            return
-        kept = set(keep)
-        gone = [rid for i, rid in enumerate(self.ids) if i not in kept]
-        if not keep:
-            self.caches, self.y = None, None
-        else:
-            idx = ids(keep)
-            for c in self.caches:
-                c.filter(idx)
-            self.y = self.y[idx]
-        self.sampler.filter(keep)
-        self.ids = [self.ids[i] for i in keep]
-        # A row whose last tokens are still in flight keeps its host state until read.
-        in_flight = set(self.inflight.row_ids) if self.inflight else set()
-        for rid in gone:
-            if rid not in in_flight or rid in self.drop:
-                self.rows.pop(rid, None)
-        self.drop -= set(gone)
-        self._align()
-
-    @timed("join")
-    def _join(self, updates: Updates):
-        if not self.prefill.ready:
-            return
-        # Groups stay ready until all have joined: if merging raises, _fail_batch
-        # must still find their rows to end them (else they sit in 'prefill').
-        for piece in self.prefill.joining():
-            cache, admits = piece.cache, piece.admits
-            if self.caches is None:
-                self.caches = cache
-            else:
-                for c, n in zip(self.caches, cache):
-                    c.extend(n)
-            last = ids([a.ids[-1] for a in admits])
-            self.y = last if self.y is None else mx.concatenate([self.y, last])
-            for a in admits:
-                procs = list(a.params.logits_processors)
-                if a.params.repetition_penalty is not None:
-                    procs += make_logits_processors(
-                        repetition_penalty=a.params.repetition_penalty)
-                # every row's text is decoded here, as its tokens are read (decoding.py)
-                self.rows[a.row_id] = RowDecoder(a, self.tokenizer.detokenizer, procs)
-                self.masks.attach(self.rows[a.row_id])
-                self.spec.attach(self.rows[a.row_id], a.ids)
-                self.ids.append(a.row_id)
-                updates.of(a.row_id).state = RowState.DECODE
-            self.sampler.extend([a.params.temperature for a in admits],
-                                [a.params.filters for a in admits],
-                                [a.params.seed or 0 for a in admits], [0] * len(admits))
-        self.prefill.take_ready()
-        self._align()
-
-    @timed("align")
-    def _align(self):
-        """After a membership change: what the model sees (aligned views when no row
-        is padded) and the per-row facts each step needs, computed once here."""
-        rows = [self.rows[rid] for rid in self.ids]
-        self._batch_rows, self._ids_tuple = rows, tuple(self.ids)
-        self._want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
-        self._any_procs = any(r.processors for r in rows)
-        self._any_constrained = any(r.matcher is not None for r in rows)
-        self._any_spec = any(r.spec is not None for r in rows)
-        self._any_fixed_draft = any(r.spec is not None and r.spec.fixed for r in rows)
-        self._row_adapters = tuple(r.params.adapter for r in rows)
-        # steps until the first row has launched all its tokens
-        self._headroom = min((r.params.max_tokens - r.launched for r in rows), default=0)
-        if not self.caches:
-            self.views = None
-            return
-        aligned = not left_padded(self.caches)
-        self.views = aligned_views(self.caches) if aligned else self.caches
-        # the decode shape changes only here: its first step pays one-off setup
-        self._cold_launch = self.shapes.first(("decode", len(rows), aligned))
 
     # -- compute -----------------------------------------------------------------
     @timed("launch")
