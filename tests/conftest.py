@@ -27,9 +27,9 @@ def patient_submits(monkeypatch):
     may take (its own bound), not SUBMIT_WAIT_S: tests of the errors a submit raises
     do not turn, on a loaded machine, into tests of the rows a slow compile ends
     (test_constrain_async.py has those)."""
-    from mlxnb.core import constrain, engine
+    from mlxnb.core import constrain, submitting
 
-    monkeypatch.setattr(engine, "SUBMIT_WAIT_S", constrain.COMPILE_TIMEOUT_S)
+    monkeypatch.setattr(submitting, "SUBMIT_WAIT_S", constrain.COMPILE_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -91,11 +91,13 @@ def test_widget_marks_constrained_rows(ip, tiny, arun_shut):
         return run, cut, free
 
     run, cut, free = arun_shut(main)
-    full = run.widget._row_full(run.rows[0])
+    from mlxnb.notebook.rowwire import full as row_full
+
+    full = row_full(run.rows[0])
     assert full["con"] == "json" and full["parse"] == "ok"
-    bad = cut.widget._row_full(cut.rows[0])
+    bad = row_full(cut.rows[0])
     assert bad["con"] == "json" and "not valid JSON" in bad["parse"]
-    assert "con" not in free.widget._row_full(free.rows[0])
+    assert "con" not in row_full(free.rows[0])
     text = run.widget.summary_text()
     assert "json ok" in text and "json invalid" in cut.widget.summary_text()
     json.dumps(full)  # what the front end gets is plain JSON

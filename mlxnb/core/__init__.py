@@ -2,6 +2,7 @@
 
     core/                 loop side: plain Python, no MLX
       engine.py           Engine: rows in, worker results applied, step records
+      submitting.py       a prompt checked, encoded, its constraint compiled, queued
       reports.py          a tick's report applied to the rows (the one place it touches a Row)
       scheduler.py        admission: FIFO under max_batch and the KV budget
       rows.py  run.py     a row's record and the result handle over several rows
