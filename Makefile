@@ -47,9 +47,12 @@ browser-deps:
 demo: system-deps $(STAMP)
 	$(BIN)/mlxnb demo
 
+# Each browser test starts Jupyter and Chromium and bounds its phases in wall time:
+# they run alone, one after another, after the rest.
 test: system-deps browser-deps $(TEST_STAMP)
 	cd js && node --test test/
-	$(BIN)/python -m pytest -q -n $(JOBS) --nbval-lax tests notebooks
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not browser" --nbval-lax tests notebooks
+	$(BIN)/python -m pytest -q -m browser tests
 	$(BIN)/python -m bench decode --quick > /dev/null && $(BIN)/python -m bench mixed --quick > /dev/null
 	$(BIN)/python -m bench speculate --quick --profile 4 > /dev/null
 

@@ -119,12 +119,15 @@ def test_unseeded_sampling_reports_its_seed(tiny, arun):
 def test_continuous_batching_rows_join_running_batch(tiny, arun):
     async def main():
         eng = make(tiny)
-        a = eng.generate(PROMPTS[:2], max_tokens=60, chat=False)
+        # long enough that a loaded host's delay before b's submit cannot let a end
+        # (a tick decodes on for up to its streak); a is cancelled once b is done
+        a = eng.generate(PROMPTS[:2], max_tokens=2000, chat=False)
         while not any(r.state == "decode" for r in a):
             await asyncio.sleep(0.001)
         b = eng.generate(PROMPTS[2:], max_tokens=10, chat=False)
-        await a
         await b
+        a.cancel()
+        await a
         await eng.aclose()
         return eng.steps, a, b
 
@@ -304,7 +307,8 @@ def test_cancel_at_every_stage(tiny, arun, stage):
     async def main():
         eng = make(tiny, max_batch=1, prefill_chunk=4)
         blocker = eng.submit("abc", chat=False, max_tokens=30)
-        target = eng.submit("z" * 60, chat=False, max_tokens=30)
+        # (long: its cancel must come before it could end, however late this task runs)
+        target = eng.submit("z" * 60, chat=False, max_tokens=2000)
         if stage == "queued":
             assert target.state == "queued"
         else:
@@ -378,7 +382,8 @@ def test_forward_error_fails_step_rows_then_engine_serves(tiny, arun):
         eng = make(tiny)
         type(model).__call__ = flaky
         try:
-            run = eng.generate(PROMPTS[:2], max_tokens=30, chat=False)
+            # (long: the armed failure must come before the rows could end)
+            run = eng.generate(PROMPTS[:2], max_tokens=2000, chat=False)
             while not all(r.state == "decode" for r in run):
                 await asyncio.sleep(0)
             state["armed"] = True

@@ -350,7 +350,8 @@ def test_cancel_takes_effect_quickly_during_a_big_idle_prefill(tiny, arun):
         return latency
 
     latency = arun(main)
-    assert latency < 0.5, f"the cancel took {latency:.2f}s to take effect"
+    # a tick is sized to 0.25 s; waiting out the whole prefill would take 2.4 s
+    assert latency < 1.2, f"the cancel took {latency:.2f}s to take effect"
 
 
 def test_cancel_from_another_thread(tiny, arun):
