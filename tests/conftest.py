@@ -33,6 +33,17 @@ def patient_submits(monkeypatch):
 
 
 @pytest.fixture
+def patient_connect(monkeypatch):
+    """`%mlxnb connect` waits for its probe as long as the probe may take, not
+    CONNECT_WAIT_S: on a loaded machine even a local server's answer can come later,
+    and tests that need a connected engine do not turn into tests of that wait
+    (test_remote_edges.py has those)."""
+    from mlxnb.notebook import connecting
+
+    monkeypatch.setattr(connecting, "CONNECT_WAIT_S", 10.0)
+
+
+@pytest.fixture
 def arun():
     """Run a coroutine function on a fresh loop: arun(main, *args)."""
 

@@ -15,6 +15,8 @@ from mlxnb.remote import RemoteEngine
 from mlxnb.remote.client import ServerError, error_text, normalize_url
 from mlxnb.remote.metrics import parse_prometheus, server_load
 
+pytestmark = pytest.mark.usefixtures("patient_connect")
+
 KEY = "sk-test-0123456789abcdef"
 
 # As vLLM's /metrics prints them (V1 engine, two data-parallel engines), abridged.
