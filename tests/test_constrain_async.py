@@ -206,4 +206,4 @@ def test_rows_with_a_large_schema_join_without_stalling_a_running_row():
     assert got["rows"] == ["length", "stop"] * 2, got
     # a few steps at most (the joiners' first masks, a busy machine's scheduling);
     # the import on the worker stopped the free row 2.3-2.8 s
-    assert got["gap"] < max(0.6, 8 * got["median"]), got
+    assert got["gap"] < max(1.2, 8 * got["median"]), got
