@@ -79,8 +79,12 @@ def test_a_trivial_cell_answers_while_a_schema_compiles_or_a_server_is_silent(
         # it waits 0.5 s for the server (the first connect also imports the HTTP
         # client, a second or more on a busy machine), not for the 4 s timeout; the
         # next cell answers at once
-        assert connect_s < 3.0 and trivial_s < 1.0 and out2.strip() == "2", (
+        assert connect_s < 3.0 and trivial_s < 2.0 and out2.strip() == "2", (
             connect_s, trivial_s)
-        time.sleep(4.0)
-        status, out, _ = run("%mlxnb status")
+        end = time.monotonic() + 20  # the probe gives up 4 s after it starts
+        while True:
+            status, out, _ = run("%mlxnb status")
+            if status == "error" or time.monotonic() > end:
+                break
+            time.sleep(0.5)
         assert status == "error" and "did not answer within 4 s" in out, out
