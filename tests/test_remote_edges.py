@@ -256,7 +256,7 @@ def test_connect_to_a_stuck_server_ends_within_its_timeout(server):
 def test_connect_magic_never_holds_the_kernel_and_reports_a_stuck_server(ip):
     """`%mlxnb connect` returns within CONNECT_WAIT_S whatever the server does (the
     probe goes on on its own thread); %%generate meanwhile says it is still
-    connecting, and once the probe's bound (--timeout 1) has passed the next magic
+    connecting, and once the probe's bound (--timeout 3) has passed the next magic
     reports why, in one line, once."""
     from IPython.core.error import UsageError
 
@@ -264,17 +264,22 @@ def test_connect_magic_never_holds_the_kernel_and_reports_a_stuck_server(ip):
 
     with Loopback(models=never_answer) as srv:
         t0 = time.monotonic()
-        ip.run_line_magic("mlxnb", f"connect {srv.url} --timeout 1")
+        ip.run_line_magic("mlxnb", f"connect {srv.url} --timeout 3")
         took = time.monotonic() - t0
         with pytest.raises(UsageError) as busy:
             ip.run_cell_magic("generate", "--max-tokens 2 --quiet", "hi")
-        time.sleep(max(0.0, 1.5 - (time.monotonic() - t0)))
-        with pytest.raises(UsageError) as e:
-            ip.run_line_magic("mlxnb", "status")
+        end, e = time.monotonic() + 20, None
+        while e is None:  # the probe's verdict, in status
+            try:
+                ip.run_line_magic("mlxnb", "status")
+            except UsageError as err:
+                e = err
+            assert time.monotonic() < end, "the probe never gave up"
+            time.sleep(0.2)
         ip.run_line_magic("mlxnb", "status")  # reported once
-    assert took < 0.8, f"%mlxnb connect held the kernel {took:.1f} s"
+    assert took < 2.0, f"%mlxnb connect held the kernel {took:.1f} s"
     assert "still connecting" in str(busy.value) and "\n" not in str(busy.value)
-    msg = str(e.value)
+    msg = str(e)
     assert "\n" not in msg and "did not answer" in msg and "--timeout" in msg, msg
     assert magics.get_engine() is None
 
