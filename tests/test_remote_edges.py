@@ -416,7 +416,8 @@ def ip():
 def test_lines_are_split_bounded_and_linear_whatever_the_chunks(arun):
     import httpx
 
-    from mlxnb.remote.client import ServerError, sse_lines
+    from mlxnb.remote.bodies import sse_lines
+    from mlxnb.remote.wire import ServerError
 
     class Chunks(httpx.AsyncByteStream):
         def __init__(self, chunks):

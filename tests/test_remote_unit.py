@@ -12,7 +12,8 @@ import pytest
 
 from mlxnb.core.protocol import EngineLike
 from mlxnb.remote import RemoteEngine
-from mlxnb.remote.client import ServerError, error_text, normalize_url
+from mlxnb.remote.client import normalize_url
+from mlxnb.remote.wire import ServerError, error_text
 from mlxnb.remote.metrics import parse_prometheus, server_load
 
 pytestmark = pytest.mark.usefixtures("patient_connect")

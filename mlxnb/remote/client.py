@@ -33,6 +33,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from .._text import one_line
+from .bodies import read_capped, sse_lines
+from .wire import ServerError, error_text
 
 # Statuses worth trying again: rate limits and a server (or its proxy) that is
 # starting, overloaded or restarting.
@@ -53,10 +55,6 @@ MAX_BODY = 4 << 20
 # Connecting (the model list, then /metrics) ends within this many seconds, or within
 # the row timeout when that is shorter: the cell that connects waits meanwhile.
 PROBE_S = 5.0
-
-
-class ServerError(Exception):
-    """A request the server refused or could not serve; the message is one line."""
 
 
 class EndStream(Exception):
@@ -88,27 +86,6 @@ def normalize_url(url: str) -> str:
 def server_root(base: str) -> str:
     u = urlsplit(base)
     return urlunsplit((u.scheme, u.netloc, "", "", ""))
-
-
-def error_text(body: bytes, limit: int = 200) -> str:
-    """The message in an error body: {"error": "..."} (mlx_lm), {"error": {"message":
-    ...}} (OpenAI, vLLM, llama.cpp), {"message"|"detail": ...}, or the raw text."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        obj = None
-    msg = None
-    if isinstance(obj, dict):
-        err = obj.get("error", obj)
-        if isinstance(err, dict):
-            msg = err.get("message") or err.get("msg") or err.get("detail")
-            if msg is None and isinstance(obj.get("detail"), (str, list)):
-                msg = obj["detail"]
-        elif err is not None:
-            msg = err
-    if msg is None:
-        msg = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
-    return one_line(msg, limit)
 
 
 class Client:
@@ -379,46 +356,6 @@ class Client:
             except (httpx.HTTPError, TimeoutError):
                 metrics = None
         return (models or None), metrics
-
-
-async def read_capped(resp: httpx.Response, cap: int) -> bytes:
-    """At most `cap` bytes of a body (the rest is left unread and the connection
-    dropped with the response)."""
-    buf = bytearray()
-    async for chunk in resp.aiter_bytes():
-        buf += chunk
-        if len(buf) >= cap:
-            del buf[cap:]
-            break
-    return bytes(buf)
-
-
-async def sse_lines(resp: httpx.Response, limit: int):
-    """The body's lines (LF or CRLF ended), each at most `limit` bytes. A longer one
-    raises ServerError as soon as `limit` bytes of it have come, so memory stays at
-    about `limit` whatever the server sends; scanning resumes where it stopped, so a
-    line dripped a byte at a time costs linear time."""
-    buf, seen = bytearray(), 0
-    async for chunk in resp.aiter_bytes():
-        buf += chunk
-        start = 0
-        while (i := buf.find(b"\n", seen)) >= 0:
-            if i - start > limit:
-                break
-            line = buf[start:i]
-            if line.endswith(b"\r"):
-                del line[-1:]
-            yield line.decode("utf-8", "replace")
-            start = seen = i + 1
-        if start:
-            del buf[:start]
-        seen = len(buf)
-        if seen > limit:
-            raise ServerError(f"the server sent a line longer than {limit // 1024} kB; it "
-                              "is not a streaming completion (check the address and the "
-                              "server)")
-    if buf:
-        yield buf.decode("utf-8", "replace").removesuffix("\r")
 
 
 def _why(e: BaseException) -> str:

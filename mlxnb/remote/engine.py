@@ -30,9 +30,9 @@ from ..core.protocol import Listeners
 from ..core.run import Run
 from ..core.states import Finish
 from . import wire
-from .client import Client, EndStream, ServerError, check_timeout, model_list_text
+from .client import Client, EndStream, check_timeout, model_list_text
 from .metrics import ServerLoad, server_load
-from .wire import Request
+from .wire import Request, ServerError
 
 _KEEP_STEPS = 200_000
 

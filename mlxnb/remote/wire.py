@@ -1,4 +1,5 @@
-"""The OpenAI wire format: a row's request body, and what one streamed event says.
+"""The OpenAI wire format: a row's request body, what one streamed event says, and
+what an error body says.
 
 Pure functions (no I/O, no engine state), so every server dialect they accept is
 unit-tested on its own: chat events carry `delta.content` and `logprobs.content`,
@@ -8,13 +9,39 @@ usage comes in a last event with no choices (`stream_options.include_usage`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .._text import one_line
 from ..core.rows import SamplingParams
 from ..core.states import Finish
-from .client import ServerError
+
+
+class ServerError(Exception):
+    """A request the server refused or could not serve; the message is one line."""
+
+
+def error_text(body: bytes, limit: int = 200) -> str:
+    """The message in an error body: {"error": "..."} (mlx_lm), {"error": {"message":
+    ...}} (OpenAI, vLLM, llama.cpp), {"message"|"detail": ...}, or the raw text."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        obj = None
+    msg = None
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            msg = err.get("message") or err.get("msg") or err.get("detail")
+            if msg is None and isinstance(obj.get("detail"), (str, list)):
+                msg = obj["detail"]
+        elif err is not None:
+            msg = err
+    if msg is None:
+        msg = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
+    return one_line(msg, limit)
+
 
 # the server's finish_reason -> ours (anything else it may say counts as "stop")
 FINISH = {"stop": Finish.STOP, "eos": Finish.STOP, "length": Finish.LENGTH,
