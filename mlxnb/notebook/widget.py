@@ -127,7 +127,7 @@ class GenerationWidget(anywidget.AnyWidget):
         if kind == "step":
             # (a tick's finishes reach here before its steps: rows that ended in a
             # streak of steps are in those steps' batches)
-            if self._open or any(i in self._rows for i in (*obj.batch_ids, *obj.ended)):
+            if self._open or self._ours(obj):
                 self._pending.append(obj)
                 self._wake()
         elif kind == "submit":
@@ -160,10 +160,13 @@ class GenerationWidget(anywidget.AnyWidget):
         # up to the step that finished the last row (stamped just before or after it)
         j = bisect.bisect_right(steps, max(ends), key=lambda s: s.t)
         out = steps[i:j + 1]
-        if out and out[-1].t > max(ends) and not any(
-                rid in self._rows for rid in (*out[-1].batch_ids, *out[-1].ended)):
+        if out and out[-1].t > max(ends) and not self._ours(out[-1]):
             out.pop()  # a later step, none of its rows this widget's: as a live widget
         return out
+
+    def _ours(self, rec) -> bool:
+        """Did one of this widget's rows decode or end in step `rec`?"""
+        return any(i in self._rows for i in (*rec.batch_ids, *rec.ended))
 
     def _prune(self):
         # Dashboard rows are bounded: drop the oldest finished rows (front end: lib.pruneRows).
