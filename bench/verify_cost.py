@@ -8,7 +8,8 @@ forward's matmuls, which this measures apart from the engine:
                 layer runs; --dims, default SmolLM2's MLP): host graph build and
                 eval, microseconds per matmul; "M one-row matmuls" is the same rows
                 as a batch of one-row matmuls, "rows GEMV" worker/rows_gemv.py's
-                kernel (CUDA, where its check passes)
+                kernel (CUDA, where its check passes), "gathered GEMV" the same rows
+                through mx.gather_mm (rows_gemv.gathered)
   forward W     the model's forward of W positions on a KV cache of --prompt tokens,
                 trimmed back after each call (the cache grows by one per call, as a
                 decode does); multi-position attention as verification runs it
@@ -27,6 +28,7 @@ forward's matmuls, which this measures apart from the engine:
 
 from __future__ import annotations
 
+import os
 import sys
 
 from . import common  # first: mlxnb puts OpenBLAS under MLX on a Linux CPU
@@ -55,13 +57,16 @@ def matmul_rows(ms, n, dtype, d=576, f=1536, reps=4):
 
     w1 = (mx.random.normal((f, d)) * d ** -0.5).astype(dtype)  # [out, in], as nn.Linear
     w2 = (mx.random.normal((d, f)) * f ** -0.5).astype(dtype)
-    gemv = rows_gemv.check([(f, d), (d, f)], dtype) is None
+    gemv = KERNEL[0] and rows_gemv.check([(f, d), (d, f)], dtype) is None
+    gather = dtype == mx.float32 or rows_gemv._backend_ok() is None  # (CPU: float32 only)
     rows = []
     for M in ms:
         ways = ["one"] + (["batched"] if M > 1 else []) + (
-            ["gemv"] if gemv and 1 < M <= rows_gemv.MAX_ROWS else [])
+            ["gemv"] if gemv and 1 < M <= rows_gemv.MAX_ROWS else []) + (
+            ["gather"] if gather and M > 1 else [])
         for way in ways:
-            shape = {"one": (1, M, d), "batched": (M, 1, d), "gemv": (M, d)}[way]
+            shape = {"one": (1, M, d), "batched": (M, 1, d), "gemv": (M, d),
+                     "gather": (M, d)}[way]
             x = mx.random.normal(shape).astype(dtype)
             mx.eval(w1, w2, x)
 
@@ -70,6 +75,8 @@ def matmul_rows(ms, n, dtype, d=576, f=1536, reps=4):
                 for _ in range(n // 2):
                     if way == "gemv":
                         y = rows_gemv.matmul(rows_gemv.matmul(y, w1), w2)
+                    elif way == "gather":
+                        y = rows_gemv.gathered(rows_gemv.gathered(y, w1), w2)
                     else:
                         y = (y @ w1.T) @ w2.T
                 return y
@@ -98,12 +105,21 @@ def forward_widths(model, widths, prompt, calls, skip):
         wideattn.use_kernel(True)
         rows += _forward_widths(model, [w for w in widths if w > 1], prompt, calls, skip,
                                 "attention kernel")
-    note = rows_gemv.install(model, on=True)
+    note = (rows_gemv.install(model, on=True) if KERNEL[0]
+            else "MLX's matmul (--no-rows-kernel)")
     for r in rows:
         r["linears"] = note
     if note.startswith("kernel"):
         rows += _forward_widths(model, [w for w in widths if w > 1], prompt, calls, skip,
                                 "rows GEMV" + (" + attention kernel" if not why else ""))
+    os.environ["MLXNB_ROWS_GEMV"] = "gather"
+    gnote = rows_gemv.install(model, on=True)
+    log(f"gathered GEMV: {gnote}")
+    if gnote.startswith("gathered"):
+        rows += _forward_widths(model, [w for w in widths if w > 1], prompt, calls, skip,
+                                "gathered GEMV" + (" + attention kernel" if not why else ""))
+    os.environ.pop("MLXNB_ROWS_GEMV")
+    rows_gemv.install(model, on=False)
     wideattn.use_kernel(False)
     return rows
 
@@ -169,7 +185,9 @@ def rollback_cost(model, B, prompt, calls):
     return tuple(median([sum(_sync_ms(f)) for _ in range(calls)][1:]) for f in (ours, element))
 
 
-WAYS = {"one": "one matmul", "batched": "M one-row matmuls", "gemv": "rows GEMV kernel"}
+KERNEL = [True]  # --no-rows-kernel: leave out rows_gemv's kernel (its NVRTC compiles)
+WAYS = {"one": "one matmul", "batched": "M one-row matmuls", "gemv": "rows GEMV kernel",
+        "gather": "gathered GEMV (gather_mm)"}
 
 
 def render(mms, fw, rb, args) -> str:
@@ -212,6 +230,8 @@ def main(argv=None, prog=None):
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--skip", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8, help="rows of the rollback (0: none)")
+    ap.add_argument("--no-rows-kernel", action="store_true",
+                    help="leave out the rows GEMV kernel (its NVRTC compiles take minutes)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
@@ -222,6 +242,7 @@ def main(argv=None, prog=None):
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# verify-cost  {report.env}")
     dtype = getattr(mx, args.dtype)
+    KERNEL[0] = not args.no_rows_kernel
     ms = [int(m) for m in args.rows.split(",")]
     dims = [tuple(int(v) for v in p.split("x")) for p in args.dims.split(",")]
     mm = [((d, f), matmul_rows(ms, args.chain, dtype, d, f)) for d, f in dims]

@@ -19,6 +19,8 @@ def test_on_this_cpu_the_model_is_left_alone(monkeypatch):
     assert rows_gemv.check([(64, 64)], mx.float32) == "not a CUDA device"
     monkeypatch.delenv("MLXNB_ROWS_GEMV", raising=False)
     assert rows_gemv.install(model).startswith("MLX's matmul (MLXNB_ROWS_GEMV=1 or verify")
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "gather")
+    assert rows_gemv.install(model) == "MLX's matmul (not a CUDA device)"
     monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
     assert rows_gemv.install(model) == "MLX's matmul (not a CUDA device)"
     assert not any(type(m) is rows_gemv.RowsLinear for _, m in model.named_modules())
@@ -143,6 +145,70 @@ def test_biased_and_quantized_linears_keep_mlx(stand_in):
     stand_in.clear()
     mx.eval(model(mx.zeros((rows_gemv.MAX_ROWS + 1, 64))), model(mx.zeros((1, 64))))
     assert stand_in == []
+
+
+def test_the_gathered_gemv_is_each_rows_own_product():
+    """The gather form's product: row i of x times w.T, for any row count (MLX's
+    gather_mm runs here on the CPU in float32; on CUDA `check` asks bit equality)."""
+    key = mx.random.key(3)
+    w = mx.random.normal((96, 64), key=key)
+    for M in (2, 3, 17):
+        x = mx.random.normal((M, 64), key=mx.random.split(key)[M % 2])
+        want = mx.concatenate([x[i:i + 1] @ w.T for i in range(M)])
+        assert mx.allclose(rows_gemv.gathered(x, w), want, atol=1e-5).item()
+
+
+@pytest.fixture
+def gather_spy(monkeypatch):
+    """MLXNB_ROWS_GEMV=gather on a stand-in CUDA device: the real gathered product
+    (float32 on this CPU), its row counts recorded outside the load check."""
+    calls, real, check = [], rows_gemv.gathered, rows_gemv.check
+    state = {"checking": False}
+
+    def spy(x, w):
+        if not state["checking"]:
+            calls.append(x.shape[0])
+        return real(x, w)
+
+    def checked(*a):
+        state["checking"] = True
+        try:
+            return check(*a)
+        finally:
+            state["checking"] = False
+
+    monkeypatch.setattr(rows_gemv, "_backend_ok", lambda: None)
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "gather")
+    monkeypatch.setattr(rows_gemv, "gathered", spy)
+    monkeypatch.setattr(rows_gemv, "check", checked)
+    monkeypatch.setitem(rows_gemv._STATE, "on", False)
+    return calls
+
+
+def test_gather_form_takes_decode_rows_and_verifications(arun, gather_spy, monkeypatch):
+    prompts = ["hello there", "the cat sat", "one two three"]
+    text = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta "
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "")
+    plain = _generate(arun, *tiny_model(seed=2), prompts)
+    plain_one = _generate(arun, *tiny_model(seed=2), [text], speculate=None)
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "gather")
+    assert not gather_spy
+    model, tok = tiny_model(seed=2)
+    assert _generate(arun, model, tok, prompts) == plain
+    assert rows_gemv.install(tiny_model(seed=2)[0]).startswith("gathered GEMV, ")
+    assert 3 in gather_spy and all(2 <= M <= rows_gemv.GATHER_MAX_ROWS for M in gather_spy)
+    gather_spy.clear()
+    assert _generate(arun, *tiny_model(seed=2), [text], speculate="lookup",
+                     num_draft=4) == plain_one
+    assert any(M > 1 for M in gather_spy)  # a lone row's verification positions
+
+
+def test_a_gathered_gemv_that_differs_by_a_bit_is_not_used(monkeypatch, gather_spy):
+    monkeypatch.setattr(rows_gemv, "gathered", lambda x, w: (x @ w.T) * 1.001)
+    model, _ = tiny_model(seed=1)
+    assert rows_gemv.install(model).startswith(
+        "MLX's matmul (rows differ from MLX's one-row products")
+    assert not any(type(m) is rows_gemv.RowsLinear for _, m in model.named_modules())
 
 
 def test_hybrid_mlps_still_compile_over_kernel_linears(stand_in):

@@ -43,6 +43,14 @@ Only layers that MLX itself would run as a GEMV for one row take it: plain
 of x, so the kernel's time grows with rows x out x in (on an H200: 8-14 us for 2-8
 rows of SmolLM2's [576 <-> 1536] products against cuBLAS's 25 us, but 27 us for 3
 rows of Llama-1B's [2048 <-> 8192] against 28 us, and 58 us for 8 against 28).
+
+MLXNB_ROWS_GEMV=gather (or gather-verify) runs the same products through MLX's own
+gathered GEMV instead: `mx.gather_mm` of [M, 1, K] rows against the one weight, which
+MLX's CUDA backend launches as one kernel whose every row is its one-row GEMV
+(`gemv_gather` over `gemv_impl`, the same lanes, order and reduction), so the rows'
+bits are again the one-row product's. It needs no NVRTC compile and builds as a
+built-in op (no source string), at the cost of reading the weight once per row (from
+L2 where it fits), hence the same work bound.
 """
 
 from __future__ import annotations
@@ -54,12 +62,13 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["MAX_ROWS", "MAX_WORK", "enabled", "install", "check", "matmul", "mode",
-           "RowsLinear", "verifying"]
+__all__ = ["MAX_ROWS", "MAX_WORK", "enabled", "form", "gathered", "install", "check",
+           "matmul", "mode", "RowsLinear", "verifying"]
 
 MAX_ROWS = 16  # above this cuBLAS's tiles pay for themselves (bench verify-cost)
 BUCKETS = (2, 4, 8, MAX_ROWS)  # the kernels' row capacities (MAXM)
 MAX_WORK = 40_000_000  # rows * out * in: above it cuBLAS is faster (see above)
+GATHER_MAX_ROWS = 64  # the gathered GEMV's rows: bound by MAX_WORK before this
 WARPS = 8  # outputs per block, as MLX's gemv
 
 _HEADER = r"""
@@ -110,14 +119,23 @@ _BODY = r"""
 _KERNEL = []
 # install's verdict for the RowsLinear layers; "all": every few-row product, else only
 # while `verifying`
-_STATE = {"on": False, "all": True, "verifying": False}
+_STATE = {"on": False, "all": True, "verifying": False, "form": "kernel"}
+# MLXNB_ROWS_GEMV -> (form, products): the custom kernel or MLX's gathered GEMV, for
+# every few-row product or those of verifications only
+_MODES = {"1": ("kernel", "all"), "kernel": ("kernel", "all"), "verify": ("kernel", "verify"),
+          "gather": ("gather", "all"), "gather-verify": ("gather", "verify")}
 _PRODUCTS = {}  # weight shape -> compiled `matmul` (see _product)
 
 
 def mode() -> Optional[str]:
-    """"all" (MLXNB_ROWS_GEMV=1), "verify" (MLXNB_ROWS_GEMV=verify) or None (off,
-    the default)."""
-    return {"1": "all", "verify": "verify"}.get(os.environ.get("MLXNB_ROWS_GEMV", ""))
+    """"all" (MLXNB_ROWS_GEMV=1, kernel or gather), "verify" (verify or
+    gather-verify) or None (off, the default)."""
+    return _MODES.get(os.environ.get("MLXNB_ROWS_GEMV", ""), (None, None))[1]
+
+
+def form() -> str:
+    """"gather" (MLXNB_ROWS_GEMV=gather or gather-verify) or "kernel"."""
+    return _MODES.get(os.environ.get("MLXNB_ROWS_GEMV", ""), ("kernel", None))[0]
 
 
 def enabled() -> bool:
@@ -175,6 +193,26 @@ def matmul(x: mx.array, w: mx.array) -> mx.array:
         output_shapes=[(M, N)], output_dtypes=[x.dtype])[0]
 
 
+_INDICES = {}  # M -> (lhs [M] 0..M-1, rhs [M] zeros): gathered's, made once per M
+
+
+def gathered(x: mx.array, w: mx.array) -> mx.array:
+    """x [M, K] @ w [N, K].T -> [M, N] as M one-row GEMVs in one `mx.gather_mm` (on
+    CUDA: MLX's gemv_gather, each row as its one-row GEMV)."""
+    M, K = x.shape
+    idx = _INDICES.get(M)
+    if idx is None:
+        idx = _INDICES[M] = (mx.arange(M, dtype=mx.uint32), mx.zeros((M,), mx.uint32))
+    # [M, 1, K] @ [1, K, N] (w's transposed view: no copy) gathered -> [M, 1, N]
+    return mx.gather_mm(x.reshape(M, 1, K), w.T[None], idx[0], idx[1]).reshape(M, -1)
+
+
+def _max_rows(N: int, K: int) -> int:
+    """The most rows of an [N, K] weight's product that the installed form takes."""
+    cap = GATHER_MAX_ROWS if _STATE["form"] == "gather" else MAX_ROWS
+    return min(cap, MAX_WORK // (N * K))
+
+
 def _product(shape):
     """`matmul` compiled, one function per weight shape (each traced once per row
     count): MLX builds a custom kernel's whole source string at every call in a graph,
@@ -194,8 +232,10 @@ class RowsLinear(nn.Linear):
         if _STATE["on"] and (_STATE["all"] or _STATE["verifying"]) and "bias" not in self:
             K, w = x.shape[-1], self.weight
             rows = x.size // K if K else 0
-            if 2 <= rows <= MAX_ROWS and rows * w.size <= MAX_WORK and x.dtype == w.dtype:
-                y = _product(w.shape)(x.reshape(rows, K), w)
+            if 2 <= rows <= _max_rows(*w.shape) and x.dtype == w.dtype:
+                x2 = x.reshape(rows, K)
+                y = (gathered(x2, w) if _STATE["form"] == "gather"
+                     else _product(w.shape)(x2, w))
                 return y.reshape(*x.shape[:-1], w.shape[0])
         return super().__call__(x)
 
@@ -206,15 +246,17 @@ def _backend_ok() -> Optional[str]:
             return "not a CUDA device"
     except Exception:
         return "not a CUDA device"
-    if not hasattr(mx.fast, "cuda_kernel"):
+    if _STATE["form"] == "kernel" and not hasattr(mx.fast, "cuda_kernel"):
         return "this MLX has no mx.fast.cuda_kernel"
     return None
 
 
 def _check_rows(N: int, K: int):
     """The fewest and most rows the kernel takes in each capacity `buckets(N, K)`
-    holds."""
-    top, low, out = min(MAX_ROWS, MAX_WORK // (N * K)), 2, set()
+    holds (the gathered GEMV: 2, 3 and the most)."""
+    top, low, out = _max_rows(N, K), 2, set()
+    if _STATE["form"] == "gather":
+        return sorted({m for m in (2, 3, top) if 2 <= m <= top})
     for b in buckets(N, K):
         out |= {low, min(b, top)}
         low = b + 1
@@ -222,9 +264,9 @@ def _check_rows(N: int, K: int):
 
 
 def check(shapes, dtype) -> Optional[str]:
-    """None if, for every (N, K) in `shapes`, the kernel's rows equal MLX's own
-    one-row products bit for bit (row counts in every capacity), else why not (one
-    line)."""
+    """None if, for every (N, K) in `shapes`, the installed form's rows (the kernel's
+    or the gathered GEMV's) equal MLX's own one-row products bit for bit (row counts
+    in every capacity), else why not (one line)."""
     why = _backend_ok()
     if why:
         return why
@@ -235,7 +277,7 @@ def check(shapes, dtype) -> Optional[str]:
             w = (mx.random.normal((N, K), key=k1) / K ** 0.5).astype(dtype)
             for M in _check_rows(N, K):
                 x = mx.random.normal((M, K), key=k2).astype(dtype)
-                got = matmul(x, w)
+                got = (gathered if _STATE["form"] == "gather" else matmul)(x, w)
                 want = mx.concatenate([x[i:i + 1] @ w.T for i in range(M)])
                 if not mx.array_equal(got, want).item():
                     err = (got.astype(mx.float32) - want.astype(mx.float32)).abs().max()
@@ -249,7 +291,7 @@ def check(shapes, dtype) -> Optional[str]:
 def shapes(model):
     """The [N, K] weight shapes of the model's linears that can take the kernel."""
     return sorted({tuple(m.weight.shape) for _, m in _plain_linears(model)
-                   if buckets(*m.weight.shape)})
+                   if _max_rows(*m.weight.shape) >= 2})
 
 
 def _plain_linears(model):
@@ -266,9 +308,11 @@ def install(model, on: Optional[bool] = None) -> str:
     runs ("kernel, N layers[, verifications only]" or "MLX's matmul (why)")."""
     _STATE["on"] = False
     _STATE["all"] = mode() != "verify"
+    _STATE["form"] = form()
     _PRODUCTS.clear()
     if not (enabled() if on is None else on):
-        return "MLX's matmul (MLXNB_ROWS_GEMV=1 or verify tries the rows GEMV kernel)"
+        return ("MLX's matmul (MLXNB_ROWS_GEMV=1 or verify tries the rows GEMV kernel, "
+                "gather or gather-verify MLX's gathered GEMV)")
     layers, sizes = list(_plain_linears(model)), shapes(model)
     if not sizes:
         return "MLX's matmul (no plain linear layer small enough)"
@@ -279,4 +323,5 @@ def install(model, on: Optional[bool] = None) -> str:
     for _, m in layers:
         m.__class__ = RowsLinear
     _STATE["on"] = True
-    return f"kernel, {len(layers)} layers" + ("" if _STATE["all"] else ", verifications only")
+    what = "gathered GEMV" if _STATE["form"] == "gather" else "kernel"
+    return f"{what}, {len(layers)} layers" + ("" if _STATE["all"] else ", verifications only")

@@ -73,8 +73,9 @@ class BatchModel:
                 "fast": " (gated delta: mx.fast)"}.get(self.recurrence, "")
         elif self.compile_note:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
-        if self.linears.startswith("kernel"):
-            self.cache_kinds += ", few-row linears: GEMV kernel" + (
+        if self.linears.startswith(("kernel", "gathered")):
+            self.cache_kinds += ", few-row linears: " + (
+                "gathered GEMV" if self.linears.startswith("gathered") else "GEMV kernel") + (
                 " in verifications" if self.linears.endswith("verifications only") else "")
         if self.wide_note:
             self.cache_kinds += f", verification attention: {self.wide_note}"
