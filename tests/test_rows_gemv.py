@@ -17,10 +17,11 @@ from mlxnb.models.tiny import tiny_model
 def test_on_this_cpu_the_model_is_left_alone(monkeypatch):
     model, _ = tiny_model(seed=1)
     assert rows_gemv.check([(64, 64)], mx.float32) == "not a CUDA device"
-    monkeypatch.delenv("MLXNB_ROWS_GEMV", raising=False)
-    assert rows_gemv.install(model).startswith("MLX's matmul (MLXNB_ROWS_GEMV=1 or verify")
-    monkeypatch.setenv("MLXNB_ROWS_GEMV", "gather")
-    assert rows_gemv.install(model) == "MLX's matmul (not a CUDA device)"
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "off")
+    assert rows_gemv.install(model) == "MLX's matmul (MLXNB_ROWS_GEMV=off)"
+    for form in ("gather", ""):  # "": unset, the default (gathered, verifications)
+        monkeypatch.setenv("MLXNB_ROWS_GEMV", form)
+        assert rows_gemv.install(model) == "MLX's matmul (not a CUDA device)"
     monkeypatch.setenv("MLXNB_ROWS_GEMV", "1")
     assert rows_gemv.install(model) == "MLX's matmul (not a CUDA device)"
     assert not any(type(m) is rows_gemv.RowsLinear for _, m in model.named_modules())
@@ -188,7 +189,7 @@ def gather_spy(monkeypatch):
 def test_gather_form_takes_decode_rows_and_verifications(arun, gather_spy, monkeypatch):
     prompts = ["hello there", "the cat sat", "one two three"]
     text = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta "
-    monkeypatch.setenv("MLXNB_ROWS_GEMV", "")
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "off")
     plain = _generate(arun, *tiny_model(seed=2), prompts)
     plain_one = _generate(arun, *tiny_model(seed=2), [text], speculate=None)
     monkeypatch.setenv("MLXNB_ROWS_GEMV", "gather")
@@ -201,6 +202,22 @@ def test_gather_form_takes_decode_rows_and_verifications(arun, gather_spy, monke
     assert _generate(arun, *tiny_model(seed=2), [text], speculate="lookup",
                      num_draft=4) == plain_one
     assert any(M > 1 for M in gather_spy)  # a lone row's verification positions
+
+
+def test_by_default_verifications_alone_take_the_gathered_gemv(arun, gather_spy, monkeypatch):
+    prompts = ["hello there", "the cat sat", "one two three"]
+    text = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta "
+    monkeypatch.setenv("MLXNB_ROWS_GEMV", "off")
+    plain = _generate(arun, *tiny_model(seed=2), prompts)
+    plain_one = _generate(arun, *tiny_model(seed=2), [text], speculate=None)
+    monkeypatch.delenv("MLXNB_ROWS_GEMV")
+    note = rows_gemv.install(tiny_model(seed=2)[0])
+    assert note.startswith("gathered GEMV, ") and note.endswith(" layers, verifications only")
+    assert _generate(arun, *tiny_model(seed=2), prompts) == plain
+    assert not gather_spy  # three rows decoding side by side keep MLX's matmul
+    assert _generate(arun, *tiny_model(seed=2), [text], speculate="lookup",
+                     num_draft=4) == plain_one
+    assert any(M > 1 for M in gather_spy)
 
 
 def test_a_gathered_gemv_that_differs_by_a_bit_is_not_used(monkeypatch, gather_spy):

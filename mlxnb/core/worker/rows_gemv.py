@@ -123,19 +123,24 @@ _STATE = {"on": False, "all": True, "verifying": False, "form": "kernel"}
 # MLXNB_ROWS_GEMV -> (form, products): the custom kernel or MLX's gathered GEMV, for
 # every few-row product or those of verifications only
 _MODES = {"1": ("kernel", "all"), "kernel": ("kernel", "all"), "verify": ("kernel", "verify"),
-          "gather": ("gather", "all"), "gather-verify": ("gather", "verify")}
+          "gather": ("gather", "all"), "gather-verify": ("gather", "verify"),
+          "": ("gather", "verify"), "0": ("gather", None), "off": ("gather", None)}
 _PRODUCTS = {}  # weight shape -> compiled `matmul` (see _product)
 
 
+def _env():
+    return os.environ.get("MLXNB_ROWS_GEMV", "").strip().lower()
+
+
 def mode() -> Optional[str]:
-    """"all" (MLXNB_ROWS_GEMV=1, kernel or gather), "verify" (verify or
-    gather-verify) or None (off, the default)."""
-    return _MODES.get(os.environ.get("MLXNB_ROWS_GEMV", ""), (None, None))[1]
+    """"all" (MLXNB_ROWS_GEMV=1, kernel or gather), "verify" (verify, gather-verify
+    or unset: the default) or None (0 or off)."""
+    return _MODES.get(_env(), (None, None))[1]
 
 
 def form() -> str:
-    """"gather" (MLXNB_ROWS_GEMV=gather or gather-verify) or "kernel"."""
-    return _MODES.get(os.environ.get("MLXNB_ROWS_GEMV", ""), ("kernel", None))[0]
+    """"kernel" (MLXNB_ROWS_GEMV=1, kernel or verify) or "gather" (the rest)."""
+    return _MODES.get(_env(), ("gather", None))[0]
 
 
 def enabled() -> bool:
@@ -311,8 +316,7 @@ def install(model, on: Optional[bool] = None) -> str:
     _STATE["form"] = form()
     _PRODUCTS.clear()
     if not (enabled() if on is None else on):
-        return ("MLX's matmul (MLXNB_ROWS_GEMV=1 or verify tries the rows GEMV kernel, "
-                "gather or gather-verify MLX's gathered GEMV)")
+        return f"MLX's matmul (MLXNB_ROWS_GEMV={_env()})"
     layers, sizes = list(_plain_linears(model)), shapes(model)
     if not sizes:
         return "MLX's matmul (no plain linear layer small enough)"
