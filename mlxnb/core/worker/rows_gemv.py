@@ -1,56 +1,49 @@
-"""A linear layer's product for a few rows as one GEMV kernel per layer, on CUDA.
+"""A linear layer's product for a few rows as one GEMV per layer, on CUDA.
 
 MLX's CUDA backend runs `x @ W.T` as its GEMV kernel only for one row; from two rows
-on it calls cuBLAS, which on an H200 costs 24-25 us a call for a [2..16, 576] @ [576,
-1536] product against 7.8 us for one row (`bench verify-cost`). A decode step of a few
+on it calls cuBLAS, which on an H200 costs 15-25 us a call for a [2..16, 576] @ [576,
+1536] product against 6-8 us for one row (`bench verify-cost`). A decode step of a few
 rows, and a verification forward of a row's drafts, are such products on every
 projection of every layer, and the weights they read are a few MB: the time is launch
-and set-up, not bandwidth. This kernel is MLX's GEMV given M rows: each warp reads one
-output's weight row once and keeps M sums.
+and set-up, not bandwidth. Two forms give each of M rows its own GEMV:
 
-Each row's sum is formed exactly as MLX's one-row GEMV forms it (the same elements per
-lane in the same order, `NPT` picked by the same rule, cooperative groups' warp
-reduction), so a row's product has the same bits whether it runs alone, beside other
-rows, or as one position of a verification: `check` asserts that on this device
-before any layer uses the kernel, and `install` leaves the model untouched where it
-does not hold (or where there is no CUDA kernel API: the CPU, Metal).
+* "gather" (the default): MLX's own gathered GEMV. `gathered` is one `mx.gather_mm`
+  of the rows as [M, 1, K] against the weight's transposed view, which MLX's CUDA
+  backend launches as `gemv_gather`: every row through the same `gemv_impl` as its
+  one-row GEMV. No compile; the host builds it in 4-6 us against a matmul's 1.5-2.5,
+  and each row reads the weight (from L2 where it fits). On an H200: 10-18 us for 3-32
+  rows of SmolLM2's products against cuBLAS's 15-23, and a verification forward of 5-8
+  positions 5.0 ms of device time against 7.6
+  (bench/results/verify-cost-2026-12-04-h200.md).
+* "kernel": this module's CUDA kernel, MLX's GEMV given M rows (each warp reads one
+  output's weight row once and keeps M sums). Its sizes are template constants (one
+  kernel per layer shape and row capacity, 2, 4, 8 or 16 rows): NVRTC takes seconds
+  a kernel, and MLX keeps no custom kernel on disk (kernels_ahead.py), so `install`'s
+  check compiles them in every process that turns it on, about a minute on a fresh
+  H200 host (bench/results/verify-cost-2026-12-03-h200.md,
+  first-token-2026-12-03-h200.md).
 
-The kernel's in and out sizes are template constants (its loops unroll; one kernel
-per layer shape and row capacity, 2, 4, 8 or 16 rows, a batch's row count read at
-run time): NVRTC takes seconds a kernel, and MLX keeps no custom kernel on disk
-(kernels_ahead.py), so `install`'s check compiles them in every process that turns the
-kernel on: about a minute for the default model's 4-5 shapes on a fresh H200 host.
-The engine installs it only where asked: MLXNB_ROWS_GEMV=1 for every few-row product,
-MLXNB_ROWS_GEMV=verify for those of verification forwards only (`verifying`), which
-leaves plain decoding as MLX runs it (a plain step at B=1 is one row, which neither
-mode gives the kernel). It stays opt-in: on H200 hosts it sped speculation up in some
-runs and not in others, and its compiles hold every process's load that turns it
-on (bench/results/first-token-2026-12-03-h200.md). With the verification attention kernel (wide_kernel.py) and
-this one on, copy-heavy speculation at B=1 on an H200 ran at 1.94-2.33x, against
-1.39-1.66x with the attention kernel alone (bench/results/speculate-2026-12-03-h200.md).
+Either way a row's sum is formed exactly as MLX's one-row GEMV forms it (the same
+elements per lane in the same order, the same vector width, cooperative groups' warp
+reduction), so a row's product has the same bits alone, beside other rows, or as one
+position of a verification: `check` asserts that on this device before any layer uses
+the form, and `install` leaves the model untouched where it does not hold (or where
+there is no CUDA: the CPU, Metal).
 
-On H200 hosts a chain of 2-8-row products runs in 4-10 us against cuBLAS's 14-25 us.
-While verifications composed their attention from some eight ops a layer, that did
-not show in the forward (a multi-position forward's time was the host's, 4.8 ms above
-one position's whichever product ran); with wide_kernel.py's attention the forward of
-2-8 positions took 1.66-1.72 one-position steps with this kernel against 1.78-2.35
-without (bench/results/verify-cost-2026-12-03-h200.md). `python -m bench verify-cost`
-measures both.
+Which products take it (MLXNB_ROWS_GEMV): by default those of verification forwards
+(`verifying`), which is where it measured a gain: copy-heavy speculation at B=1 on
+H200 hosts ran at 1.75-1.90x with it and 1.64-1.71x without
+(bench/results/speculate-2026-12-04-h200.md). Plain decoding of 2-16 rows keeps MLX's
+matmul: there the gathered form's extra host time and its device time came out
+even within the hosts' drift. `gather` gives it every few-row product, `kernel` (or 1)
+and `verify` the kernel, `off` (or 0) neither.
 
 Only layers that MLX itself would run as a GEMV for one row take it: plain
 `nn.Linear` without a bias (a bias goes through cuBLAS's epilogue), float weights,
-2 <= rows <= MAX_ROWS, and rows * out * in <= MAX_WORK: each warp reads every row
-of x, so the kernel's time grows with rows x out x in (on an H200: 8-14 us for 2-8
-rows of SmolLM2's [576 <-> 1536] products against cuBLAS's 25 us, but 27 us for 3
-rows of Llama-1B's [2048 <-> 8192] against 28 us, and 58 us for 8 against 28).
-
-MLXNB_ROWS_GEMV=gather (or gather-verify) runs the same products through MLX's own
-gathered GEMV instead: `mx.gather_mm` of [M, 1, K] rows against the one weight, which
-MLX's CUDA backend launches as one kernel whose every row is its one-row GEMV
-(`gemv_gather` over `gemv_impl`, the same lanes, order and reduction), so the rows'
-bits are again the one-row product's. It needs no NVRTC compile and builds as a
-built-in op (no source string), at the cost of reading the weight once per row (from
-L2 where it fits), hence the same work bound.
+2 <= rows <= the form's row cap, and rows * out * in <= MAX_WORK: each row reads the
+weight (gather) or each warp every row of x (kernel), so the time grows with rows x
+out x in (on an H200 the kernel took 27 us for 3 rows of Llama-1B's [2048 <-> 8192]
+against cuBLAS's 28, and 58 us for 8; the gathered form 74 us for 16 against 29).
 """
 
 from __future__ import annotations
@@ -68,7 +61,7 @@ __all__ = ["MAX_ROWS", "MAX_WORK", "enabled", "form", "gathered", "install", "ch
 MAX_ROWS = 16  # above this cuBLAS's tiles pay for themselves (bench verify-cost)
 BUCKETS = (2, 4, 8, MAX_ROWS)  # the kernels' row capacities (MAXM)
 MAX_WORK = 40_000_000  # rows * out * in: above it cuBLAS is faster (see above)
-GATHER_MAX_ROWS = 64  # the gathered GEMV's rows: bound by MAX_WORK before this
+GATHER_MAX_ROWS = 32  # 48 rows ran slower than cuBLAS (bench verify-cost)
 WARPS = 8  # outputs per block, as MLX's gemv
 
 _HEADER = r"""
