@@ -283,7 +283,9 @@ using Shape = cuda::std::array<int32_t, 8>;
 
 
 @pytest.mark.parametrize("N,K", [(576, 1536), (3584, 1024), (2048, 8192), (49152, 576)])
-def test_every_row_count_routed_to_the_kernel_has_a_compiled_and_checked_capacity(N, K):
+def test_every_row_count_routed_to_the_kernel_has_a_compiled_and_checked_capacity(
+        N, K, monkeypatch):
+    monkeypatch.setitem(rows_gemv._STATE, "form", "kernel")
     # the layer routes M rows when 2 <= M <= MAX_ROWS and M*N*K <= MAX_WORK; each such
     # M must land in a capacity whose kernel check compiles and covers at both ends
     routed = [M for M in range(2, rows_gemv.MAX_ROWS + 1) if M * N * K <= rows_gemv.MAX_WORK]
@@ -296,3 +298,15 @@ def test_every_row_count_routed_to_the_kernel_has_a_compiled_and_checked_capacit
     assert all(M in routed for M in checked)
     assert (bool(routed) == bool(caps)
             == ((N, K) in {(N2, K2) for N2, K2 in [(576, 1536), (3584, 1024), (2048, 8192)]}))
+
+
+@pytest.mark.parametrize("N,K", [(576, 1536), (3584, 1024), (2048, 8192), (49152, 576)])
+def test_the_gathered_gemvs_check_covers_its_fewest_and_most_rows(N, K, monkeypatch):
+    monkeypatch.setitem(rows_gemv._STATE, "form", "gather")
+    routed = [M for M in range(2, rows_gemv.GATHER_MAX_ROWS + 1)
+              if M * N * K <= rows_gemv.MAX_WORK]
+    checked = rows_gemv._check_rows(N, K)
+    assert set(checked) <= set(routed)
+    if routed:
+        assert min(routed) in checked and max(routed) in checked
+    assert bool(routed) == (N * K * 2 <= rows_gemv.MAX_WORK)

@@ -11,6 +11,7 @@ answers, the next magic installs the engine; a failure is reported by the next m
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, TimeoutError as _Timeout
@@ -18,11 +19,14 @@ from typing import Callable, Optional
 
 from IPython.core.error import UsageError
 
+from .. import _aio
 from .._text import one_line
+from . import cellparse as cp
+from .magicargs import _CONNECT, _parse
 from .session import _S, _close, get_engine
 
-__all__ = ["CONNECT_WAIT_S", "Connecting", "start", "settle", "install", "abandon",
-           "pending"]
+__all__ = ["CONNECT_WAIT_S", "Connecting", "command", "start", "settle", "install",
+           "abandon", "pending"]
 
 CONNECT_WAIT_S = 0.5
 
@@ -127,3 +131,53 @@ def install(new, old) -> None:
               else "server load not reported by this server")
     print(f"mlxnb: connected to {new.url}, model {new.model_name!r} ({charts}); "
           "`%mlxnb load` switches back to a local model")
+
+
+def command(rest: str) -> None:
+    """`%mlxnb connect URL [--model NAME] [--api-key-env VAR] [--max-concurrency N]
+    [--timeout S]`: check the options, then `start` the connection."""
+    usage = ("write %mlxnb connect URL [--model NAME] [--api-key-env VAR] "
+             "[--max-concurrency N] [--timeout S]")
+    a = _parse(_CONNECT, rest, "%mlxnb connect", usage)
+    mc = cp.parse_values("max_concurrency", a.max_concurrency, int, sweep=False)[0]
+    if mc is not None and mc < 1:
+        raise UsageError(f"%mlxnb connect: --max-concurrency must be a positive "
+                         f"integer; got {mc}")
+    try:
+        timeout = cp.parse_values("timeout", a.timeout, float, sweep=False)[0]
+    except UsageError as e:
+        raise UsageError(f"%mlxnb connect: {e}") from None
+    if timeout is not None and timeout <= 0:
+        raise UsageError(f"%mlxnb connect: --timeout must be a positive number of "
+                         f"seconds (e.g. --timeout 60); got {a.timeout}")
+    key = None
+    if a.api_key_env is not None:  # the key itself never appears in a cell
+        key = os.environ.get(a.api_key_env)
+        if not key:
+            raise UsageError(f"%mlxnb connect: the environment variable {a.api_key_env!r} "
+                             "is not set or empty; set it to the API key before starting "
+                             "Jupyter (or with os.environ in a cell not saved)")
+    eng = get_engine()
+    if eng is not None and eng.running + eng.queued:
+        raise UsageError(f"{eng.running + eng.queued} rows are still running or queued; "
+                         "`%mlxnb stop` them (or `await mlxnb.wait()`) before connecting")
+    from ..remote import connect
+    from ..remote.client import PROBE_S
+
+    abandon()  # a newer connect replaces one still under way
+    more = {} if timeout is None else {"timeout": timeout}
+    loop = _aio.shell_loop()
+    try:
+        new, c = start(
+            lambda: connect(a.url, model=a.model, api_key=key,
+                            max_concurrency=mc or 64, loop=loop, **more),
+            shown(a.url), min(PROBE_S, timeout or PROBE_S))
+    except ValueError as e:
+        raise UsageError(f"%mlxnb connect: {one_line(e, 300)}") from None
+    if c is not None:  # the server has not answered yet: the kernel goes on
+        _S.connecting = c
+        print(f"mlxnb: connecting to {c.url}: no answer yet (it has up to "
+              f"{c.bound:g} s); the next %%generate or `%mlxnb status` says how it went")
+        return None
+    install(new, eng)
+    return None

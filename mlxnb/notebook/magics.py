@@ -15,7 +15,6 @@ once; wait with ``await run`` or ``await mlxnb.wait()`` in a later cell.
 from __future__ import annotations
 
 import keyword
-import os
 import sys
 import time
 
@@ -28,8 +27,7 @@ from . import cellparse as cp
 from . import connecting
 from .adaptermagic import adapter_command, adapter_names, expand_adapters
 from .._text import one_line
-from .magicargs import (_CONNECT, _HELP, _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved,
-                        _sendable)
+from .magicargs import _HELP, _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved, _sendable
 from ..core.run import Run
 from .session import MLXNB, _S, _close, _same_model, get_engine, shutdown, use, wait
 
@@ -141,51 +139,7 @@ class MLXNBMagics(Magics):
         return None
 
     def _cmd_connect(self, rest):
-        usage = ("write %mlxnb connect URL [--model NAME] [--api-key-env VAR] "
-                 "[--max-concurrency N] [--timeout S]")
-        a = _parse(_CONNECT, rest, "%mlxnb connect", usage)
-        mc = cp.parse_values("max_concurrency", a.max_concurrency, int, sweep=False)[0]
-        if mc is not None and mc < 1:
-            raise UsageError(f"%mlxnb connect: --max-concurrency must be a positive "
-                             f"integer; got {mc}")
-        try:
-            timeout = cp.parse_values("timeout", a.timeout, float, sweep=False)[0]
-        except UsageError as e:
-            raise UsageError(f"%mlxnb connect: {e}") from None
-        if timeout is not None and timeout <= 0:
-            raise UsageError(f"%mlxnb connect: --timeout must be a positive number of "
-                             f"seconds (e.g. --timeout 60); got {a.timeout}")
-        key = None
-        if a.api_key_env is not None:  # the key itself never appears in a cell
-            key = os.environ.get(a.api_key_env)
-            if not key:
-                raise UsageError(f"%mlxnb connect: the environment variable {a.api_key_env!r} "
-                                 "is not set or empty; set it to the API key before starting "
-                                 "Jupyter (or with os.environ in a cell not saved)")
-        eng = get_engine()
-        if eng is not None and eng.running + eng.queued:
-            raise UsageError(f"{eng.running + eng.queued} rows are still running or queued; "
-                             "`%mlxnb stop` them (or `await mlxnb.wait()`) before connecting")
-        from ..remote import connect
-        from ..remote.client import PROBE_S
-
-        connecting.abandon()  # a newer connect replaces one still under way
-        more = {} if timeout is None else {"timeout": timeout}
-        loop = _aio.shell_loop()
-        try:
-            new, c = connecting.start(
-                lambda: connect(a.url, model=a.model, api_key=key,
-                                max_concurrency=mc or 64, loop=loop, **more),
-                connecting.shown(a.url), min(PROBE_S, timeout or PROBE_S))
-        except ValueError as e:
-            raise UsageError(f"%mlxnb connect: {one_line(e, 300)}") from None
-        if c is not None:  # the server has not answered yet: the kernel goes on
-            _S.connecting = c
-            print(f"mlxnb: connecting to {c.url}: no answer yet (it has up to "
-                  f"{c.bound:g} s); the next %%generate or `%mlxnb status` says how it went")
-            return None
-        connecting.install(new, eng)
-        return None
+        connecting.command(rest)
 
     def _cmd_adapter(self, rest=""):
         adapter_command(lambda load: self._engine_for(None, False) if load else get_engine(),

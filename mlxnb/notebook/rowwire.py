@@ -1,7 +1,10 @@
 """A row as the widget sends it: its fields, its delta since the last message, and
-its whole dict for the traits (the protocol is in widget.py's docstring)."""
+its whole dict for the traits; and the engine's header line (the protocol is in
+widget.py's docstring)."""
 
 from __future__ import annotations
+
+import os
 
 from ..core.constraint_results import widget_fields as constraint_fields
 from ..core.states import RowState
@@ -83,3 +86,27 @@ def draft_fields(r) -> dict:
     if not proposed:
         return {}
     return {"draft": [r.draft_accepted, proposed]}
+
+
+def short_model_name(name: str) -> str:
+    """A local model directory shows as its folder name; hub ids stay whole."""
+    if os.sep in name and os.path.isdir(name):
+        return os.path.basename(name.rstrip(os.sep)) or name
+    return name
+
+
+def header(e, now: float, tok_s: float, **view) -> dict:
+    """The header trait: the engine's model, limits, load and KV now, and the view's
+    own fields (`view`: live, mode, title, max_rows, step0)."""
+    return {
+        "model": short_model_name(str(getattr(e, "model_name", "") or "")),
+        "kv_budget": getattr(e, "kv_budget", None), "max_batch": getattr(e, "max_batch", None),
+        "running": int(e.running), "queued": int(e.queued), "tok_s": tok_s,
+        "kv": e.steps[-1].kv_bytes if e.steps and e.running else 0,
+        "now": round(now, 3), **view,
+        # a server engine: KV as a fraction of its cache, or None = not reported
+        "kv_unit": getattr(e, "kv_unit", "bytes"),
+        "batch_reported": getattr(e, "batch_reported", True),
+        # e.g. "24 recurrent-state + 8 attention layers, KV 4-bit" (local engines)
+        "cache_kinds": getattr(e, "cache_kinds", None),
+    }

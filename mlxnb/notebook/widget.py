@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextvars
-import os
 import time
 import uuid
 import weakref
@@ -254,27 +253,15 @@ class GenerationWidget(anywidget.AnyWidget):
         return new
 
     def _header(self) -> dict:
-        e = self.engine
-        now = e.clock()
+        now = self.engine.clock()
         while self._rate and self._rate[0][0] < now - 2.0:
             self._rate.popleft()
         toks = sum(n for _, n in self._rate)
         span = now - self._rate[0][0] if self._rate else 0.0
-        return {
-            "model": _short_model_name(str(getattr(e, "model_name", "") or "")),
-            "kv_budget": getattr(e, "kv_budget", None), "max_batch": getattr(e, "max_batch", None),
-            "running": int(e.running), "queued": int(e.queued),
-            "tok_s": round(toks / max(span, 0.25), 1) if toks else 0.0,
-            "kv": e.steps[-1].kv_bytes if e.steps and e.running else 0,
-            "now": round(now, 3), "live": bool(self._live),
-            "mode": "dashboard" if self.dashboard else "run", "title": self.title,
-            "max_rows": self.max_rows, "step0": self._step0,
-            # a server engine: KV as a fraction of its cache, or None = not reported
-            "kv_unit": getattr(e, "kv_unit", "bytes"),
-            "batch_reported": getattr(e, "batch_reported", True),
-            # e.g. "24 recurrent-state + 8 attention layers, KV 4-bit" (local engines)
-            "cache_kinds": getattr(e, "cache_kinds", None),
-        }
+        return rowwire.header(
+            self.engine, now, round(toks / max(span, 0.25), 1) if toks else 0.0,
+            live=bool(self._live), mode="dashboard" if self.dashboard else "run",
+            title=self.title, max_rows=self.max_rows, step0=self._step0)
 
     # -- full state ----------------------------------------------------------------------
     def _write_traits(self) -> None:
@@ -358,7 +345,7 @@ class GenerationWidget(anywidget.AnyWidget):
     def results_bundle(self) -> dict:
         """text/plain + text/html of every row as it stands (results.py)."""
         h = self.engine
-        return results.bundle(self._rows.values(), _short_model_name(
+        return results.bundle(self._rows.values(), rowwire.short_model_name(
             str(getattr(h, "model_name", "") or "")), self.title)
 
     def _repr_mimebundle_(self, **kwargs):
@@ -400,10 +387,3 @@ class GenerationWidget(anywidget.AnyWidget):
 
     def __repr__(self):
         return f"<GenerationWidget {len(self._rows)} rows{' (dashboard)' if self.dashboard else ''}>"
-
-
-def _short_model_name(name: str) -> str:
-    """A local model directory shows as its folder name; hub ids stay whole."""
-    if os.sep in name and os.path.isdir(name):
-        return os.path.basename(name.rstrip(os.sep)) or name
-    return name

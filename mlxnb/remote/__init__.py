@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .engine import RemoteEngine, RemoteRow
+from .engine import RemoteEngine
+from .row import RemoteRow
 
 __all__ = ["connect", "RemoteEngine", "RemoteRow"]
 
