@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import statistics
 import sys
 import traceback
@@ -114,6 +115,16 @@ async def measure(meth, rep, model, twin, tok, args, B, warm, p1, p2):
         if rep == 0:
             common.run_bg(model, warm, args.warm_new, defaults=meth == "bgd")
         return common.run_bg(model, p1, args.new, defaults=meth == "bgd")
+    if meth == "engineg":  # the gathered GEMV on every few-row product (rows_gemv.py)
+        before = os.environ.get("MLXNB_ROWS_GEMV")
+        os.environ["MLXNB_ROWS_GEMV"] = "gather"  # read by the Engine's load
+        try:
+            return await measure("engine", rep, model, twin, tok, args, B, warm, p1, p2)
+        finally:
+            if before is None:
+                os.environ.pop("MLXNB_ROWS_GEMV")
+            else:
+                os.environ["MLXNB_ROWS_GEMV"] = before
     if meth in ("engine", "engine0", "enginenf"):
         kw = engine_kw(args)
         if meth == "engine0":
