@@ -200,7 +200,8 @@ def gathered(x: mx.array, w: mx.array) -> mx.array:
     M, K = x.shape
     idx = _INDICES.get(M)
     if idx is None:
-        idx = _INDICES[M] = (mx.arange(M, dtype=mx.uint32), mx.zeros((M,), mx.uint32))
+        # from host lists: data, not a graph, so they hold across threads and steps
+        idx = _INDICES[M] = (mx.array(list(range(M)), mx.uint32), mx.array([0] * M, mx.uint32))
     # [M, 1, K] @ [1, K, N] (w's transposed view: no copy) gathered -> [M, 1, N]
     return mx.gather_mm(x.reshape(M, 1, K), w.T[None], idx[0], idx[1]).reshape(M, -1)
 
