@@ -186,38 +186,34 @@ def gather_spy(monkeypatch):
     return calls
 
 
-def test_gather_form_takes_decode_rows_and_verifications(arun, gather_spy, monkeypatch):
+@pytest.mark.parametrize("setting", ["gather", None])  # None: unset, the default
+def test_the_gathered_gemv_takes_its_products_with_the_same_tokens(arun, gather_spy,
+                                                                  monkeypatch, setting):
+    """`gather`: rows decoding side by side and verification positions take it;
+    the default: verification positions only. Tokens as with MLX's matmul."""
     prompts = ["hello there", "the cat sat", "one two three"]
     text = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta "
     monkeypatch.setenv("MLXNB_ROWS_GEMV", "off")
     plain = _generate(arun, *tiny_model(seed=2), prompts)
     plain_one = _generate(arun, *tiny_model(seed=2), [text], speculate=None)
-    monkeypatch.setenv("MLXNB_ROWS_GEMV", "gather")
+    if setting is None:
+        monkeypatch.delenv("MLXNB_ROWS_GEMV")
+    else:
+        monkeypatch.setenv("MLXNB_ROWS_GEMV", setting)
+    note = rows_gemv.install(tiny_model(seed=2)[0])
+    assert note.startswith("gathered GEMV, ")
+    assert note.endswith(", verifications only") == (setting is None)
     assert not gather_spy
-    model, tok = tiny_model(seed=2)
-    assert _generate(arun, model, tok, prompts) == plain
-    assert rows_gemv.install(tiny_model(seed=2)[0]).startswith("gathered GEMV, ")
-    assert 3 in gather_spy and all(2 <= M <= rows_gemv.GATHER_MAX_ROWS for M in gather_spy)
+    assert _generate(arun, *tiny_model(seed=2), prompts) == plain
+    if setting is None:
+        assert not gather_spy  # three rows decoding side by side keep MLX's matmul
+    else:
+        assert 3 in gather_spy
+        assert all(2 <= M <= rows_gemv.GATHER_MAX_ROWS for M in gather_spy)
     gather_spy.clear()
     assert _generate(arun, *tiny_model(seed=2), [text], speculate="lookup",
                      num_draft=4) == plain_one
     assert any(M > 1 for M in gather_spy)  # a lone row's verification positions
-
-
-def test_by_default_verifications_alone_take_the_gathered_gemv(arun, gather_spy, monkeypatch):
-    prompts = ["hello there", "the cat sat", "one two three"]
-    text = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta "
-    monkeypatch.setenv("MLXNB_ROWS_GEMV", "off")
-    plain = _generate(arun, *tiny_model(seed=2), prompts)
-    plain_one = _generate(arun, *tiny_model(seed=2), [text], speculate=None)
-    monkeypatch.delenv("MLXNB_ROWS_GEMV")
-    note = rows_gemv.install(tiny_model(seed=2)[0])
-    assert note.startswith("gathered GEMV, ") and note.endswith(" layers, verifications only")
-    assert _generate(arun, *tiny_model(seed=2), prompts) == plain
-    assert not gather_spy  # three rows decoding side by side keep MLX's matmul
-    assert _generate(arun, *tiny_model(seed=2), [text], speculate="lookup",
-                     num_draft=4) == plain_one
-    assert any(M > 1 for M in gather_spy)
 
 
 def test_a_gathered_gemv_that_differs_by_a_bit_is_not_used(monkeypatch, gather_spy):
