@@ -10,13 +10,14 @@ mlx-lm's `dynamic_roll` for sliding-window caches), the fused SwiGLU of the MLP
 model's sizes, only on its dtype, so tiny inputs of that dtype compile the same
 kernels.
 
-This package's own CUDA kernels (kv_kernels.py's decode attention, wide_kernel.py's
-verification attention, rows_gemv.py) cannot be compiled here: MLX keeps a kernel
-made with `mx.fast.cuda_kernel` in the process that compiled it and never on disk
-(mlx/backend/cuda/custom_kernel.cpp passes `use_disk_cache=false`), so every process
-compiles them anew with NVRTC, at the load check that first runs them (on a fresh
-H200 host 3-4 s for two decode attention kernels, 11-12 s for the verification
-attention's eight: bench/results/first-token-2026-12-03-h200.md).
+This package's own CUDA kernels (the decode attention of kv_kernels.py and
+kv_onekey.py, wide_kernel.py's verification attention, rows_gemv.py's kernel) cannot
+be compiled here: MLX keeps a kernel made with `mx.fast.cuda_kernel` in the process
+that compiled it and never on disk (mlx/backend/cuda/custom_kernel.cpp passes
+`use_disk_cache=false`), so every process compiles them anew with NVRTC, at the load
+check that first runs them (on a fresh H200 host 3-4 s for two decode attention
+kernels, 11-12 s for the verification attention's eight:
+bench/results/first-token-2026-12-03-h200.md).
 
 `start` runs one process per piece (each importing mlx alone: about a second) into
 a private folder; `wait` moves what they wrote into MLX's folder, where the engine's

@@ -25,8 +25,8 @@ The hook: a cache hands attention a `FusedKV` triplet or a `DenseKV` (tuples, so
 mlx-lm's code passes them through unchanged) and says it has `bits`, so mlx-lm's
 `scaled_dot_product_attention` sends them to
 `mlx_lm.models.base.quantized_scaled_dot_product_attention`, which `install()` wraps:
-these go to the kernels, anything else to mlx-lm's own function. kv_kernels.py holds
-the CUDA source.
+these go to the kernels, anything else to mlx-lm's own function. kv_kernels.py and
+kv_onekey.py hold the CUDA source.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import kv_kernels, wide_kernel
+from . import kv_kernels, kv_onekey, wide_kernel
 
 __all__ = ["FusedKV", "DenseKV", "decode_attention", "dense_attention", "reference",
            "kernel_supports", "dense_supports", "install", "self_check",
@@ -59,7 +59,7 @@ class DenseKV(tuple):
 
 # the quantized kernel self_check picked: one key per lane group and step (measured
 # 1.5-2.4x faster on an H200 than reading 4 ahead, which costs registers), else that
-_QUANT = [kv_kernels.quantized_v1]
+_QUANT = [kv_onekey.quantized]
 
 
 def cuda_backend() -> bool:
@@ -282,13 +282,13 @@ def self_check(calls: List[tuple], S: int = 300, B: int = 3, seed: int = 0) -> O
     and, if that fails, the unrolled one (kept for what follows). None if one
     matches in every case; else what went wrong with the first (one line)."""
     first = None
-    for impl in (kv_kernels.quantized_v1, kv_kernels.quantized):
+    for impl in (kv_onekey.quantized, kv_kernels.quantized):
         _QUANT[0] = impl
         why = _check_quantized(calls, S, B, seed)
         if why is None:
             return None
         first = first or why
-    _QUANT[0] = kv_kernels.quantized_v1
+    _QUANT[0] = kv_onekey.quantized
     return first
 
 
