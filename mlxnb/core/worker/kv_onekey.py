@@ -19,7 +19,7 @@ _KERNELS = {}  # masked -> the kernel
 # words; a warp holds 32/LK keys at once and the block's NG key groups stride over S.
 # Each group keeps a running max, sum and output (online softmax); groups combine
 # through warp shuffles, then the warps through shared memory.
-_V1 = r"""
+_SOURCE = r"""
     constexpr int W = D * BITS / 32;
     constexpr int VPW = 32 / BITS;
     constexpr int WPL = W / LK;
@@ -93,7 +93,7 @@ def _kernel(masked: bool):
         k = _KERNELS[masked] = mx.fast.cuda_kernel(
             name="mlxnb_qkv_decode_attention" + ("_masked" if masked else ""),
             input_names=names, output_names=["out"],
-            source=_V1.replace("/*MASK*/", _MASK_LINE if masked else ""),
+            source=_SOURCE.replace("/*MASK*/", _MASK_LINE if masked else ""),
             ensure_row_contiguous=False)
     return k
 
