@@ -35,7 +35,7 @@ import mlxnb
 
 from . import common
 from .common import fmt, log, median, pc
-from .decode import do_profile, measure
+from .decode import VARIANTS, do_profile, measure
 
 NAME, RESULT, TITLE = "cache-kinds", "cache-kinds", "Every cache kind in one batch"
 
@@ -100,7 +100,8 @@ def build_hybrid(name, dtype, quick, seed=0):
 
 # -- decode, hybrid models --------------------------------------------------------------
 async def decode_part(args, rng):
-    methods = ("raw", "bg", "engine") + (("engineg",) if args.gathered else ())
+    variants = variant_methods(args)
+    methods = ("raw", "bg", "engine") + variants
     margs = SimpleNamespace(new=args.new, warm_new=args.warm_new, no_long=True,
                             no_warmup=False, no_fuse=False, streak_s=None)
     rows = []
@@ -135,13 +136,13 @@ async def decode_part(args, rng):
                     + ", ".join(f"{m} {fmt(per[m][-1])}" for m in methods))
             ratio = {o: median([e / x for e, x in zip(per["engine"], per[o]) if e and x])
                      for o in ("bg", "raw")}
-            if args.gathered:
-                ratio.update({f"g_{o}": median([g / x for g, x in zip(per["engineg"], per[o])
-                                                if g and x]) for o in ("bg", "raw", "engine")})
+            for v in variants:
+                ratio.update({(v, o): median([g / x for g, x in zip(per[v], per[o]) if g and x])
+                              for o in ("bg", "raw", "engine")})
             rows.append(dict(shape=name, B=B, kinds=kinds,
                              **{m: median(per[m]) for m in methods},
                              rounds=per, eng_bg=ratio["bg"], eng_raw=ratio["raw"],
-                             **{k: v for k, v in ratio.items() if k.startswith("g_")}))
+                             vs={k: v for k, v in ratio.items() if isinstance(k, tuple)}))
         if args.profile:
             p = await do_profile(model, twin, tok, rng, SimpleNamespace(
                 **vars(margs), prompt=args.prompt), args.profile, vocab)
@@ -150,6 +151,10 @@ async def decode_part(args, rng):
         gc.collect()
         mx.clear_cache()
     return rows
+
+
+def variant_methods(args) -> tuple:
+    return (("engineg",) if args.gathered else ()) + (("enginec",) if args.conv_off else ())
 
 
 def decode_table(rows, args):
@@ -166,15 +171,17 @@ def decode_table(rows, args):
         " / ".join(fmt(r["rounds"][m][i]) for m in ("raw", "bg", "engine"))
         for i in range(len(r["rounds"]["raw"]))) for r in rows]
     out.append("```")
-    if any("engineg" in r["rounds"] for r in rows):
-        out += ["", "The engine with the gathered GEMV on every few-row product "
-                "(`MLXNB_ROWS_GEMV=gather`, a fourth method of the same rounds):", "",
-                "| shape | B | engine, gathered | / BG | / raw | / engine | per round |",
+    for v in VARIANTS:
+        if not any(v in r["rounds"] for r in rows):
+            continue
+        var, value, what = VARIANTS[v]
+        out += ["", f"The engine with {what} (`{var}={value}`), another method of the same "
+                "rounds:", "", f"| shape | B | {v} | / BG | / raw | / engine | per round |",
                 "|---|---|---|---|---|---|---|"]
-        out += [f"| {r['shape']} | {r['B']} | {fmt(r['engineg'])} | {fmt(r['g_bg'], 2)} | "
-                f"{fmt(r['g_raw'], 2)} | {fmt(r['g_engine'], 2)} | "
-                + ", ".join(fmt(v) for v in r["rounds"]["engineg"]) + " |"
-                for r in rows if "engineg" in r["rounds"]]
+        out += [f"| {r['shape']} | {r['B']} | {fmt(r[v])} | {fmt(r['vs'][v, 'bg'], 2)} | "
+                f"{fmt(r['vs'][v, 'raw'], 2)} | {fmt(r['vs'][v, 'engine'], 2)} | "
+                + ", ".join(fmt(x) for x in r["rounds"][v]) + " |"
+                for r in rows if v in r["rounds"]]
     for r in rows:
         if r.get("profile"):
             out += ["", f"### {r['shape']}: where a decode step goes", "", r["profile"]]
@@ -328,6 +335,9 @@ def main(argv=None, prog=None):
     ap.add_argument("--warm-new", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-decode", action="store_true", help="skip the hybrid decode part")
+    ap.add_argument("--conv-off", action="store_true",
+                    help="also the engine with recurrent layers' convs left to "
+                         "mx.conv1d (MLXNB_WINDOW_CONV=0), a method of the same rounds")
     ap.add_argument("--gathered", action="store_true",
                     help="also run the engine with MLXNB_ROWS_GEMV=gather in each round")
     ap.add_argument("--no-kv", action="store_true", help="skip the quantized-KV part")

@@ -53,6 +53,11 @@ from .tracing import EngineProfiler, GcTimer, format_profile
 
 NAME, RESULT, TITLE = "decode", "engine-decode", "Decode tok/s: raw MLX vs BatchGenerator vs mlxnb"
 RAW = {"raw": {}, "rawb": dict(batch_cache=True), "rawv": dict(views=True)}
+# engine variants: method -> (environment variable, value, what it changes)
+VARIANTS = {
+    "engineg": ("MLXNB_ROWS_GEMV", "gather", "the gathered GEMV on every few-row product"),
+    "enginec": ("MLXNB_WINDOW_CONV", "0", "recurrent layers' convs left to mx.conv1d"),
+}
 DIAGNOSTIC = ("bgd", "rawt", "rawv", "rawvt", "engine0", "enginenf")
 # (mine, other): per-round ratios kept as <mine>_over_<other>_median
 PAIRS = [("engine", "raw"), ("engine", "bg"), ("engine", "bgd"), ("rawt", "raw"),
@@ -115,16 +120,17 @@ async def measure(meth, rep, model, twin, tok, args, B, warm, p1, p2):
         if rep == 0:
             common.run_bg(model, warm, args.warm_new, defaults=meth == "bgd")
         return common.run_bg(model, p1, args.new, defaults=meth == "bgd")
-    if meth == "engineg":  # the gathered GEMV on every few-row product (rows_gemv.py)
-        before = os.environ.get("MLXNB_ROWS_GEMV")
-        os.environ["MLXNB_ROWS_GEMV"] = "gather"  # read by the Engine's load
+    if meth in VARIANTS:  # the engine with one setting changed through its environment
+        var, value, _ = VARIANTS[meth]
+        before = os.environ.get(var)
+        os.environ[var] = value  # read by the Engine's load
         try:
             return await measure("engine", rep, model, twin, tok, args, B, warm, p1, p2)
         finally:
             if before is None:
-                os.environ.pop("MLXNB_ROWS_GEMV")
+                os.environ.pop(var)
             else:
-                os.environ["MLXNB_ROWS_GEMV"] = before
+                os.environ[var] = before
     if meth in ("engine", "engine0", "enginenf"):
         kw = engine_kw(args)
         if meth == "engine0":

@@ -349,3 +349,74 @@ def test_quantized_hybrid_model_decodes_compiled_with_mlx_lm_tokens(arun):
     nn.quantize(plain, group_size=32, bits=4)
     for t, i in zip(tokens, ids):
         assert t == _mlx_lm_tokens(plain, i, 8)
+
+
+@pytest.mark.parametrize("dtype,bias", [(mx.float32, False), (mx.float32, True),
+                                        (mx.bfloat16, False)])
+def test_window_conv_is_the_depthwise_conv_of_one_position(dtype, bias):
+    """Over exactly its kernel's width, the traced form of a depthwise Conv1d gives
+    the convolution's one output position: in float32 to rounding, in bfloat16 the
+    float32 sum rounded once (at most one unit in the last place from the conv's)."""
+    mx.random.seed(5)
+    conv = nn.Conv1d(48, 48, kernel_size=4, groups=48, bias=bias)
+    if bias:
+        conv.bias = mx.random.normal((48,))
+    conv.set_dtype(dtype)
+    x = mx.random.normal((3, 4, 48)).astype(dtype)  # [B, K, C]
+    want = conv(x)
+    taps = recurrent.conv_taps(conv)
+    assert list(taps) == [id(conv)]
+    with recurrent._window_convs(conv, taps):
+        assert type(conv) is recurrent._WindowConv1d
+        got = conv(x)
+        longer = conv(mx.random.normal((3, 6, 48)).astype(dtype))  # not one position
+    assert type(conv) is nn.Conv1d
+    assert got.shape == want.shape == (3, 1, 48) and got.dtype == dtype
+    assert longer.shape == (3, 3, 48)
+    ref = (x.astype(mx.float32)[:, :, None, :]
+           * conv.weight.astype(mx.float32).reshape(48, 4).T[None, :, None, :]).sum(1)
+    if bias:
+        ref = ref + conv.bias
+    if dtype == mx.float32:
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+        assert mx.allclose(got, ref, rtol=1e-5, atol=1e-6).item()
+    else:
+        ulp = mx.abs(want.astype(mx.float32)) * 2.0 ** -7 + 1e-30
+        assert (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)) <= ulp).all().item()
+
+
+@pytest.mark.parametrize("family,convs", [("lfm2", 1), ("qwen3_5", 1), ("mamba2", 1)])
+def test_compiled_decode_steps_launch_no_convolution(family, convs):
+    """Each recurrent layer's depthwise conv becomes elementwise work in its compiled
+    step: the plain step's graph has a Convolution node, the compiled one none."""
+    import io
+    mx.random.seed(1)
+    model = build(family, seed=1)
+    cache = make_prompt_cache(model)
+    i = next(j for j, c in enumerate(cache) if type(c) is ArraysCache)
+    layer = model.layers[i]
+    assert sum(1 for _, m in layer.named_modules() if recurrent._depthwise(m)) == convs
+    model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+    width = next(m.weight.shape[0] for _, m in layer.named_modules()
+                 if isinstance(m, nn.RMSNorm))  # the layer's input norm: hidden size
+    x = mx.random.normal((1, 1, width))
+
+    def graph(fn):
+        f = io.StringIO()
+        out = fn()
+        mx.export_to_dot(f, out)
+        return f.getvalue()
+
+    state = list(cache[i].cache)
+    mx.eval(x, state)  # (their graphs are not the step's)
+    mask = {"mask": None} if recurrent._signature(type(layer))[1] else {}
+    assert "Convolution" in graph(lambda: layer(x, cache=_arrays(state), **mask))
+    assert recurrent.compile_recurrent(model, make_prompt_cache(model), lambda: True)
+    dot = graph(lambda: layer._mlxnb_decode.step(x, *state)[0])
+    assert "Convolution" not in dot and "Compiled" in dot
+
+
+def _arrays(state):
+    c = ArraysCache(len(state))
+    c.cache = list(state)
+    return c
