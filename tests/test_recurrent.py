@@ -420,3 +420,14 @@ def _arrays(state):
     c = ArraysCache(len(state))
     c.cache = list(state)
     return c
+
+
+@pytest.mark.parametrize("setting,cuda,window", [
+    ("", False, True), ("", True, False), ("0", False, False), ("1", True, True)])
+def test_window_conv_form_by_backend_and_setting(setting, cuda, window, monkeypatch):
+    """The window form unless on CUDA (cuDNN's conv measured as fast there);
+    MLXNB_WINDOW_CONV=0/1 picks one form everywhere."""
+    monkeypatch.setenv("MLXNB_WINDOW_CONV", setting)
+    monkeypatch.setattr(recurrent, "cuda_backend", lambda: cuda)
+    conv = nn.Conv1d(8, 8, kernel_size=3, groups=8)
+    assert bool(recurrent.conv_taps(conv)) == window
