@@ -8,7 +8,7 @@ import pytest
 
 from mlxnb import Engine
 from mlxnb.core.worker.batch import BatchExecutor
-from mlxnb.core.worker.prefill import AUTO_MAX, AUTO_MIN, STALL_S, PrefillPolicy, pow2_floor
+from mlxnb.core.worker.prefill_policy import AUTO_MAX, AUTO_MIN, STALL_S, PrefillPolicy, pow2_floor
 from mlxnb.core.worker.caches import LeanBatchKVCache
 
 

@@ -12,11 +12,13 @@
       states.py           row states and finish reasons
       constrain.py        structured rows: the compiler (llguidance), checks before submitting
       constraint_params.py  constraint_results.py   their values; what a finished row says
+      constraint_grammar.py  a constraint as llguidance's grammar text
       prompts.py  options.py  closing.py  protocol.py  _threads.py  _trace.py
     core/worker/          the MLX worker thread: the model, caches, every array
       batch.py            BatchExecutor.tick: join, launch, prefill, read back
       membership.py       rows leaving and joining the running batch
-      prefill.py  caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
+      prefill.py          admitted rows' prompts, in groups (prefill_policy.py: how much a tick)
+      caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
       readback.py  prefix.py  fuse.py  setup.py  inflight.py  warmup.py  stepsplit.py
       tokens.py           one integer type for token ids and row indices
       speculate.py  specpolicy.py  steptimes.py  verify.py  wide.py   speculative decoding:

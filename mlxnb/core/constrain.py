@@ -12,8 +12,6 @@ while the forward launches, are worker/masks.py's.
 from __future__ import annotations
 
 import importlib.util
-import json
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -22,8 +20,9 @@ from typing import Any, Dict, Optional, Tuple
 
 from .._log import log
 from .constraint_params import (_EMPTY, _FIX, _WHAT, _explain, _key, _short, kind_of,
-                                one_line, without_annotations)
-from .constraint_results import _CACHE, _VALUE, verdict
+                                one_line)
+from .constraint_grammar import grammar as _grammar, parser_limits
+from .constraint_results import _CACHE, verdict
 
 
 # Bounds on compiling a constraint. It runs on a thread of its own, never on the
@@ -41,41 +40,6 @@ SUBMIT_WAIT_S = 0.3
 _PROBE_TOKENS = 4  # tokens a fresh matcher is walked at validation (see _probe)
 
 
-# Whitespace inside JSON is fixed (", " and ": ", none elsewhere): with flexible
-# whitespace a model can spend its whole token budget on spaces and newlines.
-# Lenient: keys llguidance cannot enforce while generating (uniqueItems, not, if/then,
-# dependencies, unknown formats, ...) are left out of the mask and oneOf is read as
-# anyOf; every finished row is then checked against the whole schema (`full_check`).
-_JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-              "lenient": True, "coerce_one_of": True}
-
-
-def _grammar(kind: str, value) -> str:
-    import llguidance as llg
-
-    LLM = llg.LLMatcher
-    if kind == "json_schema":
-        given = value.get("x-guidance")
-        opts = dict(_json_opts(), **(given if isinstance(given, dict) else {}))
-        # %json inside Lark, to capture the whole value: a finished row's check reads
-        # its text there (the worker holds the matcher, not the text)
-        return LLM.grammar_from_lark(f"start: {_VALUE}\n{_VALUE}[capture]: %json "
-                                     + json.dumps(dict(without_annotations(value),
-                                                       **{"x-guidance": opts})))
-    if kind == "regex":
-        return LLM.grammar_from_regex(value)
-    if kind == "choices":
-        # One regex, one lexeme: as Lark alternatives ("a" | "b" | ...) every choice is
-        # an item of the parser's row, and llguidance stops at 2,000 of those.
-        return LLM.grammar_from_regex("|".join(_literal(c) for c in value))
-    # Lark, or GBNF (llama.cpp's format), which llguidance converts to Lark
-    return llg.grammar_from("grammar", value)
-
-
-def _json_opts() -> dict:
-    if importlib.util.find_spec("jsonschema") is None:  # nothing checks what the mask leaves out
-        return dict(_JSON_OPTS, lenient=False, coerce_one_of=False)
-    return _JSON_OPTS
 _warming = threading.Lock()
 _warmed = False
 _jsonschema_ready = threading.Event()
@@ -103,18 +67,6 @@ def _warm_jsonschema() -> None:
     threading.Thread(target=work, daemon=True, name="mlxnb-jsonschema").start()
 
 
-def _literal(text: str) -> str:
-    """`text` as a regex (Rust's syntax, which allows a backslash before any ASCII
-    punctuation but < and >, which it reads as word boundaries)."""
-    return re.sub(r"[!-/:;=?@\[-`{-~]", lambda m: "\\" + m.group(), text)
-
-
-def _limits():
-    import llguidance as llg
-
-    # not verbose: a failing row's error is then its reason alone, without the
-    # parser's state and the grammar
-    return llg.LLParserLimits(verbose_errors=False)
 def _too_slow(what: str) -> str:
     return (f"compiling {what} took longer than {COMPILE_TIMEOUT_S:g} s (the limit); "
             f"simplify it: {_FIX[what]}")
@@ -364,7 +316,7 @@ class Constraints:
                     return hit[1][lane]
         try:
             g = self._grammar(key[0], getattr(p, key[0])) if hit is None else hit[0]
-            m = llg.LLMatcher(self.lltokenizer(), g, log_level=0, limits=_limits())
+            m = llg.LLMatcher(self.lltokenizer(), g, log_level=0, limits=parser_limits())
         except ValueError:
             raise
         except (KeyboardInterrupt, SystemExit):
@@ -390,7 +342,7 @@ class Constraints:
             g = _grammar(what, value)
         except ValueError as e:
             raise ValueError(f"{what} is invalid: {one_line(e)}") from None
-        err = llg.LLMatcher.validate_grammar(g, self.lltokenizer(), limits=_limits())
+        err = llg.LLMatcher.validate_grammar(g, self.lltokenizer(), limits=parser_limits())
         if err:
             raise ValueError(f"{what} is invalid: {one_line(err)}")
         return g

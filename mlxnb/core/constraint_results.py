@@ -40,7 +40,7 @@ def full_check(schema: dict, text) -> Optional[str]:
     try:
         import jsonschema
         from jsonschema.exceptions import best_match
-    except ImportError:  # then the schema is compiled strictly (_json_opts)
+    except ImportError:  # then the schema is compiled strictly (constraint_grammar.json_opts)
         return None
     try:
         value = json.loads(text)

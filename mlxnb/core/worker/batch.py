@@ -33,7 +33,8 @@ from .decoding import HISTORY, RowDecoder
 from .inflight import InFlight, LogprobArrays
 from .masks import MaskFiller
 from .membership import Membership
-from .prefill import Prefill, PrefillPolicy, ShapeMemory
+from .prefill import Prefill
+from .prefill_policy import PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
 from .readback import ReadBack
 from .kernels_ahead import ModelKernels, model_dtype

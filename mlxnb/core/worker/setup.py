@@ -15,7 +15,7 @@ from ..._log import Laps
 from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wide_kernel, wideattn
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
-from .prefill import AUTO_MAX, IDLE_PREFILL
+from .prefill_policy import AUTO_MAX, IDLE_PREFILL
 from .prefix import PrefixStore
 from .tokens import TOKEN, ids as tokens_of
 

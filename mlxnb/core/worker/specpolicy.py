@@ -13,7 +13,7 @@ speed, as on a compute-bound CPU, where each position fed costs.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Optional
 
 __all__ = ["RowPolicy", "Pooled", "expected_accepts", "DEFAULT_DRAFT", "MAX_DRAFT"]
 
