@@ -28,7 +28,8 @@ the new token) and gives one position: `_WindowConv1d` computes that as K produc
 summed in float32, elementwise work the compile fuses with its neighbours, instead of
 a convolution launch per layer. Measured in the same rounds against `mx.conv1d`: on a
 CPU the window form decodes 4-8% faster (LFM2 and Qwen3.5 layer patterns, B 8 and 32),
-on an H200 0-20% slower (cuDNN's conv), so it is the default except on CUDA.
+on an H200 0-20% slower (cuDNN's conv), so it is the default except on CUDA (on
+Metal, not measured yet, it is the default too).
 `MLXNB_WINDOW_CONV=1` or `0` picks one form everywhere.
 """
 
