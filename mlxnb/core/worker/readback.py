@@ -35,10 +35,16 @@ class ReadBack:
         if tr:
             t1 = lap(tr, "read.wait", t0)
         lps = self._read_logprobs(inflight) if inflight.logprobs is not None else None
-        rows, drop = self.rows, self.drop
+        rows, drop, eos = self.rows, self.drop, self.eos
         for i, rid in enumerate(inflight.row_ids):
             r = rows.get(rid)
             if r is None or rid in drop:
+                continue
+            if lps is None and r.matcher is None:  # most rows: one token, nothing else
+                self.taken += 1
+                ending = r.accept(toks[i], None, emitted, eos)
+                if ending is not None:
+                    self._ended(r, ending, updates)
                 continue
             self._take(r, (toks[i],), (None if lps is None else lps.get(i),), inflight,
                        updates, emitted)
@@ -50,7 +56,7 @@ class ReadBack:
               emitted: List[Emitted], drafted: int = 0) -> None:
         """Row r's tokens of one step read back, in order (the first `drafted` of
         them were drafts it accepted), until it ends."""
-        rid, rows, drop = r.id, self.rows, self.drop
+        rows = self.rows
         for j, tok in enumerate(toks):
             self.taken += 1
             ending = r.accept(tok, lps[j], emitted, self.eos, j < drafted)
@@ -59,18 +65,22 @@ class ReadBack:
                 ending = self.masks.finish(
                     r, lambda t, e: r.accept(t, None, emitted, e), self.eos, ending)
             if ending is not None:
-                up = updates.end(rid, ending.reason, ending.error)
-                if (r.matcher is not None and not r.params.stop
-                        and ending.reason != Finish.ERROR):
-                    # its matcher read exactly the tokens its text decodes from
-                    # (and its text: a value cut by max_tokens has no capture yet)
-                    up.checked, up.constraint_error = True, verdict(r.params, r.matcher,
-                                                                    r.detok.text)
-                drop.add(rid)
-                if rid not in self.ids:
-                    rows.pop(rid, None)
-                    drop.discard(rid)
+                self._ended(r, ending, updates)
                 return
+
+    def _ended(self, r: RowDecoder, ending, updates: Updates) -> None:
+        """Row r ended at its latest token: say so and drop it from the batch."""
+        rid = r.id
+        up = updates.end(rid, ending.reason, ending.error)
+        if r.matcher is not None and not r.params.stop and ending.reason != Finish.ERROR:
+            # its matcher read exactly the tokens its text decodes from
+            # (and its text: a value cut by max_tokens has no capture yet)
+            up.checked, up.constraint_error = True, verdict(r.params, r.matcher,
+                                                            r.detok.text)
+        self.drop.add(rid)
+        if rid not in self.ids:
+            self.rows.pop(rid, None)
+            self.drop.discard(rid)
 
     def _read_logprobs(self, inflight: InFlight) -> dict:
         lp, ids = inflight.logprobs, inflight.row_ids
