@@ -6,9 +6,10 @@ a row's mask for step N+1 depends on the token it took at step N. So for a batch
 that holds constrained rows, `_launch` builds step N+1's forward pass, reads step
 N's tokens (done by then: that step was launched a whole step ago), and hands them
 to fill threads, which feed each matcher its token, fill the next masks and copy
-them to the device while the worker launches the forward's kernels. `mx.async_eval`
-keeps the GIL while it launches (MLX 0.32), but llguidance drops it while it works,
-so the matchers' work, not their Python glue, is what overlaps the launch.
+them to the device while the worker launches the forward's kernels.
+`mx.async_eval` keeps the GIL while it launches (MLX 0.32, measured on its CPU
+backend), but llguidance drops it while it works, so the matchers' work, not their
+Python glue, is what overlaps the launch.
 Then the worker masks the logits and samples. Masking sets disallowed logits to
 -inf before the shared sampler, so greedy, temperature, top-k/p, min-p and the
 per-row seeded noise work unchanged, and a seeded constrained row draws the same
