@@ -154,8 +154,7 @@ async def decode_part(args, rng):
 
 
 def variant_methods(args) -> tuple:
-    return ((("engineg",) if args.gathered else ())
-            + (("enginec", "enginew") if args.conv_forms else ()))
+    return ("engineg",) if args.gathered else ()
 
 
 def decode_table(rows, args):
@@ -336,10 +335,6 @@ def main(argv=None, prog=None):
     ap.add_argument("--warm-new", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-decode", action="store_true", help="skip the hybrid decode part")
-    ap.add_argument("--conv-forms", action="store_true",
-                    help="also the engine with recurrent layers' convs as mx.conv1d "
-                         "(MLXNB_WINDOW_CONV=0) and as elementwise windows (=1), two "
-                         "methods of the same rounds")
     ap.add_argument("--gathered", action="store_true",
                     help="also run the engine with MLXNB_ROWS_GEMV=gather in each round")
     ap.add_argument("--no-kv", action="store_true", help="skip the quantized-KV part")

@@ -56,8 +56,6 @@ RAW = {"raw": {}, "rawb": dict(batch_cache=True), "rawv": dict(views=True)}
 # engine variants: method -> (environment variable, value, what it changes)
 VARIANTS = {
     "engineg": ("MLXNB_ROWS_GEMV", "gather", "the gathered GEMV on every few-row product"),
-    "enginec": ("MLXNB_WINDOW_CONV", "0", "recurrent layers' convs left to mx.conv1d"),
-    "enginew": ("MLXNB_WINDOW_CONV", "1", "recurrent layers' convs as elementwise windows"),
 }
 DIAGNOSTIC = ("bgd", "rawt", "rawv", "rawvt", "engine0", "enginenf")
 # (mine, other): per-round ratios kept as <mine>_over_<other>_median

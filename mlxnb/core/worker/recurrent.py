@@ -21,23 +21,11 @@ The attention layers of such a hybrid model keep mlx-lm's code (their KV grows e
 step), but their MLP (`mlp` / `feed_forward`: plain linears and elementwise ops on a
 [B, 1, hidden] input) is the same computation every step too, so it gets a compiled
 one-token call the same way, behind the same gates and probe.
-
-Inside a traced step, a depthwise `nn.Conv1d` (LFM2's short conv, the gated delta-net's
-and Mamba's causal convs) sees exactly its kernel's width of positions (the state and
-the new token) and gives one position: `_WindowConv1d` computes that as K products
-summed in float32, elementwise work the compile fuses with its neighbours, instead of
-a convolution launch per layer. Measured in the same rounds against `mx.conv1d`: on a
-CPU the window form decodes 4-8% faster (LFM2 and Qwen3.5 layer patterns, B 8 and 32),
-on an H200 0-20% slower (cuDNN's conv), so it is the default except on CUDA (on
-Metal, not measured yet, it is the default too).
-`MLXNB_WINDOW_CONV=1` or `0` picks one form everywhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import os
 import weakref
 from typing import Callable, List, Optional
 
@@ -46,7 +34,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from . import gated_delta
-from .kv_attention import cuda_backend
 from .rows_gemv import RowsLinear
 
 __all__ = ["compile_recurrent", "uncompile"]
@@ -90,61 +77,6 @@ def _subclass(cls):
     return sub
 
 
-_TAPS = {}  # id(conv) -> its K taps, [C] float32 each, while a step is traced
-
-
-class _WindowConv1d(nn.Conv1d):
-    """A depthwise Conv1d whose input is exactly its kernel wide: one output position,
-    summed in float32 as a convolution accumulates, rounded once."""
-
-    def __call__(self, x):  # x [B, K, C]
-        taps = _TAPS.get(id(self))
-        if taps is None or x.ndim != 3 or x.shape[1:] != (len(taps), taps[0].size):
-            return super().__call__(x)
-        acc = None
-        for k in range(len(taps)):  # slices keep [B, 1, C]: one fused kernel
-            term = x[:, k:k + 1].astype(mx.float32) * taps[k]
-            acc = term if acc is None else acc + term
-        y = acc.astype(x.dtype)
-        return y + self.bias if "bias" in self else y
-
-
-def _depthwise(m) -> bool:
-    w = getattr(m, "weight", None)
-    return (type(m) is nn.Conv1d and w is not None and w.ndim == 3 and w.shape[2] == 1
-            and m.groups == w.shape[0] and m.stride == 1 and m.padding == 0
-            and m.dilation == 1)
-
-
-def conv_taps(layer) -> dict:
-    """id(conv) -> the K taps ([C] float32 each) of each depthwise Conv1d in `layer`,
-    evaluated: a trace then holds them as they are, not the ops that make them.
-    Empty where convs stay `mx.conv1d` (the module docstring says where)."""
-    out = {}
-    form = os.environ.get("MLXNB_WINDOW_CONV", "")
-    if isinstance(layer, nn.Module) and (form == "1" or (form != "0" and not cuda_backend())):
-        for _, m in layer.named_modules():
-            if _depthwise(m):
-                w = m.weight.astype(mx.float32)  # [C, K, 1]
-                out[id(m)] = [mx.contiguous(w[:, k, 0]) for k in range(w.shape[1])]
-    mx.eval(out)
-    return out
-
-
-@contextlib.contextmanager
-def _window_convs(layer, taps: dict):
-    """While a decode step is traced: its depthwise convs as `_WindowConv1d`."""
-    convs = [m for _, m in layer.named_modules() if id(m) in taps]
-    for m in convs:
-        m.__class__, _TAPS[id(m)] = _WindowConv1d, taps[id(m)]
-    try:
-        yield
-    finally:
-        for m in convs:
-            m.__class__ = nn.Conv1d
-            _TAPS.pop(id(m), None)
-
-
 class _Gated:
     """Every engine on this model instance adds its gate; all must allow a replay."""
 
@@ -175,7 +107,6 @@ class _Decode(_Gated):
         self.mask_name = mask_name
         order = ("mask", "cache") if mask_name else ("cache",)
         self.order = order
-        taps = conv_taps(layer)
 
         def step(x, *state):  # x [B, 1, hidden]; state: the cache's arrays, [B, ...] each
             c = ArraysCache(nstate)
@@ -183,8 +114,7 @@ class _Decode(_Gated):
             kw = {x_name: x, "cache": c}
             if mask_name:
                 kw[mask_name] = None
-            # (runs while tracing only)
-            with gated_delta.tracing(recurrence), _window_convs(layer, taps):
+            with gated_delta.tracing(recurrence):  # (runs while tracing only)
                 y = cls.__call__(layer, **kw)
             return (y, *c.cache)
 
