@@ -100,7 +100,7 @@ def build_hybrid(name, dtype, quick, seed=0):
 
 # -- decode, hybrid models --------------------------------------------------------------
 async def decode_part(args, rng):
-    variants = variant_methods(args)
+    variants = ("engineg",) if args.gathered else ()  # decode.VARIANTS
     methods = ("raw", "bg", "engine") + variants
     margs = SimpleNamespace(new=args.new, warm_new=args.warm_new, no_long=True,
                             no_warmup=False, no_fuse=False, streak_s=None)
@@ -151,10 +151,6 @@ async def decode_part(args, rng):
         gc.collect()
         mx.clear_cache()
     return rows
-
-
-def variant_methods(args) -> tuple:
-    return ("engineg",) if args.gathered else ()
 
 
 def decode_table(rows, args):
