@@ -117,6 +117,7 @@ async def decode_part(args, rng):
         for B in args.batch:
             warm = common.make_prompts(rng, B, args.prompt, vocab)
             per = {m: [] for m in methods}
+            steps = []  # per round: the engine's (join ticks, mean step split in ms)
             for rep in range(args.rounds):
                 p1 = common.make_prompts(rng, B, args.prompt, vocab)
                 p2 = common.make_prompts(rng, B, args.prompt, vocab)
@@ -130,10 +131,13 @@ async def decode_part(args, rng):
                         log(f"  WARNING {name} B={B} {meth}: "
                             f"{r.get('error') or 'not every row ran to max_tokens'}")
                     per[meth].append(r.get("decode_tps"))
+                    if meth == "engine":
+                        steps.append((r.get("join_ticks"), r.get("split_ms") or ()))
                     gc.collect()
                     mx.clear_cache()
                 log(f"  {name} B={B} round {rep}: "
-                    + ", ".join(f"{m} {fmt(per[m][-1])}" for m in methods))
+                    + ", ".join(f"{m} {fmt(per[m][-1])}" for m in methods)
+                    + f"; engine {split_text(*steps[-1])}")
             ratio = {o: median([e / x for e, x in zip(per["engine"], per[o]) if e and x])
                      for o in ("bg", "raw")}
             for v in variants:
@@ -141,7 +145,8 @@ async def decode_part(args, rng):
                               for o in ("bg", "raw", "engine")})
             rows.append(dict(shape=name, B=B, kinds=kinds,
                              **{m: median(per[m]) for m in methods},
-                             rounds=per, eng_bg=ratio["bg"], eng_raw=ratio["raw"],
+                             rounds=per, steps=steps, eng_bg=ratio["bg"],
+                             eng_raw=ratio["raw"],
                              vs={k: v for k, v in ratio.items() if isinstance(k, tuple)}))
         if args.profile:
             p = await do_profile(model, twin, tok, rng, SimpleNamespace(
@@ -151,6 +156,10 @@ async def decode_part(args, rng):
         gc.collect()
         mx.clear_cache()
     return rows
+
+
+def split_text(joins, split_ms) -> str:
+    return f"{joins} join, " + "/".join(f"{x:.2f}" for x in split_ms)
 
 
 def decode_table(rows, args):
@@ -166,6 +175,12 @@ def decode_table(rows, args):
     out += [f"{r['shape']} B={r['B']}: " + ", ".join(
         " / ".join(fmt(r["rounds"][m][i]) for m in ("raw", "bg", "engine"))
         for i in range(len(r["rounds"]["raw"]))) for r in rows]
+    out.append("```")
+    out += ["", "The engine per round: ticks that prefilled prompts (1: all in one tick, so "
+            "the rows joined together, unpadded), then its mean full-batch step in ms "
+            f"({common.SPLIT}; `StepRecord.split`):", "", "```"]
+    out += [f"{r['shape']} B={r['B']}: " + ", ".join(split_text(*s) for s in r["steps"])
+            for r in rows]
     out.append("```")
     for v in VARIANTS:
         if not any(v in r["rounds"] for r in rows):

@@ -273,7 +273,8 @@ async def full_batch_decode(eng, prompts, n: int, limit: int):
 def decode_window(steps, B):
     """Over the steps with all B rows decoding and no prefill: tokens / summed step
     time (tps), and the same tokens over the wall time between those steps' records
-    (span_tps, which adds the loop side of every step)."""
+    (span_tps, which adds the loop side of every step); split_ms: their mean
+    StepRecord.split in ms (SPLIT names the parts)."""
     idx = [i for i, s in enumerate(steps) if s.prefill_tokens == 0 and s.batch_size == B]
     if not idx:
         return None
@@ -282,8 +283,21 @@ def decode_window(steps, B):
     i0, i1 = idx[0], idx[-1]
     span_tok = sum(s.tokens for s in steps[i0 + 1:i1 + 1])
     span_s = steps[i1].t - steps[i0].t
+    splits = [steps[i].split for i in idx if steps[i].split]
     return dict(tokens=tok, dt_s=dt, tps=tok / dt if dt > 0 else 0.0,
-                span_tps=span_tok / span_s if span_s > 0 else 0.0, nsteps=len(idx))
+                span_tps=span_tok / span_s if span_s > 0 else 0.0, nsteps=len(idx),
+                split_ms=tuple(1e3 * statistics.fmean(p) for p in zip(*splits))
+                if splits else ())
+
+
+SPLIT = "build / launch / device / worker / loop"  # StepRecord.split's parts
+
+
+def join_ticks(steps) -> int:
+    """How many steps prefilled prompt tokens: 1 when every prompt of a batch
+    submitted at once was prefilled in one tick (its rows join together, unpadded).
+    More means chunks or groups, which may leave rows joining at different lengths."""
+    return sum(1 for s in steps if s.prefill_tokens)
 
 
 # -- result files -----------------------------------------------------------------------

@@ -93,6 +93,7 @@ async def run_engine(model, tok, prompts, prompts_long, n, B, warm, warm_n, kw,
         return dict(
             decode_tps=w["tps"] if w else 0.0, span_tps=w["span_tps"] if w else 0.0,
             natural_full_steps=w["nsteps"] if w else 0, natural_steps=len(steps),
+            split_ms=w["split_ms"] if w else (), join_ticks=common.join_ticks(steps),
             e2e_tps=B * n / wall, wall_s=wall, ok=ok,
             steady_decode_tps=st["tps"] if st else None,
             steady_steps=st["nsteps"] if st else 0,
