@@ -55,6 +55,7 @@ test: system-deps browser-deps $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m browser tests
 	$(BIN)/python -m bench decode --quick > /dev/null && $(BIN)/python -m bench mixed --quick > /dev/null
 	$(BIN)/python -m bench speculate --quick --profile 4 > /dev/null
+	$(BIN)/python -m bench cache-kinds --quick > /dev/null
 
 # The unit tier: the tiny random-weight model, no kernels, subprocesses, servers or
 # bundled model (about four minutes on 2 cores).

@@ -121,7 +121,7 @@ async def decode_part(args, rng):
             for rep in range(args.rounds):
                 p1 = common.make_prompts(rng, B, args.prompt, vocab)
                 p2 = common.make_prompts(rng, B, args.prompt, vocab)
-                for meth in methods:
+                for meth in common.in_turn(methods, rep):
                     try:
                         r = await measure(meth, rep, model, twin, tok, margs, B, warm, p1, p2)
                     except Exception as e:  # one method failing still reports the rest
@@ -315,7 +315,7 @@ async def _kv_rounds(engines, sizes, args, rng, vocab, prompt, new, bits_list, f
         per = {b: [] for b in bits_list}
         for rep in range(args.rounds):
             ps = common.make_prompts(rng, B, prompt, vocab)
-            for bits in bits_list:
+            for bits in common.in_turn(bits_list, rep):
                 tps, ok = await kv_decode(engines[bits], ps, new)
                 if not ok:
                     log(f"  WARNING kv_bits={bits}: fewer than {new} steps with all "

@@ -290,6 +290,15 @@ def decode_window(steps, B):
                 if splits else ())
 
 
+
+def in_turn(methods, rep: int) -> list:
+    """Round `rep`'s order of the methods: rotated each round, so that no method
+    always runs first, or always after the same one (a host's or device's state
+    that drifts within a round then biases no method's ratio)."""
+    k = rep % len(methods) if methods else 0
+    return list(methods[k:]) + list(methods[:k])
+
+
 SPLIT = "build / launch / device / worker / loop"  # StepRecord.split's parts
 
 

@@ -302,7 +302,7 @@ async def amain(args, argv):
                     break
                 p1 = common.make_prompts(rng, B, args.prompt, vocab)
                 p2 = common.make_prompts(rng, B, args.prompt, vocab)
-                for meth in methods:
+                for meth in common.in_turn(methods, rep):
                     if meth in errors:
                         continue
                     if over():
