@@ -23,8 +23,6 @@ import dataclasses
 import itertools
 import threading
 import time
-import weakref
-from collections import Counter
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from .. import _aio
@@ -41,7 +39,7 @@ from .states import Finish
 from .worker.batch import BatchExecutor
 from .worker.setup import row_kv_bytes
 from .prompts import longest_token
-from .protocol import Listeners
+from .protocol import HeldRows, Listeners
 from .rows import PREFILL, Row, StepRecord
 from . import rowtrace
 from ._threads import LOAD_TIMEOUT_S, load_bounded, mlx_worker
@@ -55,7 +53,7 @@ def _admitted(rows: List[Row], now: float, waited_for) -> None:
         rowtrace.note_admitted(row, waited_for(row))
 
 
-class Engine(Submitting, Listeners, Closing, Adapters, Reports):
+class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
     """Continuous-batching generation on one MLX model.
 
     `model`: "default" (bundled SmolLM2-135M-Instruct), an mlx-lm hub id, a local
@@ -171,11 +169,8 @@ class Engine(Submitting, Listeners, Closing, Adapters, Reports):
         self.steps: List[StepRecord] = []  # the latest reports._KEEP_STEPS steps
         self._nsteps = 0
         self._ids = itertools.count()
-        self._live: Dict[int, Row] = {}  # unfinished rows, by id
+        self._hold_rows()  # rows, submitted, finished (protocol.HeldRows)
         self._held: Dict[int, Row] = {}  # rows waiting for their constraint's compile
-        self._finished = weakref.WeakValueDictionary()  # finished rows someone holds
-        self.finished = Counter()  # finish reason -> rows ended with it
-        self._nsubmitted = 0
         self._cancels: List[int] = []
         self._listeners: List[Callable] = []
         self._wake = asyncio.Event()
@@ -215,22 +210,6 @@ class Engine(Submitting, Listeners, Closing, Adapters, Reports):
     def queued(self) -> int:
         """Rows waiting: for room in the batch, or for their constraint's compile."""
         return len(self.scheduler.queue) + len(self._held)
-
-    @property
-    def rows(self) -> List[Row]:
-        """Rows in submission order: every unfinished one, and finished ones while
-        something else (a Run, a widget, a variable) still holds them; the engine
-        does not keep finished rows, so a kernel that runs for days stays flat."""
-        rows = list(self._live.values())
-        rows += [r for r in (ref() for ref in self._finished.valuerefs()) if r is not None]
-        rows.sort(key=lambda r: r.id)
-        return rows
-
-    @property
-    def submitted(self) -> int:
-        """Rows submitted so far, finished ones included (`finished` counts those by
-        finish reason)."""
-        return self._nsubmitted
 
     # -- cancelling ----------------------------------------------------------------
     def cancel(self, rows: Sequence[Row]) -> None:

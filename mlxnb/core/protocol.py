@@ -13,7 +13,10 @@ is not known.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Iterable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+import weakref
+from collections import Counter
+from typing import (Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple,
+                    runtime_checkable)
 
 from .._log import swallowed
 from .rows import Row, SamplingParams, StepRecord
@@ -40,6 +43,34 @@ class Listeners:
                 fn(kind, obj)
             except Exception:  # a listener's bug must not stop generation
                 swallowed("engine listener", fn)
+
+
+class HeldRows:
+    """The rows an engine lists. It keeps unfinished rows only: a finished one stays
+    listed while something else (a Run, a widget, a variable) holds it, so a kernel
+    that runs for days stays flat. The host class calls `_hold_rows()` in its
+    __init__, counts a submit in `_nsubmitted` and a finish in `finished`."""
+
+    def _hold_rows(self) -> None:
+        self._live: Dict[int, Row] = {}  # unfinished rows, by id
+        self._finished = weakref.WeakValueDictionary()  # finished rows someone holds
+        self.finished = Counter()  # finish reason -> rows ended with it
+        self._nsubmitted = 0
+
+    @property
+    def rows(self) -> List[Row]:
+        """Rows in submission order: every unfinished one, and finished ones while
+        something else still holds them."""
+        rows = list(self._live.values())
+        rows += [r for r in (ref() for ref in self._finished.valuerefs()) if r is not None]
+        rows.sort(key=lambda r: r.id)
+        return rows
+
+    @property
+    def submitted(self) -> int:
+        """Rows submitted so far, finished ones included (`finished` counts those by
+        finish reason)."""
+        return self._nsubmitted
 
 
 @runtime_checkable

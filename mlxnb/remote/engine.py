@@ -19,14 +19,13 @@ import asyncio
 import contextvars
 import itertools
 import time
-import weakref
-from collections import Counter, deque
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from collections import deque
+from typing import Callable, Iterable, List, Optional, Sequence
 
 from .. import _aio
 from ..core.rows import DECODE, PREFILL, Row, StepRecord
 from ..core.prompts import check_text, sampling_params
-from ..core.protocol import Listeners
+from ..core.protocol import HeldRows, Listeners
 from ..core.run import Run
 from ..core.states import Finish
 from . import wire
@@ -38,7 +37,7 @@ from .wire import Request, ServerError
 _KEEP_STEPS = 200_000
 
 
-class RemoteEngine(Listeners):
+class RemoteEngine(HeldRows, Listeners):
     """Rows served by an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server,
     mlx_lm.server ...). Build it with `mlxnb.connect(url)`; it has the local engine's
     surface, so `%%generate`, `Run`, the widget and `%mlxnb status/stop` work on it
@@ -79,10 +78,7 @@ class RemoteEngine(Listeners):
         self.loop = _aio.engine_loop(loop)
         self._t0 = time.perf_counter()
         self._ids = itertools.count()
-        self._live: Dict[int, Row] = {}  # unfinished rows, by id
-        self._finished = weakref.WeakValueDictionary()  # finished rows someone holds
-        self.finished = Counter()  # finish reason -> rows ended with it
-        self._nsubmitted = 0
+        self._hold_rows()  # rows, submitted, finished (core/protocol.HeldRows)
         self.steps: List[StepRecord] = []
         self._queue: deque = deque()
         self._tasks = {}  # row id -> task streaming it
@@ -96,19 +92,6 @@ class RemoteEngine(Listeners):
     # -- state -------------------------------------------------------------------------
     def clock(self) -> float:
         return time.perf_counter() - self._t0
-
-    @property
-    def rows(self) -> List[Row]:
-        """Rows in submission order: every unfinished one, and finished ones while
-        something else (a Run, a widget, a variable) still holds them."""
-        rows = list(self._live.values())
-        rows += [r for r in (ref() for ref in self._finished.valuerefs()) if r is not None]
-        rows.sort(key=lambda r: r.id)
-        return rows
-
-    @property
-    def submitted(self) -> int:
-        return self._nsubmitted
 
     @property
     def running(self) -> int:
