@@ -1,7 +1,8 @@
 """Every cache kind in one batch: hybrid-model decode and quantized-KV capacity.
 
 Decode: random-weight models shaped like Qwen3.5-0.8B (gated delta-net + full
-attention, 3:1) and LFM2-1.2B (short conv + attention, 10:6). At each batch size B,
+attention, 3:1), LFM2-1.2B (short conv + attention, 10:6) and Gemma-3-1B (sliding
+windows + full attention, 5:1). At each batch size B,
 `decode`'s raw, BG and engine methods run on the same random prompts (prompt 64,
 128 new, greedy, no EOS), interleaved per round, each warmed up once in round 0:
 decode tok/s (medians over rounds) and the medians of the per-round ratios.
@@ -59,6 +60,13 @@ SHAPES = {
         block_auto_adjust_ff_dim=True, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
         full_attn_idxs=[2, 5, 8, 10, 12, 14], vocab_size=65536,
         max_position_embeddings=128000, rope_theta=1_000_000.0)),
+    # Gemma-3-1B: 26 layers, sliding windows of 512 with every 6th full attention
+    "gemma3-1b": ("gemma3_text", dict(
+        hidden_size=1152, num_hidden_layers=26, intermediate_size=6912,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+        sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768)),
 }
 # --quick: the same layer patterns at toy width, float32 (CPU)
 QUICK = {
@@ -70,6 +78,10 @@ QUICK = {
     "lfm2-1.2b": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, block_dim=64, block_ff_dim=128,
                       block_multiple_of=16, full_attn_idxs=[1, 3], vocab_size=512),
+    # windows of 8: the quick run's rows (16 + 16 tokens) wrap them
+    "gemma3-1b": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                      sliding_window=8, sliding_window_pattern=2, vocab_size=512),
 }
 
 
@@ -82,6 +94,9 @@ PROXY = {
                          linear_value_head_dim=16, vocab_size=512),
     "lfm2-1.2b": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                       block_dim=64, block_ff_dim=128, block_multiple_of=16, vocab_size=512),
+    "gemma3-1b": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                      vocab_size=512),
 }
 
 
@@ -163,7 +178,7 @@ def split_text(joins, split_ms) -> str:
 
 
 def decode_table(rows, args):
-    out = [f"## Decode: hybrid models ({args.dtype}, prompt {args.prompt}, {args.new} new "
+    out = [f"## Decode: hybrid and sliding-window models ({args.dtype}, prompt {args.prompt}, {args.new} new "
            f"tokens, greedy; medians of {args.rounds} interleaved rounds)", "",
            "| shape | B | raw | BG | engine | engine/BG | engine/raw |",
            "|---|---|---|---|---|---|---|"]
