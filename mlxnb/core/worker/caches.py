@@ -161,14 +161,10 @@ def merge_lean(layers: list) -> list:
     return out
 
 
-def aligned_views(caches: list, windows: bool = False) -> list:
+def aligned_views(caches: list) -> list:
     """What the model sees of a batch none of whose rows is left-padded: KV layers as
-    AlignedViews; with `windows` (a decode batch), its sliding windows as
-    AlignedWindows where a KV layer showed the rows unpadded; everything else as is."""
-    windows = windows and any(type(c) in _ALIGNABLE for c in caches)
-    return [AlignedView(c) if type(c) in _ALIGNABLE
-            else AlignedWindow(c) if windows and type(c) is BatchRotatingKVCache
-            else c for c in caches]
+    AlignedViews, everything else as is."""
+    return [AlignedView(c) if type(c) in _ALIGNABLE else c for c in caches]
 
 
 def left_padded(caches: list) -> bool:
@@ -276,40 +272,6 @@ class AlignedView:
     def make_mask(self, N, return_array: bool = False, window_size=None, **kwargs):
         # mlx-lm's single-row rule (KVCache.make_mask): arrays only when asked for
         return create_attention_mask(N, self.c._idx, return_array, window_size)
-
-    def __getattr__(self, name):
-        return getattr(self.c, name)
-
-
-def mark_windows(caches) -> None:
-    """Rows joined, or were rolled back by different counts: the batch's sliding
-    windows may hold padding slots until each has taken `max_size` more tokens,
-    which rewrites every slot (AlignedWindow masks until then). Host ints only."""
-    for c in _leaves(caches):
-        if isinstance(c, BatchRotatingKVCache):
-            c.mlxnb_clean_at = c._offset + c.max_size
-
-
-class AlignedWindow:
-    """Stand-in for a decode batch's sliding window (mlx-lm's BatchRotatingKVCache)
-    when a KV layer shows its rows unpadded (rows join all layers together). Once
-    the window has taken `max_size` tokens since rows last joined or were rolled
-    back (`mark_windows`), or it never has, every slot holds one of each row's
-    latest tokens, as in a single row's RotatingKVCache, and a one-token step in a
-    window as wide as the cache needs no mask: attention without a mask array, the
-    fused kernel where the backend has one. Everything else is the batch cache's."""
-
-    __slots__ = ("c",)
-
-    def __init__(self, c):
-        self.c = c
-
-    def make_mask(self, N, window_size=None, return_array: bool = False, **kwargs):
-        c = self.c
-        if (N == 1 and not return_array and (window_size or c.max_size) >= c.max_size
-                and c._offset >= getattr(c, "mlxnb_clean_at", 0)):
-            return None
-        return c.make_mask(N, window_size=window_size, return_array=return_array)
 
     def __getattr__(self, name):
         return getattr(self.c, name)

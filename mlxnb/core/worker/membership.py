@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from .._trace import timed
 from ..messages import Updates
 from ..states import RowState
-from .caches import aligned_views, left_padded, mark_windows
+from .caches import aligned_views, left_padded
 from .decoding import RowDecoder
 from .tokens import ids
 
@@ -64,7 +64,6 @@ class Membership:
             else:
                 for c, n in zip(self.caches, cache):
                     c.extend(n)
-                mark_windows(self.caches)
             last = ids([a.ids[-1] for a in admits])
             self.y = last if self.y is None else mx.concatenate([self.y, last])
             for a in admits:
@@ -102,8 +101,6 @@ class Membership:
             self.views = None
             return
         aligned = not left_padded(self.caches)
-        if not aligned:
-            mark_windows(self.caches)
-        self.views = aligned_views(self.caches, windows=True) if aligned else self.caches
+        self.views = aligned_views(self.caches) if aligned else self.caches
         # the decode shape changes only here: its first step pays one-off setup
         self._cold_launch = self.shapes.first(("decode", len(rows), aligned))

@@ -32,7 +32,7 @@ from typing import List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList
 
-from .caches import LeanBatchKVCache, mark_windows
+from .caches import LeanBatchKVCache
 from .quantized_kv import BatchQuantizedKVCache
 from .roll import RowRoll, roll_cache
 
@@ -103,7 +103,6 @@ def _window(c, m: int, shift, roll) -> None:
     # a negative left padding counts positions already trimmed: none is padding now
     c.left_padding = mx.maximum(c.left_padding, 0) + shift
     c.offset = c.offset - shift
-    mark_windows([c])
 
 
 def roll_lazy(caches: list, rejected: mx.array) -> None:
@@ -111,7 +110,6 @@ def roll_lazy(caches: list, rejected: mx.array) -> None:
     plain KV layer: each row rolled right by its count, the rejected tail becoming
     left padding. The write index stays: the host need not know the counts."""
     roll = RowRoll(rejected)
-    mark_windows(caches)
     for c in leaves(caches):
         roll_cache(c, roll, c._idx)
         c.left_padding = c.left_padding + rejected
