@@ -1,8 +1,9 @@
 """Every cache kind in one batch: hybrid-model decode and quantized-KV capacity.
 
 Decode: random-weight models shaped like Qwen3.5-0.8B (gated delta-net + full
-attention, 3:1), LFM2-1.2B (short conv + attention, 10:6) and Gemma-3-1B (sliding
-windows + full attention, 5:1). At each batch size B,
+attention, 3:1), LFM2-1.2B (short conv + attention, 10:6), Gemma-3-1B (sliding
+windows + full attention, 5:1) and, to check that nothing regressed there,
+Llama-3.2-1B (plain attention). At each batch size B,
 `decode`'s raw, BG and engine methods run on the same random prompts (prompt 64,
 128 new, greedy, no EOS), interleaved per round, each warmed up once in round 0:
 decode tok/s (medians over rounds) and the medians of the per-round ratios.
@@ -67,6 +68,9 @@ SHAPES = {
         sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
         rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
         max_position_embeddings=32768)),
+    # Llama-3.2-1B: plain attention, the same run's check that nothing regressed there
+    "llama-1b": ("llama", dict(common.SHAPES["llama1b"], rms_norm_eps=1e-5,
+                               tie_word_embeddings=True, max_position_embeddings=16384)),
 }
 # --quick: the same layer patterns at toy width, float32 (CPU)
 QUICK = {
@@ -82,6 +86,9 @@ QUICK = {
     "gemma3-1b": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128,
                       num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                       sliding_window=8, sliding_window_pattern=2, vocab_size=512),
+    "llama-1b": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     vocab_size=512),
 }
 
 
@@ -97,6 +104,8 @@ PROXY = {
     "gemma3-1b": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                       num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
                       vocab_size=512),
+    "llama-1b": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512),
 }
 
 
@@ -178,7 +187,7 @@ def split_text(joins, split_ms) -> str:
 
 
 def decode_table(rows, args):
-    out = [f"## Decode: hybrid and sliding-window models ({args.dtype}, prompt {args.prompt}, {args.new} new "
+    out = [f"## Decode: hybrid, sliding-window and plain-attention models ({args.dtype}, prompt {args.prompt}, {args.new} new "
            f"tokens, greedy; medians of {args.rounds} interleaved rounds)", "",
            "| shape | B | raw | BG | engine | engine/BG | engine/raw |",
            "|---|---|---|---|---|---|---|"]
