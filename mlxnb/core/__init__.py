@@ -18,7 +18,8 @@
       batch.py            BatchExecutor.tick: join, launch, prefill, read back
       membership.py       rows leaving and joining the running batch
       prefill.py          admitted rows' prompts, in groups (prefill_policy.py: how much a tick)
-      caches.py  quantized_kv.py  sampling.py  decoding.py  masks.py
+      caches.py  windows.py  quantized_kv.py   every cache kind, batched
+      sampling.py  decoding.py  masks.py
       readback.py  prefix.py  fuse.py  setup.py  inflight.py  warmup.py  stepsplit.py
       tokens.py           one integer type for token ids and row indices
       speculate.py  specpolicy.py  steptimes.py  verify.py  wide.py   speculative decoding:

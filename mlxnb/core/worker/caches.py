@@ -5,7 +5,7 @@ A model's `make_prompt_cache` gives one cache per layer; the kinds batch as foll
 
     KVCache           -> LeanBatchKVCache        keys/values grow with length
     QuantizedKVCache  -> BatchQuantizedKVCache   the same, stored as mx.quantize triplets
-    RotatingKVCache   -> BatchRotatingKVCache    (mlx-lm) capped at its window
+    RotatingKVCache   -> LeanBatchRotatingKVCache  capped at its window (windows.py)
     QuantizedRotatingKVCache -> BatchQuantizedRotatingKVCache  the same, quantized
     ArraysCache       -> ArraysCache             (mlx-lm) fixed-size recurrent state per row
     CacheList         -> CacheList of the above
@@ -30,6 +30,7 @@ from .quantized_kv import (BatchQuantizedKVCache, BatchQuantizedRotatingKVCache,
                            QuantizedRotatingKVCache)
 from .quantized_kv import round_up  # noqa: F401  (prefill's widths grow as caches do)
 from .roll import finalize_padding
+from .windows import AlignedWindow, LeanBatchRotatingKVCache
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
 KV_GROUP_SIZES = (32, 64, 128)
@@ -137,7 +138,7 @@ def empty_batch(row_cache: list, n: int) -> list:
         if t is BatchQuantizedKVCache:
             return BatchQuantizedKVCache([0] * n, c.q_group, c.q_bits, c.attention)
         if t is RotatingKVCache:
-            return BatchRotatingKVCache(c.max_size, [0] * n)
+            return LeanBatchRotatingKVCache(c.max_size, [0] * n)
         if t is QuantizedRotatingKVCache:
             return BatchQuantizedRotatingKVCache(c.max_size, [0] * n, c.q_group, c.q_bits,
                                                  c.attention)
@@ -158,13 +159,21 @@ def merge_lean(layers: list) -> list:
     for c in out:
         if type(c) is BatchKVCache:
             c.__class__ = LeanBatchKVCache
+        elif type(c) is BatchRotatingKVCache:
+            LeanBatchRotatingKVCache.lean(c)
     return out
 
 
-def aligned_views(caches: list) -> list:
+def aligned_views(caches: list, windows: bool = False) -> list:
     """What the model sees of a batch none of whose rows is left-padded: KV layers as
-    AlignedViews, everything else as is."""
-    return [AlignedView(c) if type(c) in _ALIGNABLE else c for c in caches]
+    AlignedViews; with `windows` (a decode batch, whose rows all hold what its KV
+    layers hold) sliding windows as AlignedWindows (windows.py); everything else
+    as is."""
+    kv = next((c for c in caches if type(c) in _ALIGNABLE), None)
+    return [AlignedView(c) if type(c) in _ALIGNABLE
+            else AlignedWindow(c, kv._idx)
+            if windows and kv is not None and type(c) is LeanBatchRotatingKVCache
+            else c for c in caches]
 
 
 def left_padded(caches: list) -> bool:
