@@ -124,7 +124,7 @@ def build_hybrid(name, dtype, quick, seed=0):
 
 # -- decode, hybrid models --------------------------------------------------------------
 async def decode_part(args, rng):
-    variants = ("engineg",) if args.gathered else ()  # decode.VARIANTS
+    variants = tuple(args.variants) + (("engineg",) if args.gathered else ())
     methods = ("raw", "bg", "engine") + variants
     margs = SimpleNamespace(new=args.new, warm_new=args.warm_new, no_long=True,
                             no_warmup=False, no_fuse=False, streak_s=None)
@@ -370,6 +370,9 @@ def main(argv=None, prog=None):
     ap.add_argument("--warm-new", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-decode", action="store_true", help="skip the hybrid decode part")
+    ap.add_argument("--variants", default="", type=lambda v: [x for x in v.split(",") if x],
+                    help="engine variants as more methods of the same rounds: "
+                         + ", ".join(f"{k} ({w})" for k, (_, _, w) in VARIANTS.items()))
     ap.add_argument("--gathered", action="store_true",
                     help="also run the engine with MLXNB_ROWS_GEMV=gather in each round")
     ap.add_argument("--no-kv", action="store_true", help="skip the quantized-KV part")
@@ -394,6 +397,8 @@ def main(argv=None, prog=None):
                          "engine's gated delta rule as one node each, as on a GPU")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
+    if set(args.variants) - set(VARIANTS):
+        ap.error(f"--variants takes {', '.join(VARIANTS)}")
     if args.quick:
         args.dtype, args.batch, args.prompt, args.new = "float32", "1,4", 16, 16
         args.warm_new, args.rounds = 4, 2

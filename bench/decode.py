@@ -56,6 +56,7 @@ RAW = {"raw": {}, "rawb": dict(batch_cache=True), "rawv": dict(views=True)}
 # engine variants: method -> (environment variable, value, what it changes)
 VARIANTS = {
     "engineg": ("MLXNB_ROWS_GEMV", "gather", "the gathered GEMV on every few-row product"),
+    "enginew": ("MLXNB_LEAN_WINDOWS", "0", "mlx-lm's window bookkeeping on every write"),
 }
 DIAGNOSTIC = ("bgd", "rawt", "rawv", "rawvt", "engine0", "enginenf")
 # (mine, other): per-round ratios kept as <mine>_over_<other>_median

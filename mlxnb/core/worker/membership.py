@@ -101,6 +101,7 @@ class Membership:
             self.views = None
             return
         aligned = not left_padded(self.caches)
-        self.views = aligned_views(self.caches, windows=True) if aligned else self.caches
+        self.views = (aligned_views(self.caches, windows=self.setup.lean_windows)
+                      if aligned else self.caches)
         # the decode shape changes only here: its first step pays one-off setup
         self._cold_launch = self.shapes.first(("decode", len(rows), aligned))

@@ -49,6 +49,9 @@ class BatchModel:
         # rows_gemv.py: a few rows through a linear as one GEMV (CUDA), each row's bits
         # as alone; after the padding probe, whose noise floor is a batch change's
         self.linears = rows_gemv.install(model)
+        # windows.py: an unpadded decode batch's windows keep their bookkeeping on the
+        # host; MLXNB_LEAN_WINDOWS=0 leaves it to mlx-lm (for measuring the two)
+        self.lean_windows = os.environ.get("MLXNB_LEAN_WINDOWS", "1") != "0"
         self.dense_note = self._pick_dense_decode()
         laps("decode attention check")
         self.wide_note = self._pick_wide_attention(verify_kernel)
