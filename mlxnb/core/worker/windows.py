@@ -14,8 +14,8 @@ host ints (`LeanBatchRotatingKVCache.write_one`), folded into the arrays (a node
 each) when something reads them: the step's mask, a join, a filter, a rollback.
 
 The mask stays mlx-lm's. Without one, MLX's CUDA backend sends single-token
-attention over a full window whose length is a multiple of 256 to cuDNN
-(`use_cudnn_for_decoding`), which builds a graph per batch size.
+attention (head dims up to 128) over a window whose length is a multiple of 256 to
+cuDNN (`use_cudnn_for_decoding`), which builds a graph per batch size.
 """
 
 from __future__ import annotations
