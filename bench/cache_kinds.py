@@ -187,7 +187,8 @@ def split_text(joins, split_ms) -> str:
 
 
 def decode_table(rows, args):
-    out = [f"## Decode: hybrid, sliding-window and plain-attention models ({args.dtype}, prompt {args.prompt}, {args.new} new "
+    out = [f"## Decode: hybrid, sliding-window and plain-attention models ({args.dtype}, "
+           f"prompt {args.prompt}, {args.new} new "
            f"tokens, greedy; medians of {args.rounds} interleaved rounds)", "",
            "| shape | B | raw | BG | engine | engine/BG | engine/raw |",
            "|---|---|---|---|---|---|---|"]
@@ -374,7 +375,7 @@ def main(argv=None, prog=None):
                     help="engine variants as more methods of the same rounds: "
                          + ", ".join(f"{k} ({w})" for k, (_, _, w) in VARIANTS.items()))
     ap.add_argument("--gathered", action="store_true",
-                    help="also run the engine with MLXNB_ROWS_GEMV=gather in each round")
+                    help="the same as --variants engineg")
     ap.add_argument("--no-kv", action="store_true", help="skip the quantized-KV part")
     ap.add_argument("--kv-budget", default="1GB")
     ap.add_argument("--kv-context", type=int, default=2048)

@@ -169,10 +169,10 @@ def aligned_views(caches: list, windows: bool = False) -> list:
     AlignedViews; with `windows` (a decode batch, whose rows all hold what its KV
     layers hold) sliding windows as AlignedWindows (windows.py); everything else
     as is."""
-    kv = next((c for c in caches if type(c) in _ALIGNABLE), None)
+    kv = next((c for c in caches if type(c) in _ALIGNABLE), None) if windows else None
     return [AlignedView(c) if type(c) in _ALIGNABLE
             else AlignedWindow(c, kv._idx)
-            if windows and kv is not None and type(c) is LeanBatchRotatingKVCache
+            if kv is not None and type(c) is LeanBatchRotatingKVCache
             else c for c in caches]
 
 
