@@ -7,6 +7,7 @@ refused by `%%generate` is the one `Engine.submit` refuses).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 
@@ -28,13 +29,19 @@ def fmt_bytes(n) -> str:
         n /= 1024
 
 
-def parse_bytes(v) -> Optional[int]:
-    """'2GB', '512MB', 1e9, None -> bytes (None = no limit)."""
+def parse_bytes(v, name: str = "kv_budget") -> Optional[int]:
+    """'2GB', '512MB', 1e9, None -> bytes (None = no limit); `name` is the
+    parameter the errors name."""
     if v is None:
         return None
     if isinstance(v, (int, float)):
+        if v == math.inf:  # as the string 'inf'
+            return None
+        if math.isnan(v):
+            raise ValueError(f"cannot read {v!r} as a size; write e.g. '2GB', or None "
+                             "for no limit")
         if v <= 0:
-            raise ValueError(f"kv_budget must be positive, got {v!r}")
+            raise ValueError(f"{name} must be positive, got {v!r}")
         return int(v)
     s = str(v).strip().upper().replace(" ", "")
     if s in ("NONE", "INF", "UNLIMITED"):
@@ -50,9 +57,11 @@ def parse_bytes(v) -> Optional[int]:
     try:
         n = float(num)
     except ValueError:
-        raise ValueError(f"cannot read {v!r} as a size; write e.g. '2GB' or '512MB'") from None
+        n = math.nan
+    if not math.isfinite(n):
+        raise ValueError(f"cannot read {v!r} as a size; write e.g. '2GB' or '512MB'")
     if n <= 0:
-        raise ValueError(f"kv_budget must be positive, got {v!r}")
+        raise ValueError(f"{name} must be positive, got {v!r}")
     return int(n * units[u])
 
 
@@ -66,7 +75,8 @@ RANGES = {
     "top_k": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
     "min_p": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "repetition_penalty": (lambda v: v > 0, "a number > 0"),
-    "seed": (lambda v: v >= 0, "a non-negative integer"),
+    # the sampler keys its random stream on 32 bits: a larger seed would repeat one
+    "seed": (lambda v: 0 <= v < 1 << 32, "an integer in [0, 2**32)"),
     "logprobs": (lambda v: 0 <= v <= 20, "an integer in [0, 20]"),
     "n": (lambda v: v >= 1, "a positive integer"),
     "num_draft": (lambda v: 0 <= v <= 16, "an integer in [0, 16] (0 = adaptive)"),  # samples per prompt (%%generate)

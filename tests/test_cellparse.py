@@ -107,7 +107,8 @@ def test_parse_values(opt, raw, kind, out):
     ("max_tokens", "0", int, "--max-tokens must be a positive integer"),
     ("max_tokens", "-5", int, "positive integer"),
     ("repetition_penalty", "0", float, "> 0"),
-    ("seed", "-1", int, "non-negative"),
+    ("seed", "-1", int, "in [0, 2**32)"),
+    ("seed", "4294967296", int, "in [0, 2**32)"),
     ("n", "0", int, "--n must be a positive integer"),
     ("logprobs", "21", int, "[0, 20]"),
 ])
@@ -171,6 +172,11 @@ def test_grid_random_seeds_only_for_sampled_rows():
 def test_grid_reserved_variable_names_are_prefixed():
     g = grid(["{text}"], {"text": ["a", "b"]})
     assert g[0].tag["var_text"] == "a" and "text" not in g[0].tag
+    # the run's timing and speculation columns, and what save() adds
+    for name in ("decode_s", "queue_s", "draft_accepted", "model", "params", "logprobs"):
+        g = grid(["{%s}" % name], {name: ["a", "b"]})
+        assert g[0].tag == {"prompt_index": 0, "temp": 0.0, "seed": None, "sample": 0,
+                            "var_" + name: "a"}, name
 
 
 def test_grid_limit_checked_before_expanding():

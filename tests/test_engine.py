@@ -416,7 +416,8 @@ def test_bad_parameters_raise_one_line_errors(tiny, arun):
         eng = make(tiny)
         errs = []
         for kw in [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                   dict(min_p=1.5), dict(seed=-1), dict(logprobs=99), dict(bogus=1)]:
+                   dict(min_p=1.5), dict(seed=-1), dict(seed=2 ** 32), dict(logprobs=99),
+                   dict(bogus=1)]:
             with pytest.raises(ValueError) as e:
                 eng.submit("abc", chat=False, **kw)
             errs.append(str(e.value))
@@ -429,6 +430,19 @@ def test_bad_parameters_raise_one_line_errors(tiny, arun):
 
     for msg in arun(main):
         assert msg and "\n" not in msg
+
+
+def test_sizes_read_and_refused():
+    from mlxnb._text import parse_bytes
+
+    assert parse_bytes("2GB") == 2 << 30 and parse_bytes("512 mb") == 512 << 20
+    assert parse_bytes(1e9) == 10 ** 9
+    assert parse_bytes(None) is parse_bytes("inf") is parse_bytes(float("inf")) is None
+    for bad in (float("nan"), "nan", "1e999", "nanGB", "lots"):
+        with pytest.raises(ValueError, match="as a size; write e.g. '2GB'"):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="^prefix_cache must be positive, got -1$"):
+        parse_bytes(-1, "prefix_cache")
 
 
 def test_steps_record_real_kv_bytes(tiny, arun):

@@ -50,8 +50,18 @@ class Boom:
         raise RuntimeError("no format for you\nsecond line")
 
 
+class Task:
+    """Has cancel() and done, as an asyncio task does: not a Run or a Row."""
+
+    done = False
+
+    def cancel(self):
+        raise AssertionError("%mlxnb stop cancelled a user's own object")
+
+
 VARS = {
     "word": "ocean",
+    "task": Task(),
     "mixed": "Ünïcödé 日本語 עברית العربية हिन्दी ไทย 🙂👍🏽👨‍👩‍👧 e\u0301",
     "emojis": ["🙂", "👨‍👩‍👧", "🏳️‍🌈"],
     "sur": "bad \ud800 text",
@@ -211,7 +221,8 @@ BAD_CELLS = {
         ("--min-p -0.1", "hi", "--min-p must be a number in [0, 1)"),
         ("--top-k -1", "hi", "--top-k must be an integer >= 0"),
         ("--repetition-penalty 0", "hi", "--repetition-penalty must be a number > 0"),
-        ("--seed -1", "hi", "--seed must be a non-negative integer"),
+        ("--seed -1", "hi", "--seed must be an integer in [0, 2**32)"),
+        ("--seed 4294967296", "hi", "--seed must be an integer in [0, 2**32)"),
         ("--n -2", "hi", "--n must be a positive integer"),
         ("--n 1,2", "hi", "--n takes one value, not a list"),
         ("--logprobs 21", "hi", "--logprobs must be an integer in [0, 20]"),
@@ -282,7 +293,8 @@ BAD_CELLS = {
     ],
     "model option": [
         ("--model no/such-model", "hi", "run `%mlxnb load no/such-model` first"),
-        ("--model ' '", "hi", "run `%mlxnb load"),
+        ("--model ' '", "hi", "--model needs a model's name"),
+        ("--model ''", "hi", "--model needs a model's name"),
     ],
 }
 BAD_CELL_CASES = [(cat, *c) for cat, cases in BAD_CELLS.items() for c in cases]
@@ -308,6 +320,7 @@ BAD_LINES = [  # %mlxnb
     ("load other", "still running or queued"),  # rows run: no model switch
     ("stop nothing_here", "'nothing_here' is not a Run or Row variable"),
     ("stop word", "'word' is not a Run or Row variable"),
+    ("stop task", "'task' is not a Run or Row variable"),
     ("stop \ud800", "is not a Run or Row variable"),
     ("load 'bad\ud800id'", "still running or queued"),
     ("\ud800", "unknown subcommand"),

@@ -168,6 +168,24 @@ def test_sweep_grid_is_one_batch_with_tag_columns(ip, tiny, arun_shut):
     arun_shut(main)
 
 
+def test_n_samples_of_greedy_rows_say_they_repeat(ip, tiny, arun_shut, capsys):
+    async def main():
+        attach(tiny)
+        notes = []
+        for line in ("--n 3", "--n 3 --temp 0,0", "--n 3 --temp 0,0.7", "--n 1",
+                     "--n 2 --temp 0.5"):
+            run = gen(ip, f"--max-tokens 2 --raw --quiet {line}", "a")
+            await run
+            notes.append(capsys.readouterr().err.strip())
+        return notes
+
+    notes = arun_shut(main)
+    assert notes[0] == notes[1] == ("mlxnb: --n 3 of greedy rows (temperature 0) gives "
+                                    "the same text 3 times; add e.g. --temp 0.7 for "
+                                    "different samples")
+    assert notes[2:] == ["", "", ""]
+
+
 def test_config_defaults_and_options_override(ip, tiny, arun_shut):
     async def main():
         attach(tiny)

@@ -388,6 +388,35 @@ def test_save_is_atomic_and_writes_common_python_values(tiny, arun, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]  # no temp left
 
 
+def test_records_and_saved_lines_use_only_the_columns_sweeps_must_avoid(tiny, arun,
+                                                                          tmp_path):
+    """A row's tag (its sweep values) is safe from being overwritten only if every
+    column the run writes itself is in RECORD_COLUMNS or SAVED_COLUMNS, which
+    `%%generate` keeps sweep variables out of."""
+    from mlxnb.core.run import RECORD_COLUMNS, SAVED_COLUMNS
+
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("a", chat=False, max_tokens=3, tag={"mine": 1}),
+                eng.submit("b", chat=False, max_tokens=50, choices=["abc"], tag={}),
+                eng.submit("c", chat=False, max_tokens=3, logprobs=2)]
+        for r in rows:
+            await r
+        await eng.aclose()
+        return rows
+
+    rows = arun(main)
+    run = Run(rows)
+    target = tmp_path / "out.jsonl"
+    run.save(target)
+    saved = [json.loads(ln) for ln in target.read_text(encoding="utf-8").splitlines()]
+    for row, rec, line in zip(rows, run.records(), saved):
+        own = set(rec) - set(row.tag or {})
+        assert own - RECORD_COLUMNS == set(), own - RECORD_COLUMNS
+        assert set(line) - set(rec) <= SAVED_COLUMNS, set(line) - set(rec)
+    assert "constraint" in run.records()[1] and saved[0]["mine"] == 1
+
+
 def test_save_writes_through_links_and_devices_and_refuses_what_it_cannot(tiny, arun,
                                                                            tmp_path):
     async def main():

@@ -365,6 +365,15 @@ def test_an_unreachable_server_is_refused_at_connect():
         engine(refuse)
 
 
+def test_a_transport_error_httpx_does_not_wrap_is_a_failed_connect():
+    def broken(req):
+        raise OSError("no route to host")
+
+    with pytest.raises(ValueError, match="could not connect to http://test:8000/v1 "
+                                         r"\(OSError: no route to host\); check"):
+        engine(broken)
+
+
 def test_bad_input_is_refused_before_anything_is_sent(arun):
     srv = Server(lambda req, n: httpx.Response(200, content=sse(*chat_chunks(["x"]))))
 
@@ -445,6 +454,9 @@ def ip(monkeypatch):
     ("connect http://h:1 --max-concurrency x", "is not an integer"),
     ("connect http://h:1 --api-key-env MLXNB_NO_SUCH_VAR", "'MLXNB_NO_SUCH_VAR' is not set"),
     ("connect h:1", "is not an http(s) address"),
+    ("connect http://h:99999/v1", "no valid host and port (ports are 1-65535)"),
+    ("connect http://h:abc/v1", "no valid host and port"),
+    ("connect http://h:0/v1", "no valid host and port"),
 ])
 def test_connect_mistakes_are_one_line_usage_errors(ip, line, msg):
     from IPython.core.error import UsageError

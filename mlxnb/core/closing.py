@@ -34,6 +34,13 @@ class Closing:
         await _aio.awaitable_on(self.loop, self._aclose)
 
     async def _aclose(self):
+        # One close runs; overlapping callers wait for it (a second one would replace
+        # the first's wait for the scheduler going idle, leaving it to time out).
+        if self._closing is None:
+            self._closing = self.loop.create_task(self._close_once())
+        await asyncio.shield(self._closing)
+
+    async def _close_once(self):
         if self._closed:
             return
         self.cancel_all()

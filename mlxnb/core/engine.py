@@ -115,7 +115,7 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         self.loop = _aio.engine_loop(loop, required=False)
         self._t0 = time.perf_counter()
         self._pool = mlx_worker()
-        prefix_bytes = parse_bytes(prefix_cache) or 0 if prefix_cache else 0
+        prefix_bytes = parse_bytes(prefix_cache, "prefix_cache") or 0 if prefix_cache else 0
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
         with progress.loading(self.model_name):
@@ -179,6 +179,7 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         self.tracer = None  # see trace()
         self._task = None
         self._idle: Optional[asyncio.Future] = None
+        self._closing: Optional[asyncio.Task] = None  # the one aclose that runs
 
     def _on_worker(self, fn, *args):
         """fn(*args) as one job on the shared MLX thread, between other engines' ticks."""

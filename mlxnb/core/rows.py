@@ -11,7 +11,7 @@ import asyncio
 import math
 import numbers
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable, List, Optional
 
 from .._aio import awaitable_on
@@ -23,6 +23,10 @@ from .rowtrace import phases
 from .states import Finish, RowState
 
 QUEUED, PREFILL, DECODE, DONE = RowState
+
+
+def _refuse(msg: str):
+    raise ValueError(msg)
 
 
 @dataclass(frozen=True)
@@ -52,37 +56,51 @@ class SamplingParams:
     adapter: Optional[str] = None  # a loaded adapter's name (core/adapters.py); None: base
 
     def check(self) -> "SamplingParams":
-        def bad(msg):
-            raise ValueError(msg)
-
         # Types first, so that a non-number gets a message naming its parameter (not
         # "'>=' not supported between ..."), a bool is not taken for an int
         # (logprobs=True would fail every row of the batch), and inf/nan are refused.
+        # Other number types (numpy's, Fraction) become Python's: the batch builds
+        # MLX arrays from them, which would refuse them there, failing every row.
+        plain = {}
         for name in ("max_tokens", "top_k", "seed", "logprobs", "num_draft"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not (isinstance(v, int) or v is None and name == "seed"):
-                bad(f"{name} must be an integer, got {one_line(repr(v), 60)}")
+            if v is None and name == "seed":
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                _refuse(f"{name} must be an integer, got {one_line(repr(v), 60)}")
+            plain[name] = int(v)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             v = getattr(self, name)
             if v is None and name == "repetition_penalty":
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                bad(f"{name} must be a finite number, got {one_line(repr(v), 60)}")
+                _refuse(f"{name} must be a finite number, got {one_line(repr(v), 60)}")
+            plain[name] = float(v)
+        return replace(self, **plain)._check_values()
+
+    def _check_values(self) -> "SamplingParams":
         if any(not callable(p) for p in self.logits_processors):
-            bad("logits_processors entries must be callables (tokens, logits) -> logits")
+            _refuse("logits_processors entries must be callables (tokens, logits) -> logits")
         for name, (ok, what) in RANGES.items():
             v = getattr(self, name, None)
             if v is not None and not ok(v):
-                bad(f"{name} must be {what}, got {v!r}")
+                _refuse(f"{name} must be {what}, got {v!r}")
         if any(not (callable(s) or (isinstance(s, str) and s)) for s in self.stop):
-            bad("stop entries must be non-empty strings (or callables text -> bool)")
+            _refuse("stop entries must be non-empty strings (or callables text -> bool)")
         if self.speculate not in (None, "lookup", "draft"):
-            bad(f"speculate must be 'lookup', 'draft' or None, got {self.speculate!r}")
+            _refuse(f"speculate must be 'lookup', 'draft' or None, got {self.speculate!r}")
         if self.adapter is not None and not isinstance(self.adapter, str):
-            bad(f"adapter must be an adapter's name (a string) or None, got "
+            _refuse(f"adapter must be an adapter's name (a string) or None, got "
                 f"{one_line(repr(self.adapter), 60)}")
         check_constraint(self)
         return self
+
+    def as_dict(self) -> dict:
+        """The parameters by name, logits processors left out. Shallow: a deep copy
+        would copy whatever a processor or a stop callable holds (a second model's
+        weights, say) and fail on what cannot be copied (a lock)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "logits_processors"}
 
     @property
     def filters(self) -> tuple:
@@ -223,7 +241,7 @@ class Row:
             finish_reason=self.finish_reason, prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens, ttft_s=self.ttft_s, tok_s=self.tok_s,
             logprobs=self.logprobs, error=self.error, seed=p.seed,
-            params={k: v for k, v in asdict(p).items() if k != "logits_processors"},
+            params=p.as_dict(),
             json=self.json, json_error=self.json_error, valid=self.valid,
             draft_proposed=self.draft_proposed, draft_accepted=self.draft_accepted,
         )

@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import stat
-from dataclasses import asdict
 from pathlib import Path, PurePath
 from typing import List
 
@@ -16,6 +15,17 @@ from .._aio import awaitable_on
 from .constraint_results import record_fields as constraint_fields
 from .rows import Row, RowResult
 from .rowtrace import durations
+
+
+# What Run.records() writes of its own for every row (constraint columns too, and
+# `json.<field>`), and what Run.save() adds: a row's tag, its sweep values, must use
+# other names (`%%generate` renames a clashing variable var_<name>).
+RECORD_COLUMNS = frozenset({
+    "row", "prompt", "text", "finish_reason", "state", "prompt_tokens", "cached_tokens",
+    "tokens", "ttft_s", "tok_s", "error", "queue_s", "prefill_s", "decode_s",
+    "draft_proposed", "draft_accepted", "adapter", "constraint", "valid", "json_error",
+    "json"})
+SAVED_COLUMNS = frozenset({"params", "token_ids", "logprobs", "model", "adapter_path"})
 
 
 class Run:
@@ -115,7 +125,7 @@ class Run:
         given, path = Path(path), _save_target(path)
         lines = []
         for r, rec in zip(self.rows, self.records()):
-            params = {k: v for k, v in asdict(r.params).items() if k != "logits_processors"}
+            params = r.params.as_dict()
             params["stop"] = [s for s in params["stop"] if isinstance(s, str)]
             rec.update(params=params, token_ids=list(r.tokens), logprobs=r.logprobs,
                        model=self.meta.get("model"))

@@ -33,6 +33,7 @@ from _string import formatter_field_name_split
 from IPython.core.error import UsageError
 
 from .._text import RANGES, one_line
+from ..core.run import RECORD_COLUMNS, SAVED_COLUMNS
 
 __all__ = [
     "split_body", "interpolate", "parse_values", "unescape", "derive_seed",
@@ -42,13 +43,11 @@ __all__ = [
 _SEP = re.compile(r"^[ \t]*---[ \t]*$")
 _FMT = string.Formatter()
 
-# Record columns a sweep variable must not overwrite (Run.records() keys + our tags).
-RESERVED = frozenset({
-    "row", "prompt", "text", "finish_reason", "state", "prompt_tokens",
-    "cached_tokens", "tokens", "ttft_s", "tok_s", "error", "temp", "seed", "sample",
-    "prompt_index", "max_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
-    "constraint", "valid", "json_error", "json", "adapter", "adapter_path",
-})
+# Names a sweep variable must not take: the run's own record and saved columns, and
+# the tags a grid row gets.
+RESERVED = RECORD_COLUMNS | SAVED_COLUMNS | {
+    "temp", "seed", "sample", "prompt_index", "max_tokens", "top_p", "top_k", "min_p",
+    "repetition_penalty"}
 
 
 # -- body ------------------------------------------------------------------------

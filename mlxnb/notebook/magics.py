@@ -28,6 +28,7 @@ from . import connecting
 from .adaptermagic import adapter_command, adapter_names, expand_adapters
 from .._text import one_line
 from .magicargs import _HELP, _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved, _sendable
+from ..core.rows import Row
 from ..core.run import Run
 from .session import MLXNB, _S, _close, _same_model, get_engine, shutdown, use, wait
 
@@ -79,6 +80,9 @@ class MLXNBMagics(Magics):
 
     def _engine_for(self, model, quiet):
         connecting.settle()
+        if model is not None and not model.strip():
+            raise UsageError("--model needs a model's name; write e.g. --model "
+                             f"{self.cfg.model}, or leave --model out")
         eng = get_engine()
         if eng is None:
             return self._load(model or self.cfg.model, quiet=quiet)
@@ -119,19 +123,19 @@ class MLXNBMagics(Magics):
             if v is not None and v < 1:
                 raise UsageError(f"%mlxnb load: {flag} must be a positive integer; got {v}")
         spec = a.model or self.cfg.model
-        connecting.abandon()  # a local model instead of a connection under way
         eng = get_engine()
-        if eng is not None:
-            local = getattr(eng, "url", None) is None  # load always means this process
-            if local and _same_model(eng, spec) and (
-                    a.kv_budget is a.max_batch is a.prefill_chunk is a.kv_bits
-                    is a.kv_group_size is a.draft is None):
-                print(f"mlxnb: {spec!r} is already loaded")
-                return None
-            busy = eng.running + eng.queued
-            if busy:
-                raise UsageError(f"{busy} rows are still running or queued; `%mlxnb stop` "
-                                 f"them (or `await mlxnb.wait()`) before loading {spec!r}")
+        local = eng is not None and getattr(eng, "url", None) is None  # this process
+        loaded = local and _same_model(eng, spec) and (
+            a.kv_budget is a.max_batch is a.prefill_chunk is a.kv_bits
+            is a.kv_group_size is a.draft is None)
+        busy = eng.running + eng.queued if eng is not None else 0
+        if busy and not loaded:  # refused: nothing changes, a connect under way neither
+            raise UsageError(f"{busy} rows are still running or queued; `%mlxnb stop` "
+                             f"them (or `await mlxnb.wait()`) before loading {spec!r}")
+        connecting.abandon()  # a local model instead of a connection under way
+        if loaded:
+            print(f"mlxnb: {spec!r} is already loaded")
+            return None
         self._load(spec, a.kv_budget, mb, pc, kv_bits=kb, kv_group_size=kg, draft=a.draft)
         # (a failed load keeps the old engine)
         if eng is not None:
@@ -166,7 +170,7 @@ class MLXNBMagics(Magics):
         eng = get_engine()
         if rest and rest != "all":
             obj = self.shell.user_ns.get(rest)
-            if not (isinstance(obj, Run) or hasattr(obj, "cancel") and hasattr(obj, "done")):
+            if not isinstance(obj, (Run, Row)):  # not any object with a cancel()
                 raise UsageError(f"%mlxnb stop: {rest!r} is not a Run or Row variable; "
                                  "use `%mlxnb stop` to stop everything")
             live = [r for r in (obj.rows if isinstance(obj, Run) else [obj]) if not r.done]
@@ -290,6 +294,9 @@ class MLXNBMagics(Magics):
         quiet = c.quiet if a.quiet is None else a.quiet
         grid = cp.build_grid(cp.split_body(cell), self.shell.user_ns, sweeps, n,
                              limit=c.max_rows)
+        if n > 1 and not any(sweeps["temp"]):
+            print(f"mlxnb: --n {n} of greedy rows (temperature 0) gives the same text {n} "
+                  "times; add e.g. --temp 0.7 for different samples", file=sys.stderr)
         adapters = adapter_names(a.adapter)
         grid = expand_adapters(grid, adapters)
         if c.max_rows is not None and len(grid) > c.max_rows:

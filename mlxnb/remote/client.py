@@ -79,6 +79,13 @@ def normalize_url(url: str) -> str:
     if u.scheme not in ("http", "https") or not u.netloc:
         raise ValueError(f"{url!r} is not an http(s) address; write e.g. "
                          "http://localhost:8000/v1")
+    try:
+        port = u.port  # ValueError: not a number, or past 65535
+    except ValueError:
+        port = 0
+    if not u.hostname or port == 0:
+        raise ValueError(f"{url!r} has no valid host and port (ports are 1-65535); "
+                         "write e.g. http://localhost:8000/v1")
     path = u.path.rstrip("/") or "/v1"
     return urlunsplit((u.scheme, u.netloc, path, "", ""))
 
@@ -315,10 +322,11 @@ class Client:
                              "%mlxnb connect (timeout= in mlxnb.connect)")
         if isinstance(err, ValueError):
             raise ValueError(str(err)) from None
-        if isinstance(err, httpx.HTTPError):
-            raise ValueError(f"could not connect to {self.shown} ({_why(err)}); check "
-                             "the address and that the server is running") from None
-        raise err
+        # httpx's errors, and anything the transport raised unwrapped (an OS error,
+        # an exception group): a failed connect, said in one line, not a crash.
+        raise ValueError(f"could not connect to {self.shown} ({_why(err)}); check "
+                         "the address and that the server is running") from (
+            None if isinstance(err, httpx.HTTPError) else err)
 
     async def _probe(self, bound: float):
         loop = asyncio.get_running_loop()

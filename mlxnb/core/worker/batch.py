@@ -323,7 +323,9 @@ class BatchExecutor(ReadBack, Membership):
                         raise TypeError(f"returned {type(li).__name__} of shape "
                                         f"{getattr(li, 'shape', None)}, expected logits "
                                         f"of shape {tuple(logits[i:i + 1].shape)}")
-                except Exception as e:
+                except BaseException as e:  # (sys.exit() or a CancelledError too)
+                    if isinstance(e, KeyboardInterrupt):
+                        raise
                     self.drop.add(r.id)
                     updates.end(r.id, Finish.ERROR,
                                 f"logits processor failed: {type(e).__name__}: {e}")

@@ -62,7 +62,9 @@ class RowDecoder:
         self.text += seg
         try:
             hit = self._find_stop()
-        except Exception as e:  # a stop callback's failure ends its row only
+        except BaseException as e:  # a stop callback's failure ends its row only
+            if isinstance(e, KeyboardInterrupt):
+                raise
             emitted.append(Emitted(self.id, tok, "", lp, drafted))
             return Ending(Finish.ERROR, one_line(f"stop callback failed: {type(e).__name__}: {e}", 300))
         if hit is not None:

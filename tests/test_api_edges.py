@@ -1,0 +1,121 @@
+"""What users hand the Python API that a magic never would: numbers of other types,
+callables that raise anything or hold what cannot be copied, overlapping closes.
+Each case runs beside a bystander row, which must finish as if nothing happened."""
+
+import asyncio
+import threading
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from mlxnb import Engine
+
+
+def make(model, **kw):
+    kw.setdefault("kv_budget", None)
+    return Engine(model, **kw)
+
+
+async def beside_a_bystander(eng, submit):
+    """Submit `submit()` while a bystander decodes; both rows, ended."""
+    by = eng.submit("a bystander row", chat=False, max_tokens=40)
+    while by.state != "decode":
+        await asyncio.sleep(0.001)
+    row = submit()
+    await asyncio.wait_for(asyncio.gather(by, row), 30)
+    assert (by.finish_reason, by.ntok) == ("length", 40), by.error
+    return row
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=np.float32(0.7), seed=np.int64(3)),
+    dict(temperature=Fraction(1, 2), seed=1),
+    dict(top_p=np.float32(0.9), temperature=0.5, seed=2),
+    dict(min_p=Fraction(1, 10), temperature=0.5, seed=2),
+    dict(repetition_penalty=np.float32(1.1)),
+    dict(max_tokens=np.int64(5), top_k=np.int32(4), logprobs=np.int8(2)),
+])
+def test_numbers_of_other_types_are_taken_as_pythons(tiny, arun, kw):
+    async def main():
+        eng = make(tiny)
+        kw.setdefault("max_tokens", 5)
+        row = await beside_a_bystander(eng, lambda: eng.submit("x", chat=False, **kw))
+        await eng.aclose()
+        return row
+
+    row = arun(main)
+    assert row.finish_reason == "length" and row.ntok == 5, row.error
+    for name in kw:
+        v = getattr(row.params, name)
+        assert type(v) in (int, float), (name, type(v))
+        assert v == pytest.approx(float(kw[name])), name
+
+
+class Processor:
+    """A logits processor holding what cannot be copied (as one holding a second model
+    would hold what should not be), counting its calls."""
+
+    def __init__(self):
+        self.lock, self.calls = threading.Lock(), 0
+
+    def __call__(self, tokens, logits):
+        with self.lock:
+            self.calls += 1
+        return logits
+
+
+def test_a_row_whose_processor_cannot_be_copied_ends_and_reports(tiny, arun):
+    proc = Processor()
+
+    async def main():
+        eng = make(tiny)
+        row = await beside_a_bystander(eng, lambda: eng.submit(
+            "x", chat=False, max_tokens=6, logits_processors=[proc]))
+        res = row.result()
+        await eng.aclose()
+        return row, res
+
+    row, res = arun(main)
+    assert row.finish_reason == "length" and proc.calls >= 5
+    assert "logits_processors" not in res.params and res.params["max_tokens"] == 6
+
+
+@pytest.mark.parametrize("exc", [asyncio.CancelledError, SystemExit, GeneratorExit])
+@pytest.mark.parametrize("where", ["stop", "processor"])
+def test_a_callable_raising_anything_ends_its_row_only(tiny, arun, exc, where):
+    def stop(text):
+        if len(text) > 2:
+            raise exc("from the user's callable")
+        return False
+
+    def processor(tokens, logits):
+        raise exc("from the user's callable")
+
+    async def main():
+        eng = make(tiny)
+        kw = dict(stop=[stop]) if where == "stop" else dict(logits_processors=[processor])
+        row = await beside_a_bystander(eng, lambda: eng.submit(
+            "x", chat=False, max_tokens=30, **kw))
+        after = await asyncio.wait_for(eng.submit("after", chat=False, max_tokens=3), 30)
+        await eng.aclose()
+        return row, after
+
+    row, after = arun(main)
+    assert row.finish_reason == "error" and exc.__name__ in row.error
+    assert after.finish_reason == "length"  # the engine still serves
+
+
+def test_overlapping_closes_both_return_promptly(tiny, arun):
+    """A second aclose() while the first waits for the scheduler must not leave the
+    first waiting out its 10 s bound."""
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit(f"row {i}", chat=False, max_tokens=2000) for i in range(3)]
+        while not all(r.state == "decode" for r in rows):
+            await asyncio.sleep(0.001)
+        await asyncio.wait_for(asyncio.gather(eng.aclose(), eng.aclose()), 5)
+        await eng.aclose()  # and a later one returns at once
+        return rows
+
+    assert {r.finish_reason for r in arun(main)} == {"cancelled"}
