@@ -119,3 +119,56 @@ def test_overlapping_closes_both_return_promptly(tiny, arun):
         return rows
 
     assert {r.finish_reason for r in arun(main)} == {"cancelled"}
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(streak_s=float("inf")), "streak_s"), (dict(streak_s=-1), "streak_s"),
+    (dict(streak_s=float("nan")), "streak_s"), (dict(max_batch=0), "max_batch"),
+    (dict(kv_bits=3), "kv_bits"), (dict(load_timeout=0), "load_timeout"),
+    (dict(fill_threads=0), "fill_threads"), (dict(speculate="fast"), "speculate"),
+    (dict(prefix_cache=-1), "prefix_cache"), (dict(kv_budget=float("nan")), "size"),
+])
+def test_engine_options_are_refused_in_one_line_naming_the_option(tiny, kw, name):
+    with pytest.raises(ValueError) as e:
+        make(tiny, **kw)
+    msg = str(e.value)
+    assert name in msg and "\n" not in msg, msg
+
+
+def test_a_row_too_long_to_run_records_its_parameters(tiny, arun):
+    async def main():
+        eng = make(tiny)
+        eng.context_length = 64
+        row = eng.submit("x" * 200, chat=False, max_tokens=8, stop="zz",
+                         temperature=0.5, seed=7, logprobs=2)
+        res = await asyncio.wait_for(row, 10)
+        await eng.aclose()
+        return res
+
+    res = arun(main)
+    assert res.finish_reason == "error" and "context of 64" in res.error
+    p = res.params
+    assert (p["stop"], p["temperature"], p["seed"], p["logprobs"]) == (("zz",), 0.5, 7, 2)
+
+
+def test_an_engine_that_fails_after_its_model_is_set_up_lets_go_of_it(tiny, monkeypatch):
+    """(In a notebook the traceback outlives the cell: whatever it references stays.)"""
+    from mlxnb.core import engine as engine_module
+    from mlxnb.core.worker.batch import BatchExecutor
+
+    closed, close = [], BatchExecutor.close
+    monkeypatch.setattr(BatchExecutor, "close",
+                        lambda self, *a, **kw: (closed.append(self), close(self, *a, **kw)))
+
+    def broken(ex, run):
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(engine_module, "warm_up", broken)
+    with pytest.raises(RuntimeError, match="warm-up failed") as e:
+        make(tiny)
+    assert len(closed) == 1
+    tb, engines = e.value.__traceback__, []
+    while tb is not None:
+        engines += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, Engine)]
+        tb = tb.tb_next
+    assert engines and all(eng._exec is None for eng in engines)

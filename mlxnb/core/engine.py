@@ -138,12 +138,20 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
                                    fuse, kv_bits, kv_group_size, fill_threads,
                                    self.constraints, draft,
                                    speculate is not None or draft is not None)
-            if warmup:
-                progress.stage("warming up")
-            laps("engine setup")
-            self.warmup_s = warm_up(self._exec, run=on_worker) if warmup else 0.0
-            self._report = on_worker(self._exec.report)
-            facts = on_worker(self._exec.facts)
+            try:  # a failure from here on lets go of the executor's model and caches
+                if warmup:
+                    progress.stage("warming up")
+                laps("engine setup")
+                self.warmup_s = warm_up(self._exec, run=on_worker) if warmup else 0.0
+                self._report = on_worker(self._exec.report)
+                facts = on_worker(self._exec.facts)
+                if speculate == "draft" and "/draft " not in facts.speculation:
+                    raise ValueError(f"speculate='draft' is not possible with this model: "
+                                     f"speculation {facts.speculation}")
+            except BaseException:
+                ex, self._exec = self._exec, None
+                on_worker(ex.close)
+                raise
         self.model, self.tokenizer = m, tok
         self.cache_kinds: str = facts.cache_kinds
         self.layer_costs: List[tuple] = facts.layer_costs
@@ -154,9 +162,6 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         self.draft_model = (facts.speculation.split("/draft ", 1)[1]
                             if "/draft " in facts.speculation else None)
         self.draft_proposed = self.draft_accepted = 0
-        if speculate == "draft" and self.draft_model is None:
-            raise ValueError(f"speculate='draft' is not possible with this model: "
-                             f"speculation {facts.speculation}")
         self._adapters = {}  # name -> AdapterInfo (adapters.py)
         self.context_length = getattr(getattr(m, "args", None),
                                       "max_position_embeddings", None)

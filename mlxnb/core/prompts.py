@@ -22,7 +22,10 @@ TEMPLATE_S = 2.0
 class WontFit(ValueError):
     """A valid row that exceeds the context or KV budget; submit() returns it as an
     errored row. A type of its own, not a message match: other bad input naming
-    "context" or "KV cache" (submit(context=1)) must still raise."""
+    "context" or "KV cache" (submit(context=1)) must still raise. `params`: the
+    row's checked SamplingParams, which the ended row records."""
+
+    params = None
 
 
 def check_text(prompt, system=None) -> None:

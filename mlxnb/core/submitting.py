@@ -12,8 +12,8 @@ from typing import Iterable, List, Optional
 
 from .. import _aio
 from .constrain import SUBMIT_WAIT_S
-from .prompts import PARAM_NAMES, WontFit, encode, sampling_params
-from .rows import Row, SamplingParams
+from .prompts import WontFit, encode, sampling_params
+from .rows import Row
 from .run import Run
 from .states import Finish
 
@@ -45,6 +45,17 @@ class Submitting:
         # SUBMIT_WAIT_S holds its rows in the queue until it is ready (_enqueue)
         self.constraints.validate(sp, wait=SUBMIT_WAIT_S)
         self._check_adapter(sp.adapter)
+        try:
+            ids = self._fitting(prompt, chat, system, sp)
+        except WontFit as e:
+            e.params = sp
+            raise
+        if sp.seed is None and sp.temperature > 0:
+            sp = dataclasses.replace(sp, seed=secrets.randbits(31))
+        return ids, sp
+
+    def _fitting(self, prompt, chat, system, sp) -> list:
+        """The prompt's token ids; WontFit if it cannot fit the context or budget."""
         ids = self.encode(prompt, chat, system)
         if not ids:  # a row with no tokens would sit in 'prefill' forever
             raise ValueError("the prompt encodes to no tokens (the tokenizer drops all of "
@@ -56,9 +67,7 @@ class Submitting:
         msg = self.scheduler.never_fits(len(ids), sp.max_tokens)
         if msg:
             raise WontFit(msg)
-        if sp.seed is None and sp.temperature > 0:
-            sp = dataclasses.replace(sp, seed=secrets.randbits(31))
-        return ids, sp
+        return ids
 
     def submit(self, prompt: str, *, chat: bool = True, system: Optional[str] = None,
                tag=None, **params) -> Row:
@@ -72,9 +81,7 @@ class Submitting:
             ids, sp = self.prepare(prompt, chat=chat, system=system, **params)
             err = None
         except WontFit as e:
-            err = str(e)
-            ids, sp = [], SamplingParams(**{k: v for k, v in params.items()
-                                            if k in PARAM_NAMES and k != "stop"})
+            err, ids, sp = str(e), [], e.params
         return self.submit_prepared(prompt, ids, sp, tag, err)
 
     def submit_prepared(self, prompt, ids, sp, tag=None, err=None) -> Row:
