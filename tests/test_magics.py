@@ -207,6 +207,31 @@ def test_config_defaults_and_options_override(ip, tiny, arun_shut):
     arun_shut(main)
 
 
+def test_a_config_default_out_of_range_says_it_is_the_default(ip, tiny, arun_shut):
+    from IPython.core.error import UsageError
+
+    async def main():
+        attach(tiny)
+        ip.run_line_magic("config", "MLXNB.seed = -3")  # refused by the setting itself
+        assert magics._S.config.seed is None
+        errs = []
+        for stmt, line in (("top_p = 0", ""), ("min_p = 1.0", "--top-p 0.9"),
+                           ("min_p = 0.0", "--top-p 0.9")):
+            ip.run_line_magic("config", f"MLXNB.{stmt}")
+            try:
+                await gen(ip, f"--quiet --max-tokens 2 {line}", "a")
+                errs.append(None)
+            except UsageError as e:
+                errs.append(str(e))
+        return errs
+
+    errs = arun_shut(main)
+    assert errs[0].startswith("the default %config MLXNB.top_p is not valid: --top-p must "
+                              "be a number in (0, 1]")
+    assert errs[1].startswith("the default %config MLXNB.min_p is not valid")
+    assert errs[2] is None  # an option given in the cell wins over its default
+
+
 def test_load_timeout_is_a_config_setting(ip, monkeypatch, caplog):
     import mlxnb.core.engine
 

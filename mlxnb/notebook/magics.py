@@ -36,6 +36,14 @@ __all__ = ["MLXNB", "MLXNBMagics", "load_ipython_extension", "unload_ipython_ext
            "wait", "shutdown", "use", "get_engine"]
 
 
+def _default(name: str, parse):
+    """parse() of a %config default; its error says where the value came from."""
+    try:
+        return parse()
+    except UsageError as e:
+        raise UsageError(f"the default %config MLXNB.{name} is not valid: {e}") from None
+
+
 @magics_class
 class MLXNBMagics(Magics):
     def __init__(self, shell, config: MLXNB):
@@ -280,12 +288,14 @@ class MLXNBMagics(Magics):
                     "top_k": c.top_k, "min_p": c.min_p,
                     "repetition_penalty": c.repetition_penalty, "seed": c.seed}
         sweeps = {}
-        for opt, (_kw, kind, _col) in cp.SWEEPABLE.items():
+        for opt, (kw, kind, _col) in cp.SWEEPABLE.items():
             raw = getattr(a, opt)
-            sweeps[opt] = cp.parse_values(opt, defaults[opt] if raw is None else raw, kind)
+            sweeps[opt] = (cp.parse_values(opt, raw, kind) if raw is not None else
+                           _default(kw, lambda: cp.parse_values(opt, defaults[opt], kind)))
         n = cp.parse_values("n", a.n if a.n is not None else 1, int, sweep=False)[0]
-        lp = cp.parse_values("logprobs", a.logprobs if a.logprobs is not None else c.logprobs,
-                             int, sweep=False)[0]
+        lp = (cp.parse_values("logprobs", a.logprobs, int, sweep=False)[0]
+              if a.logprobs is not None else _default("logprobs", lambda: cp.parse_values(
+                  "logprobs", c.logprobs, int, sweep=False)[0]))
         stop = [cp.unescape(s) for s in (a.stop if a.stop is not None else c.stop)]
         if any(not s for s in stop):
             raise UsageError("--stop needs a non-empty string; write e.g. --stop '\\n\\n'")

@@ -45,12 +45,13 @@ class MLXNB(Configurable):
                         "(32, 64 or 128).").tag(config=True)
     max_tokens = Int(64, min=1, help="Default --max-tokens.").tag(config=True)
     temperature = Float(0.0, min=0.0, help="Default --temp (0 = greedy).").tag(config=True)
-    top_p = Float(1.0, help="Default --top-p.").tag(config=True)
+    top_p = Float(1.0, min=0.0, max=1.0, help="Default --top-p.").tag(config=True)
     top_k = Int(0, min=0, help="Default --top-k (0 = off).").tag(config=True)
-    min_p = Float(0.0, help="Default --min-p.").tag(config=True)
+    min_p = Float(0.0, min=0.0, max=1.0, help="Default --min-p.").tag(config=True)
     repetition_penalty = Float(None, allow_none=True,
                                help="Default --repetition-penalty.").tag(config=True)
-    seed = Int(None, allow_none=True, help="Default --seed.").tag(config=True)
+    seed = Int(None, min=0, max=2 ** 32 - 1, allow_none=True,
+               help="Default --seed.").tag(config=True)
     stop = List(Unicode(), help="Default stop strings.").tag(config=True)
     system = Unicode(None, allow_none=True, help="Default --system prompt.").tag(config=True)
     chat = Bool(True, help="Apply the chat template (False = --raw).").tag(config=True)
