@@ -172,3 +172,32 @@ def test_an_engine_that_fails_after_its_model_is_set_up_lets_go_of_it(tiny, monk
         engines += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, Engine)]
         tb = tb.tb_next
     assert engines and all(eng._exec is None for eng in engines)
+
+
+def test_done_callbacks_run_on_the_loop_whichever_thread_adds_them(tiny, arun):
+    async def main():
+        eng = make(tiny)
+        loop_thread = threading.get_ident()
+        rows = [eng.submit(f"row {i}", chat=False, max_tokens=1 + i % 5) for i in range(12)]
+        seen, ended = [], threading.Event()
+
+        def add_all():  # while rows end, and after they have
+            for r in rows:
+                r.add_done_callback(lambda row: seen.append((row.id, threading.get_ident())))
+            ended.wait(30)
+            for r in rows:
+                r.add_done_callback(lambda row: seen.append((row.id, threading.get_ident())))
+
+        adder = threading.Thread(target=add_all)
+        adder.start()
+        await asyncio.gather(*rows)
+        ended.set()
+        while adder.is_alive():
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)  # callbacks queued to the loop run
+        await eng.aclose()
+        return seen, loop_thread, rows
+
+    seen, loop_thread, rows = arun(main)
+    assert sorted(i for i, _ in seen) == sorted([r.id for r in rows] * 2)
+    assert {t for _, t in seen} == {loop_thread}

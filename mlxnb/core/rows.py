@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable, List, Optional
 
-from .._aio import awaitable_on
+from .._aio import awaitable_on, call_soon
 from .._log import swallowed
 from .._text import RANGES, one_line
 from .constraint_params import check_params as check_constraint, kind_of
@@ -252,6 +252,12 @@ class Row:
         return awaitable_on(fut.get_loop(), lambda: asyncio.shield(fut)).__await__()
 
     def add_done_callback(self, fn: Callable[["Row"], None]) -> None:
+        """fn(row) once the row has ended, on the engine's loop (at once if it has
+        ended and the caller is there). From another thread the check and the append
+        go to the loop together, so an end in between cannot skip fn."""
+        call_soon(self._future.get_loop(), self._add_done_callback, fn)
+
+    def _add_done_callback(self, fn) -> None:
         if self.done:
             fn(self)
         else:
