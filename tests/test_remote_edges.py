@@ -317,6 +317,42 @@ def test_a_trickled_metrics_page_does_not_stall_the_charts(arun):
     assert text is None and took < 1.5 and gap < 1.0, (text, took)
 
 
+def test_the_charts_read_metrics_while_every_slot_streams(arun):
+    """Both streams allowed stream until the server has served a /metrics page: only
+    if the charts can fetch it beside a full batch do the rows end early."""
+    served, streaming = threading.Event(), []
+
+    def metrics(srv, conn):
+        body = b"vllm:num_requests_running 1\n"
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+                     b"%d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        if len(streaming) == 2:  # (not the page read at connect)
+            served.set()
+
+    def completion(srv, conn):
+        conn.sendall(SSE_HEAD)
+        streaming.append(conn)
+        end = time.monotonic() + 4
+        while not served.is_set() and time.monotonic() < end:
+            conn.sendall(token("x"))
+            time.sleep(0.05)
+        conn.sendall(token("", "stop") + b"data: [DONE]\n\n")
+
+    async def main(url):
+        eng = connect(url, max_concurrency=2, loop=asyncio.get_running_loop())
+        eng.sample_s = 0.05
+        try:
+            t0 = time.monotonic()
+            res = await eng.generate(["p", "q"], max_tokens=1000)
+            return res[1], time.monotonic() - t0, served.is_set()
+        finally:
+            await eng.aclose()
+
+    with Loopback(completion=completion, metrics=metrics) as srv:
+        row, took, ok = arun_bounded(arun, main, srv.url)
+    assert ok and row.finish_reason == "stop" and took < 2.0, (took, row.finish_reason)
+
+
 # -- rows ----------------------------------------------------------------------------------
 def test_a_silent_stream_ends_the_row_after_the_timeout(arun):
     with Loopback(silent_200) as srv:

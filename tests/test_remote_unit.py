@@ -347,6 +347,47 @@ def test_a_wrong_key_is_refused_at_connect_without_echoing_it():
     assert "sk-wrong-key-42" not in str(e.value)
 
 
+def test_a_key_read_with_its_newline_works_and_one_no_header_can_carry_is_refused(arun):
+    srv = Server(lambda req, n: httpx.Response(200, content=sse(*chat_chunks(["k"]))), key=KEY)
+    assert one_row(arun, srv, api_key=KEY + "\n").finish_reason == "length"
+    for bad in ("sk-a\nb", "sk-clé", "sk-\x00"):
+        with pytest.raises(ValueError, match="^the API key holds a character an HTTP "
+                                             "header cannot carry") as e:
+            engine(srv, api_key=bad)
+        assert bad.strip() not in str(e.value)
+
+
+@pytest.mark.parametrize("status,body", [
+    (500, {"error": {"message": "x" * 180 + f" auth=Bearer {KEY} and more"}}),  # across the cut
+    (200, None),  # an error event inside the stream
+])
+def test_the_key_is_scrubbed_from_what_servers_say_before_any_cut(arun, status, body):
+    def script(req, n):
+        if body is not None:
+            return httpx.Response(status, json=body)
+        return httpx.Response(200, content=sse({"error": {"message": f"upstream said {KEY}"}}))
+
+    srv = Server(script, key=KEY)
+    row = one_row(arun, srv, api_key=KEY)
+    assert row.finish_reason == "error" and ("***" in row.error or status != 200)
+    assert KEY[:6] not in row.error, row.error
+
+
+def test_a_server_finish_reason_of_error_ends_the_row_in_error(arun):
+    srv = Server(lambda req, n: httpx.Response(
+        200, content=sse(*chat_chunks(["partial"], finish="error"))))
+    row = one_row(arun, srv)
+    assert row.finish_reason == "error" and "reported an error" in row.error
+    assert row.text == "partial"
+
+
+def test_a_bad_address_is_shown_without_its_password():
+    for url in ("http://me:hunter2@h:99999/v1", "ftp://me:hunter2@h/v1", "http://[::1/v1"):
+        with pytest.raises(ValueError) as e:
+            normalize_url(url)
+        assert "hunter2" not in str(e.value) and "e.g. http://localhost:8000/v1" in str(e.value)
+
+
 def test_model_choice_at_connect():
     srv = Server(lambda req, n: httpx.Response(200), models=("a", "b"))
     with pytest.raises(ValueError, match="serves 2 models .*pick one with --model"):
@@ -422,6 +463,25 @@ def test_cancel_queued_and_streaming_rows(arun):
     assert [r.finish_reason for r in res] == ["cancelled", "cancelled"]
     assert len(srv.bodies) == 1 and Slow.closed  # the queued row was never sent
     assert eng.running == 0 and eng.steps and eng.steps[-1].kv_bytes == 0.375
+
+
+def test_rows_cancelled_as_their_requests_start_end_and_free_their_slots(arun):
+    """A cancel in the same loop step as the submit reaches tasks that never ran."""
+    srv = Server(lambda req, n: httpx.Response(200, content=sse(*chat_chunks(["x"]))))
+
+    async def main():
+        eng = engine(srv, max_concurrency=1)
+        run = eng.generate(["a", "b", "c"], max_tokens=4)
+        run.cancel()
+        res = await asyncio.wait_for(run, 5)
+        later = await asyncio.wait_for(eng.submit("later", max_tokens=4), 5)
+        running = eng.running
+        await eng.aclose()
+        return res, later, running
+
+    res, later, running = arun(main)
+    assert [r.finish_reason for r in res] == ["cancelled"] * 3
+    assert later.finish_reason == "length" and running == 0
 
 
 # -- the magics ------------------------------------------------------------------------

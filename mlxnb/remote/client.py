@@ -75,16 +75,21 @@ def normalize_url(url: str) -> str:
     """`http://host:8000` or `http://host:8000/v1/` -> `http://host:8000/v1`."""
     if not isinstance(url, str) or not url.strip():
         raise ValueError("give the server's address, e.g. http://localhost:8000/v1")
-    u = urlsplit(url.strip())
+    try:
+        u = urlsplit(url.strip())
+    except ValueError as e:  # e.g. an unclosed [ of an IPv6 address
+        raise ValueError(f"cannot read the server's address ({e}); write e.g. "
+                         "http://localhost:8000/v1") from None
+    shown = urlunsplit(u._replace(netloc=u.netloc.rpartition("@")[2]))  # no password
     if u.scheme not in ("http", "https") or not u.netloc:
-        raise ValueError(f"{url!r} is not an http(s) address; write e.g. "
+        raise ValueError(f"{shown!r} is not an http(s) address; write e.g. "
                          "http://localhost:8000/v1")
     try:
         port = u.port  # ValueError: not a number, or past 65535
     except ValueError:
         port = 0
     if not u.hostname or port == 0:
-        raise ValueError(f"{url!r} has no valid host and port (ports are 1-65535); "
+        raise ValueError(f"{shown!r} has no valid host and port (ports are 1-65535); "
                          "write e.g. http://localhost:8000/v1")
     path = u.path.rstrip("/") or "/v1"
     return urlunsplit((u.scheme, u.netloc, path, "", ""))
@@ -110,7 +115,15 @@ class Client:
         # what messages show: user:password@ in an address is a credential too
         u = urlsplit(self.base)
         self.shown = urlunsplit((u.scheme, u.netloc.rpartition("@")[2], u.path, "", ""))
-        self._key = api_key or None
+        # A key read from a file often ends in a newline; inside, a line break or any
+        # non-ASCII character cannot go in a header (h11 would refuse it in every
+        # request, quoting the key in its message).
+        self._key = api_key.strip() if isinstance(api_key, str) else api_key
+        self._key = self._key or None
+        if self._key and not (self._key.isascii() and self._key.isprintable()):
+            raise ValueError("the API key holds a character an HTTP header cannot carry "
+                             "(a line break, a control or a non-ASCII character); check "
+                             "the key's value")
         self._headers = {"Accept": "text/event-stream"}
         if self._key:
             self._headers["Authorization"] = f"Bearer {self._key}"
@@ -126,8 +139,10 @@ class Client:
         # (so no read timeout here: it would end a queued row the watchdog keeps)
         self._timeout = httpx.Timeout(connect=min(connect_timeout, self.timeout),
                                       read=None, write=30.0, pool=None)
-        self._limits = httpx.Limits(max_connections=max_connections,
-                                    max_keepalive_connections=max_connections)
+        # One connection more than the streams may take (the engine bounds those):
+        # the charts' /metrics page must not wait behind a full batch.
+        self._limits = httpx.Limits(max_connections=max_connections + 1,
+                                    max_keepalive_connections=max_connections + 1)
         self.retries = retries
         # A busy server's 429/503 asks for a real pause; a refused or reset connection
         # is most often a burst of new connections overflowing a small listen backlog
@@ -145,6 +160,10 @@ class Client:
     def scrub(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
 
+    def scrub_bytes(self, body: bytes) -> bytes:
+        """A body with the key taken out: before any cut, which could leave part."""
+        return body.replace(self._key.encode(), b"***") if self._key else body
+
     def _client(self) -> httpx.AsyncClient:
         if self._http is None or self._http.is_closed:
             self._http = httpx.AsyncClient(headers=self._headers, timeout=self._timeout,
@@ -158,7 +177,7 @@ class Client:
 
     # -- errors ----------------------------------------------------------------------
     def http_error(self, status: int, body: bytes, model: Optional[str]) -> ServerError:
-        msg = self.scrub(error_text(body))
+        msg = error_text(self.scrub_bytes(body))
         if status in (401, 403):
             return ServerError(
                 f"the server refused the API key ({status}: {msg}); give the right key "

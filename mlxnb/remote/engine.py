@@ -23,6 +23,7 @@ from collections import deque
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from .. import _aio
+from .._text import one_line
 from ..core.rows import DECODE, PREFILL, Row, StepRecord
 from ..core.prompts import check_text, sampling_params
 from ..core.protocol import HeldRows, Listeners
@@ -176,8 +177,10 @@ class RemoteEngine(HeldRows, Listeners):
                 continue
             # A fresh context: output from these tasks must not be tied to the cell
             # that happened to start them (as the local engine's serving task).
-            self._tasks[row.id] = self.loop.create_task(self._stream_row(row),
-                                                        context=contextvars.Context())
+            task = self.loop.create_task(self._stream_row(row),
+                                         context=contextvars.Context())
+            task.add_done_callback(lambda _, row=row: self._streamed(row))
+            self._tasks[row.id] = task
         if self._tasks and (self._sampler_task is None or self._sampler_task.done()):
             self._sampler_task = self.loop.create_task(self._sampler(),
                                                        context=contextvars.Context())
@@ -200,12 +203,16 @@ class RemoteEngine(HeldRows, Listeners):
         except asyncio.CancelledError:
             self._end(row, Finish.CANCELLED)
         except ServerError as e:
-            self._end(row, Finish.ERROR, str(e))
+            self._end(row, Finish.ERROR, one_line(self.client.scrub(str(e)), 600))
         except Exception as e:  # a bug here must end this row only
             self._end(row, Finish.ERROR, self.client.scrub(f"{type(e).__name__}: {e}"))
-        finally:
-            self._tasks.pop(row.id, None)
-            self._pump()
+
+    def _streamed(self, row: RemoteRow):
+        """A row's task is over: free its slot, start the next. A task cancelled before
+        it first ran never entered _stream_row, so its row may not have ended yet."""
+        self._tasks.pop(row.id, None)
+        self._end(row, Finish.CANCELLED)
+        self._pump()
 
     def _on_comment(self, row: RemoteRow, text: str) -> bool:
         """Apply one comment; True when it reported prefill progress (a long prompt

@@ -105,7 +105,9 @@ def parse_event(obj, chat: bool) -> Event:
     err = obj.get("error")
     if err:
         msg = err.get("message") if isinstance(err, dict) else err
-        raise ServerError(f"the server failed the request: {one_line(msg, 200)}")
+        # cut long, not at 200: the engine scrubs the API key out first (a cut could
+        # leave part of it), then cuts
+        raise ServerError(f"the server failed the request: {one_line(msg, 2000)}")
     if isinstance(obj.get("usage"), dict):
         ev.usage = obj["usage"]
     for ch in obj.get("choices") or ():
@@ -147,6 +149,8 @@ def finish(server_reason: Optional[str]) -> Tuple[str, Optional[str]]:
                          "have stopped or restarted)")
     if server_reason == "abort":
         return Finish.ERROR, "the server aborted the request"
+    if server_reason == "error":  # vLLM's word for a request that failed
+        return Finish.ERROR, "the server reported an error for this request"
     return FINISH.get(server_reason, Finish.STOP), None
 
 
