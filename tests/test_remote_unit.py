@@ -287,6 +287,16 @@ def test_a_stream_broken_after_tokens_is_not_retried(arun):
     assert "broke mid-stream" in r.error
 
 
+def test_a_stream_broken_after_its_finish_reason_keeps_that_finish(arun):
+    class Broken(httpx.AsyncByteStream):  # the row was over; only [DONE] is missing
+        async def __aiter__(self):
+            yield sse(*chat_chunks(["one", "two"], finish="stop"), done=False)
+            raise httpx.ReadError("connection reset by peer")
+
+    r = one_row(arun, Server(lambda req, n: httpx.Response(200, stream=Broken())))
+    assert (r.finish_reason, r.text, r.error) == ("stop", "onetwo", None)
+
+
 @pytest.mark.parametrize("status,body,want", [
     (400, {"error": "top_logprobs must be at most 11"},
      "the server rejected the request: top_logprobs must be at most 11"),

@@ -203,7 +203,12 @@ class RemoteEngine(HeldRows, Listeners):
         except asyncio.CancelledError:
             self._end(row, Finish.CANCELLED)
         except ServerError as e:
-            self._end(row, Finish.ERROR, one_line(self.client.scrub(str(e)), 600))
+            if row._server_finish is not None:
+                # the server had said how the row ended: a break after that (before
+                # [DONE]) loses nothing of it
+                self._end(row, *wire.finish(row._server_finish))
+            else:
+                self._end(row, Finish.ERROR, one_line(self.client.scrub(str(e)), 600))
         except Exception as e:  # a bug here must end this row only
             self._end(row, Finish.ERROR, self.client.scrub(f"{type(e).__name__}: {e}"))
 
