@@ -284,6 +284,29 @@ def test_connect_magic_never_holds_the_kernel_and_reports_a_stuck_server(ip):
     assert magics.get_engine() is None
 
 
+def test_unload_stops_a_connection_under_way(ip, capsys):
+    from mlxnb.notebook import magics
+
+    served = threading.Event()
+
+    def late_models(srv, conn):  # answers after the connect magic has returned
+        time.sleep(1.0)
+        body = json.dumps({"data": [{"id": "m1"}]}).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        served.set()
+
+    with Loopback(models=late_models) as srv:
+        ip.run_line_magic("mlxnb", f"connect {srv.url} --timeout 3")
+        ip.run_line_magic("mlxnb", "unload")
+        assert "stopped connecting to" in capsys.readouterr().out
+        assert served.wait(5)
+        time.sleep(0.3)  # the probe's answer is in
+        ip.run_line_magic("mlxnb", "status")
+    assert magics.get_engine() is None and magics._S.connecting is None
+    assert "no model loaded yet" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "x", "nan", "inf", "1,2"])
 def test_connect_timeout_mistakes_are_one_line_usage_errors(ip, value):
     from IPython.core.error import UsageError

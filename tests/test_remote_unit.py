@@ -398,6 +398,13 @@ def test_a_bad_address_is_shown_without_its_password():
         assert "hunter2" not in str(e.value) and "e.g. http://localhost:8000/v1" in str(e.value)
 
 
+@pytest.mark.parametrize("retries", ["3", -1, True, 2.0])
+def test_a_bad_retries_is_refused_at_connect(retries):
+    srv = Server(lambda req, n: httpx.Response(200))
+    with pytest.raises(ValueError, match="^retries must be an integer >= 0, got "):
+        engine(srv, retries=retries)
+
+
 def test_model_choice_at_connect():
     srv = Server(lambda req, n: httpx.Response(200), models=("a", "b"))
     with pytest.raises(ValueError, match="serves 2 models .*pick one with --model"):

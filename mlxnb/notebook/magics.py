@@ -206,7 +206,13 @@ class MLXNBMagics(Magics):
               "`await mlxnb.wait()` (every row) or `await run` (one cell's rows)")
 
     def _cmd_unload(self, rest=""):
+        c = connecting.pending()
+        connecting.abandon()  # a connection under way would install itself later
+        if c is not None:
+            print(f"mlxnb: stopped connecting to {c.url}")
         eng = get_engine()
+        if eng is None and c is not None:
+            return None
         if eng is None:
             print("mlxnb: no engine to unload")
             return None

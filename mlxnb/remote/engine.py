@@ -54,6 +54,8 @@ class RemoteEngine(HeldRows, Listeners):
                 or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be a positive integer, got "
                              f"{max_concurrency!r}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
         timeout = check_timeout(timeout)
         self.client = Client(url, api_key, max_connections=max_concurrency, timeout=timeout,
                              retries=retries, transport=_transport)
