@@ -76,6 +76,8 @@ OPTIONAL_600 = {"type": "object",
     # empty languages: accepted before, then every row ended in error at token 0
     (dict(json_schema={"$ref": "#"}), "no JSON value satisfies json_schema"),
     (dict(regex=r"[^\s\S]"), "regex matches no text"),
+    (dict(regex="(a|b)\\"), "ends in a lone backslash; escape it"),
+    (dict(regex="\\"), "ends in a lone backslash"),
     # right recursion without an end: accepted, then an error at token 1
     (dict(grammar='start: "a" start'), "limit of 50000 parser items"),
     (dict(grammar='root ::= "a" root'), "write recursion on the left"),

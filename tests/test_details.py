@@ -4,6 +4,8 @@ view opens, answered once; checked against the rows and steps themselves."""
 import asyncio
 import math
 
+import pytest
+
 from mlxnb import Engine
 from mlxnb.notebook import details
 from mlxnb.notebook.widget import GenerationWidget
@@ -128,11 +130,14 @@ def test_a_running_rows_view_asks_only_for_the_tokens_it_lacks():
     assert len(kept[str(row.id)]["tokens"]["items"]) == row.ntok  # kept whole
 
 
-def test_a_structured_rows_tokens_say_how_many_tokens_its_constraint_allowed(tiny, arun):
+@pytest.mark.parametrize("speculating", [0, 3])
+def test_a_structured_rows_tokens_say_how_many_tokens_its_constraint_allowed(tiny, arun,
+                                                                            speculating):
     """Each decoded token of a constrained row with logprobs carries the number of
     tokens its mask allowed at that step: checked by replaying the row's tokens on a
     fresh copy of its constraint, for rows of different constraints sharing a batch
-    with a free row (so batch positions and the mask stacking both matter)."""
+    with a free row (so batch positions and the mask stacking both matter), and with
+    rows that speculate (so some of those steps are verification steps)."""
     import llguidance.numpy as lln
     import numpy as np
 
@@ -141,16 +146,25 @@ def test_a_structured_rows_tokens_say_how_many_tokens_its_constraint_allowed(tin
 
     async def main():
         eng = Engine(tiny, kv_budget=None, warmup=False)
+        # rows that speculate make verification steps, which the others join
+        spec = [eng.submit("abcabc abcabc abcabc " * 4, chat=False, max_tokens=400,
+                           speculate="lookup", num_draft=4) for _ in range(speculating)]
+        while spec and not any(r.draft_proposed for r in spec):
+            await asyncio.sleep(0.001)
         rows = [eng.submit(f"prompt {i}", chat=False, max_tokens=12, logprobs=2,
                            temperature=0.9, seed=i, **kw) for i, kw in enumerate(kinds)]
         for r in rows:
             await r
+        eng.cancel(spec)
+        for r in spec:
+            await r
         out = [(r.params, list(r.tokens), list(r.logprobs)) for r in rows]
         cons = eng.constraints
         await eng.aclose()
-        return out, cons
+        return out, cons, sum(r.draft_proposed for r in spec)
 
-    out, cons = arun(main)
+    out, cons, drafted = arun(main)
+    assert drafted or not speculating
     checked = 0
     for (params, toks, lps), kw in zip(out, kinds):
         if not kw:

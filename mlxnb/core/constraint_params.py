@@ -121,6 +121,10 @@ def check_params(p) -> None:
             raise ValueError(f"{k} must be a non-empty string; got {_short(v)}")
         if v is not None:
             _unicode(k, v)
+    if p.regex is not None and (len(p.regex) - len(p.regex.rstrip("\\"))) % 2:
+        # llguidance would drop the lone backslash and constrain to another pattern
+        raise ValueError(f"regex {_short(p.regex)} ends in a lone backslash; escape it "
+                         "(\\\\ for a literal backslash) or remove it")
     if p.choices is not None:
         if (not isinstance(p.choices, tuple) or not p.choices
                 or not all(isinstance(c, str) for c in p.choices)):

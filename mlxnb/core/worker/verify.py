@@ -123,6 +123,8 @@ def _logprobs(ex, lp, want, ids, W) -> dict:
     chosen = lp.chosen.tolist()
     top_ids = lp.top_ids.tolist() if lp.top_ids is not None else None
     top_lp = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
+    # a constrained row takes position 0 only, masked as in a plain step
+    allowed = ex.masks.allowed if ex._any_constrained else {}
     out = {}
     n = 0
     for i in want:
@@ -131,5 +133,7 @@ def _logprobs(ex, lp, want, ids, W) -> dict:
             out[(i, j)] = {"logprob": chosen[n],
                            "top": [(t, x) for t, x in zip(top_ids[n][:k], top_lp[n][:k])
                                    if x != -float("inf")] if top_ids else []}
+            if j == 0 and i in allowed:
+                out[(i, j)]["allowed"] = allowed[i]
             n += 1
     return out
