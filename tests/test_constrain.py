@@ -203,6 +203,12 @@ def test_check_names_where_a_text_breaks_its_constraint(tiny):
     assert cons.check(p, "AB-12") == "incomplete: its regex needs more"
     assert cons.check(p, "AB-1x3").startswith("breaks its regex at character 4: 'x3'")
     assert cons.check(SamplingParams(), "anything") is None
+    # text that spells a special token is read as text, as the row wrote it
+    special = SamplingParams(regex="<eos>|<pad>x")
+    assert cons.check(special, "<eos>") is None and cons.check(special, "<pad>x") is None
+    assert cons.check(special, "<pad>").startswith("incomplete")
+    assert cons.check(SamplingParams(regex="a+"), "a<eos>").startswith(
+        "breaks its regex at character 1")
 
 
 def test_schema_forms_gbnf_and_pandas_columns(tiny, arun):

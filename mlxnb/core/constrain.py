@@ -290,15 +290,18 @@ class Constraints:
 
     def check(self, p, text: str) -> Optional[str]:
         """Why `text` does not satisfy `p`'s constraint, or None when it does. A
-        fresh matcher reads the text as the tokenizer spells it, so this holds for
-        any ending: the grammar's own, max_tokens, or a stop string that cut it."""
+        fresh matcher reads the text's bytes, so this holds for any ending: the
+        grammar's own, max_tokens, or a stop string that cut it. (Spelled by
+        llguidance's greedy tokenizer, which has no special tokens: the tokenizer's
+        own encode would read text such as "<eos>" as the special token.)"""
         m = self.compile(p, "check")  # its own lexer: no fill thread waits for it
         if m is None:
             return None
-        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        llt = self.lltokenizer()
+        ids = llt.greedy_tokenize(text)
         n = m.try_consume_tokens(ids)
         if n < len(ids):
-            at = len(self._tokenizer.decode(ids[:n]))
+            at = len(llt.decode_str(ids[:n]))
             return f"breaks {_WHAT[kind_of(p)]} at character {at}: {_short(text[at:], 24)}"
         return verdict(p, m, text)
 
