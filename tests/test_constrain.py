@@ -191,6 +191,8 @@ def test_a_stop_string_that_cuts_a_constrained_row_leaves_it_not_valid(tiny, aru
     assert (js.text, js.finish_reason, js.valid, js.json) == ("12", "stop", False, None)
     assert js.json_error == "incomplete: its schema needs more"
     assert whole.result().valid is True and cut.result().valid is False
+    assert whole.result().constraint_error is None
+    assert cut.result().constraint_error == cut.constraint_error is not None
 
 
 def test_check_names_where_a_text_breaks_its_constraint(tiny):

@@ -128,6 +128,7 @@ class RowResult:
     json: Any = None  # the text parsed as JSON (see Row.json)
     json_error: Optional[str] = None
     valid: Optional[bool] = None  # a constrained row's text satisfies its constraint
+    constraint_error: Optional[str] = None  # why not, when it does not
     draft_proposed: int = 0  # speculation: drafts verified, and accepted
     draft_accepted: int = 0
 
@@ -243,6 +244,7 @@ class Row:
             logprobs=self.logprobs, error=self.error, seed=p.seed,
             params=p.as_dict(),
             json=self.json, json_error=self.json_error, valid=self.valid,
+            constraint_error=self.constraint_error,
             draft_proposed=self.draft_proposed, draft_accepted=self.draft_accepted,
         )
 
