@@ -316,3 +316,32 @@ def test_a_recursive_ref_beside_annotations_runs(tiny, arun):
     for r in arun(main):
         assert r.finish_reason in ("stop", "length") and r.error is None, r.error
         assert r.finish_reason == "length" or r.valid, (r.text, r.constraint_error)
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(regex="<bos>"), {"<bos>"}),
+    (dict(regex="abcd<pad>"), {"abcd<pad>"}),
+    (dict(regex="abcd<eos>", temperature=1.0, seed=3), {"abcd<eos>"}),
+    (dict(choices=["see <pad> here", "none <eos>"]), {"see <pad> here", "none <eos>"}),
+    (dict(json_schema={"type": "object", "properties": {"b": {"const": "<pad>"}},
+                       "required": ["b"], "additionalProperties": False}),
+     {'{"b": "<pad>"}'}),
+])
+def test_text_spelling_a_special_token_is_written_as_text(tiny, arun, kw, want):
+    """The tiny tokenizer's <bos>, <eos> and <pad> are special tokens: a constraint
+    that forces their text gets it written in ordinary tokens, rows with and without
+    a stop string alike."""
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("x", chat=False, max_tokens=40, **kw),
+                eng.submit("x", chat=False, max_tokens=40, stop=["zzz"], **kw)]
+        for r in rows:
+            await r
+        special = {eng.tokenizer.convert_tokens_to_ids(t) for t in ("<bos>", "<eos>", "<pad>")}
+        await eng.aclose()
+        return rows, special
+
+    rows, special = arun(main)
+    for r in rows:
+        assert (r.finish_reason, r.valid, r.error) == ("stop", True, None), r.constraint_error
+        assert r.text in want and not special & set(r.tokens), (r.text, r.tokens)

@@ -84,6 +84,26 @@ class Compiling(Future):
 
 
 # -- per engine: the compiler ---------------------------------------------------------
+class _PlainText:
+    """The tokenizer as llguidance sees it (its tokens' bytes, which are special),
+    encoding text with special tokens split: llguidance tokenizes the text a
+    constraint forces with it, and text that spells a special token ("<pad>") must
+    come out as the text, which the model can write, not as the special token, which
+    the constraint's text then refuses."""
+
+    def __init__(self, spelled, hf):
+        n = spelled.vocab_size
+        self.tokens = [spelled.decode_bytes([i]) for i in range(n)]
+        self.special_token_ids = [i for i in range(n) if spelled.is_special_token(i)]
+        self.eos_token_id, self.bos_token_id = spelled.eos_token, None
+        self._hf = hf
+
+    def __call__(self, text):
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        return self._hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 class Constraints:
     """The engine's constraint compiler.
 
@@ -137,10 +157,13 @@ class Constraints:
                 # and regexes, choices and Lark no slower than with the general ones
                 slices = llguidance.LLTokenizer.json_slices()
                 try:
-                    self._llt = llguidance.hf.from_tokenizer(hf, eos_token=eos, slices=slices)
+                    spelled = llguidance.hf.from_tokenizer(hf, eos_token=eos, slices=[])
                 except ValueError as e:
                     raise ValueError(f"constrained rows need a fast (Rust) Hugging Face "
                                      f"tokenizer ({e})") from None
+                self._llt = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(_PlainText(spelled, hf)), eos_token=eos,
+                    slices=slices)
             return self._llt
 
     def compile(self, p, lane: Any = 0):
