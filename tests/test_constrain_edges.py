@@ -345,3 +345,31 @@ def test_text_spelling_a_special_token_is_written_as_text(tiny, arun, kw, want):
     for r in rows:
         assert (r.finish_reason, r.valid, r.error) == ("stop", True, None), r.constraint_error
         assert r.text in want and not special & set(r.tokens), (r.text, r.tokens)
+
+
+def test_the_copy_that_checks_finished_texts_compiles_off_the_loop(tiny, arun, monkeypatch):
+    import threading
+
+    from mlxnb.core import constrain
+
+    compiled_on, template = [], constrain.Constraints._template
+
+    def spy(self, p, lane=0):
+        hit = self._cache.get(constrain._key(p))
+        if lane == "check" and not (hit and "check" in hit[1]):
+            compiled_on.append(threading.current_thread().name)
+        return template(self, p, lane)
+
+    monkeypatch.setattr(constrain.Constraints, "_template", spy)
+
+    async def main():
+        eng = make(tiny)
+        row = eng.submit("x", chat=False, max_tokens=20, regex="[a-c]{4}x[0-9]{3}",
+                         stop=["x"])  # the stop string ends it: the loop checks its text
+        await row
+        await eng.aclose()
+        return row
+
+    row = arun(main)
+    assert row.finish_reason == "stop" and row.valid is False
+    assert compiled_on == ["mlxnb-constraint"]

@@ -255,6 +255,9 @@ class Constraints:
                 timer.cancel()
             if key[0] == "json_schema":  # its rows' full check needs it (above)
                 _jsonschema_ready.wait(COMPILE_TIMEOUT_S)
+            # the copy `check` reads finished texts with, compiled here rather than on
+            # the loop as a row ends (a large schema takes a fifth of a second)
+            self._template(p, "check")
         except ValueError as e:
             why = str(e)
         except BaseException as e:  # a Rust panic is a BaseException
