@@ -90,7 +90,9 @@ def _parse(row) -> Tuple[Any, Optional[str]]:
     except ValueError as e:
         cut = " (cut by max_tokens: raise --max-tokens)" if row.finish_reason == Finish.LENGTH else ""
         return None, f"not valid JSON: {e}{cut}"
-    if row.constraint_error is not None:  # JSON, cut by a stop string before the schema was met
+    # JSON that does not meet its schema (a stop string cut it short, or it breaks a
+    # key checked only after generating): no value, and why
+    if row.constraint_error is not None:
         return None, row.constraint_error
     return value, None
 
