@@ -388,6 +388,29 @@ def test_save_is_atomic_and_writes_common_python_values(tiny, arun, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]  # no temp left
 
 
+def test_saved_lines_are_strict_json(tiny, arun, tmp_path):
+    np = pytest.importorskip("numpy")
+
+    async def main():
+        eng = make(tiny)
+        row = eng.submit("a", chat=False, max_tokens=2, tag={
+            "x": float("nan"), "y": np.float32("inf"), "z": [1.5, float("-inf")],
+            "w": np.array([np.nan, 2.0])})
+        await row
+        await eng.aclose()
+        return row
+
+    row = arun(main)
+    target = Run([row]).save(tmp_path / "out.jsonl")
+
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    rec = json.loads(target.read_text(encoding="utf-8"), parse_constant=refuse)
+    assert (rec["x"], rec["y"], rec["z"], rec["w"]) == (None, None, [1.5, None], [None, 2.0])
+    assert rec["token_ids"] == row.tokens
+
+
 def test_records_and_saved_lines_use_only_the_columns_sweeps_must_avoid(tiny, arun,
                                                                           tmp_path):
     """A row's tag (its sweep values) is safe from being overwritten only if every

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import math
 import os
 import secrets
 import stat
@@ -120,7 +121,8 @@ class Run:
         Atomic: written to a temporary file next to `path`, then renamed over it, so a
         failure leaves an existing file as it was. A symbolic link is written through
         (its target is replaced, the link stays); a character device such as /dev/null
-        is written as it is; a FIFO, socket or directory is refused. numpy numbers and arrays, dates and
+        is written as it is; a FIFO, socket or directory is refused. Strict JSON: NaN and
+        infinities are written as null. numpy numbers and arrays, dates and
         paths in sweep values are written as JSON numbers, lists and strings."""
         given, path = Path(path), _save_target(path)
         lines = []
@@ -131,7 +133,12 @@ class Run:
                        model=self.meta.get("model"))
             if params.get("adapter") is not None:
                 rec["adapter_path"] = self.meta.get("adapters", {}).get(params["adapter"])
-            line = json.dumps(rec, ensure_ascii=False, default=_json_default)
+            try:  # strict JSON: other tools (jq, JavaScript) refuse NaN and Infinity
+                line = json.dumps(rec, ensure_ascii=False, default=_json_default,
+                                  allow_nan=False)
+            except ValueError:
+                rec = _finite(rec)
+                line = json.dumps(rec, ensure_ascii=False, default=_json_default)
             try:
                 line.encode("utf-8")
             except UnicodeEncodeError:  # lone surrogates: JSON's \ud800 escapes
@@ -164,6 +171,19 @@ class Run:
         s = ", ".join(f"{v} {k}" for k, v in states.items())
         name = f" {self.name!r}" if self.name else ""
         return f"<Run{name}: {len(self.rows)} rows ({s})>"
+
+
+def _finite(o):
+    """`o` as JSON values, NaN and infinities as null (as pandas writes them)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    if o is None or isinstance(o, (str, int)):
+        return o
+    return _finite(_json_default(o))
 
 
 def _json_default(o):
