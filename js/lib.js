@@ -260,15 +260,16 @@ export function formatRate(x) {
   return x >= 100 ? x.toFixed(0) : x.toFixed(1);
 }
 
-/** The end of a streaming text for a one-line view: newlines shown as ⏎. */
+const insidePair = (s, i) => i > 0 && i < s.length && (s.charCodeAt(i) & 0xfc00) === 0xdc00;
+/** The end of a text for a one-line view, newlines shown as ⏎; no cut splits an emoji. */
 export function tailText(text, n = 240) {
-  const t = text.length > n ? "…" + text.slice(-n) : text;
-  return t.replace(/\r?\n/g, " ⏎ ");
+  const from = text.length > n ? text.length - n + insidePair(text, text.length - n) : 0;
+  return (from ? "…" + text.slice(from) : text).replace(/\r?\n/g, " ⏎ ");
 }
 
 export function oneLine(text, n = 240) {
   const t = text.replace(/\s+/g, " ").trim();
-  return t.length > n ? t.slice(0, n - 1) + "…" : t;
+  return t.length > n ? t.slice(0, n - 1 - insidePair(t, n - 1)) + "…" : t;
 }
 
 // Row colours: golden-angle hues with three lightness levels, so neighbouring ids are

@@ -191,3 +191,46 @@ def test_kept_steps_are_bounded_and_latest_last():
     again = details.keep_step(kept, {"type": "step_detail", "step": 20, "batch_ids": [20]})
     assert list(again)[-1] == "20" and len(again) == details.KEEP_STEPS
     assert details.keep_step(again, {"type": "step_detail", "step": 5, "missing": True}) is again
+
+
+def test_the_inspectors_answer_for_finished_rows_nobody_holds_any_more():
+    import gc
+
+    async def main():
+        eng = FakeEngine(step_s=0.001)
+        rows = [eng.submit(f"p{i}", max_tokens=5) for i in range(2)]
+        w = GenerationWidget(eng, rows)
+        msgs = capture(w)
+        await settle(w, eng)
+        ended = [s.step for s in eng.steps if s.ended][-1]
+        eng.rows.clear()  # the user's handles go (a `run` re-bound)
+        rows.clear()
+        gc.collect()
+        assert not w._rows.values() and len(w._rows) == 2
+        w._on_front_msg(w, {"type": "step_detail", "step": ended}, [])
+        w._on_front_msg(w, {"type": "row_detail", "id": 0}, [])
+        w.close()
+        return [m for m in customs(msgs) if m["type"] in ("step_detail", "row_detail")]
+
+    step, row = asyncio.run(main())
+    assert step["type"] == "step_detail" and step["labels"] == {"0": "p0", "1": "p1"}
+    assert step["finish"] == {"0": "length", "1": "length"}
+    assert row == {"type": "row_detail", "id": 0, "gone": True, "trace": []}
+
+
+def test_a_token_view_spells_each_tokens_share_of_the_text(tiny, arun):
+    """Byte-level pieces of one character show on the token completing it, so the
+    pieces joined are the row's text (and the text from any start on)."""
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        row = eng.submit("x", chat=False, max_tokens=40, choices=["héllo 😀 שלום"])
+        await row
+        views = [details.token_view(row, eng.tokenizer, start) for start in (0, 7)]
+        await eng.aclose()
+        return row, views
+
+    row, (whole, tail) = arun(main)
+    assert row.text == "héllo 😀 שלום" and len(row.tokens) > len(row.text)
+    assert "".join(it["s"] for it in whole["items"]) == row.text
+    assert [it["s"] for it in tail["items"]] == [it["s"] for it in whole["items"]][7:]
+    assert "" in [it["s"] for it in whole["items"]]  # a byte that completes nothing

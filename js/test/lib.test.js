@@ -220,6 +220,14 @@ test("formatRate, text helpers, colours", () => {
   assert.equal(tailText("abcdef", 3), "…def");
   assert.equal(oneLine("  a \n\n b  "), "a b");
   assert.equal(oneLine("abcdef", 4), "abc…");
+  // cuts never split an emoji's surrogate pair
+  const lone = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+  for (let n = 2; n < 9; n++) {
+    assert.doesNotMatch(tailText("😀".repeat(5) + "y", n), lone);
+    assert.doesNotMatch(oneLine("😀".repeat(5), n), lone);
+  }
+  assert.equal(tailText("a😀b", 2), "…b");
+  assert.equal(oneLine("ab😀c", 4), "ab…");
   assert.equal(rowColor(3), rowColor(3)); // a row keeps its colour
   assert.match(rowColor(-1), /^hsl\(/);
 });

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Optional
 
 from .._text import one_line
 from ..core.constraint_params import kind_of
@@ -58,6 +57,29 @@ def _piece(tok, tid: int, cache: dict) -> str:
     return s
 
 
+def _pieces(tokenizer, toks: list, start: int) -> dict:
+    """Token index -> the text it adds to the row, for tokens from `start` on: each
+    token decoded after the one before it (so a SentencePiece word keeps its leading
+    space), and a character split over tokens (the bytes of an emoji) shown on the
+    token that completes it, the others adding "". Joined, the pieces are the text."""
+    out, held = {}, 0  # tokens not shown yet: they end in an incomplete character
+    for i in range(max(0, start - 4), len(toks)):
+        k = max(0, i - held - 1)  # one shown token of context before them
+        try:
+            whole = tokenizer.decode(toks[k:i + 1])
+            shown = tokenizer.decode(toks[k:i - held]) if i - held > k else ""
+        except Exception:  # a tokenizer that cannot: one by one
+            return {}
+        if whole.endswith("\ufffd") and held < 4:
+            held += 1
+            piece = ""
+        else:
+            held, piece = 0, whole[len(shown):]
+        if i >= start:
+            out[i] = piece
+    return out
+
+
 def sampling(row) -> dict:
     p = row.params
     out = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
@@ -77,12 +99,15 @@ def token_view(row, tokenizer, start: int = 0) -> dict:
     lps = row.logprobs if getattr(row, "logprobs", None) else None
     drafts = set(getattr(row, "drafted", None) or ())
     cache: dict = {}
+    pieces = _pieces(tokenizer, toks, start) if tokenizer is not None else {}
     items = []
     for i in range(min(start, len(toks)), len(toks)):
         tid = toks[i]
         it = {"i": i, "id": int(tid)}
         if tokenizer is not None:
-            it["s"] = _piece(tokenizer, int(tid), cache)
+            it["s"] = pieces.get(i)
+            if it["s"] is None:
+                it["s"] = _piece(tokenizer, int(tid), cache)
         if lps is not None and i < len(lps) and lps[i] is not None:
             rec = lps[i]
             lp = rec.get("logprob")
@@ -124,8 +149,9 @@ def find_step(steps, n: int):
     return steps[i] if i < len(steps) and steps[i].step == n else None
 
 
-def step_detail(steps, n: int, rows: dict, label_rows: Optional[dict] = None) -> dict:
-    """One step for the step inspector; `rows`: the widget's rows by id (labels)."""
+def step_detail(steps, n: int, rows) -> dict:
+    """One step for the step inspector; `rows`: the widget's RowTable (labels: of a
+    row that lives, or as recorded when it finished)."""
     rec = find_step(steps, n)
     if rec is None:
         return {"type": "step_detail", "step": n, "missing": True}
@@ -136,8 +162,16 @@ def step_detail(steps, n: int, rows: dict, label_rows: Optional[dict] = None) ->
              t=_r(rec.t), dt_s=_r(rec.dt_s, 6))
     ids = set(d.get("batch_ids", [])) | {int(k) for k in d.get("prefill_rows", {})} | \
         set(d.get("ended", []))
-    d["labels"] = {str(i): one_line(rows[i].prompt, LABEL_CHARS) for i in ids if i in rows}
-    d["finish"] = {str(i): rows[i].finish_reason for i in d.get("ended", []) if i in rows}
+    d["labels"], d["finish"] = {}, {}
+    for i in ids:
+        row = rows.get(i)
+        seen = ({"prompt": row.prompt, "finish": row.finish_reason} if row is not None
+                else rows.recorded(i) if i in rows else None)
+        if seen is None:
+            continue
+        d["labels"][str(i)] = one_line(seen.get("prompt") or "", LABEL_CHARS)
+        if i in d.get("ended", []):
+            d["finish"][str(i)] = seen.get("finish")
     return d
 
 

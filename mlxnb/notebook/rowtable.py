@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Dict, Iterator, List
 
-__all__ = ["RowTable"]
+__all__ = ["RowTable", "newest"]
 
 
 class _Recorded:
@@ -59,6 +59,11 @@ class RowTable:
             raise KeyError(rid)
         return row
 
+    def recorded(self, rid):
+        """The dict recorded when row `rid` finished (None while it runs)."""
+        e = self._at.get(rid)
+        return e.full if isinstance(e, _Recorded) else None
+
     def done(self, rid) -> bool:
         e = self._at[rid]
         return isinstance(e, _Recorded) or e.done
@@ -92,3 +97,16 @@ class RowTable:
                 self._at[rid] = _Recorded(row, d)
             out.append(d)
         return out
+
+
+def newest(rows, most: int) -> list:
+    """A dashboard's first rows: every live row and the newest finished ones, at most
+    `most` in all unless more are live (the rule `_prune` keeps), in the engine's order."""
+    rows = list(rows)
+    room = max(most - sum(1 for r in rows if not r.done), 0)
+    keep = []
+    for r in reversed(rows):
+        if not r.done or room > 0:
+            room -= r.done
+            keep.append(r)
+    return keep[::-1]

@@ -47,7 +47,7 @@ from . import textview as _textview
 from . import results, rowwire
 from .frontend import asset, bundle
 from .gone_engine import GoneEngine
-from .rowtable import RowTable
+from .rowtable import RowTable, newest
 from .stepchart import MAX_STEP_POINTS, STEP_KEYS
 
 FLUSH_HZ = 15
@@ -81,7 +81,7 @@ class GenerationWidget(anywidget.AnyWidget):
         self.max_rows = max_rows if self.dashboard else None
         self._period = 1.0 / flush_hz
         self._trait_interval = 3.0 if self.dashboard else 1.0
-        src = list(engine.rows)[-max_rows:] if self.dashboard else list(rows)
+        src = newest(engine.rows, max_rows) if self.dashboard else list(rows)
         self._rows = RowTable(src)  # display order; finished rows held weakly (rowtable.py)
         self._live = set(self._rows)  # rows not yet reported as done
         # rows whose finish has not come: a widget's steps run from its first row's
@@ -104,7 +104,6 @@ class GenerationWidget(anywidget.AnyWidget):
         # kept current by this id.
         self.display_id = f"mlxnb-{uuid.uuid4().hex}"
         self._results_shown = False
-        self._t_results = 0.0
         self._pending.extend(self._backfill())
         self._flush(send=False)
         self._write_traits()
@@ -201,7 +200,7 @@ class GenerationWidget(anywidget.AnyWidget):
                     return
                 if self._dirty and time.monotonic() - self._t_traits > self._trait_interval:
                     self._write_traits()
-                elif time.monotonic() - self._t_results > RESULTS_INTERVAL_S:
+                elif time.monotonic() - self._t_traits > RESULTS_INTERVAL_S:
                     # Both saved forms (widget state, the results output) stay at most
                     # this far behind while rows run; a full state is a few hundred kB
                     # at most, every few seconds.
@@ -308,6 +307,9 @@ class GenerationWidget(anywidget.AnyWidget):
             row = self._rows.get(rid) if isinstance(rid, int) else None
             start = content.get("from", 0)  # tokens the view already holds
             start = start if isinstance(start, int) and start > 0 else 0
+            if row is None and isinstance(rid, int) and rid in self._rows:
+                # finished, and no handle holds it any more: its tokens are gone
+                self.send({"type": "row_detail", "id": rid, "gone": True, "trace": []})
             if row is not None:
                 d = _details.row_detail(row, self.engine, start)
                 self.send(d)
@@ -372,12 +374,10 @@ class GenerationWidget(anywidget.AnyWidget):
         display(data, metadata=meta, raw=True)
         display(self.results_bundle(), raw=True, display_id=self.display_id)
         self._results_shown = True
-        self._t_results = time.monotonic()
 
     def _update_results(self) -> None:
         if not self._results_shown or self._rows.lost:  # the last rendering stays whole
             return
-        self._t_results = time.monotonic()
         try:
             from IPython.display import update_display
 
