@@ -3,7 +3,7 @@
 // the rows and steps opened while the kernel ran are also in the "details" and
 // "step_details" traits, so a notebook saved with widget state still shows them.
 import { liveNow, oneLine, rowColor } from "./lib.js";
-import { draftText, nearestIndex, samplingText, showPiece, stampPhases, stepAxis, stepLines, stepNote, tokenInfo, tokenShade, waterfall } from "./views.js";
+import { draftText, nearestIndex, samplingText, showPiece, stampPhases, stepAxis, stepLines, stepNote, tokenInfo, tokenShade, tokensNote, waterfall } from "./views.js";
 import { h, setAttr, setText } from "./charts.js";
 import { claimKeys, installKeyGuard } from "./keys.js";
 
@@ -153,9 +153,7 @@ export function detailPanel({ model, cvStep, view: state, schedule, pinRow }) {
     specEl.hidden = !spec;
     dBody.append(h("div", "mlxnb-detail-sub", "life of the row"), wf, specEl);
     if (!tv) {
-      dBody.append(h("div", "mlxnb-detail-note", stale || !st.header.live && !d
-        ? "tokens: open this row while its kernel runs to see them"
-        : "tokens: asking the kernel…"));
+      dBody.append(h("div", "mlxnb-detail-note", tokensNote(d, stale || !st.header.live && !d)));
       return;
     }
     const sub = h("div", "mlxnb-detail-sub", tokensTitle(tv));

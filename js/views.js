@@ -320,6 +320,13 @@ export function stepNote(n, asking) {
     : `step ${n}: not inspected while the kernel ran (inspect steps while it runs; the notebook keeps those)`;
 }
 
+/** The row view's line where its tokens would be: a finished row no handle holds
+ *  any more (`d.gone`), a view that cannot ask (`quiet`), or still asking. */
+export function tokensNote(d, quiet) {
+  return d && d.gone ? "tokens: no longer held by the kernel (keep the run, e.g. -o run, to see them)"
+    : quiet ? "tokens: open this row while its kernel runs to see them" : "tokens: asking the kernel…";
+}
+
 function formatKB(n) {
   if (n == null) return "–";
   const u = ["B", "KB", "MB", "GB"];

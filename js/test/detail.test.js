@@ -4,7 +4,7 @@ import assert from "node:assert/strict";
 import { BADGES, contrast, parseColor } from "../lib.js";
 import {
   SHADE_RGB, blend, nearestIndex, samplingText, showPiece, stampPhases, stepLines, stepNote, tokenInfo,
-  tokenShade, waterfall,
+  tokenShade, tokensNote, waterfall,
 } from "../views.js";
 
 const TRACE = [
@@ -103,4 +103,10 @@ test("the step inspector says which rows did what and where the time went", () =
 test("a step with no record: asking while a kernel may answer, else why it cannot be shown", () => {
   assert.equal(stepNote(7, true), "step 7: asking the kernel…");
   assert.match(stepNote(7, false), /^step 7: not inspected while the kernel ran/);
+});
+
+test("a row's tokens: asking, not askable, or gone from the kernel", () => {
+  assert.equal(tokensNote(null, false), "tokens: asking the kernel…");
+  assert.equal(tokensNote(null, true), "tokens: open this row while its kernel runs to see them");
+  assert.match(tokensNote({ id: 0, gone: true, trace: [] }, false), /^tokens: no longer held/);
 });
