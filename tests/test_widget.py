@@ -310,6 +310,34 @@ def test_dashboard_picks_up_new_rows_and_stays_bounded():
     assert w._on_event not in eng._listeners
 
 
+def test_a_dashboard_prunes_as_rows_finish_as_its_view_does():
+    """Rows submitted together are all kept while live; as they finish, the traits
+    drop the oldest done ones, as the front end's pruneRows does on each delta."""
+    async def main():
+        eng = FakeEngine(step_s=0.001, max_batch=2)
+        w = GenerationWidget(eng, max_rows=3)
+        rows = [eng.submit(f"a{i}", max_tokens=5) for i in range(6)]
+        await asyncio.sleep(0.005)
+        live = len(w._rows)
+        await settle(w, eng)
+        later = GenerationWidget(eng, max_rows=3)  # made now: the newest rows
+        running = [eng.submit(f"b{i}", max_tokens=50) for i in range(5)]
+        fresh = GenerationWidget(eng, max_rows=3)  # made while rows run: all of them
+        shown = {r.id for r in fresh._rows.values()}
+        for r in running:
+            r.cancel()
+        await eng.wait()
+        for x in (w, later, fresh):
+            x.close()
+        return rows, running, w, later, live, shown
+
+    rows, running, w, later, live, shown = asyncio.run(main())
+    assert live == 6
+    assert [r["id"] for r in w.rows] == [r.id for r in rows[-3:]]
+    assert [r["id"] for r in later.rows] == [r.id for r in rows[-3:]]
+    assert {r.id for r in running} <= shown
+
+
 def test_late_widget_backfills_and_history_is_bounded():
     async def main():
         eng = FakeEngine(step_s=0.0, max_batch=4)

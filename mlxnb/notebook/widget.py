@@ -220,6 +220,8 @@ class GenerationWidget(anywidget.AnyWidget):
                 self._sent.pop(rid, None)
         if not self._live:
             self._live = set()  # a set keeps its table when emptied; a widget lives long
+        if rows and self.dashboard:  # as the front end prunes on each delta (pruneRows)
+            self._prune()
         steps = self._take_steps(STEPS_PER_FLUSH if send else MAX_STEP_POINTS)
         hdr = self._header()
         hdiff = {k: v for k, v in hdr.items() if self._hdr_sent.get(k, ...) != v}
