@@ -170,10 +170,44 @@ def test_prefix_reuse_is_keyed_by_adapter(adapters, refs, arun):
             assert first.tokens == again.tokens == refs("rl", prompt, False)
             assert other.tokens == refs("rd", prompt, False)
             assert base.tokens == refs(None, prompt, False)
+            # a name unloaded and loaded again with other weights reuses nothing
+            eng.unload_adapter("rl")
+            eng.load_adapter("rl", adapters["rd"])
+            reloaded = await eng.submit(prompt, chat=False, max_tokens=N, adapter="rl")
+            assert reloaded.cached_tokens == 0
+            assert reloaded.tokens == refs("rd", prompt, False)
         finally:
             await eng.aclose()
 
     arun(main)
+
+
+def test_an_adapter_unloaded_while_a_cancelled_row_of_it_prefills(adapters, arun):
+    """The cancelled row leaves its prefill group only when the group joins: its
+    adapter may be gone before that, and the group's other rows go on."""
+    prompt = "the same long prompt for both rows, " * 100
+
+    async def main():
+        eng = engine(prefill_chunk=16)
+        try:
+            eng.load_adapter("x", adapters["rl"])
+            eng.load_adapter("y", adapters["rd"])
+            other = eng.submit(prompt, chat=False, max_tokens=8)
+            row = eng.submit(prompt + "!", chat=False, max_tokens=8, adapter="x")
+            while not 0 < row.prefill_done < len(row.prompt_ids) - 64:
+                assert not row.done
+                await asyncio.sleep(0)
+            row.cancel()
+            await row
+            eng.unload_adapter("x")
+            return await other, row.finish_reason
+        finally:
+            await eng.aclose()
+
+    other, cancelled = arun(main)
+    assert cancelled == "cancelled"
+    assert (other.finish_reason, other.error) == ("length", None)
+    assert other.tokens == reference_tokens(None, prompt, 8)
 
 
 def test_structured_rows_with_an_adapter(adapters, arun):
@@ -227,7 +261,9 @@ def test_bad_adapters_get_one_line_reasons(adapters, tmp_path):
         cases = [("f", full, "full fine-tune.*load it as a model"),
                  ("m", tmp_path / "missing", "no adapter directory"),
                  ("base", adapters["rl"], "'base' names the model without an adapter"),
-                 ("bad name!", adapters["rl"], "short identifier")]
+                 ("bad name!", adapters["rl"], "short identifier"),
+                 ("ft1\n", adapters["rl"], "short identifier"),
+                 ("base\n", adapters["rl"], "short identifier")]
         other = tmp_path / "wide"
         import mlx.core as mx
         random_adapter(other, "lora", rank=4)
@@ -244,6 +280,24 @@ def test_bad_adapters_get_one_line_reasons(adapters, tmp_path):
         with pytest.raises(ValueError, match="already loaded"):
             eng.load_adapter("rl", adapters["rd"])
         assert list(eng.adapters) == ["rl"]
+    finally:
+        eng.close()
+
+
+def test_an_adapter_whose_stacks_outgrow_the_budget_is_refused(tmp_path):
+    """The file's bytes fit, its stacks (B padded to a fused q/k/v group's width) do
+    not: refused, and the engine serves on with its whole budget."""
+    from mlxnb.models.adapters import read_adapter
+
+    path = random_adapter(tmp_path / "q", "lora", rank=8, scale=2.0, seed=9,
+                          keys=["self_attn.q_proj"], num_layers=2)
+    budget = int(read_adapter(path).nbytes * 1.2)
+    eng = engine(kv_budget=budget)
+    try:
+        with pytest.raises(ValueError, match="once stacked; raise kv_budget"):
+            eng.load_adapter("q", path)
+        assert eng.adapters == {} and eng.adapter_bytes == 0
+        assert eng.scheduler.kv_budget == budget
     finally:
         eng.close()
 

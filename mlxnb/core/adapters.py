@@ -100,6 +100,11 @@ class Adapters:
         if ex is None:
             self._check_open()
         nbytes = self._on_worker(ex.adapters.add, name, files)
+        if self.kv_budget is not None and nbytes >= self.kv_budget:
+            # built, the stacks outgrew the file's bytes and would leave no KV room
+            self._on_worker(ex.remove_adapter, name)
+            raise ValueError(f"adapters would take {fmt_bytes(nbytes)} of the kv_budget "
+                             f"of {fmt_bytes(self.kv_budget)} once stacked; raise kv_budget")
         self._adapter_update = self._on_worker(lambda: ex.adapters.update_path)
         info = AdapterInfo(name, files.path, files.kind, files.rank, files.scale,
                            len(files.layers), files.nbytes)
@@ -119,7 +124,7 @@ class Adapters:
             raise ValueError(f"adapter {name!r} is in use by {users} unfinished row(s); "
                              "await or cancel them, then unload it")
         ex = self._exec
-        self._on_worker(ex.adapters.remove, name)
+        self._on_worker(ex.remove_adapter, name)
         del self._adapters[name]
         self._set_adapter_bytes(self._on_worker(lambda: ex.adapters.nbytes))
 

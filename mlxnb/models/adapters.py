@@ -26,7 +26,7 @@ __all__ = ["AdapterError", "AdapterFiles", "read_adapter", "check_adapter_name",
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapters.safetensors"
 BASE = "base"  # the name of "no adapter" (a sweep's --adapter base,ft1)
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")  # whole names only (fullmatch)
 _LEAVES = ("lora_a", "lora_b", "m")
 
 
@@ -49,7 +49,7 @@ class AdapterFiles:
 
 
 def check_adapter_name(name) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise AdapterError(
             f"an adapter name must be a short identifier (letters, digits, _ . -; "
             f"starting with a letter or _), got {name!r}")

@@ -351,6 +351,12 @@ class BatchExecutor(ReadBack, Membership):
                 other[rid] = b // max(len(live), 1)
         return total, share, other
 
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`, and forget the prompt KV computed under it."""
+        self.adapters.remove(name)
+        if self.prefix is not None:
+            self.prefix.forget(name)
+
     def close(self, clear_cache: bool = True):
         """Forget every row; `clear_cache` (a final close, unlike warm-up's reset)
         also frees MLX's buffer cache and stops background kernel compiles."""

@@ -264,8 +264,10 @@ class Prefill:
             tr = self.tracer
             t = pc() if tr else 0.0
             if self.adapters is not None:
-                with self.adapters.using(self.adapters.select(
-                        tuple(a.params.adapter for a in g.admits))):
+                # a cancelled row's adapter may be unloaded by now: it runs as base
+                with self.adapters.using(self.adapters.select(tuple(
+                        None if a.row_id in g.cancelled else a.params.adapter
+                        for a in g.admits))):
                     self.model(cols, cache=g.views)
             else:
                 self.model(cols, cache=g.views)
@@ -296,6 +298,6 @@ class Prefill:
             return
         layers = [(c.keys, c.values) for c in g.cache]
         for i, (a, length) in enumerate(zip(g.admits, g.lengths)):
-            if length:
+            if length and a.row_id not in g.cancelled:  # (a cancelled row ran as base)
                 self.prefix.add(a.ids[:length], layers, i, g.width - length if g.batched else 0,
                                 a.params.adapter)

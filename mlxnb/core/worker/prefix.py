@@ -118,3 +118,9 @@ class PrefixStore:
     def clear(self) -> None:
         self._entries.clear()
         self.nbytes = 0
+
+    def forget(self, ns) -> None:
+        """Drop the entries computed under adapter `ns` (unloaded: a later adapter of
+        the same name computes other KV)."""
+        for key in [k for k in self._entries if k[0] == ns]:
+            self.nbytes -= self._entries.pop(key)[1]
