@@ -383,6 +383,17 @@ def test_the_key_is_scrubbed_from_what_servers_say_before_any_cut(arun, status, 
     assert KEY[:6] not in row.error, row.error
 
 
+@pytest.mark.parametrize("line,want", [
+    ('error: {"code": 500, "message": "KV cache is full", "type": "server_error"}',
+     "the server failed the request: KV cache is full"),
+    ("error: out of memory", "the server failed the request: out of memory"),
+])
+def test_llama_cpps_error_lines_end_the_row_with_their_message(arun, line, want):
+    body = sse(*chat_chunks(["partial"])[:1], done=False) + f"{line}\n\n".encode()
+    row = one_row(arun, Server(lambda req, n: httpx.Response(200, content=body)))
+    assert (row.finish_reason, row.error, row.text) == ("error", want, "partial")
+
+
 def test_a_server_finish_reason_of_error_ends_the_row_in_error(arun):
     srv = Server(lambda req, n: httpx.Response(
         200, content=sse(*chat_chunks(["partial"], finish="error"))))

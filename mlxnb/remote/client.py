@@ -34,7 +34,7 @@ import httpx
 
 from .._text import one_line
 from .bodies import read_capped, sse_lines
-from .wire import ServerError, error_text
+from .wire import ServerError, error_line, error_text
 
 # Statuses worth trying again: rate limits and a server (or its proxy) that is
 # starting, overloaded or restarting.
@@ -273,6 +273,11 @@ class Client:
                         if line.startswith(":"):
                             if on_comment is not None and on_comment(line[1:].strip()):
                                 last = self.last_output = loop.time()
+                            continue
+                        if line.startswith("error:"):
+                            # llama.cpp's server reports a failure mid-stream as an
+                            # `error: {json}` line of its own (not an SSE field)
+                            on_data({"error": error_line(line[6:].strip())})
                             continue
                         if not line.startswith("data:"):
                             continue  # event:, id:, retry: fields carry nothing we use

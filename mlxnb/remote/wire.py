@@ -43,6 +43,18 @@ def error_text(body: bytes, limit: int = 200) -> str:
     return one_line(msg, limit)
 
 
+def error_line(text: str) -> str:
+    """The message of llama.cpp's `error: {json}` stream line, else the text."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    msg = obj.get("message") or obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(msg, dict):
+        msg = msg.get("message")
+    return str(msg) if msg else (text or "no detail given")
+
+
 # the server's finish_reason -> ours (anything else it may say counts as "stop")
 FINISH = {"stop": Finish.STOP, "eos": Finish.STOP, "length": Finish.LENGTH,
           "tool_calls": Finish.STOP, "function_call": Finish.STOP,
@@ -97,8 +109,8 @@ class Event:
 
 
 def parse_event(obj, chat: bool) -> Event:
-    """Read one `data:` event. Raises ServerError for an error event (vLLM and
-    llama.cpp report a failure mid-stream that way)."""
+    """Read one `data:` event. Raises ServerError for an error event (vLLM reports a
+    failure mid-stream that way; client.py turns llama.cpp's `error:` lines into one)."""
     ev = Event()
     if not isinstance(obj, dict):
         return ev
