@@ -342,8 +342,6 @@ class RemoteEngine(HeldRows, Listeners):
         """Synchronous close: rows end 'cancelled' now; the pool closes on the loop."""
         if self._closed:
             return
-        for t in list(self._tasks.values()):
-            t.cancel()
         self._shut()
         if self.loop.is_running():
             asyncio.run_coroutine_threadsafe(self.client.aclose(), self.loop)
@@ -351,6 +349,8 @@ class RemoteEngine(HeldRows, Listeners):
     def _shut(self):
         self._closed = True
         self._queue.clear()
+        for t in list(self._tasks.values()):  # (one submitted while aclose waited too)
+            t.cancel()
         if self._sampler_task is not None:
             self._sampler_task.cancel()
         for row in list(self._live.values()):  # nothing is left without a finish reason
