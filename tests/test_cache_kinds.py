@@ -123,6 +123,37 @@ def test_greedy_parity_batched_alone_and_mlx_lm(family, kv, arun):
     assert alone[1] == mlx_lm_tokens(family, ids, n, **kv)
 
 
+@pytest.mark.parametrize("family", ["mamba2", "qwen3_5", "lfm2"])
+def test_rows_joining_in_padded_chunks_match_mlx_lm(family, arun):
+    """A joiner's prompt is padded to the chunk's multiple and prefilled a chunk at a
+    time: every chunk's recurrent state must take each row's real tokens only (mlx-lm's
+    Mamba-2 attention reads the last one's decay inside the chunk)."""
+    joiners = ["q" * 19, "a prompt of thirty-four characters", "x" * 45, "y" * 26]
+    tok = byte_tokenizer()
+
+    async def main():
+        eng = engine(family, prefill_chunk=8, streak_s=0)
+        out = []
+        for text in joiners:
+            running = eng.submit("the running row", chat=False, max_tokens=1000)
+            while len(running.tokens) < 2:
+                await asyncio.sleep(0.001)
+            row = eng.submit(text, chat=False, max_tokens=6, logprobs=1)
+            out.append((row.prompt_ids, await row))
+            running.cancel()
+            await running
+        await eng.aclose()
+        return out
+
+    model = model_for(family)
+    for ids, res in arun(main):
+        assert len(ids) - 1 > 8 and (len(ids) - 1) % 8, len(ids)  # padded, chunked
+        assert res.tokens == mlx_lm_tokens(family, list(ids), 6), tok.decode(ids)
+        logits = model(mx.array([list(ids)]))[0, -1].astype(mx.float32)
+        want = (logits - mx.logsumexp(logits))[res.tokens[0]].item()
+        assert abs(res.logprobs[0]["logprob"] - want) < 1e-4, (want, res.logprobs[0])
+
+
 def test_cancel_mid_prefill_in_a_hybrid_batch_leaves_the_others(arun):
     """Beside decoding rows a prefill advances one fixed 8-token chunk per step, so a
     long prompt is cancelled half-prefilled while the batch runs on."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import List, NamedTuple, Optional
 
+import mlx.core as mx
+
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache,
                                  CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
                                  create_attention_mask, make_prompt_cache)
@@ -284,3 +286,15 @@ class AlignedView:
 
     def __getattr__(self, name):
         return getattr(self.c, name)
+
+
+def chunk_lengths(cache: list, lengths: List[int]) -> None:
+    """Before a chunk of a padded prefill: each row's real tokens within the chunk,
+    for the recurrent layers (ArraysCache, also inside a CacheList). mlx-lm's
+    `prepare` sets the whole prompt's lengths, and mlx-lm's SSM attention (Mamba-2
+    and kin) reads each row's last decay at index min(length, chunk) - 1 of the
+    chunk: past its end for a row longer than the chunk."""
+    for c in cache:
+        for leaf in (c.caches if isinstance(c, CacheList) else (c,)):
+            if isinstance(leaf, ArraysCache) and leaf.lengths is not None:
+                leaf.lengths = mx.array(lengths)  # one each: advance() subtracts in place

@@ -27,7 +27,7 @@ import mlx.core as mx
 from .._trace import lap, pc, timed
 from ..messages import Updates
 from ..states import Finish
-from .caches import aligned_views, empty_batch, merge_lean, round_up
+from .caches import aligned_views, chunk_lengths, empty_batch, merge_lean, round_up
 from .prefill_policy import PREFILL_BUCKET, PrefillPolicy, ShapeMemory, pow2_floor
 from .tokens import ids
 
@@ -261,6 +261,8 @@ class Prefill:
             if self.shapes.first(("prefill", k, g.pos, n, g.batched)):
                 self.cold_chunk = True
             cols = g.tokens[:, g.pos:g.pos + n]
+            if g.padded:
+                chunk_lengths(g.cache, [min(max(m - g.pos, 0), n) for m in g.lengths])
             tr = self.tracer
             t = pc() if tr else 0.0
             if self.adapters is not None:
