@@ -302,6 +302,30 @@ def test_an_adapter_whose_stacks_outgrow_the_budget_is_refused(tmp_path):
         eng.close()
 
 
+def test_a_queued_row_the_budget_left_by_an_adapter_cannot_hold_ends_saying_so(adapters,
+                                                                              arun):
+    async def main():
+        eng = engine(kv_budget="4MB", max_batch=1)
+        try:
+            need = eng.scheduler.row_bytes(40, 64)
+            eng.kv_budget = eng.scheduler.kv_budget = need + 2048  # just one such row
+            running = eng.submit("r" * 30, chat=False, max_tokens=64)
+            queued = eng.submit("q" * 39, chat=False, max_tokens=64)
+            while running.state != "decode":
+                await asyncio.sleep(0.001)
+            eng.load_adapter("rd", adapters["rd"])  # takes more than the 2 kB spare
+            res = await asyncio.wait_for(queued, 10)
+            running.cancel()
+            await running
+            return res
+        finally:
+            await eng.aclose()
+
+    res = arun(main)
+    assert res.finish_reason == "error" and "adapters take" in res.error
+    assert "raise kv_budget" in res.error
+
+
 def test_adapter_bytes_count_once_against_the_kv_budget(adapters):
     eng = engine(kv_budget="64MB")
     try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from .._text import fmt_bytes
+from .states import Finish
 from . import _threads
 
 __all__ = ["AdapterInfo", "Adapters"]
@@ -130,8 +131,16 @@ class Adapters:
 
     def _set_adapter_bytes(self, nbytes: int) -> None:
         self._adapter_bytes = nbytes
-        if self.kv_budget is not None:
-            self.scheduler.kv_budget = max(self.kv_budget - nbytes, 0)
+        if self.kv_budget is None:
+            return
+        self.scheduler.kv_budget = max(self.kv_budget - nbytes, 0)
+        # A queued row that fitted the budget before may not fit what is left: it
+        # would wait for ever (or run over it alone); it ends now, saying why.
+        for row in list(self.scheduler.queue):
+            why = self.scheduler.never_fits(len(row.prompt_ids), row.params.max_tokens)
+            if why and self.scheduler.dequeue(row):
+                self._end(row, Finish.ERROR, f"{why} (adapters take {fmt_bytes(nbytes)} "
+                                             "of it)")
 
     def _loaded_names(self) -> str:
         return ("loaded: " + ", ".join(self._adapters)) if self._adapters else \
