@@ -137,7 +137,8 @@ async def decode_part(args, rng):
         probe = mlxnb.Engine((twin, tok), warmup=False, kv_budget=None)  # its load checks
         kinds = probe.cache_kinds
         probe.close()
-        log(f"   engine: {kinds}")
+        log(f"   engine: {kinds}; sampling kernels on disk after "
+            f"{common.settle_compiles(vocab):.1f} s")
         for B in args.batch:
             warm = common.make_prompts(rng, B, args.prompt, vocab)
             per = {m: [] for m in methods}
@@ -324,6 +325,7 @@ async def kv_part(args, rng):
     # context need not be long
     engines = {b: mlxnb.Engine((model, tok), max_batch=max(sizes), kv_budget=None,
                                kv_bits=b) for b in bits_list}
+    log(f"  sampling kernels on disk after {common.settle_compiles(vocab):.1f} s")
     try:
         return await _kv_rounds(engines, sizes, args, rng, vocab, prompt, new, bits_list,
                                 full, out, lines, kv_mode)

@@ -278,7 +278,12 @@ def decode_window(steps, B):
     idx = [i for i, s in enumerate(steps) if s.prefill_tokens == 0 and s.batch_size == B]
     if not idx:
         return None
-    tok = sum(steps[i].tokens for i in idx)
+    # Tokens computed in these steps' time. A step launches a token per row and reads
+    # the previous step's: counting its reads would leave out the window's last launch
+    # (read by a step outside it) and count nothing for its first (which reads
+    # nothing: the prefill tick before it launched no decode). With drafts a step
+    # reads more.
+    tok = sum(max(steps[i].batch_size, steps[i].tokens) for i in idx)
     dt = sum(steps[i].dt_s for i in idx)
     i0, i1 = idx[0], idx[-1]
     span_tok = sum(s.tokens for s in steps[i0 + 1:i1 + 1])
@@ -289,6 +294,19 @@ def decode_window(steps, B):
                 split_ms=tuple(1e3 * statistics.fmean(p) for p in zip(*splits))
                 if splits else ())
 
+
+
+def settle_compiles(vocab: int, timeout: float = 600.0) -> float:
+    """Let the process's background compile of the engine's sampling kernels finish
+    before any round (a fresh CUDA host: 30-45 s of NVRTC in helper processes, which
+    would run beside the first rounds only). Seconds waited (0 elsewhere)."""
+    from mlxnb.core.worker import precompile
+
+    p = precompile.for_vocab(vocab)
+    t = pc()
+    if p.start():
+        p.wait(timeout)
+    return pc() - t
 
 
 def in_turn(methods, rep: int) -> list:

@@ -16,7 +16,8 @@ rounds of the per-round ratio, which the machine's drift disturbs least.
             weights; it fuses projections in place), all B rows at once:
             tokens / summed step time over the steps with all B rows decoding and
             no prefill; eng-span: the same tokens over those steps' wall span;
-            eng-long: a second run with max_tokens = new + B (caches past 256)
+            eng-long: a second run with max_tokens = new + B (longer caches: past
+            256 tokens once prompt + new + B is)
 diagnostics (printed under the table with their median ratios):
   rawv, rawt, rawvt   raw on the engine's cache views / on a fresh thread / both
   bgd       BatchGenerator's own batch sizes (completion 32, prefill 8)
@@ -176,7 +177,8 @@ def render(results):
          "Decode tok/s (prefill excluded). engine = tokens / sum(dt_s) over steps with all B "
          "rows decoding and no prefill; eng-span = same over their wall span; e2e = B*new / "
          "wall of a plain run (prefill, ramp-up, loop included); eng-long = engine over "
-         "B+new tokens per row (caches past 256 tokens). Columns are the best of --repeat "
+         "B+new tokens per row (longer caches: past 256 tokens where prompt+new+B is). "
+         "Columns are the best of --repeat "
          "rounds; 'med' = median over rounds of the per-round ratio (methods interleave "
          "within a round, on the same prompts).", "",
          "| shape | dtype | B | raw | raw-bkv | BG | engine | eng-span | engine/BG |"
@@ -292,7 +294,8 @@ async def amain(args, argv):
         model, tok, vocab = common.build_model(shape, dtype)
         twin = (common.build_model(shape, dtype)[0] if not args.no_fuse and (
             args.profile or any(m.startswith("engine") for m in methods)) else model)
-        log(f"## {shape} {dtype}: built in {pc() - t:.1f}s")
+        log(f"## {shape} {dtype}: built in {pc() - t:.1f}s; sampling kernels on disk "
+            f"after {common.settle_compiles(vocab):.1f} s")
         for B in batches:
             row = dict(shape=shape, dtype=dtype, B=B, prompt=args.prompt, new=args.new,
                        methods=methods)
@@ -333,8 +336,9 @@ async def amain(args, argv):
                     for k, v in row[meth].items()))
             for mine, other in PAIRS:
                 if mine in per and other in per:
-                    rs = [e["decode_tps"] / o["decode_tps"]
-                          for e, o in zip(per[mine], per[other]) if o["decode_tps"]]
+                    rs = [e["decode_tps"] / o["decode_tps"]  # rounds both measured
+                          for e, o in zip(per[mine], per[other])
+                          if e["decode_tps"] and o["decode_tps"]]
                     if rs:
                         row[f"{mine}_over_{other}_median"] = statistics.median(rs)
             results["rows"].append(row)

@@ -25,3 +25,26 @@ def test_a_new_result_file_takes_todays_date_unless_named_whole():
     assert stamp("h200") == f"{today}-h200"
     assert stamp("cpu-2core") == f"{today}-cpu-2core"
     assert stamp("2026-12-04-h200") == "2026-12-04-h200"  # named whole
+
+
+def test_a_decode_window_counts_the_tokens_its_steps_computed(tiny, arun):
+    """Each of the window's steps launched one token per row, in the time it records
+    (the engine reads a step's tokens a step later, so reads alone would miss one)."""
+    import numpy as np
+
+    import mlxnb
+    from bench import common
+
+    B, n = 4, 24
+
+    async def main():
+        eng = mlxnb.Engine(tiny, kv_budget=None, warmup=False, streak_s=0.0)
+        prompts = common.make_prompts(np.random.default_rng(0), B, 16, 250)
+        _, steps, _, ok = await common.engine_run(eng, prompts, n)
+        await eng.aclose()
+        return steps, ok
+
+    steps, ok = arun(main)
+    w = common.decode_window(steps, B)
+    assert ok and sum(s.tokens for s in steps) == B * n
+    assert w["nsteps"] >= n - 2 and w["tokens"] == w["nsteps"] * B

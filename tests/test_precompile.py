@@ -201,3 +201,34 @@ def test_a_compiler_process_imports_no_more_of_mlx_lm_than_sample_utils():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "['mlx_lm', 'mlx_lm.sample_utils']"
+
+
+def test_a_compile_outlives_the_engine_that_started_it(tiny, arun, tmp_path, monkeypatch):
+    """An engine closed mid-compile (a re-run cell, a benchmark's rounds) leaves the
+    compile to the process: the next engine goes on with it, never starts it over."""
+    from mlxnb import Engine
+
+    cache, gate = tmp_path / "ptx", tmp_path / "all-done"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
+    monkeypatch.setattr(precompile, "wanted", lambda: True)
+    monkeypatch.setattr(precompile, "spawn", gated_spawn(tmp_path, gate, lambda piece: True))
+    monkeypatch.setattr(precompile, "_SHARED", {})
+    p = precompile.for_vocab(tiny[0].args.vocab_size)
+    try:
+        async def one_engine():
+            eng = Engine(tiny, kv_budget=None, warmup=False)
+            row = await eng.submit("x", chat=False, max_tokens=2)
+            await eng.aclose()
+            return row
+
+        assert arun(one_engine).finish_reason == "length"
+        procs = list(p.procs)
+        assert procs and all(proc.poll() is None for proc in procs)  # still compiling
+        assert arun(one_engine).finish_reason == "length"
+        assert p.procs == procs  # the same compile, not a new one
+        gate.touch()
+        assert p.wait(60)
+    finally:
+        p.close()
+    assert sampling._gumbel_argmax is sampling._gumbel_argmax_fused
+    assert (cache / f"mlxnb-sampling-{tiny[0].args.vocab_size}.done").exists()

@@ -38,7 +38,7 @@ from .prefill_policy import PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
 from .readback import ReadBack
 from .kernels_ahead import ModelKernels, model_dtype
-from .precompile import Precompiler
+from . import precompile
 from .sampling import BatchSampler
 from .setup import BatchModel
 from .draft import DraftSource
@@ -59,19 +59,16 @@ class BatchExecutor(ReadBack, Membership):
         # compiles them once): the sampler's in the background, the model's first
         # ones before the load probes below need them (kernels_ahead.py)
         laps = Laps("load")
-        self.precompiler = Precompiler(getattr(getattr(model, "args", None), "vocab_size", 0))
-        self.precompiler.start()
+        self.precompiler = precompile.for_vocab(
+            getattr(getattr(model, "args", None), "vocab_size", 0))
+        self.precompiler.start()  # (or goes on with the compile another engine began)
         ahead = ModelKernels(model_dtype(model))
         if ahead.start():
             ahead.wait()
         laps("kernels compiled ahead")
-        try:
-            self.setup = BatchModel(model, tokenizer, fuse=fuse, kv_bits=kv_bits,
-                                    kv_group_size=kv_group_size, prefill_chunk=prefill_chunk,
-                                    verify_kernel=speculates)
-        except BaseException:
-            self.precompiler.close()
-            raise
+        self.setup = BatchModel(model, tokenizer, fuse=fuse, kv_bits=kv_bits,
+                                kv_group_size=kv_group_size, prefill_chunk=prefill_chunk,
+                                verify_kernel=speculates)
         laps("model checks")
         self.model, self.tokenizer = model, tokenizer
         self.make_cache = self.setup.make_cache
@@ -359,9 +356,8 @@ class BatchExecutor(ReadBack, Membership):
 
     def close(self, clear_cache: bool = True):
         """Forget every row; `clear_cache` (a final close, unlike warm-up's reset)
-        also frees MLX's buffer cache and stops background kernel compiles."""
-        if clear_cache:
-            self.precompiler.close()
+        also frees MLX's buffer cache. A background compile of the sampling kernels
+        goes on for the process's next engine (precompile.for_vocab)."""
         self.prefill.clear()
         self._reset_batch()
         self.masks.close()

@@ -28,12 +28,13 @@ starts and the fused path is used from the first step (the CPU compiles it in ~1
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 
@@ -74,7 +75,10 @@ class Precompiler:
 
     def start(self) -> bool:
         """Start compiling unless the kernels are on disk already (or this backend
-        keeps none); True if started. Until `poll()` finishes, sampling is unfused."""
+        keeps none); True if started (or under way). Until `poll()` finishes,
+        sampling is unfused."""
+        if self.procs:
+            return True
         cache = ptx_dir()
         if not wanted() or (cache / _DONE.format(vocab=self.vocab)).exists():
             return False
@@ -119,8 +123,16 @@ class Precompiler:
         self._cleanup()
         _sampling().use_fused(True)
 
+    def wait(self, timeout: float) -> bool:
+        """Poll until every piece has exited or `timeout` s pass; True if done."""
+        end = time.monotonic() + timeout
+        while self.procs and time.monotonic() < end:
+            self.poll()
+            time.sleep(0.05)
+        return not self.procs
+
     def close(self) -> None:
-        """Stop compiling (the engine is closing); the sampler is fused again."""
+        """Stop compiling (the process exits); the sampler is fused again."""
         for p in self.procs:
             p.kill()
             p.wait()
@@ -133,6 +145,27 @@ class Precompiler:
         if self.private is not None:
             shutil.rmtree(self.private, ignore_errors=True)
             self.private = None
+
+
+_SHARED: Dict[int, Precompiler] = {}
+
+
+def for_vocab(vocab: int) -> Precompiler:
+    """The process's compile of the sampling kernels for `vocab`, shared by its
+    engines and outliving them: it takes 30-45 s on a fresh host, and an engine
+    closed sooner (a re-run cell, a benchmark's rounds) would otherwise stop it for
+    the next engine to start over, compiling beside every engine, never done. The
+    compilers stop when the process exits."""
+    p = _SHARED.get(vocab)
+    if p is None:
+        p = _SHARED[vocab] = Precompiler(vocab)
+    return p
+
+
+@atexit.register
+def _stop_all() -> None:
+    for p in list(_SHARED.values()):
+        p.close()
 
 
 def _compile(piece: str, vocab: int) -> None:
