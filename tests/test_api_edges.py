@@ -201,3 +201,29 @@ def test_done_callbacks_run_on_the_loop_whichever_thread_adds_them(tiny, arun):
     seen, loop_thread, rows = arun(main)
     assert sorted(i for i, _ in seen) == sorted([r.id for r in rows] * 2)
     assert {t for _, t in seen} == {loop_thread}
+
+
+def test_a_row_an_interrupt_left_unqueued_ends_when_stopped(tiny, arun, monkeypatch):
+    """An interrupt between a submit's steps (the row made, not yet queued): stopping
+    everything must still end it, or waiting for the engine would wait for ever."""
+    async def main():
+        eng = make(tiny)
+        by = eng.submit("a bystander row", chat=False, max_tokens=400)
+        real = eng._enqueue
+
+        def interrupted(row, *a):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(eng, "_enqueue", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            eng.submit("x", chat=False, max_tokens=5)
+        monkeypatch.setattr(eng, "_enqueue", real)
+        stuck = [r for r in eng.rows if r is not by]
+        eng.cancel_all()
+        await asyncio.wait_for(eng.wait(), 10)
+        await eng.aclose()
+        return by, stuck
+
+    by, stuck = arun(main)
+    assert by.finish_reason == "cancelled"
+    assert len(stuck) == 1 and stuck[0].finish_reason == "cancelled"

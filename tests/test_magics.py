@@ -186,6 +186,37 @@ def test_n_samples_of_greedy_rows_say_they_repeat(ip, tiny, arun_shut, capsys):
     assert notes[2:] == ["", "", ""]
 
 
+@pytest.mark.parametrize("where", ["submitting", "widget"])
+def test_an_interrupted_generate_cell_stops_the_rows_it_submitted(ip, tiny, arun_shut,
+                                                                   monkeypatch, where):
+    """A cell interrupted before it returns its Run leaves no row without a handle."""
+    from mlxnb.notebook import widget
+
+    async def main():
+        eng = attach(tiny)
+        if where == "widget":
+            def interrupted(*a, **kw):
+                raise KeyboardInterrupt
+            monkeypatch.setattr(widget, "GenerationWidget", interrupted)
+        else:
+            submit, calls = eng.submit_prepared, []
+
+            def third_interrupted(*a, **kw):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise KeyboardInterrupt
+                return submit(*a, **kw)
+            monkeypatch.setattr(eng, "submit_prepared", third_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            gen(ip, "--max-tokens 500 --raw -o run", "a\nb\nc\nd")
+        await asyncio.wait_for(magics.wait(), 10)
+        return eng.submitted, dict(eng.finished), ip.user_ns.get("run")
+
+    submitted, finished, bound = arun_shut(main)
+    assert bound is None and submitted == (2 if where == "submitting" else 4)
+    assert finished["cancelled"] == submitted, finished
+
+
 def test_config_defaults_and_options_override(ip, tiny, arun_shut):
     async def main():
         attach(tiny)

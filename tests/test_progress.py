@@ -4,6 +4,8 @@ import re
 import threading
 import time
 
+import pytest
+
 from mlxnb.models import progress
 
 
@@ -65,6 +67,27 @@ def test_in_a_notebook_the_line_is_one_output_updated_in_place(monkeypatch):
     assert any("mlxnb: loading m [00:01], warming up" in t for _, _, t in shown), shown
     assert re.fullmatch(r"mlxnb: loaded m in \d+\.\d+ s \(reading weights, warming up\)",
                         shown[-1][2]), shown[-1]
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, OSError])
+def test_a_load_that_fails_or_is_interrupted_never_says_loaded(monkeypatch, exc):
+    import IPython.display as ipd
+
+    shown = []
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "_in_kernel", lambda: True)
+    monkeypatch.setattr(ipd, "display", lambda data, raw, display_id:
+                        shown.append(data["text/plain"]))
+    monkeypatch.setattr(ipd, "update_display", lambda data, raw, display_id:
+                        shown.append(data["text/plain"]))
+    with pytest.raises(exc):
+        with progress.loading("m"):
+            end = time.monotonic() + 20
+            while not shown:  # the line is up
+                assert time.monotonic() < end
+                time.sleep(0.02)
+            raise exc("no such model")
+    assert re.fullmatch(r"mlxnb: stopped loading m in \d+\.\d+ s \(.*\)", shown[-1]), shown
 
 
 def test_no_redraws_into_a_file_or_pipe(capsys, monkeypatch):

@@ -229,10 +229,13 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         for row in rows:
             if row.done or self._live.get(row.id) is not row:
                 continue
-            if self._held.pop(row.id, None) is not None or self.scheduler.dequeue(row):
-                self._end(row, Finish.CANCELLED)
-            else:
+            if row.id in self.scheduler.active:  # the worker holds it: its tick ends it
                 self._cancels.append(row.id)
+            else:  # queued, held for its constraint, or not yet enqueued (an interrupt
+                # between submit's steps, a hop from another thread): nobody else will
+                self._held.pop(row.id, None)
+                self.scheduler.dequeue(row)
+                self._end(row, Finish.CANCELLED)
         self._wake.set()
         self._interrupt.set()
 

@@ -120,14 +120,16 @@ def loading(what: str, stages: int = 3):
         _bar = bar
     ticker.start()
     t0 = time.perf_counter()
+    loaded = False
     try:
         yield
+        loaded = True
     finally:
         done.set()
         ticker.join(timeout=2)
         with _lock:
             _bar = None
             bar.close()
-        if cell is not None and cell.shown:
-            cell.show(f"mlxnb: loaded {what} in {time.perf_counter() - t0:.1f} s "
-                      f"({', '.join(seen)})")
+        if cell is not None and cell.shown:  # (a failed load's error follows this line)
+            cell.show(f"mlxnb: {'loaded' if loaded else 'stopped loading'} {what} in "
+                      f"{time.perf_counter() - t0:.1f} s ({', '.join(seen)})")

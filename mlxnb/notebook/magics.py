@@ -330,8 +330,17 @@ class MLXNBMagics(Magics):
             except ValueError as e:
                 where = f"row {i + 1} {one_line(g.prompt, 30)!r}" if len(grid) > 1 else "%%generate"
                 raise UsageError(f"{where}: {one_line(e, 300)}") from None
-        rows = [eng.submit_prepared(g.prompt, ids, sp, g.tag)
-                for g, (ids, sp) in zip(grid, prepared)]
+        rows = []
+        try:  # an interrupt before the cell returns its Run stops what it submitted
+            for g, (ids, sp) in zip(grid, prepared):
+                rows.append(eng.submit_prepared(g.prompt, ids, sp, g.tag))
+            return self._run_of(eng, rows, a, line, chat, system, adapters, quiet)
+        except BaseException:
+            if rows:
+                eng.cancel(rows)
+            raise
+
+    def _run_of(self, eng, rows, a, line, chat, system, adapters, quiet):
         run = Run(rows, name=a.out, meta={"model": eng.model_name, "options": line.strip(),
                                           "chat": chat, "system": system})
         if adapters:
