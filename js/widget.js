@@ -219,7 +219,7 @@ function render({ model, el }) {
     setAttr(v.badge, "title", r.con ? `${r.con} constraint` + (vd ? `: ${vd.valid ? "valid" : r.parse}` : "") : "");
     setAttr(v.verdict, "title", vd && !vd.valid ? r.parse : "");
     setText(v.prompt, (r.adapter ? "[" + r.adapter + "] " : "") + promptLabel(r.prompt || "", shared)); setAttr(v.prompt, "title", r.prompt || "");
-    const text = r.error ? `error: ${r.error}` : r.text || "";
+    const text = r.error ? `error: ${r.error}` + (r.text ? "\n" + r.text : "") : r.text || "";
     const expandedRow = v.e.classList.contains("mlxnb-expanded");
     setText(v.inner, expandedRow ? text
       : r.state === "done" || stale ? oneLine(text, 400) : tailText(text, 240));

@@ -393,7 +393,10 @@ def test_saved_lines_are_strict_json(tiny, arun, tmp_path):
 
     async def main():
         eng = make(tiny)
-        row = eng.submit("a", chat=False, max_tokens=2, tag={
+        def never(text):
+            return False
+
+        row = eng.submit("a", chat=False, max_tokens=2, stop=["zz", never], tag={
             "x": float("nan"), "y": np.float32("inf"), "z": [1.5, float("-inf")],
             "w": np.array([np.nan, 2.0])})
         await row
@@ -409,6 +412,8 @@ def test_saved_lines_are_strict_json(tiny, arun, tmp_path):
     rec = json.loads(target.read_text(encoding="utf-8"), parse_constant=refuse)
     assert (rec["x"], rec["y"], rec["z"], rec["w"]) == (None, None, [1.5, None], [None, 2.0])
     assert rec["token_ids"] == row.tokens
+    assert rec["params"]["stop"] == ["zz", "<callable test_saved_lines_are_strict_json."
+                                           "<locals>.main.<locals>.never>"]
 
 
 def test_records_and_saved_lines_use_only_the_columns_sweeps_must_avoid(tiny, arun,

@@ -508,6 +508,17 @@ def test_results_html_is_bounded_and_escaped():
     assert len(b["text/html"]) < 300_000 and "<script>" not in b["text/html"]
     assert "more characters: see run.texts" in b["text/plain"]
     assert "100/100 rows done" in b["text/html"] and "tok/s over the run" in b["text/plain"]
+    # the total holds however many rows (a cell's most: 1024), each still a line
+    many = [R(i, "z" * 2_000) for i in range(1024)]
+    b = results.bundle(many, "m", "run")
+    assert b["text/plain"].count("z") <= results.TOTAL_CHARS
+    assert b["text/plain"].count("more characters: see run.texts") == 1024
+    # an errored row keeps the text it generated, under its error
+    bad = R(0, "partial text")
+    bad.finish_reason, bad.error = "error", "logits processor failed: boom"
+    b = results.bundle([bad], "m", "run")
+    for form in ("text/plain", "text/html"):
+        assert "error: logits processor failed: boom" in b[form] and "partial text" in b[form]
 
 
 def test_terminal_ipython_gets_one_text_snapshot(monkeypatch):

@@ -122,13 +122,16 @@ class Run:
         failure leaves an existing file as it was. A symbolic link is written through
         (its target is replaced, the link stays); a character device such as /dev/null
         is written as it is; a FIFO, socket or directory is refused. Strict JSON: NaN and
-        infinities are written as null. numpy numbers and arrays, dates and
+        infinities are written as null; a stop function as "<callable its_name>". Rows
+        still running are written as they stand (their state says so). numpy numbers and arrays, dates and
         paths in sweep values are written as JSON numbers, lists and strings."""
         given, path = Path(path), _save_target(path)
         lines = []
         for r, rec in zip(self.rows, self.records()):
             params = r.params.as_dict()
-            params["stop"] = [s for s in params["stop"] if isinstance(s, str)]
+            params["stop"] = [s if isinstance(s, str) else  # a stop function: its name
+                              f"<callable {getattr(s, '__qualname__', type(s).__name__)}>"
+                              for s in params["stop"]]
             rec.update(params=params, token_ids=list(r.tokens), logprobs=r.logprobs,
                        model=self.meta.get("model"))
             if params.get("adapter") is not None:

@@ -24,7 +24,7 @@ from ..core.states import RowState
 
 TOTAL_CHARS = 200_000  # all rows' text together, in one rendering
 ROW_CHARS = 8_000  # most text of one row (fewer when many rows share the budget)
-MIN_ROW_CHARS = 300
+MIN_ROW_CHARS = 40  # a line of each row however many (`max_rows`: 1024 a cell)
 PROMPT_CHARS = 160
 
 
@@ -73,10 +73,14 @@ def _row_budget(n: int) -> int:
 
 
 def _body(r, budget: int) -> str:
-    text = f"error: {r.error}" if r.error else r.text
+    """The row's text up to `budget` characters; an errored row's error above it (the
+    text it generated before the error is kept too)."""
+    text = r.text
     if len(text) > budget:
         more = len(text) - budget
         text = text[:budget] + f"\u2026 [{more} more characters: see run.texts]"
+    if r.error:
+        text = f"error: {one_line(r.error, 300)}" + (f"\n{text}" if text else "")
     return text
 
 
