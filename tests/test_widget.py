@@ -513,6 +513,13 @@ def test_results_html_is_bounded_and_escaped():
     b = results.bundle(many, "m", "run")
     assert b["text/plain"].count("z") <= results.TOTAL_CHARS
     assert b["text/plain"].count("more characters: see run.texts") == 1024
+    # a grid's rows say the settings that tell them apart (not those they share)
+    grid = [R(i, "t") for i in range(4)]
+    for r, (temp, k) in zip(grid, [(0.5, 0), (0.5, 1), (0.9, 0), (0.9, 1)]):
+        r.tag = {"prompt_index": 0, "temp": temp, "seed": 7, "sample": k}
+    plain = results.bundle(grid, "m", "run")["text/plain"]
+    assert "[3] done: length \u00b7 temp=0.9 sample=0 \u00b7 5 tok" in plain
+    assert "seed=" not in plain and "prompt_index" not in plain
     # an errored row keeps the text it generated, under its error
     bad = R(0, "partial text")
     bad.finish_reason, bad.error = "error", "logits processor failed: boom"

@@ -56,6 +56,19 @@ def verdict(r) -> str:
     return f"{con['con']}: invalid: {one_line(con['parse'], 300)}"
 
 
+def _varying(rows) -> list:
+    """The tag keys (a sweep's settings, `sample`, list variables) whose values differ
+    between these rows: what tells a grid's rows apart in a saved rendering."""
+    tags = [r.tag if isinstance(getattr(r, "tag", None), dict) else {} for r in rows]
+    keys = dict.fromkeys(k for t in tags for k in t if k != "prompt_index")
+    return [k for k in keys if len({repr(t.get(k)) for t in tags}) > 1]
+
+
+def _settings(r, keys) -> str:
+    tag = r.tag if isinstance(getattr(r, "tag", None), dict) else {}
+    return one_line(" ".join(f"{k}={tag.get(k)}" for k in keys), 120) if keys else ""
+
+
 def _stats(r) -> list:
     out = [f"{r.ntok} tok"]
     adapter = getattr(getattr(r, "params", None), "adapter", None)
@@ -121,12 +134,12 @@ def plain(rows, model: str = "", title: str = "", now: float | None = None) -> s
     lines = [heading(s)]
     if s["unfinished"]:
         lines.append(unfinished_note(s))
-    budget = _row_budget(len(rows))
+    budget, keys = _row_budget(len(rows)), _varying(rows)
     for i, r in enumerate(rows, 1):
         lines.append("")
-        v = verdict(r)
+        v, put = verdict(r), _settings(r, keys)
         lines.append(f"[{i}] {state_label(r)} \u00b7 " + (f"{v} \u00b7 " if v else "")
-                     + " \u00b7 ".join(_stats(r))
+                     + (f"{put} \u00b7 " if put else "") + " \u00b7 ".join(_stats(r))
                      + f" \u00b7 prompt: {one_line(r.prompt, PROMPT_CHARS)}")
         body = _body(r, budget)
         if body:
@@ -152,12 +165,12 @@ def to_html(rows, model: str = "", title: str = "", now: float | None = None) ->
     if s["unfinished"]:
         out.append(f'<div class="mlxnb-results-note" style="color:#a33;">'
                    f"{_E(unfinished_note(s))}</div>")
-    budget = _row_budget(len(rows))
+    budget, keys = _row_budget(len(rows)), _varying(rows)
     for i, r in enumerate(rows, 1):
         state = "done" if r.done else "unfinished"
-        v = verdict(r)
+        v, put = verdict(r), _settings(r, keys)
         meta = f"[{i}] {state_label(r)} \u00b7 " + (f"{v} \u00b7 " if v else "") \
-            + " \u00b7 ".join(_stats(r))
+            + (f"{put} \u00b7 " if put else "") + " \u00b7 ".join(_stats(r))
         con = constraint_fields(r)
         valid = f' data-valid="{int(con["parse"] == "ok")}"' if v and con["parse"] != "pending" else ""
         out.append(f'<div class="mlxnb-results-row" data-state="{state}"{valid}>'
