@@ -198,6 +198,37 @@ def test_sampled_rows_in_the_engine_draw_the_targets_distribution(arun):
 
 # -- the per-row policy and refusals -----------------------------------------------------
 
+def test_draft_rows_joining_a_lookup_row_that_verifies_ahead(arun):
+    """Sampled draft rows too short to draft (max_tokens 1) keep joining while a lookup
+    row verifies ahead of the step in flight: the draft model proposes only when its
+    draft is due, so no row is judged on a proposal that was never verified (a token
+    id out of the vocabulary, or every row failed by its stale state)."""
+    m, tok = tiny_model()
+
+    async def main():
+        eng = Engine((m, tok), kv_budget=None, warmup=False, draft_model=tiny_model(seed=5))
+        eng._exec.spec.times.only = "sync"  # read-back verification, on any device
+        eng._exec.eos = set()  # the lookup row runs its whole length
+        lookup = eng.submit("abc abc abc abc abc abc abc abc abc", chat=False,
+                            max_tokens=200, speculate="lookup", num_draft=4)
+        short = []
+        for i in range(200):
+            if lookup.done:
+                break
+            short.append(await eng.submit("hello hello", chat=False, max_tokens=1,
+                                          temperature=1.0, seed=i, speculate="draft"))
+        lookup.cancel()
+        res = await lookup
+        await eng.aclose()
+        return res, short, lookup.draft_proposed
+
+    res, short, proposed = arun(main)
+    assert res.error is None and len(res.tokens) == 200 and proposed > 0
+    V = m.args.vocab_size
+    assert short and all(r.finish_reason == "length" and all(0 <= t < V for t in r.tokens)
+                         for r in short)
+
+
 def test_a_row_stops_drafting_when_its_acceptance_collapses():
     lk = DraftRow(0, 10)
     assert lk.k == DEFAULT_K and lk.ready()

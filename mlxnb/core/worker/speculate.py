@@ -238,6 +238,8 @@ class Speculation:
         if tr:
             lap(tr, "verify.propose", t)
         if w == 1:
+            if self._draft_due:  # nothing verifies the draft's proposals: none kept
+                self.draft.verified(list(ex.ids), [0] * len(ex.ids))
             return None
         ex.inflight = None
         self.drained = done is not None
@@ -270,8 +272,13 @@ class Speculation:
         the guess, when drafting `ahead`), within its max_tokens."""
         out: List[List[int]] = [[] for _ in rows]
         by_mode: Dict[str, List[int]] = {}
+        # A draft model proposes only when its draft is due (a drained verification
+        # that rolls its cache back after, `DraftSource.verified`): a proposal for a
+        # step that is not one would leave its state for a later step to misread.
+        drafting = self._draft_due and not ahead
         for i, r in enumerate(rows):
-            if r.spec is not None and r.id not in drop and r.spec.pause == 0:
+            if r.spec is not None and r.id not in drop and r.spec.pause == 0 and (
+                    drafting or r.params.speculate != "draft"):
                 by_mode.setdefault(r.params.speculate, []).append(i)
         for mode, idx in by_mode.items():
             sub = [rows[i] for i in idx]
