@@ -229,6 +229,39 @@ def test_draft_rows_joining_a_lookup_row_that_verifies_ahead(arun):
                          for r in short)
 
 
+def test_draft_counts_stop_where_the_row_ends(arun):
+    """A same-weights draft: every draft holds. A row that ends at an end-of-sequence
+    token or a stop string inside its accepted drafts counts the drafts it kept as
+    tokens, not the whole verification's."""
+    m, tok = tiny_model(layers=2)
+
+    async def main():
+        eng = Engine((m, tok), kv_budget=None, warmup=False,
+                     draft_model=tiny_model(layers=2))
+        kw = dict(chat=False, max_tokens=30, speculate="draft", num_draft=8)
+        free = eng.submit(PROMPTS[0], **kw)
+        res = await free
+        early = res.tokens[free.drafted[2]]  # a token a draft gave
+        first = res.tokens.index(early)
+        eos = set(eng._exec.eos)
+        eng._exec.eos = eos | {early}
+        at_eos = eng.submit(PROMPTS[0], **kw)
+        await at_eos
+        eng._exec.eos = eos
+        at_stop = eng.submit(PROMPTS[0], stop=[tok.decode([early])], **kw)
+        await at_stop
+        await eng.aclose()
+        return res, first, at_eos, at_stop
+
+    res, first, at_eos, at_stop = arun(main)
+    assert res.draft_accepted > 3  # drafts hold (and the third lies within the row)
+    for row in (at_eos, at_stop):
+        assert row.finish_reason == "stop" and row.ntok <= first + 1
+        assert row.draft_accepted == len(row.drafted) <= row.ntok, (row.draft_accepted,
+                                                                    row.drafted, row.ntok)
+        assert row.draft_proposed >= row.draft_accepted
+
+
 def test_a_row_stops_drafting_when_its_acceptance_collapses():
     lk = DraftRow(0, 10)
     assert lk.k == DEFAULT_K and lk.ready()

@@ -53,9 +53,10 @@ class ReadBack:
             tr("read.py", pc() - t1)
 
     def _take(self, r: RowDecoder, toks, lps, inflight: InFlight, updates: Updates,
-              emitted: List[Emitted], drafted: int = 0) -> None:
+              emitted: List[Emitted], drafted: int = 0) -> int:
         """Row r's tokens of one step read back, in order (the first `drafted` of
-        them were drafts it accepted), until it ends."""
+        them were drafts it accepted), until it ends; how many it read (the one
+        that ended it included)."""
         rows = self.rows
         for j, tok in enumerate(toks):
             self.taken += 1
@@ -66,7 +67,24 @@ class ReadBack:
                     r, lambda t, e: r.accept(t, None, emitted, e), self.eos, ending)
             if ending is not None:
                 self._ended(r, ending, updates)
-                return
+                return j + 1
+        return len(toks)
+
+    def _drafts_taken(self, rid: int, drafts: list, accepted: int, read: int,
+                      last, updates: Updates) -> tuple:
+        """A verified row's drafts as its counts show them: those up to where it
+        ended (a stop or EOS inside its accepted drafts ends it there; the drafts
+        after are moot), an accepted end-of-sequence draft not among its tokens.
+        `read`: its tokens `_take` read, the last `last`. (proposed, accepted)
+        counted, added to its update."""
+        if read > accepted:  # it read every accepted draft
+            n, kept = len(drafts), accepted
+        else:
+            n, kept = read, read - (last in self.eos)
+        up = updates.of(rid)
+        up.draft_proposed += n
+        up.draft_accepted += kept
+        return n, kept
 
     def _ended(self, r: RowDecoder, ending, updates: Updates) -> None:
         """Row r ended at its latest token: say so and drop it from the batch."""

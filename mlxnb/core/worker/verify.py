@@ -97,15 +97,13 @@ def verify(ex, drafts: List[List[int]], done: Optional[InFlight], draft, updates
             r.history = mx.concatenate([r.history[-HISTORY + 1:], nxt[i:i + 1]])
         if rid in ex.drop or ex.rows.get(rid) is None:
             continue
-        if dr:
-            up = updates.of(rid)
-            up.draft_proposed += len(dr)
-            up.draft_accepted += a
-            r.spec.verified(len(dr), a)
-            proposed, accepted = proposed + len(dr), accepted + a
         taken += a + 1
-        ex._take(r, T[i][:a + 1], [lps.get((i, j)) for j in range(a + 1)], one,
-                 updates, emitted, drafted=a)
+        took = ex._take(r, T[i][:a + 1], [lps.get((i, j)) for j in range(a + 1)], one,
+                        updates, emitted, drafted=a)
+        if dr:
+            r.spec.verified(len(dr), a)  # (the policy learns from the whole draft)
+            n, kept = ex._drafts_taken(rid, dr, a, took, T[i][took - 1], updates)
+            proposed, accepted = proposed + n, accepted + kept
     if tr:
         t = lap(tr, "verify.take", t)
     rollback(ex.caches, [W - 1 - a for a in A])

@@ -123,14 +123,13 @@ def read_wide(ex, inflight: InFlight, updates, emitted) -> tuple:
         if rid in drop:
             continue
         dr = inflight.drafts.get(rid)
+        took = ex._take(r, T[i][:a + 1], [None] * (a + 1), inflight, updates, emitted,
+                        drafted=a)
         if dr:
-            up = updates.of(rid)
-            up.draft_proposed += len(dr)
-            up.draft_accepted += a
-            r.spec.verified(len(dr), a)
+            r.spec.verified(len(dr), a)  # (the policy learns from the whole draft)
             r.spec.stale = a < len(dr)
-            proposed, accepted = proposed + len(dr), accepted + a
-        ex._take(r, T[i][:a + 1], [None] * (a + 1), inflight, updates, emitted, drafted=a)
+            n, kept = ex._drafts_taken(rid, dr, a, took, T[i][took - 1], updates)
+            proposed, accepted = proposed + n, accepted + kept
     if tr:
         lap(tr, "wide.take", t)
     return (proposed, accepted), (len(T[0]), len(A) + sum(A))
