@@ -360,6 +360,8 @@ def test_a_wrong_key_is_refused_at_connect_without_echoing_it():
 def test_a_key_read_with_its_newline_works_and_one_no_header_can_carry_is_refused(arun):
     srv = Server(lambda req, n: httpx.Response(200, content=sse(*chat_chunks(["k"]))), key=KEY)
     assert one_row(arun, srv, api_key=KEY + "\n").finish_reason == "length"
+    with pytest.raises(ValueError, match="^api_key must be a string, got bytes$"):
+        engine(srv, api_key=KEY.encode())
     for bad in ("sk-a\nb", "sk-clé", "sk-\x00"):
         with pytest.raises(ValueError, match="^the API key holds a character an HTTP "
                                              "header cannot carry") as e:

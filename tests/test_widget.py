@@ -520,6 +520,12 @@ def test_results_html_is_bounded_and_escaped():
     plain = results.bundle(grid, "m", "run")["text/plain"]
     assert "[3] done: length \u00b7 temp=0.9 sample=0 \u00b7 5 tok" in plain
     assert "seed=" not in plain and "prompt_index" not in plain
+    # errors count within the total too
+    failed = [R(i, "w" * 500) for i in range(1024)]
+    for r in failed:
+        r.finish_reason, r.error = "error", "x" * 1000
+    b = results.bundle(failed, "m", "run")
+    assert b["text/plain"].count("w") + b["text/plain"].count("x") <= results.TOTAL_CHARS
     # an errored row keeps the text it generated, under its error
     bad = R(0, "partial text")
     bad.finish_reason, bad.error = "error", "logits processor failed: boom"

@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from .. import _aio
 from .._text import fmt_bytes
 from .states import Finish
 from . import _threads
@@ -134,13 +135,26 @@ class Adapters:
         if self.kv_budget is None:
             return
         self.scheduler.kv_budget = max(self.kv_budget - nbytes, 0)
-        # A queued row that fitted the budget before may not fit what is left: it
-        # would wait for ever (or run over it alone); it ends now, saying why.
+        if self.loop is not None:  # (rows and their futures belong to the loop)
+            try:
+                _aio.call_soon(self.loop, self._end_unfit)
+            except _aio.NoLoopError:  # no loop runs: nothing is served to end
+                pass
+
+    def _end_unfit(self) -> None:
+        """A queued row that fitted the budget before may not fit what adapters leave:
+        it would wait for ever (or run over it alone); it ends now, saying why. (A row
+        held for its constraint is checked as it is released.)"""
         for row in list(self.scheduler.queue):
-            why = self.scheduler.never_fits(len(row.prompt_ids), row.params.max_tokens)
+            why = self.unfit(row)
             if why and self.scheduler.dequeue(row):
-                self._end(row, Finish.ERROR, f"{why} (adapters take {fmt_bytes(nbytes)} "
-                                             "of it)")
+                self._end(row, Finish.ERROR, why)
+
+    def unfit(self, row) -> Optional[str]:
+        """Why `row` can never fit the KV budget as it stands, or None."""
+        why = self.scheduler.never_fits(len(row.prompt_ids), row.params.max_tokens)
+        return why and (f"{why} (adapters take {fmt_bytes(self._adapter_bytes)} of it)"
+                        if self._adapter_bytes else why)
 
     def _loaded_names(self) -> str:
         return ("loaded: " + ", ".join(self._adapters)) if self._adapters else \

@@ -142,9 +142,10 @@ class Submitting:
         if self._held.pop(row.id, None) is None or row.done:
             return
         err = fut.exception()
-        if err is not None or self._closed:
-            self._end(row, Finish.ERROR if err else Finish.CANCELLED,
-                      str(err) if err else None)
+        unfit = None if err is not None or self._closed else self.unfit(row)
+        if err is not None or self._closed or unfit:
+            self._end(row, Finish.CANCELLED if self._closed and not err else Finish.ERROR,
+                      str(err) if err else unfit)
         else:
             self.scheduler.enqueue(row)
             self._serve_soon()

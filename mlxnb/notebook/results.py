@@ -24,7 +24,6 @@ from ..core.states import RowState
 
 TOTAL_CHARS = 200_000  # all rows' text together, in one rendering
 ROW_CHARS = 8_000  # most text of one row (fewer when many rows share the budget)
-MIN_ROW_CHARS = 40  # a line of each row however many (`max_rows`: 1024 a cell)
 PROMPT_CHARS = 160
 
 
@@ -82,19 +81,19 @@ def _stats(r) -> list:
 
 
 def _row_budget(n: int) -> int:
-    return max(MIN_ROW_CHARS, min(ROW_CHARS, TOTAL_CHARS // max(1, n)))
+    """Each row's share (a cell's most rows, 1024 by default, get 195 characters)."""
+    return min(ROW_CHARS, TOTAL_CHARS // max(1, n))
 
 
 def _body(r, budget: int) -> str:
-    """The row's text up to `budget` characters; an errored row's error above it (the
-    text it generated before the error is kept too)."""
-    text = r.text
-    if len(text) > budget:
-        more = len(text) - budget
-        text = text[:budget] + f"\u2026 [{more} more characters: see run.texts]"
-    if r.error:
-        text = f"error: {one_line(r.error, 300)}" + (f"\n{text}" if text else "")
-    return text
+    """The row's text within `budget` characters; an errored row's error first, the
+    text it generated before the error after it, in the same budget."""
+    head = f"error: {one_line(r.error, max(budget - 7, 20))}" if r.error else ""
+    room, text = max(budget - len(head), 0), r.text
+    if len(text) > room:
+        more = len(text) - room
+        text = text[:room] + f"\u2026 [{more} more characters: see run.texts]"
+    return f"{head}\n{text}" if head and r.text else head or text
 
 
 def summary(rows, model: str = "", title: str = "", now: float | None = None) -> dict:

@@ -116,10 +116,10 @@ class Client:
         u = urlsplit(self.base)
         self.shown = urlunsplit((u.scheme, u.netloc.rpartition("@")[2], u.path, "", ""))
         # A key read from a file often ends in a newline; inside, a line break or any
-        # non-ASCII character cannot go in a header (h11 would refuse it in every
-        # request, quoting the key in its message).
-        self._key = api_key.strip() if isinstance(api_key, str) else api_key
-        self._key = self._key or None
+        # non-ASCII character cannot go in a header (h11 would quote it in errors).
+        if api_key is not None and not isinstance(api_key, str):
+            raise ValueError(f"api_key must be a string, got {type(api_key).__name__}")
+        self._key = (api_key or "").strip() or None
         if self._key and not (self._key.isascii() and self._key.isprintable()):
             raise ValueError("the API key holds a character an HTTP header cannot carry "
                              "(a line break, a control or a non-ASCII character); check "
