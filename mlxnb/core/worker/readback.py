@@ -70,18 +70,19 @@ class ReadBack:
                 return j + 1
         return len(toks)
 
-    def _drafts_taken(self, rid: int, drafts: list, accepted: int, read: int,
-                      last, updates: Updates) -> tuple:
-        """A verified row's drafts as its counts show them: those up to where it
-        ended (a stop or EOS inside its accepted drafts ends it there; the drafts
-        after are moot), an accepted end-of-sequence draft not among its tokens.
-        `read`: its tokens `_take` read, the last `last`. (proposed, accepted)
+    def _drafts_taken(self, r: RowDecoder, drafts: list, accepted: int, toks: list,
+                      read: int, updates: Updates) -> tuple:
+        """After `_take` read `read` of a verified row's `toks`: its policy learns from
+        the whole draft, and its counts show the drafts up to where it ended (a stop
+        or EOS inside its accepted drafts ends it there; the drafts after are moot),
+        an accepted end-of-sequence draft not among its tokens. (proposed, accepted)
         counted, added to its update."""
+        r.spec.verified(len(drafts), accepted)
         if read > accepted:  # it read every accepted draft
             n, kept = len(drafts), accepted
         else:
-            n, kept = read, read - (last in self.eos)
-        up = updates.of(rid)
+            n, kept = read, read - (toks[read - 1] in self.eos)
+        up = updates.of(r.id)
         up.draft_proposed += n
         up.draft_accepted += kept
         return n, kept

@@ -98,11 +98,11 @@ def verify(ex, drafts: List[List[int]], done: Optional[InFlight], draft, updates
         if rid in ex.drop or ex.rows.get(rid) is None:
             continue
         taken += a + 1
-        took = ex._take(r, T[i][:a + 1], [lps.get((i, j)) for j in range(a + 1)], one,
-                        updates, emitted, drafted=a)
+        toks = T[i][:a + 1]
+        took = ex._take(r, toks, [lps.get((i, j)) for j in range(a + 1)], one, updates,
+                        emitted, drafted=a)
         if dr:
-            r.spec.verified(len(dr), a)  # (the policy learns from the whole draft)
-            n, kept = ex._drafts_taken(rid, dr, a, took, T[i][took - 1], updates)
+            n, kept = ex._drafts_taken(r, dr, a, toks, took, updates)
             proposed, accepted = proposed + n, accepted + kept
     if tr:
         t = lap(tr, "verify.take", t)

@@ -123,12 +123,11 @@ def read_wide(ex, inflight: InFlight, updates, emitted) -> tuple:
         if rid in drop:
             continue
         dr = inflight.drafts.get(rid)
-        took = ex._take(r, T[i][:a + 1], [None] * (a + 1), inflight, updates, emitted,
-                        drafted=a)
+        toks = T[i][:a + 1]
+        took = ex._take(r, toks, [None] * (a + 1), inflight, updates, emitted, drafted=a)
         if dr:
-            r.spec.verified(len(dr), a)  # (the policy learns from the whole draft)
             r.spec.stale = a < len(dr)
-            n, kept = ex._drafts_taken(rid, dr, a, took, T[i][took - 1], updates)
+            n, kept = ex._drafts_taken(r, dr, a, toks, took, updates)
             proposed, accepted = proposed + n, accepted + kept
     if tr:
         lap(tr, "wide.take", t)
