@@ -81,7 +81,7 @@ def _notebook(tiny):
         'schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 8}}, "required": ["name"]}\n'
         'names = [f"student {i:02d}" for i in range(40)]',
         "%%generate --json-schema schema --max-tokens 2 --raw -o js\nName a person.",
-        "%%generate --max-tokens 160 --raw -o many\n"
+        "%%generate --max-tokens 600 --raw -o many\n"
         "Extract the person's name from this sentence: {names} wrote the program. Answer briefly.",
         "%%generate --max-tokens 3500 --raw -o long\nhello\nworld",
     ]
