@@ -227,3 +227,22 @@ def test_a_row_an_interrupt_left_unqueued_ends_when_stopped(tiny, arun, monkeypa
     by, stuck = arun(main)
     assert by.finish_reason == "cancelled"
     assert len(stuck) == 1 and stuck[0].finish_reason == "cancelled"
+
+
+def test_a_submit_after_the_engines_loop_closed_raises_and_leaves_no_coroutine(tiny):
+    import gc
+    import warnings
+
+    async def made():
+        return make(tiny)
+
+    loop = asyncio.new_event_loop()
+    eng = loop.run_until_complete(made())
+    loop.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(RuntimeError, match="event loop is closed; create a new Engine"):
+            eng.submit("x", chat=False, max_tokens=2)
+        gc.collect()
+    assert not eng._live
+    eng.close()

@@ -247,7 +247,12 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
             # A fresh context: output from this long-lived task must not be tied to
             # the cell that happened to start it (ipykernel 7 sends a task's output
             # with the parent header of the cell that created it, even after it ends).
-            self._task = self.loop.create_task(self._serve(), context=contextvars.Context())
+            serve = self._serve()
+            try:
+                self._task = self.loop.create_task(serve, context=contextvars.Context())
+            except RuntimeError:  # the loop is closed: no task, so no coroutine left behind
+                serve.close()
+                raise
 
     async def _serve(self):
         while not self._closed:

@@ -89,6 +89,8 @@ class Submitting:
         self._check_open()
         if self.loop is None:
             self.loop = _aio.engine_loop()  # the running (or kernel's) loop, else refuse
+        if self.loop.is_closed():
+            raise _aio.NoLoopError("this Engine's event loop is closed; create a new Engine")
         row = Row(next(self._ids), prompt, ids, sp, tag, future=self.loop.create_future(),
                   t0=self._t0, canceller=weakref.WeakMethod(self.cancel))
         pending = self.constraints.pending(sp) if err is None else None
