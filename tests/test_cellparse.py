@@ -47,6 +47,9 @@ NS = {"topic": "the sea", "n": 3, "xs": ["a", "b"], "ys": (1, 2, 3), "d": {"k": 
     ("{xs}-{xs}", [("a-a", {"xs": "a"}), ("b-b", {"xs": "b"})]),  # same field: one sweep
     ("{xs}{ys}", [(f"{x}{y}", {"xs": x, "ys": y}) for x in "ab" for y in (1, 2, 3)]),
     ("{xs!s}", [("['a', 'b']", {})]),  # a conversion inserts the list itself
+    # ... wherever it stands: each occurrence on its own
+    ("{xs!s} {xs}", [("['a', 'b'] a", {"xs": "a"}), ("['a', 'b'] b", {"xs": "b"})]),
+    ("{xs} {xs!s}", [("a ['a', 'b']", {"xs": "a"}), ("b ['a', 'b']", {"xs": "b"})]),
     ("no fields", [("no fields", {})]),
 ])
 def test_interpolate(tpl, out):
@@ -179,13 +182,24 @@ def test_grid_reserved_variable_names_are_prefixed():
                             "var_" + name: "a"}, name
 
 
-def test_grid_limit_checked_before_expanding():
+def test_grid_limit_checked_before_expanding(monkeypatch):
     huge = {"a": list(range(1000)), "b": list(range(1000)), "c": list(range(1000))}
     with pytest.raises(UsageError, match="1000000000 rows, more than the limit of 64"):
         grid(["{a}{b}{c}"], huge, limit=64)
     with pytest.raises(UsageError, match="24 rows"):
         grid(["x", "y", "z"], n=4, limit=10, temp=[0.1, 0.2])
     assert len(grid(["x"], n=4, limit=4)) == 4
+    # option sweeps too: refused before their combinations are built (27 million: 2 GB)
+    import mlxnb.notebook.cellparse as cp
+
+    def product(*_):
+        raise AssertionError("combinations built before the limit was checked")
+
+    monkeypatch.setattr(cp.itertools, "product", product)
+    vals = [0.1 + i / 1000 for i in range(300)]
+    with pytest.raises(UsageError, match="27000000 rows"):
+        grid(["x"], limit=1024, temp=vals, top_p=[v / 2 for v in vals],
+             min_p=[v / 4 for v in vals])
 
 
 def test_grid_error_names_the_prompt():

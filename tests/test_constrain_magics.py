@@ -54,11 +54,18 @@ def test_each_flag_constrains_its_rows(ip, tiny, arun_shut):
     ("--json-schema bad", "json_schema is invalid"),
     ("--regex a --choice a,b", "at most one"),
     ("--choice ,", "--choice needs options"),
+    ("--json-schema nothing", "nothing is None"),
+    ("--choice word", "word is a str, not a collection of options"),
+    ("--choice gen", "gen is a generator"),
+    ("--choice lables", "one option is no choice; give two or more, e.g. --choice yes,no, "
+                        "or define lables as a list"),
+    ("--choice emptyset", "emptyset is empty"),
 ])
 def test_bad_constraint_options_are_one_line_usage_errors(ip, tiny, arun_shut, line, words):
     async def main():
         eng = attach(tiny)
-        ip.user_ns.update(notstr=5, bad={"type": "frobnicate"})
+        ip.user_ns.update(notstr=5, bad={"type": "frobnicate"}, nothing=None, word="yes",
+                          gen=(x for x in "ab"), emptyset=set())
         with pytest.raises(UsageError) as ei:
             gen(ip, "--quiet --raw " + line, "a\nb")
         return ei.value, len(eng.rows)
@@ -76,6 +83,20 @@ def test_constraint_params_parsing():
     assert constraint_params("s", None, None, None, ns) == {"json_schema": SCHEMA}
     assert constraint_params(None, r"\d+", None, None, ns) == {"regex": r"\d+"}
     assert constraint_params(None, None, None, None, ns) == {}
+
+
+def test_choice_takes_any_collection_and_a_bracketed_list():
+    np, pd = pytest.importorskip("numpy"), pytest.importorskip("pandas")
+    ns = {"arr": np.array(["yes", "no"]), "ser": pd.Series(["a", "b"]),
+          "st": {"b", "a"}, "rng": range(2)}
+    for name, want in (("arr", ["yes", "no"]), ("ser", ["a", "b"]), ("st", ["a", "b"]),
+                       ("rng", ["0", "1"])):
+        assert constraint_params(None, None, [name], None, ns) == {"choices": want}, name
+    # as IPython writes {labels} or $labels of ['positive', 'negative'] into the line
+    for toks, want in ((["[positive,", "negative]"], ["positive", "negative"]),
+                       (["[yes,no]"], ["yes", "no"]), (["(a,", "b)"], ["a", "b"]),
+                       (["[x],[y]"], ["[x]", "[y]"])):  # options in brackets: as given
+        assert constraint_params(None, None, toks, None, ns) == {"choices": want}, toks
 
 
 def test_widget_marks_constrained_rows(ip, tiny, arun_shut):

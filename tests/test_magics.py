@@ -254,9 +254,21 @@ def test_a_config_default_out_of_range_says_it_is_the_default(ip, tiny, arun_shu
                 errs.append(None)
             except UsageError as e:
                 errs.append(str(e))
+        ip.run_line_magic("config", "MLXNB.top_p = 1.0")
+        ip.run_line_magic("config", "MLXNB.stop = ['']")
+        for line in ("", "--stop ''", "--stop x"):
+            if line == "--stop x":  # the cell's own stop wins over a bad default
+                await gen(ip, f"--quiet --max-tokens 2 {line}", "a")
+                continue
+            with pytest.raises(UsageError) as e:
+                gen(ip, f"--quiet --max-tokens 2 {line}", "a")
+            errs.append(str(e.value))
         return errs
 
     errs = arun_shut(main)
+    assert errs[3] == ("the default %config MLXNB.stop is not valid: --stop needs a "
+                       "non-empty string; write e.g. --stop '\\n\\n'")
+    assert errs[4].startswith("--stop needs")  # the cell's own
     assert errs[0].startswith("the default %config MLXNB.top_p is not valid: --top-p must "
                               "be a number in (0, 1]")
     assert errs[1].startswith("the default %config MLXNB.min_p is not valid")
@@ -339,7 +351,7 @@ def test_mlxnb_load_status_stop_unload(ip, models, arun_shut, capsys):
         eng = magics.get_engine()
         assert eng.max_batch == 4 and eng.kv_budget is None
         assert "loaded" in capsys.readouterr().out
-        ip.run_line_magic("mlxnb", "load tiny")
+        ip.run_line_magic("mlxnb", "load tiny --max-batch 4 --kv-budget none")
         assert "already loaded" in capsys.readouterr().out and magics.get_engine() is eng
         run = gen(ip, "--quiet --max-tokens 200 -o big", "a\nb")
         with pytest.raises(UsageError, match="still running or queued"):
@@ -401,6 +413,11 @@ BAD = [
     ("--stop ''", "hi", "--stop needs a non-empty string"),
     ("--system 'unclosed", "hi", "close your quotes"),
     ("-o 1x", "hi", "not a valid variable name"),
+    ("-o \uff52\uff55\uff4e", "hi", "Python reads this name as 'run'; write -o run"),
+    ("-o \ufb01le", "hi", "Python reads this name as 'file'"),
+    ("--num-draft 4", "hi", "--num-draft 4 sets how many tokens speculative decoding drafts, "
+                            "and it is off here; add --speculate lookup"),
+    ("--speculate off --num-draft 4", "hi", "it is off here"),
     ("--temp", "hi", "expected at least one argument"),
     ("", "", "the cell body is empty"),  # IPython's own message
     ("", "\n  \n", "the cell has no prompts"),
@@ -508,5 +525,43 @@ def test_wait_returns_when_every_row_is_done(ip, tiny, arun_shut):
         assert a.done and b.done
         # the widget's traits hold the final state (saved notebooks)
         assert all(r["state"] == "done" for r in a.widget.rows)
+
+    arun_shut(main)
+
+
+def test_a_load_applies_the_config_defaults_it_did_not_have(ip, models, arun_shut, capsys):
+    async def main():
+        ip.run_line_magic("mlxnb", "load tiny")
+        eng = magics.get_engine()
+        ip.run_line_magic("mlxnb", "load tiny")
+        assert "already loaded" in capsys.readouterr().out and magics.get_engine() is eng
+        ip.run_line_magic("config", "MLXNB.max_batch = 4")
+        ip.run_line_magic("config", "MLXNB.kv_budget = '1GB'")
+        ip.run_line_magic("mlxnb", "load tiny")
+        out = capsys.readouterr().out
+        assert "again for its new settings: max_batch=4, kv_budget='1GB'" in out, out
+        new = magics.get_engine()
+        assert new is not eng and (new.max_batch, new.kv_budget) == (4, 1 << 30)
+        ip.run_line_magic("mlxnb", "load tiny")
+        assert "already loaded" in capsys.readouterr().out and magics.get_engine() is new
+
+    arun_shut(main)
+
+
+def test_stop_then_load_in_one_cell_is_not_refused_for_the_rows_stopping(ip, models,
+                                                                          arun_shut, capsys):
+    async def main():
+        ip.run_line_magic("mlxnb", "load tiny")
+        run = gen(ip, "--quiet --max-tokens 500 -o big", "a\nb")
+        while not all(r.state == "decode" for r in run.rows):
+            await asyncio.sleep(0.005)
+        with pytest.raises(UsageError, match="2 rows are still running"):
+            ip.run_line_magic("mlxnb", "load tiny --max-batch 8")
+        ip.run_line_magic("mlxnb", "stop big")
+        assert magics.get_engine().stopping == 2
+        ip.run_line_magic("mlxnb", "load tiny --max-batch 8")  # the same cell
+        assert magics.get_engine().max_batch == 8
+        await asyncio.wait_for(run, 10)
+        assert [r.finish_reason for r in run.rows] == ["cancelled"] * 2
 
     arun_shut(main)

@@ -416,6 +416,32 @@ def test_saved_lines_are_strict_json(tiny, arun, tmp_path):
                                            "<locals>.main.<locals>.never>"]
 
 
+def test_a_saved_row_says_how_its_prompt_was_templated_so_it_can_be_run_again(
+        tiny, arun, tmp_path):
+    async def main():
+        eng = make(tiny)
+        runs = [eng.generate(["hello"], chat=False, max_tokens=6),
+                eng.generate(["hello"], system="Answer in French.", max_tokens=6),
+                eng.generate(["hello"], max_tokens=6)]
+        for run in runs:
+            await run
+        again = []
+        for i, run in enumerate(runs):
+            rec = json.loads(run.save(tmp_path / f"{i}.jsonl").read_text(encoding="utf-8"))
+            row = eng.submit(rec["prompt"], chat=rec["chat"], system=rec["system"],
+                             **rec["params"])
+            again.append((rec, (await row).tokens))
+        await eng.aclose()
+        return runs, again
+
+    runs, again = arun(main)
+    assert [(rec["chat"], rec["system"]) for rec, _ in again] == [
+        (False, None), (True, "Answer in French."), (True, None)]
+    for run, (rec, tokens) in zip(runs, again):
+        assert tokens == rec["token_ids"] == run.rows[0].tokens
+    assert len({tuple(t) for _, t in again}) == 3  # three prompts, templated apart
+
+
 def test_records_and_saved_lines_use_only_the_columns_sweeps_must_avoid(tiny, arun,
                                                                           tmp_path):
     """A row's tag (its sweep values) is safe from being overwritten only if every

@@ -453,6 +453,8 @@ def test_bad_input_is_refused_before_anything_is_sent(arun):
         for kw, msg in [({"stop": [lambda t: True]}, "stop strings only"),
                         ({"logits_processors": [lambda t, l: l]}, "cannot take them"),
                         ({"temperature": -1}, "temperature must be a number >= 0"),
+                        ({"speculate": "lookup"}, "a server speculates as it was started"),
+                        ({"num_draft": 4}, "a server speculates as it was started"),
                         ({"bogus": 1}, "unknown parameter")]:
             with pytest.raises(ValueError, match=msg):
                 eng.submit("p", **kw)
@@ -582,6 +584,38 @@ def test_connect_then_generate_status_and_stop(ip, arun, capsys, monkeypatch):
     assert "connected to http://test:8000/v1, model 'm1' (llamacpp /metrics)" in out
     assert "done 3 (max 2 at once) | server (llamacpp metrics): running 2, waiting 5, KV 6%" in out
     assert KEY not in out
+
+
+def test_speculation_and_other_models_on_a_server_say_what_to_do(ip, arun):
+    from IPython.core.error import UsageError
+
+    from mlxnb.notebook import magics
+
+    async def main():
+        try:
+            ip.run_line_magic("mlxnb", "connect http://test:8000")
+            for line in ("--speculate lookup", "--num-draft 4", "--speculate off"):
+                with pytest.raises(UsageError, match="a server speculates as it was "
+                                                     "started") as e:
+                    ip.run_cell_magic("generate", f"--quiet {line}", "p")
+                assert "\n" not in str(e.value)
+            with pytest.raises(UsageError) as e:
+                ip.run_cell_magic("generate", "--quiet --model ft1", "p")
+            assert str(e.value) == (
+                "this kernel is connected to http://test:8000/v1, model 'm1'; run `%mlxnb "
+                "connect http://test:8000/v1 --model ft1` to use another of its models, or "
+                "`%mlxnb load ft1` for a local one")
+            # the %config default is for a local engine: not sent, not refused
+            ip.run_line_magic("config", "MLXNB.speculate = 'lookup'")
+            run = ip.run_cell_magic("generate", "--quiet --max-tokens 5", "p")
+            await run
+            return run
+        finally:
+            await magics.shutdown()
+            ip.config.pop("MLXNB", None)
+
+    run = arun(main)
+    assert run.rows[0].finish_reason == "length" and run.rows[0].params.speculate is None
 
 
 def test_both_engines_satisfy_the_protocol(tiny, arun):

@@ -231,6 +231,7 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
                 continue
             if row.id in self.scheduler.active:  # the worker holds it: its tick ends it
                 self._cancels.append(row.id)
+                self._stopping.add(row.id)
             else:  # queued, held for its constraint, or not yet enqueued (an interrupt
                 # between submit's steps, a hop from another thread): nobody else will
                 self._held.pop(row.id, None)

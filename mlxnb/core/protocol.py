@@ -56,6 +56,7 @@ class HeldRows:
         self._finished = weakref.WeakValueDictionary()  # finished rows someone holds
         self.finished = Counter()  # finish reason -> rows ended with it
         self._nsubmitted = 0
+        self._stopping: set = set()  # ids of live rows asked to stop, not yet ended
 
     @property
     def rows(self) -> List[Row]:
@@ -71,6 +72,12 @@ class HeldRows:
         """Rows submitted so far, finished ones included (`finished` counts those by
         finish reason)."""
         return self._nsubmitted
+
+    @property
+    def stopping(self) -> int:
+        """Rows asked to stop that have not ended yet (a running row ends at its next
+        step boundary)."""
+        return len(self._stopping)
 
 
 @runtime_checkable
@@ -89,6 +96,9 @@ class EngineLike(Protocol):
 
     @property
     def queued(self) -> int: ...
+
+    @property
+    def stopping(self) -> int: ...
 
     @property
     def closed(self) -> bool: ...

@@ -100,6 +100,7 @@ class Reports:
         if row.done:
             return
         self._live.pop(row.id, None)
+        self._stopping.discard(row.id)
         self._held.pop(row.id, None)
         self._finished[row.id] = row
         self.finished[reason] += 1

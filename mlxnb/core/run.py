@@ -26,7 +26,8 @@ RECORD_COLUMNS = frozenset({
     "tokens", "ttft_s", "tok_s", "error", "queue_s", "prefill_s", "decode_s",
     "draft_proposed", "draft_accepted", "adapter", "constraint", "valid", "json_error",
     "json"})
-SAVED_COLUMNS = frozenset({"params", "token_ids", "logprobs", "model", "adapter_path"})
+SAVED_COLUMNS = frozenset({"params", "token_ids", "logprobs", "model", "adapter_path",
+                           "chat", "system"})
 
 
 class Run:
@@ -116,7 +117,8 @@ class Run:
         return pd.DataFrame(self.records())
 
     def save(self, path) -> Path:
-        """Write JSONL: one line per row with its params, token ids and stats.
+        """Write JSONL: one line per row with its params, token ids and stats, and
+        `chat` and `system` where the run knows how its prompts were templated.
 
         Atomic: written to a temporary file next to `path`, then renamed over it, so a
         failure leaves an existing file as it was. A symbolic link is written through
@@ -134,6 +136,8 @@ class Run:
                               for s in params["stop"]]
             rec.update(params=params, token_ids=list(r.tokens), logprobs=r.logprobs,
                        model=self.meta.get("model"))
+            # how the prompt became tokens, where the run knows it (a re-run needs it)
+            rec.update({k: self.meta[k] for k in ("chat", "system") if k in self.meta})
             if params.get("adapter") is not None:
                 rec["adapter_path"] = self.meta.get("adapters", {}).get(params["adapter"])
             try:  # strict JSON: other tools (jq, JavaScript) refuse NaN and Infinity

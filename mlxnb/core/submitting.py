@@ -110,7 +110,8 @@ class Submitting:
         prompts = list(prompts)
         prepared = [self.prepare(p, chat=chat, system=system, **dict(params)) for p in prompts]
         run = Run([self.submit_prepared(p, ids, sp) for p, (ids, sp) in
-                   zip(prompts, prepared)], meta={"model": self.model_name})
+                   zip(prompts, prepared)], meta={"model": self.model_name, "chat": bool(chat),
+                                                 "system": system or None})
         used = {sp.adapter for _, sp in prepared} - {None}
         if used:
             run.meta["adapters"] = {n: self._adapters[n].path for n in sorted(used)}

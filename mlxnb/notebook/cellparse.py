@@ -129,10 +129,11 @@ def _plan(template: str, ns: dict, where: str):
         if spec and ("{" in spec or "}" in spec):
             raise UsageError(f"{where}: nested braces in {{{fname}:{spec}}} are not "
                              "supported; write {{ and }} for literal braces")
-        if fname in values:
-            continue
-        values[fname] = v = _lookup(fname, ns, where)
-        if isinstance(v, (list, tuple)) and not conv:
+        if fname not in values:
+            values[fname] = _lookup(fname, ns, where)
+        v = values[fname]
+        # each occurrence on its own: {xs} sweeps the list, {xs!s} inserts it whole
+        if isinstance(v, (list, tuple)) and not conv and fname not in sweeps:
             if len(v) == 0:
                 raise UsageError(f"{where}: {{{fname}}} is an empty list, so there is "
                                  "nothing to generate; give it at least one value")
@@ -150,7 +151,7 @@ def _expand(plan, where: str) -> List[Tuple[str, Dict[str, Any]]]:
         for lit, fname, spec, conv in parts:
             buf.append(lit)
             if fname is not None:
-                v = chosen[fname] if fname in chosen else values[fname]
+                v = chosen[fname] if fname in chosen and not conv else values[fname]
                 buf.append(_render(v, conv, spec, fname, where))
         text = "".join(buf).strip()
         if not text:
@@ -281,8 +282,7 @@ def build_grid(templates: Sequence[str], ns: dict, sweeps: Dict[str, list], n: i
     """
     rng = rng or random.SystemRandom()
     opts = [o for o in SWEEPABLE if o in sweeps]
-    combos = list(itertools.product(*(sweeps[o] for o in opts)))
-    per_prompt = len(combos) * n
+    per_prompt = math.prod(len(sweeps[o]) for o in opts) * n  # counted before it is built
     plans, total = [], 0
     for i, t in enumerate(templates):
         where = f"prompt {i + 1} {one_line(t, 30)!r}"
@@ -291,6 +291,7 @@ def build_grid(templates: Sequence[str], ns: dict, sweeps: Dict[str, list], n: i
         total += math.prod(len(v) for v in plan[2].values()) * per_prompt
     if limit is not None and total > limit:
         raise _too_many(total, limit)
+    combos = list(itertools.product(*(sweeps[o] for o in opts)))
     prompts = [(i, text, swept) for i, where, plan in plans
                for text, swept in _expand(plan, where)]
     used_seeds = {s for s in sweeps.get("seed", []) if s is not None}
@@ -370,8 +371,12 @@ def constraint_params(json_schema: Optional[str], regex: Optional[str], choice: 
         raise UsageError(f"give at most one of --json-schema, --regex, --choice, --grammar; "
                          f"got {', '.join(given)}")
     if json_schema is not None:
-        return {"json_schema": _variable("--json-schema", json_schema, ns,
-                                         "a dict, a JSON string or a pydantic model class")}
+        what = "a dict, a JSON string or a pydantic model class"
+        schema = _variable("--json-schema", json_schema, ns, what)
+        if schema is None:
+            raise UsageError(f"--json-schema {json_schema}: {json_schema} is None; give a "
+                             f"variable holding {what}")
+        return {"json_schema": schema}
     if grammar is not None:
         g = _variable("--grammar", grammar, ns, "a Lark or GBNF grammar string")
         if not isinstance(g, str):
@@ -383,15 +388,38 @@ def constraint_params(json_schema: Optional[str], regex: Optional[str], choice: 
             raise UsageError("--regex needs a pattern; write e.g. --regex '[0-9]+'")
         return {"regex": regex}
     if choice is not None:
-        toks = list(choice) if isinstance(choice, (list, tuple)) else [choice]
-        if len(toks) == 1 and toks[0].isidentifier() and isinstance(ns.get(toks[0]), (list, tuple)):
-            # a list variable: every item as given; the engine refuses blank ones
-            items = [str(x) for x in ns[toks[0]]]
-        else:
-            items = [x.strip() for t in toks for x in str(t).split(",")]
-            items = [x for x in items if x]
-        if not items:
-            raise UsageError("--choice needs options; write e.g. --choice yes,no or "
-                             "--choice LABELS (a list variable)")
-        return {"choices": items}
+        return {"choices": _choices(choice, ns)}
     return {}
+
+
+def _choices(choice: Any, ns: dict) -> List[str]:
+    """``--choice a,b,c``, ``--choice [a, b]`` (a list as IPython writes ``{labels}``)
+    or ``--choice LABELS``, a notebook variable holding any collection of options."""
+    toks = [str(t) for t in (choice if isinstance(choice, (list, tuple)) else [choice])]
+    name = toks[0] if len(toks) == 1 and toks[0].isidentifier() else None
+    if name is not None and name in ns:
+        v = ns[name]
+        if isinstance(v, (str, bytes, dict)) or not hasattr(v, "__iter__") or \
+                iter(v) is v:  # an iterator would be used up by the first cell
+            raise UsageError(f"--choice {name}: {name} is a {type(v).__name__}, not a "
+                             f"collection of options; give it a list, e.g. "
+                             f"{name} = ['yes', 'no'], or write --choice yes,no")
+        if isinstance(v, (set, frozenset)):
+            v = sorted(v, key=str)  # the order is saved with the row
+        items = [str(x) for x in v]  # every item as given; the engine refuses blank ones
+        if not items:
+            raise UsageError(f"--choice {name}: {name} is empty; give it the options")
+        return items
+    whole = " ".join(toks)
+    if whole[:1] + whole[-1:] in ("[]", "()") and not any(b in whole[1:-1] for b in "[]()"):
+        toks = [whole[1:-1]]  # one list, bracketed as IPython writes {labels}
+    items = [x.strip() for t in toks for x in t.split(",")]
+    items = [x for x in items if x]
+    if not items:
+        raise UsageError("--choice needs options; write e.g. --choice yes,no or "
+                         "--choice LABELS (a list variable)")
+    if len(items) == 1:
+        also = (f", or define {name} as a list of options" if name is not None else "")
+        raise UsageError(f"--choice {items[0]}: one option is no choice; give two or more, "
+                         f"e.g. --choice yes,no{also}")
+    return items

@@ -23,7 +23,7 @@ from .. import _aio
 from .._text import one_line
 from . import cellparse as cp
 from .magicargs import _CONNECT, _parse
-from .session import _S, _close, get_engine
+from .session import _S, _close, get_engine, refuse_if_busy
 
 __all__ = ["CONNECT_WAIT_S", "Connecting", "command", "start", "settle", "install",
            "abandon", "pending"]
@@ -124,7 +124,7 @@ def settle() -> None:
 
 def install(new, old) -> None:
     """Make the connected engine the kernel's (closing `old`) and say so."""
-    _S.engine, _S.model_spec = new, new.model_name
+    _S.engine, _S.model_spec, _S.settings = new, new.model_name, None
     if old is not None and old is not new:
         _close(old)
     charts = (f"{new.metrics_source} /metrics" if new.load.reported
@@ -158,9 +158,7 @@ def command(rest: str) -> None:
                              "is not set or empty; set it to the API key before starting "
                              "Jupyter (or with os.environ in a cell not saved)")
     eng = get_engine()
-    if eng is not None and eng.running + eng.queued:
-        raise UsageError(f"{eng.running + eng.queued} rows are still running or queued; "
-                         "`%mlxnb stop` them (or `await mlxnb.wait()`) before connecting")
+    refuse_if_busy(eng, "connecting")
     from ..remote import connect
     from ..remote.client import PROBE_S
 

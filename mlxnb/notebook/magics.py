@@ -15,6 +15,7 @@ once; wait with ``await run`` or ``await mlxnb.wait()`` in a later cell.
 from __future__ import annotations
 
 import keyword
+import unicodedata
 import sys
 import time
 
@@ -30,7 +31,8 @@ from .._text import one_line
 from .magicargs import _HELP, _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved, _sendable
 from ..core.rows import Row
 from ..core.run import Run
-from .session import MLXNB, _S, _close, _same_model, get_engine, shutdown, use, wait
+from .session import (MLXNB, _S, _close, _same_model, get_engine, refuse_if_busy, shutdown,
+                      use, wait)
 
 __all__ = ["MLXNB", "MLXNBMagics", "load_ipython_extension", "unload_ipython_extension",
            "wait", "shutdown", "use", "get_engine"]
@@ -51,10 +53,9 @@ class MLXNBMagics(Magics):
         self.cfg = config
 
     # -- the engine ------------------------------------------------------------------
-    def _load(self, spec, kv_budget=None, max_batch=None, prefill_chunk=None, quiet=False,
-              kv_bits=None, kv_group_size=None, draft=None):
-        from ..core.engine import Engine
-
+    def _settings(self, kv_budget=None, max_batch=None, prefill_chunk=None, kv_bits=None,
+                  kv_group_size=None, draft=None) -> dict:
+        """Engine keywords for a load: the options given, else the %config defaults."""
         c = self.cfg
         kw = dict(kv_bits=c.kv_bits if kv_bits is None else (
                       None if kv_bits == "none" else kv_bits),
@@ -63,24 +64,30 @@ class MLXNBMagics(Magics):
                   kv_budget=c.kv_budget if kv_budget is None else kv_budget,
                   prefill_chunk=(c.prefill_chunk if prefill_chunk is None else
                                  None if prefill_chunk == "auto" else prefill_chunk),
-                  load_timeout=c.load_timeout, loop=_aio.shell_loop(), draft_model=draft,
+                  load_timeout=c.load_timeout, draft_model=draft,
                   # an engine that speculates by default compiles its verification
                   # kernels at load (CUDA); cells still pass their own --speculate
                   speculate=c.speculate if c.speculate != "draft" or draft else None)
         if isinstance(kw["kv_budget"], str) and kw["kv_budget"].strip().isdigit():
             kw["kv_budget"] = int(kw["kv_budget"])
+        return kw
+
+    def _load(self, spec, settings=None, quiet=False):
+        from ..core.engine import Engine
+
+        kw = settings if settings is not None else self._settings()
         if not quiet:
             print(f"mlxnb: loading model {spec!r} ...", flush=True)
         t0 = time.perf_counter()
         try:
-            eng = Engine(spec, **kw)
+            eng = Engine(spec, loop=_aio.shell_loop(), **kw)
         except ValueError as e:
             raise UsageError(f"%mlxnb load: {one_line(e, 300)}") from None
         except Exception as e:  # hub / file / format errors: all the user's to fix
             raise UsageError(
                 f"could not load model {spec!r} ({type(e).__name__}: {one_line(e, 200)}); "
                 "give an mlx-lm hub id, a local mlx-lm directory, or 'default'") from None
-        _S.engine, _S.model_spec = eng, spec
+        _S.engine, _S.model_spec, _S.settings = eng, spec, kw
         if not quiet:
             print(f"mlxnb: loaded {eng.model_name!r} in {time.perf_counter() - t0:.1f} s",
                   flush=True)
@@ -94,6 +101,13 @@ class MLXNBMagics(Magics):
         eng = get_engine()
         if eng is None:
             return self._load(model or self.cfg.model, quiet=quiet)
+        url = getattr(eng, "url", None)
+        if model and not _same_model(eng, model) and url is not None:
+            raise UsageError(
+                f"this kernel is connected to {connecting.shown(url)}, model "
+                f"{eng.model_name!r}; run `%mlxnb connect {connecting.shown(url)} --model "
+                f"{model}` to use another of its models, or `%mlxnb load {model}` for a "
+                "local one")
         if model and not _same_model(eng, model):
             raise UsageError(
                 f"this kernel runs {_S.model_spec or eng.model_name!r}; run "
@@ -104,8 +118,8 @@ class MLXNBMagics(Magics):
     @line_magic
     @_sendable
     def mlxnb(self, line=""):
-        """Manage the mlxnb engine. Subcommands: load, status, stop, dashboard, wait,
-        unload (``%mlxnb`` alone lists them)."""
+        """Manage the mlxnb engine. Subcommands: load, connect, adapter, status, stop,
+        dashboard, wait, unload (``%mlxnb`` alone lists them)."""
         # split at any whitespace: a tab may follow the subcommand
         sub, rest = ((line or "").split(None, 1) + ["", ""])[:2]
         rest = rest.strip()
@@ -131,20 +145,24 @@ class MLXNBMagics(Magics):
             if v is not None and v < 1:
                 raise UsageError(f"%mlxnb load: {flag} must be a positive integer; got {v}")
         spec = a.model or self.cfg.model
+        settings = self._settings(a.kv_budget, mb, pc, kv_bits=kb, kv_group_size=kg,
+                                  draft=a.draft)
         eng = get_engine()
         local = eng is not None and getattr(eng, "url", None) is None  # this process
+        had = _S.settings  # None: an Engine built in Python, its settings unknown
         loaded = local and _same_model(eng, spec) and (
-            a.kv_budget is a.max_batch is a.prefill_chunk is a.kv_bits
-            is a.kv_group_size is a.draft is None)
-        busy = eng.running + eng.queued if eng is not None else 0
-        if busy and not loaded:  # refused: nothing changes, a connect under way neither
-            raise UsageError(f"{busy} rows are still running or queued; `%mlxnb stop` "
-                             f"them (or `await mlxnb.wait()`) before loading {spec!r}")
+            settings == had if had is not None else a.kv_budget is a.max_batch
+            is a.prefill_chunk is a.kv_bits is a.kv_group_size is a.draft is None)
+        if not loaded:  # refused: nothing changes, a connect under way neither
+            refuse_if_busy(eng, f"loading {spec!r}")
         connecting.abandon()  # a local model instead of a connection under way
         if loaded:
             print(f"mlxnb: {spec!r} is already loaded")
             return None
-        self._load(spec, a.kv_budget, mb, pc, kv_bits=kb, kv_group_size=kg, draft=a.draft)
+        if local and had is not None and _same_model(eng, spec):
+            changed = ", ".join(f"{k}={v!r}" for k, v in settings.items() if had.get(k) != v)
+            print(f"mlxnb: loading {spec!r} again for its new settings: {changed}")
+        self._load(spec, settings)
         # (a failed load keeps the old engine)
         if eng is not None:
             _close(eng)
@@ -287,6 +305,10 @@ class MLXNBMagics(Magics):
         c = self.cfg
         if a.out is not None and not (a.out.isidentifier() and not keyword.iskeyword(a.out)):
             raise UsageError(f"-o {a.out!r} is not a valid variable name; write e.g. -o run")
+        if a.out is not None and unicodedata.normalize("NFKC", a.out) != a.out:
+            plain = unicodedata.normalize("NFKC", a.out)  # what Python reads when typed
+            raise UsageError(f"-o {a.out!r}: typed in a cell, Python reads this name as "
+                             f"{plain!r}; write -o {plain}")
         if a.out is not None and _reserved(self.shell, a.out):
             raise UsageError(f"-o {a.out!r} would replace a name Python or IPython relies "
                              "on; choose another name, e.g. -o run")
@@ -304,7 +326,9 @@ class MLXNBMagics(Magics):
                   "logprobs", c.logprobs, int, sweep=False)[0]))
         stop = [cp.unescape(s) for s in (a.stop if a.stop is not None else c.stop)]
         if any(not s for s in stop):
-            raise UsageError("--stop needs a non-empty string; write e.g. --stop '\\n\\n'")
+            msg = "--stop needs a non-empty string; write e.g. --stop '\\n\\n'"
+            raise UsageError(msg if a.stop is not None else
+                             f"the default %config MLXNB.stop is not valid: {msg}")
         system = cp.unescape(a.system) if a.system is not None else c.system
         chat = c.chat if a.chat is None else a.chat
         quiet = c.quiet if a.quiet is None else a.quiet
@@ -322,6 +346,7 @@ class MLXNBMagics(Magics):
             a.speculate, a.num_draft, c.speculate, c.num_draft), **cp.constraint_params(
             a.json_schema, a.regex, a.choice, a.grammar, self.shell.user_ns))
         eng = self._engine_for(a.model, quiet)
+        _speculation_for(eng, a, common)
         prepared = []  # validate and tokenize EVERY row before submitting any
         for i, g in enumerate(grid):
             try:
@@ -361,6 +386,22 @@ class MLXNBMagics(Magics):
 
 
 # -- the extension -------------------------------------------------------------------------
+def _speculation_for(eng, a, common: dict) -> None:
+    """Refuse speculation options that would do nothing on `eng`; a server drafts as it
+    was started, so %config's defaults are not sent to one."""
+    if getattr(eng, "url", None) is not None:
+        if a.speculate is not None or a.num_draft is not None:
+            raise UsageError("--speculate and --num-draft draft tokens on a model in this "
+                             "process; a server speculates as it was started (use "
+                             "`%mlxnb load` for mlxnb's own)")
+        common.pop("speculate", None)
+        common.pop("num_draft", None)
+    elif a.num_draft is not None and common.get("speculate", eng.speculate) is None:
+        raise UsageError(f"--num-draft {a.num_draft} sets how many tokens speculative "
+                         "decoding drafts, and it is off here; add --speculate lookup "
+                         "(or draft), or leave --num-draft out")
+
+
 def _run_display(run):
     """Display a `Run` as its widget and the widget's results output (widget.py);
     a run without a widget as its repr."""

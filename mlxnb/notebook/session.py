@@ -16,6 +16,7 @@ import asyncio
 import os
 import weakref
 
+from IPython.core.error import UsageError
 from traitlets import Bool, Float, Int, List, TraitError, Unicode, Union, validate
 from traitlets.config import Configurable
 
@@ -92,6 +93,7 @@ class _Session:
     def __init__(self):
         self.engine = None
         self.model_spec = None  # what the user asked for ("default", hub id, dir)
+        self.settings = None  # the Engine keywords %mlxnb load used (None: built in Python)
         self.config = None
         self.shell = None
         self.widgets = weakref.WeakSet()  # every widget we showed, for wait()'s sync
@@ -116,12 +118,22 @@ def use(engine, name=None):
     if _S.engine is not None and _S.engine is not engine:
         _close(_S.engine)
     _S.engine, _S.model_spec = engine, name or getattr(engine, "model_name", None)
+    _S.settings = None
     return engine
+
+
+def refuse_if_busy(eng, before: str) -> None:
+    """UsageError while rows not asked to stop are running or queued. Rows stopping end
+    'cancelled' when their engine closes, as they would have at their next step."""
+    busy = 0 if eng is None else eng.running + eng.queued - eng.stopping
+    if busy > 0:
+        raise UsageError(f"{busy} rows are still running or queued; `%mlxnb stop` them "
+                         f"(or `await mlxnb.wait()`) before {before}")
 
 
 def _close(eng):
     if _S.engine is eng:
-        _S.engine, _S.model_spec = None, None
+        _S.engine, _S.model_spec, _S.settings = None, None, None
     loop = eng.loop
     # on the loop: free the caches in the background, rows end 'cancelled'
     if loop is not None and _aio.running_loop() is loop:

@@ -125,6 +125,10 @@ class RemoteEngine(HeldRows, Listeners):
         if given:  # sent nowhere, they would leave the rows unconstrained without a word
             raise ValueError(f"{given[0]}= constrains tokens on a model in this process; a "
                              "remote server does not take it here (use `%mlxnb load`)")
+        if params.get("speculate") is not None or params.get("num_draft"):
+            raise ValueError("speculate= and num_draft= draft tokens on a model in this "
+                             "process; a server speculates as it was started (use "
+                             "`%mlxnb load` for mlxnb's own)")
         sp = sampling_params(params)
         if sp.adapter is not None and self.models and sp.adapter not in self.models:
             # servers serve adapters by model name (vLLM --lora-modules NAME=PATH)
@@ -160,7 +164,8 @@ class RemoteEngine(HeldRows, Listeners):
         prompts = list(prompts)
         prepared = [self.prepare(p, chat=chat, system=system, **dict(params)) for p in prompts]
         return Run([self.submit_prepared(p, req, sp) for p, (req, sp) in zip(prompts, prepared)],
-                   meta={"model": self.model_name, "server": self.url})
+                   meta={"model": self.model_name, "server": self.url,
+                         "chat": bool(chat), "system": system or None})
 
     def _call_on_loop(self, fn, *args):
         _aio.call_soon(self.loop, fn, *args)  # subshell threads hop onto the loop
@@ -265,6 +270,7 @@ class RemoteEngine(HeldRows, Listeners):
         if row.done:
             return
         self._live.pop(row.id, None)
+        self._stopping.discard(row.id)
         self._finished[row.id] = row
         self.finished[reason] += 1
         row._finish(reason, error)
@@ -315,6 +321,7 @@ class RemoteEngine(HeldRows, Listeners):
             task = self._tasks.get(row.id)
             if task is not None:
                 task.cancel()  # closes the stream: the server stops generating
+                self._stopping.add(row.id)
             else:
                 try:
                     self._queue.remove(row)
