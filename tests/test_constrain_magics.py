@@ -122,3 +122,21 @@ def test_widget_marks_constrained_rows(ip, tiny, arun_shut):
     text = run.widget.summary_text()
     assert "json ok" in text and "json invalid" in cut.widget.summary_text()
     json.dumps(full)  # what the front end gets is plain JSON
+
+
+def test_backslashes_outside_quotes_reach_the_regex_and_the_stop(ip, tiny, arun_shut):
+    async def main():
+        attach(tiny)
+        run = gen(ip, r"--quiet --raw --max-tokens 8 --regex \d\d --stop \n", "a")
+        quoted = gen(ip, r"""--quiet --raw --max-tokens 8 --regex '\d\d' --stop "\n" """, "a")
+        spaced = gen(ip, r"--quiet --raw --max-tokens 8 --system say\ hi", "a")
+        for r in (run, quoted, spaced):
+            await r
+        return run, quoted, spaced
+
+    run, quoted, spaced = arun_shut(main)
+    for r in (run, quoted):
+        p = r.rows[0].params
+        assert (p.regex, p.stop) == (r"\d\d", ("\n",)), (p.regex, p.stop)
+        assert re.fullmatch(r"\d\d", r.rows[0].text)
+    assert spaced.meta["system"] == "say hi"  # a shell's escaped space still joins

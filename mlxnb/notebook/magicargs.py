@@ -16,9 +16,37 @@ from . import cellparse as cp
 
 def _split(line: str) -> list:
     try:
-        return shlex.split(line or "")
+        return shlex.split(_keep_backslashes(line or ""))
     except ValueError as e:
         raise UsageError(f"could not read the options ({e}); close your quotes") from None
+
+
+def _keep_backslashes(line: str) -> str:
+    r"""A backslash outside quotes stays in the value (``--regex \d+``, ``--stop \n``)
+    unless it escapes a space, a quote or a backslash: a shell would drop it, and a
+    regex or stop string would change without a word."""
+    out, quote, i = [], None, 0
+    while i < len(line):
+        ch, nxt = line[i], line[i + 1:i + 2]
+        if quote is None and ch == "\\":
+            if nxt and nxt in " \t'\"\\":  # an escape a shell user means
+                out.append(ch + nxt)
+                i += 2
+            else:  # doubled, so the split keeps one
+                out.append("\\\\")
+                i += 1
+            continue
+        if quote is None and ch in "'\"":
+            quote = ch
+        elif ch == quote:
+            quote = None
+        elif quote == '"' and ch == "\\" and nxt:  # \" inside double quotes
+            out.append(ch + nxt)
+            i += 2
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 class _Uses(argparse.Namespace):
