@@ -135,3 +135,31 @@ def test_unpadded_rows_decode_past_the_window_as_they_do_alone(arun, monkeypatch
     assert len(set(map(tuple, alone))) > 1
     # two windows (of three layers), a write per decode step with all four rows
     assert lean_writes.count(4) == 2 * 24, lean_writes
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+@pytest.mark.parametrize("prompts, one_wide", [
+    (["ab", "a"], False),  # all but the last token: 1 and 0, a group one token wide
+    (["abcdefghijklmnopq", "xyz", "hello"], True),  # past the window (8), 1-wide chunks
+])
+def test_a_padded_group_prefilled_one_token_at_a_time_is_mlx_lms_generation(
+        arun, monkeypatch, kv_bits, prompts, one_wide):
+    """mlx-lm's rotating cache takes a one-token update as a decode step, which it
+    refuses while a right-padded group's lengths are set: such a chunk is prefill."""
+    from mlxnb.core.worker import prefill
+    from test_cache_kinds import mlx_lm_tokens
+
+    if one_wide:  # every chunk one token wide, as a small step budget makes them
+        monkeypatch.setattr(prefill, "pow2_floor", lambda n: 1)
+
+    async def main():
+        eng = engine("gemma3_text", kv_bits=kv_bits, kv_group_size=32, prefix_cache=None)
+        rows = eng.generate(prompts, max_tokens=6, chat=False)
+        res = await rows
+        await eng.aclose()
+        return [(r.prompt_ids, x) for r, x in zip(rows.rows, res)]
+
+    for ids, res in arun(main):
+        assert res.finish_reason == "length", res.error
+        assert res.tokens == mlx_lm_tokens("gemma3_text", list(ids), 6, kv_bits=kv_bits,
+                                           kv_group_size=32)

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 from .kv_attention import FusedKV
 from .roll import finalize_padding
+from .windows import PrefillOneWide
 
 
 def round_up(n: int, step: int) -> int:
@@ -245,7 +246,7 @@ class QuantizedRotatingKVCache(_Packed, RotatingKVCache):
         self._quant(group_size, bits, attention)
 
 
-class BatchQuantizedRotatingKVCache(_Packed, BatchRotatingKVCache):
+class BatchQuantizedRotatingKVCache(_Packed, PrefillOneWide, BatchRotatingKVCache):
     """mlx-lm's BatchRotatingKVCache holding quantized keys/values."""
 
     def __init__(self, max_size, left_padding: list, group_size: int = 64, bits: int = 8,

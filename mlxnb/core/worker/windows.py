@@ -22,10 +22,23 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import BatchRotatingKVCache
 
-__all__ = ["AlignedWindow", "LeanBatchRotatingKVCache"]
+__all__ = ["AlignedWindow", "LeanBatchRotatingKVCache", "PrefillOneWide"]
 
 
-class LeanBatchRotatingKVCache(BatchRotatingKVCache):
+class PrefillOneWide:
+    """mlx-lm's BatchRotatingKVCache takes any one-token update as a decode step,
+    written in place, which it refuses while a right-padded prefill group's lengths
+    are set. A padded group's prefill chunk can be one token wide (prompts of 1 and 2
+    tokens; a small step budget): that is still prefill, so it takes the concatenating
+    path, which keeps the padding behind each row's real tokens."""
+
+    def update_and_fetch(self, keys, values):
+        if keys.shape[2] == 1 and self._lengths is not None:
+            return self._update_concat(keys, values)
+        return super().update_and_fetch(keys, values)
+
+
+class LeanBatchRotatingKVCache(PrefillOneWide, BatchRotatingKVCache):
     """mlx-lm's BatchRotatingKVCache whose `offset` and `left_padding` take the
     one-token writes of `write_one` when next read. Everything else is mlx-lm's."""
 
