@@ -246,3 +246,31 @@ def test_a_submit_after_the_engines_loop_closed_raises_and_leaves_no_coroutine(t
         gc.collect()
     assert not eng._live
     eng.close()
+
+
+@pytest.mark.parametrize("where", ["done callback", "listener"])
+@pytest.mark.parametrize("exc", [asyncio.CancelledError, SystemExit, GeneratorExit,
+                                 RuntimeError])
+def test_a_callback_or_listener_raising_anything_leaves_the_other_rows_running(
+        tiny, arun, where, exc):
+    async def main():
+        eng = make(tiny)
+
+        def bad(*_):
+            raise exc("from a user callback")
+
+        def submit():
+            if where == "listener":
+                eng.add_listener(lambda kind, obj: bad() if kind == "finish" else None)
+                return eng.submit("x", chat=False, max_tokens=3)
+            row = eng.submit("x", chat=False, max_tokens=3)
+            row.add_done_callback(bad)
+            return row
+
+        row = await beside_a_bystander(eng, submit)
+        after = await asyncio.wait_for(eng.submit("after", chat=False, max_tokens=3), 10)
+        await eng.aclose()
+        return row, after
+
+    row, after = arun(main)
+    assert (row.finish_reason, after.finish_reason) == ("length", "length")

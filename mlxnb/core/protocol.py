@@ -41,7 +41,8 @@ class Listeners:
         for fn in list(self._listeners):
             try:
                 fn(kind, obj)
-            except Exception:  # a listener's bug must not stop generation
+            except (Exception, asyncio.CancelledError, SystemExit, GeneratorExit):
+                # a listener's bug must not stop generation (an interrupt still does)
                 swallowed("engine listener", fn)
 
 

@@ -299,7 +299,8 @@ class Row:
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # a caller's callback must not break the engine
+            except (Exception, asyncio.CancelledError, SystemExit, GeneratorExit):
+                # a caller's callback must not break the engine (an interrupt still does)
                 swallowed("row callback", fn)
 
 
