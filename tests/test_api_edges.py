@@ -274,3 +274,24 @@ def test_a_callback_or_listener_raising_anything_leaves_the_other_rows_running(
 
     row, after = arun(main)
     assert (row.finish_reason, after.finish_reason) == ("length", "length")
+
+
+def test_submits_are_refused_once_aclose_has_begun(tiny, arun):
+    """Rows accepted while aclose() waits for the batch to go idle would be served,
+    and a steady stream of them held the close to its 10 s bound."""
+    async def main():
+        eng = make(tiny)
+        eng.context_length = None  # a row that runs until the close
+        row = eng.submit("a", chat=False, max_tokens=100000)
+        while row.state != "decode":
+            await asyncio.sleep(0.001)
+        closing = asyncio.ensure_future(eng.aclose())
+        await asyncio.sleep(0)  # the close has begun
+        with pytest.raises(RuntimeError, match="this Engine is closing; create a new one"):
+            eng.submit("b", chat=False, max_tokens=3)
+        await asyncio.wait_for(closing, 10)
+        with pytest.raises(RuntimeError, match="this Engine is closed"):
+            eng.submit("c", chat=False, max_tokens=3)
+        return row
+
+    assert arun(main).finish_reason == "cancelled"

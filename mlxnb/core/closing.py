@@ -110,6 +110,12 @@ class Closing:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def _shutting(self) -> bool:
+        """Closed, or an aclose() has begun: rows submitted now would only hold it up."""
+        return self._closed or self._closing is not None
+
     def _check_open(self):
-        if self._closed:
-            raise RuntimeError("this Engine is closed; create a new one")
+        if self._shutting:
+            raise RuntimeError(f"this Engine is {'closed' if self._closed else 'closing'}; "
+                               "create a new one")

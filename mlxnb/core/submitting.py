@@ -121,7 +121,7 @@ class Submitting:
         self._nsubmitted += 1
         if row.done:  # cancelled before it reached the loop
             return
-        if err or self._closed:
+        if err or self._shutting:
             self._notify("submit", row)
             self._end(row, Finish.ERROR if err else Finish.CANCELLED, err)
             return
