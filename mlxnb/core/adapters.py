@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from .. import _aio
-from .._text import fmt_bytes
+from .._text import fmt_bytes, one_line
 from .states import Finish
 from . import _threads
 
@@ -162,7 +162,7 @@ class Adapters:
 
     def _check_adapter(self, adapter: Optional[str]) -> None:
         if adapter is not None and adapter not in self._adapters:
-            raise ValueError(f"no adapter named {adapter!r} is loaded "
+            raise ValueError(f"no adapter named {one_line(repr(adapter), 60)} is loaded "
                              f"({self._loaded_names()}); load it with "
                              "load_adapter(name, path) or %mlxnb adapter load NAME PATH")
 

@@ -103,7 +103,7 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         check_options(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_bits=kv_bits,
                       kv_group_size=kv_group_size, load_timeout=load_timeout,
                       streak_s=streak_s, fill_threads=fill_threads, speculate=speculate,
-                      draft_model=draft_model)
+                      draft_model=draft_model, loop=loop)
         self.speculate = speculate  # rows that don't say take this (worker/speculate.py)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.streak_s = streak_s

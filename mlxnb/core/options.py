@@ -3,7 +3,10 @@ one line that names the argument and what it takes."""
 
 from __future__ import annotations
 
+import asyncio
 from numbers import Real
+
+from .._text import one_line
 
 from .worker.caches import KV_BITS, KV_GROUP_SIZES
 
@@ -17,7 +20,8 @@ def _seconds(v) -> bool:
 
 
 def check_options(*, max_batch, prefill_chunk, kv_bits, kv_group_size, load_timeout,
-                  streak_s, fill_threads, speculate=None, draft_model=None) -> None:
+                  streak_s, fill_threads, speculate=None, draft_model=None,
+                  loop=None) -> None:
     """Raise ValueError for the first argument an Engine cannot run with."""
     checks = [
         ("max_batch", max_batch, _positive_int(max_batch), "a positive integer"),
@@ -42,10 +46,12 @@ def check_options(*, max_batch, prefill_chunk, kv_bits, kv_group_size, load_time
             not isinstance(draft_model, (tuple, list)) or len(draft_model) == 2),
          "a model (a name or path, a loaded model or (model, tokenizer)), "
          "'layers:N' or None"),
+        ("loop", loop, loop is None or isinstance(loop, asyncio.AbstractEventLoop),
+         "an asyncio event loop or None (the running one)"),
     ]
     for name, value, ok, what in checks:
         if not ok:
-            raise ValueError(f"{name} must be {what}, got {value!r}")
+            raise ValueError(f"{name} must be {what}, got {one_line(repr(value), 60)}")
     if speculate == "draft" and draft_model is None:
         raise ValueError("speculate='draft' needs a draft model: pass draft_model= "
                          "(a model sharing the tokenizer, or 'layers:N')")

@@ -84,11 +84,12 @@ class SamplingParams:
         for name, (ok, what) in RANGES.items():
             v = getattr(self, name, None)
             if v is not None and not ok(v):
-                _refuse(f"{name} must be {what}, got {v!r}")
+                _refuse(f"{name} must be {what}, got {one_line(repr(v), 60)}")
         if any(not (callable(s) or (isinstance(s, str) and s)) for s in self.stop):
             _refuse("stop entries must be non-empty strings (or callables text -> bool)")
         if self.speculate not in (None, "lookup", "draft"):
-            _refuse(f"speculate must be 'lookup', 'draft' or None, got {self.speculate!r}")
+            _refuse("speculate must be 'lookup', 'draft' or None, got "
+                    f"{one_line(repr(self.speculate), 60)}")
         if self.adapter is not None and not isinstance(self.adapter, str):
             _refuse(f"adapter must be an adapter's name (a string) or None, got "
                 f"{one_line(repr(self.adapter), 60)}")

@@ -314,12 +314,14 @@ class BatchExecutor(ReadBack, Membership):
                 try:
                     for p in r.processors:
                         li = p(r.history, li)
-                    # Only [1, vocab] logits may reach the concatenate below: anything
-                    # else would fail every row in the batch, not just this one.
-                    if not isinstance(li, mx.array) or li.shape != logits[i:i + 1].shape:
-                        raise TypeError(f"returned {type(li).__name__} of shape "
-                                        f"{getattr(li, 'shape', None)}, expected logits "
-                                        f"of shape {tuple(logits[i:i + 1].shape)}")
+                        # Only [1, vocab] logits may reach the next processor (mlx-lm's
+                        # own would fail inside) and the concatenate below, which
+                        # would fail every row in the batch, not just this one.
+                        if not isinstance(li, mx.array) or li.shape != logits[i:i + 1].shape:
+                            raise TypeError(
+                                f"{getattr(p, '__qualname__', type(p).__name__)} returned "
+                                f"{type(li).__name__} of shape {getattr(li, 'shape', None)}, "
+                                f"expected logits of shape {tuple(logits[i:i + 1].shape)}")
                 except BaseException as e:  # (sys.exit() or a CancelledError too)
                     if isinstance(e, KeyboardInterrupt):
                         raise
