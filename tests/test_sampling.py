@@ -296,6 +296,10 @@ SMALL_CONFIGS = {
     "mask+top_k T=0.8": dict(temp=0.8, allow=ALLOW, top_k=3),
     "mask+top_p T=2": dict(temp=2.0, allow=ALLOW, top_p=0.7),
     "mask+min_p T=0.5": dict(temp=0.5, allow=ALLOW, min_p=0.1),
+    # past float32's largest temperature: uniform over what the filters keep
+    "top_k=5 T=1e39": dict(temp=1e39, top_k=5),
+    "mask+top_p T=3.5e38": dict(temp=3.5e38, allow=ALLOW, top_p=0.7),
+    "min_p T=1e300": dict(temp=1e300, min_p=0.05),
 }
 
 

@@ -32,6 +32,11 @@ from .tokens import ids
 # logit gaps under 2.6e-4, less than one bfloat16 step of any logit of magnitude
 # above 1/16.
 MIN_TEMPERATURE = 1e-5
+# Temperatures above this draw at it. Past float32's largest (3.4e38) a temperature
+# is inf on the device, and an excluded token's -inf / inf is NaN, which argmax
+# prefers. At 1e38 every kept logit / T is ~0: a uniform draw over the tokens the
+# filters keep, as any larger temperature would give.
+MAX_TEMPERATURE = 1e38
 
 # apply_top_p keeps the tokens whose mass above them is below top_p * total. When
 # that product underflows to 0 (top_p = 1e-45 is 0 in float32) every token counts as
@@ -177,7 +182,7 @@ class BatchSampler:
 
     def extend(self, temps: Sequence[float], filters: Sequence[tuple],
                seeds: Sequence[int], counters: Sequence[int]) -> None:
-        temps = [t if t >= MIN_TEMPERATURE else 0.0 for t in temps]
+        temps = [min(t, MAX_TEMPERATURE) if t >= MIN_TEMPERATURE else 0.0 for t in temps]
         filters = list(filters)
         self.temps += temps
         self.filters += filters
