@@ -5,6 +5,7 @@ against httpx's MockTransport, which runs the real httpx client end to end."""
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 
 import httpx
@@ -656,3 +657,124 @@ def test_wire_events_and_finish_reasons():
     assert "without a finish reason" in wire.finish(None)[1]
     with pytest.raises(ServerError, match="the server failed the request: out of memory"):
         wire.parse_event({"error": {"message": "out of\nmemory", "code": 500}}, chat=False)
+
+
+# -- servers at the edges of the event-stream format -----------------------------------
+def test_a_reasoning_models_thinking_counts_as_output_and_is_kept_apart(arun):
+    """vLLM's and llama.cpp's reasoning parsers stream the thinking as
+    `reasoning_content` (vLLM >= 0.11: `reasoning`) with `content` null."""
+    class Thinking(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for i in range(30):
+                key = "reasoning_content" if i % 2 else "reasoning"
+                yield sse({"choices": [{"index": 0, "delta": {"content": None, key: f"t{i} "},
+                                        "finish_reason": None}]}, done=False)
+                await asyncio.sleep(0.02)
+            yield sse(*chat_chunks(["The answer."], finish="stop"))
+
+    srv = Server(lambda req, n: httpx.Response(200, stream=Thinking()))
+
+    async def main():
+        eng = engine(srv, timeout=0.3)  # it thinks for 0.6 s, a token every 0.02 s
+        row = eng.submit("p")
+        await row
+        await eng.aclose()
+        return row
+
+    r = arun(main)
+    assert (r.finish_reason, r.text, r.error, r.ntok) == ("stop", "The answer.", None, 31)
+    assert r.reasoning.startswith("t0 t1 t2 ")
+
+
+def test_the_thinking_is_on_the_row(arun):
+    ev = [{"choices": [{"index": 0, "delta": {"reasoning_content": "hm, "},
+                        "finish_reason": None}]}] + chat_chunks(["ok"], finish="stop")
+    srv = Server(lambda req, n: httpx.Response(200, content=sse(*ev)))
+
+    async def main():
+        eng = engine(srv)
+        row = eng.submit("p")
+        await row
+        await eng.aclose()
+        return row
+
+    row = arun(main)
+    assert (row.text, row.reasoning, row.ntok) == ("ok", "hm, ", 2)
+
+
+def test_a_loop_held_past_the_timeout_does_not_end_rows_the_server_still_streams(arun):
+    class Steady(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for i in range(40):
+                yield sse(*chat_chunks([f"{i} "])[:1], done=False)
+                await asyncio.sleep(0.02)
+            yield sse(*chat_chunks([], finish="stop")[-1:])
+
+    srv = Server(lambda req, n: httpx.Response(200, stream=Steady()))
+
+    async def main():
+        eng = engine(srv, timeout=0.5)
+        run = eng.generate(["a", "b"], max_tokens=100)
+        while not all(r.ntok for r in run.rows):
+            await asyncio.sleep(0.01)
+        time.sleep(1.0)  # a cell holding the kernel's loop, twice the timeout
+        await run
+        await eng.aclose()
+        return run.rows
+
+    rows = arun(main)
+    assert [(r.finish_reason, r.ntok, r.error) for r in rows] == [("stop", 40, None)] * 2
+
+
+@pytest.mark.parametrize("body, want", [
+    # a cut at 80 characters would leave the key's first 10 unscrubbed
+    (b"data: Unauthorized, token " + b"y" * 44 + KEY.encode() + b"\n\n", "is not JSON"),
+])
+def test_the_key_never_shows_however_a_message_is_cut(arun, body, want):
+    srv = Server(lambda req, n: httpx.Response(200, content=body))
+    r = one_row(arun, srv, api_key=KEY)
+    assert r.finish_reason == "error" and want in r.error and "\n" not in r.error
+    assert not any(KEY[i:i + 6] in r.error for i in range(len(KEY) - 5)), r.error
+
+
+def test_a_key_escaped_in_a_json_error_body_is_scrubbed():
+    from mlxnb.remote.client import Client
+
+    c = Client("http://h:1/v1", api_key="abc/DEF/ghi/JKL/mno")
+    body = json.dumps({"error": {"message": "x" * 180 + " key abc/DEF/ghi/JKL/mno bad"}})
+    msg = str(c.http_error(401, body.replace("/", "\\/").encode(), "m"))
+    assert "abc/DEF" not in msg and "ghi/JKL" not in msg and "refused the API key" in msg
+
+
+@pytest.mark.parametrize("content, want", [
+    (b'{"error": {"message": "top_k must be at least 0"}}', "top_k must be at least 0"),
+    (b"<html><body>Sign in to continue</body></html>", "Sign in to continue"),
+])
+def test_a_200_answer_that_is_not_an_event_stream_says_what_it_is(arun, content, want):
+    r = one_row(arun, Server(lambda req, n: httpx.Response(200, content=content)))
+    assert r.finish_reason == "error"
+    assert r.error.startswith("the server's answer is not an event stream: ") and want in r.error
+
+
+@pytest.mark.parametrize("name, body", [
+    ("a byte-order mark", b"\xef\xbb\xbf" + sse(*chat_chunks(["hello ", "world"], "stop"))),
+    ("an empty data field", b"data:\n\n" + sse(*chat_chunks(["hello ", "world"], "stop"))),
+    ("a comment of other digits", sse(*chat_chunks(["hello ", "world"], "stop"),
+                                      comments=["keepalive \u00b2/3"])),
+])
+def test_event_stream_details_a_server_may_send(arun, name, body):
+    class Drip(httpx.AsyncByteStream):  # a byte at a time: the mark split too
+        async def __aiter__(self):
+            for i in range(len(body)):
+                yield body[i:i + 1]
+
+    r = one_row(arun, Server(lambda req, n: httpx.Response(200, stream=Drip())))
+    assert (r.finish_reason, r.text, r.error) == ("stop", "hello world", None), name
+
+
+def test_a_finish_reason_that_is_not_a_string_is_not_a_finish(arun):
+    ev = chat_chunks(["a"])[:1] + [{"choices": [{"index": 0, "delta": {},
+                                                 "finish_reason": ["stop"]}]}]
+    r = one_row(arun, Server(lambda req, n: httpx.Response(200, content=sse(*ev, done=False))))
+    assert r.finish_reason == "error" and r.text == "a"
+    assert "without a finish reason" in r.error

@@ -27,9 +27,14 @@ async def sse_lines(resp: httpx.Response, limit: int):
     raises ServerError as soon as `limit` bytes of it have come, so memory stays at
     about `limit` whatever the server sends; scanning resumes where it stopped, so a
     line dripped a byte at a time costs linear time."""
-    buf, seen = bytearray(), 0
+    buf, seen, first = bytearray(), 0, True
     async for chunk in resp.aiter_bytes():
         buf += chunk
+        if first and len(buf) >= 3:  # a byte-order mark is not part of the first line
+            first = False
+            if buf.startswith(b"\xef\xbb\xbf"):
+                del buf[:3]
+                seen = max(0, seen - 3)
         start = 0
         while (i := buf.find(b"\n", seen)) >= 0:
             if i - start > limit:

@@ -55,6 +55,9 @@ MAX_BODY = 4 << 20
 # Connecting (the model list, then /metrics) ends within this many seconds, or within
 # the row timeout when that is shorter: the cell that connects waits meanwhile.
 PROBE_S = 5.0
+# A row's timeout check that runs this late (s) found the loop held, not the server
+# silent: it looks again that much later, after the stream has read what came.
+LATE_S = 0.5
 
 
 class EndStream(Exception):
@@ -177,7 +180,8 @@ class Client:
 
     # -- errors ----------------------------------------------------------------------
     def http_error(self, status: int, body: bytes, model: Optional[str]) -> ServerError:
-        msg = error_text(self.scrub_bytes(body))
+        # scrubbed as sent and as decoded (JSON may escape the key), then cut
+        msg = one_line(self.scrub(error_text(self.scrub_bytes(body), 4000)), 200)
         if status in (401, 403):
             return ServerError(
                 f"the server refused the API key ({status}: {msg}); give the right key "
@@ -249,15 +253,19 @@ class Client:
         loop = asyncio.get_running_loop()
         last = loop.time()  # of this stream's last output or progress
 
-        def watchdog():
+        def watchdog(at):
             nonlocal check
+            now = loop.time()
             due = (last if started[0] else max(last, self.last_output)) + self.timeout
-            if loop.time() >= due:
-                deadline.reschedule(loop.time())  # ends the block with TimeoutError
-            else:  # re-armed when due, not per token: output only sets `last`
-                check = loop.call_at(due, watchdog)
+            if now >= due and now - at < LATE_S:
+                deadline.reschedule(now)  # ends the block with TimeoutError
+            else:  # re-armed when due, not per token: output only sets `last`. Late,
+                # the loop was held (a cell blocking it): the stream first reads what
+                # the server sent meanwhile.
+                nxt = due if now < due else now + LATE_S
+                check = loop.call_at(nxt, watchdog, nxt)
 
-        check = loop.call_at(last + self.timeout, watchdog)
+        check = loop.call_at(last + self.timeout, watchdog, last + self.timeout)
         try:
             async with asyncio.timeout(None) as deadline:
                 async with self._client().stream("POST", url, json=body) as resp:
@@ -267,6 +275,7 @@ class Client:
                             return self._delay(attempt, resp.headers.get("retry-after"),
                                                self.backoff_s)
                         raise self.http_error(resp.status_code, data, body.get("model"))
+                    other: List[str] = []  # lines no event stream has: what it is instead
                     async for line in sse_lines(resp, self.max_line):
                         if not line:
                             continue
@@ -280,15 +289,21 @@ class Client:
                             on_data({"error": error_line(line[6:].strip())})
                             continue
                         if not line.startswith("data:"):
+                            if not line.startswith(("event:", "id:", "retry:")) and \
+                                    sum(map(len, other)) < 4000:
+                                other.append(line)
                             continue  # event:, id:, retry: fields carry nothing we use
+                        other = []
                         payload = line[5:].strip()
                         if payload == "[DONE]":
                             return None
+                        if not payload:  # an empty data field dispatches nothing
+                            continue
                         try:
                             obj = json.loads(payload)
-                        except ValueError:
+                        except ValueError:  # (long: the engine scrubs the key, then cuts)
                             raise ServerError("the server sent a stream line that is not "
-                                              f"JSON: {payload[:80]!r}") from None
+                                              f"JSON: {payload[:2000]!r}") from None
                         try:
                             output = on_data(obj)
                         except EndStream:
@@ -296,6 +311,9 @@ class Client:
                         if output:
                             started[0] = True
                             last = self.last_output = loop.time()
+                    if other and not started[0]:  # e.g. a JSON error, a sign-in page
+                        raise ServerError("the server's answer is not an event stream: "
+                                          + error_text("\n".join(other).encode(), 4000))
                     return None  # ended without [DONE]: the caller checks the finish
         finally:
             check.cancel()

@@ -254,6 +254,7 @@ class RemoteEngine(HeldRows, Listeners):
             row._ntok += ev.ntok
             self._tick_tokens += ev.ntok
             row.text += ev.text
+            row.reasoning += ev.reasoning
             if ev.logprobs and row.logprobs is not None:
                 row.logprobs.extend(ev.logprobs)
         if ev.finish:

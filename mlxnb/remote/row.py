@@ -17,13 +17,16 @@ class RemoteRow(Row):
 
     The OpenAI streaming API sends text, not token ids: `tokens` stays empty, `ntok`
     counts the tokens (one per streamed piece, or per logprob entry, corrected to the
-    server's own usage count at the end), `prompt_tokens` is the server's count."""
+    server's own usage count at the end), `prompt_tokens` is the server's count.
+    `reasoning` holds what a reasoning model thought before its answer, where the
+    server sends that apart (vLLM's and llama.cpp's reasoning parsers)."""
 
     def __init__(self, engine, row_id, prompt, request: Request, params, tag=None):
         super().__init__(row_id, prompt, [], params, tag, future=engine.loop.create_future(),
                          t0=engine._t0, canceller=weakref.WeakMethod(engine.cancel))
         self.request = request
         self._ntok = 0
+        self.reasoning = ""
         self._prompt_n = 0
         self._t_last: Optional[float] = None
         self._server_finish: Optional[str] = None

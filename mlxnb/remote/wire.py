@@ -102,7 +102,8 @@ class Event:
     """What one streamed event says about choice 0."""
 
     text: str = ""
-    ntok: int = 0  # tokens it carries: its logprob entries, else 1 if it has text
+    ntok: int = 0  # tokens it carries: its logprob entries, else 1 if it has output
+    reasoning: str = ""  # a reasoning model's thinking (vLLM, llama.cpp), not its text
     logprobs: Optional[list] = None
     finish: Optional[str] = None  # the server's word, as sent
     usage: Optional[dict] = None
@@ -125,13 +126,22 @@ def parse_event(obj, chat: bool) -> Event:
     for ch in obj.get("choices") or ():
         if not isinstance(ch, dict) or ch.get("index", 0) != 0:
             continue
-        text = ((ch.get("delta") or {}).get("content") if chat else ch.get("text")) or ""
+        delta = (ch.get("delta") or {}) if chat else {}
+        if not isinstance(delta, dict):
+            delta = {}
+        text = (delta.get("content") if chat else ch.get("text")) or ""
+        # thinking and tool calls are tokens the server generated: they count as
+        # output (a row thinking for minutes is not stuck), though not as its text
+        thought = delta.get("reasoning_content") or delta.get("reasoning") or ""
+        other = bool(thought or delta.get("tool_calls"))
         lps = _logprobs(ch.get("logprobs"), chat)
         ev.text += text
-        ev.ntok += len(lps) if lps else (1 if text else 0)
+        if isinstance(thought, str):
+            ev.reasoning += thought
+        ev.ntok += len(lps) if lps else (1 if text or other else 0)
         if lps:
             ev.logprobs = (ev.logprobs or []) + lps
-        if ch.get("finish_reason"):
+        if isinstance(ch.get("finish_reason"), str) and ch["finish_reason"]:
             ev.finish = ch["finish_reason"]
     return ev
 
@@ -151,7 +161,7 @@ def prefill_progress(comment: str) -> Optional[Tuple[int, int]]:
     if not comment.startswith("keepalive "):
         return None
     done, _, total = comment[10:].partition("/")
-    return (int(done), int(total)) if done.isdigit() and total.isdigit() else None
+    return (int(done), int(total)) if done.isdecimal() and total.isdecimal() else None
 
 
 def finish(server_reason: Optional[str]) -> Tuple[str, Optional[str]]:
