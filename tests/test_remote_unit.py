@@ -778,3 +778,12 @@ def test_a_finish_reason_that_is_not_a_string_is_not_a_finish(arun):
     r = one_row(arun, Server(lambda req, n: httpx.Response(200, content=sse(*ev, done=False))))
     assert r.finish_reason == "error" and r.text == "a"
     assert "without a finish reason" in r.error
+
+
+def test_credentials_in_the_address_and_an_api_key_are_refused_together():
+    from mlxnb.remote.client import Client
+
+    with pytest.raises(ValueError, match="user:password@ and an API key; give one") as e:
+        Client("http://me:hunter2@h:8000/v1", api_key=KEY)
+    assert "hunter2" not in str(e.value) and KEY not in str(e.value)
+    Client("http://me:hunter2@h:8000/v1")  # either alone is fine

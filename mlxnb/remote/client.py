@@ -127,6 +127,9 @@ class Client:
             raise ValueError("the API key holds a character an HTTP header cannot carry "
                              "(a line break, a control or a non-ASCII character); check "
                              "the key's value")
+        if self._key and "@" in u.netloc:  # httpx would send the address's instead
+            raise ValueError(f"{self.shown} is given with user:password@ and an API key; "
+                             "give one of them")
         self._headers = {"Accept": "text/event-stream"}
         if self._key:
             self._headers["Authorization"] = f"Bearer {self._key}"
