@@ -34,7 +34,7 @@ import httpx
 
 from .._text import one_line
 from .bodies import read_capped, sse_lines
-from .wire import ServerError, error_line, error_text
+from .wire import ServerError, error_line, error_text, status_error
 
 # Statuses worth trying again: rate limits and a server (or its proxy) that is
 # starting, overloaded or restarting.
@@ -185,22 +185,7 @@ class Client:
     def http_error(self, status: int, body: bytes, model: Optional[str]) -> ServerError:
         # scrubbed as sent and as decoded (JSON may escape the key), then cut
         msg = one_line(self.scrub(error_text(self.scrub_bytes(body), 4000)), 200)
-        if status in (401, 403):
-            return ServerError(
-                f"the server refused the API key ({status}: {msg}); give the right key "
-                "with --api-key-env VAR (an environment variable holding it) or api_key=")
-        if status == 404:
-            # A bare "Not Found" is a missing endpoint; any other 404 from a completion
-            # endpoint is about the model (mlx_lm.server answers 404 when it cannot
-            # load the model asked for; vLLM: "The model `x` does not exist.").
-            if model and msg.strip().lower().strip(".") not in ("not found", "404 page not found"):
-                return ServerError(f"the server does not know model {model!r} ({msg}); "
-                                   "connect again with --model set to a model it serves")
-            return ServerError(f"{self.shown} has no such endpoint (404: {msg}); check "
-                               "the address (OpenAI-compatible servers answer under /v1)")
-        if status in (400, 422):
-            return ServerError(f"the server rejected the request: {msg}")
-        return ServerError(f"the server answered {status}: {msg}")
+        return status_error(status, msg, model, self.shown)
 
     def _delay(self, attempt: int, retry_after: Optional[str], base: float) -> float:
         self.retried += 1

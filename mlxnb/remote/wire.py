@@ -43,6 +43,27 @@ def error_text(body: bytes, limit: int = 200) -> str:
     return one_line(msg, limit)
 
 
+def status_error(status: int, msg: str, model: Optional[str], shown: str) -> ServerError:
+    """What a row or a connect says of a non-200 answer whose (scrubbed) message is
+    `msg`, from the server at `shown`."""
+    if status in (401, 403):
+        return ServerError(
+            f"the server refused the API key ({status}: {msg}); give the right key "
+            "with --api-key-env VAR (an environment variable holding it) or api_key=")
+    if status == 404:
+        # A bare "Not Found" is a missing endpoint; any other 404 from a completion
+        # endpoint is about the model (mlx_lm.server answers 404 when it cannot
+        # load the model asked for; vLLM: "The model `x` does not exist.").
+        if model and msg.strip().lower().strip(".") not in ("not found", "404 page not found"):
+            return ServerError(f"the server does not know model {model!r} ({msg}); "
+                               "connect again with --model set to a model it serves")
+        return ServerError(f"{shown} has no such endpoint (404: {msg}); check "
+                           "the address (OpenAI-compatible servers answer under /v1)")
+    if status in (400, 422):
+        return ServerError(f"the server rejected the request: {msg}")
+    return ServerError(f"the server answered {status}: {msg}")
+
+
 def error_line(text: str) -> str:
     """The message of llama.cpp's `error: {json}` stream line, else the text."""
     try:
