@@ -787,3 +787,15 @@ def test_credentials_in_the_address_and_an_api_key_are_refused_together():
         Client("http://me:hunter2@h:8000/v1", api_key=KEY)
     assert "hunter2" not in str(e.value) and KEY not in str(e.value)
     Client("http://me:hunter2@h:8000/v1")  # either alone is fine
+
+
+@pytest.mark.parametrize("status, body, want", [
+    (404, b"", "has no such endpoint (404: no message)"),
+    (404, b"File Not Found", "has no such endpoint (404: File Not Found)"),
+    (404, b'{"error": "model m1 not found"}', "does not know model 'm1'"),
+    (413, b"", "the server answered 413: no message"),
+])
+def test_what_a_refusal_says_with_or_without_a_body(status, body, want):
+    from mlxnb.remote.client import Client
+
+    assert want in str(Client("http://h:1/v1").http_error(status, body, "m1"))

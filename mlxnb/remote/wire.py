@@ -46,15 +46,19 @@ def error_text(body: bytes, limit: int = 200) -> str:
 def status_error(status: int, msg: str, model: Optional[str], shown: str) -> ServerError:
     """What a row or a connect says of a non-200 answer whose (scrubbed) message is
     `msg`, from the server at `shown`."""
+    bare = msg.strip().lower().strip(".") in ("", "not found", "404 page not found",
+                                              "file not found")
+    msg = msg or "no message"
     if status in (401, 403):
         return ServerError(
             f"the server refused the API key ({status}: {msg}); give the right key "
             "with --api-key-env VAR (an environment variable holding it) or api_key=")
     if status == 404:
-        # A bare "Not Found" is a missing endpoint; any other 404 from a completion
-        # endpoint is about the model (mlx_lm.server answers 404 when it cannot
-        # load the model asked for; vLLM: "The model `x` does not exist.").
-        if model and msg.strip().lower().strip(".") not in ("not found", "404 page not found"):
+        # A bare "Not Found" (llama.cpp: "File Not Found"; or nothing) is a missing
+        # endpoint; any other 404 from a completion endpoint is about the model
+        # (mlx_lm.server answers 404 when it cannot load the model asked for; vLLM:
+        # "The model `x` does not exist.").
+        if model and not bare:
             return ServerError(f"the server does not know model {model!r} ({msg}); "
                                "connect again with --model set to a model it serves")
         return ServerError(f"{shown} has no such endpoint (404: {msg}); check "
