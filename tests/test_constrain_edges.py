@@ -373,3 +373,25 @@ def test_the_copy_that_checks_finished_texts_compiles_off_the_loop(tiny, arun, m
     row = arun(main)
     assert row.finish_reason == "stop" and row.valid is False
     assert compiled_on == ["mlxnb-constraint"]
+
+
+def test_schemas_that_differ_only_in_property_order_are_written_in_their_own(tiny, arun):
+    """Property order is the order a schema's output is written in ("reasoning"
+    before "answer" is a common reason to reorder one)."""
+    from mlxnb import Engine
+
+    props = {"answer": {"type": "integer"}, "reasoning": {"type": "string", "maxLength": 5}}
+    a = {"type": "object", "properties": props, "required": ["answer", "reasoning"],
+         "additionalProperties": False}
+    b = dict(a, properties=dict(reversed(list(props.items()))))
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        out = []
+        for s in (a, b, a):
+            out.append((await eng.submit("q", chat=False, max_tokens=14, json_schema=s)).text)
+        await eng.aclose()
+        return out
+
+    out = arun(main)
+    assert [t[:6] for t in out] == ['{"answ', '{"reas', '{"answ'], out

@@ -152,8 +152,10 @@ def _key(p) -> Optional[tuple]:
     if k is None:
         return None
     v = getattr(p, k)
-    return (k, json.dumps(v, sort_keys=True) if k == "json_schema" else
-            json.dumps(v) if k == "choices" else v)
+    # a schema's property order is the order its output is written in: not sorted
+    return (k, json.dumps(v) if k in ("json_schema", "choices") else v)
+
+
 _QUOTE = re.compile(r"^\s*\d+\s*\|")  # "   1 | start: ..." quotes the grammar
 _BUILT_AT = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.@+-]+){2,}\.rs(?::\d+)*")  # a .rs path
 
