@@ -395,3 +395,27 @@ def test_schemas_that_differ_only_in_property_order_are_written_in_their_own(tin
 
     out = arun(main)
     assert [t[:6] for t in out] == ['{"answ', '{"reas', '{"answ'], out
+
+
+def test_a_constrained_rows_text_keeps_its_leading_space(arun):
+    """mlx-lm's BPE detokenizer drops a text's leading space; a constrained row's text
+    is what its matcher accepted, so `valid` and the text agree."""
+    import re
+
+    from mlxnb import Engine
+    from mlxnb.models.tiny import tiny_model
+
+    async def main():
+        eng = Engine(tiny_model(vocab="smollm2"), kv_budget=None, warmup=False)
+        rows = [eng.submit("Answer:", chat=False, max_tokens=8, choices=[" yes", " no"]),
+                eng.submit("Answer:", chat=False, max_tokens=8, choices=[" yes", " no"],
+                           stop=["zz"]),
+                eng.submit("Number:", chat=False, max_tokens=8, regex=r" [0-9]{2}")]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    choice, stopped, number = arun(main)
+    for r in (choice, stopped):
+        assert r.text in (" yes", " no") and r.valid and r.constraint_error is None, r.text
+    assert re.fullmatch(r" [0-9]{2}", number.text) and number.valid, number.text

@@ -10,13 +10,19 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from .._trace import timed
+from ..constraint_params import kind_of
 from ..messages import Updates
 from ..states import RowState
 from .caches import aligned_views, left_padded
 from .decoding import RowDecoder
 from .tokens import ids
 
+
 __all__ = ["Membership"]
+
+
+def _as_is(text: str) -> str:
+    return text
 
 
 class Membership:
@@ -72,7 +78,12 @@ class Membership:
                     procs += make_logits_processors(
                         repetition_penalty=a.params.repetition_penalty)
                 # every row's text is decoded here, as its tokens are read (decoding.py)
-                self.rows[a.row_id] = RowDecoder(a, self.tokenizer.detokenizer, procs)
+                detok = self.tokenizer.detokenizer
+                if kind_of(a.params) is not None and hasattr(detok, "_maybe_trim_space"):
+                    # a constrained row's text is what its matcher accepted, a leading
+                    # space included (mlx-lm's BPE detokenizer drops one: " no" -> "no")
+                    detok._maybe_trim_space = _as_is
+                self.rows[a.row_id] = RowDecoder(a, detok, procs)
                 self.masks.attach(self.rows[a.row_id])
                 self.spec.attach(self.rows[a.row_id], a.ids)
                 self.ids.append(a.row_id)
