@@ -7,7 +7,6 @@ import asyncio
 from numbers import Real
 
 from .._text import one_line
-
 from .worker.caches import KV_BITS, KV_GROUP_SIZES
 
 

@@ -103,11 +103,11 @@ class MLXNBMagics(Magics):
             return self._load(model or self.cfg.model, quiet=quiet)
         url = getattr(eng, "url", None)
         if model and not _same_model(eng, model) and url is not None:
+            url = connecting.shown(url)
             raise UsageError(
-                f"this kernel is connected to {connecting.shown(url)}, model "
-                f"{eng.model_name!r}; run `%mlxnb connect {connecting.shown(url)} --model "
-                f"{model}` to use another of its models, or `%mlxnb load {model}` for a "
-                "local one")
+                f"this kernel is connected to {url}, model {eng.model_name!r}; run "
+                f"`%mlxnb connect {url} --model {model}` to use another of its models, or "
+                f"`%mlxnb load {model}` for a local one")
         if model and not _same_model(eng, model):
             raise UsageError(
                 f"this kernel runs {_S.model_spec or eng.model_name!r}; run "

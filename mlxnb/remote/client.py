@@ -278,10 +278,9 @@ class Client:
                             continue
                         if not line.startswith("data:"):
                             if not line.startswith(("event:", "id:", "retry:")) and \
-                                    sum(map(len, other)) < 4000:
+                                    len(other) < 64:
                                 other.append(line)
                             continue  # event:, id:, retry: fields carry nothing we use
-                        other = []
                         payload = line[5:].strip()
                         if payload == "[DONE]":
                             return None

@@ -17,7 +17,6 @@ from .caches import aligned_views, left_padded
 from .decoding import RowDecoder
 from .tokens import ids
 
-
 __all__ = ["Membership"]
 
 
