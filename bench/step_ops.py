@@ -10,7 +10,8 @@ On a CPU, MLX's fast ops (RMS norm, RoPE, attention) build their fallback graphs
 ten-odd nodes each, and the engine's compiled gated delta-net steps run mlx-lm's
 ops; on a GPU each is one node. `gpu_like()` counts them as a GPU would: each one
 node (a stand-in of the right shape and inputs, not the right values: for counting
-only), and the engine's gated delta rule as its CUDA kernel's one node.
+only), and the engine's gated delta rule and short convs as their CUDA kernels' one
+node each.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlxnb
 from mlxnb.core.worker import batch as batch_module
-from mlxnb.core.worker import gated_delta, setup
+from mlxnb.core.worker import gated_delta, setup, short_conv
 
 # nodes that launch no kernel on a GPU (views of their input)
 VIEWS = {"Broadcast", "Reshape", "Transpose", "ExpandDims", "Squeeze", "Flatten",
@@ -40,26 +41,38 @@ def _one_node(out, *deps):
     return mx.depends([out], [d for d in deps if isinstance(d, mx.array)])[0]
 
 
+_GPU_LIKE = [False]
+
+
 @contextlib.contextmanager
 def gpu_like():
     """Count graphs as a GPU builds them (module docstring); values are wrong."""
-    f = mx.fast
-    saved = (f.rms_norm, f.rope, f.scaled_dot_product_attention, gated_delta.decode_step,
-             gated_delta.tracing, setup.decode_steps_agree)
+    f, gd, sc = mx.fast, gated_delta, short_conv
+    saved = (f.rms_norm, f.rope, f.scaled_dot_product_attention, gd.decode_step,
+             gd.decode_step_ab, gd.tracing, setup.decode_steps_agree, sc.gated_step,
+             sc.silu_step, sc.KERNEL_MODES)
     f.rms_norm = lambda x, w, eps: _one_node(x, w)
     f.rope = lambda x, dims, **kw: _one_node(x, kw.get("offset"))
     f.scaled_dot_product_attention = lambda q, k, v, **kw: _one_node(q, k, v,
                                                                        kw.get("mask"))
-    gated_delta.decode_step = lambda q, k, v, g, beta, st: tuple(
-        mx.depends([v, st], [q, k, g, beta]))
-    gated_delta.tracing = lambda mode: saved[4]("kernel")
+    gd.decode_step = lambda q, k, v, g, beta, st: tuple(mx.depends([v, st], [q, k, g, beta]))
+    gd.decode_step_ab = lambda q, k, v, a, b, A_log, dt_bias, st: tuple(
+        mx.depends([v, st], [q, k, a, b, A_log, dt_bias]))
+    gd.tracing = lambda mode: saved[5]("gates")  # the CUDA default: gates inside
     setup.decode_steps_agree = lambda *a: ""  # stand-ins agree with nothing
-    gated_delta.install()
+    # a short conv kernel: its output (a view of its input's shape) and new state
+    sc.gated_step = sc.silu_step = lambda x, st, w: tuple(
+        mx.depends([x[..., :w.shape[0]], st], [w]))
+    sc.KERNEL_MODES = ("gates", "kernel", "ops")  # (the compile's mode here is "ops")
+    _GPU_LIKE[0] = True
     try:
         yield
     finally:
-        (f.rms_norm, f.rope, f.scaled_dot_product_attention, gated_delta.decode_step,
-         gated_delta.tracing, setup.decode_steps_agree) = saved
+        (f.rms_norm, f.rope, f.scaled_dot_product_attention, gd.decode_step,
+         gd.decode_step_ab, gd.tracing, setup.decode_steps_agree, sc.gated_step,
+         sc.silu_step, sc.KERNEL_MODES) = saved
+        _GPU_LIKE[0] = False
+
 
 from . import common
 
@@ -133,6 +146,8 @@ def _generate_module():
 async def engine(model, tok, prompts, nth=6, **kw):
     """Nodes of the Engine's nth decode step with all rows decoding."""
     B = len(prompts)
+    if _GPU_LIKE[0]:
+        gated_delta.install()  # (as a CUDA load does, once the model's module is in)
     eng = mlxnb.Engine((model, tok), max_batch=B, kv_budget=None, warmup=False,
                        streak_s=0.0, **kw)
     cap = _Capture(batch_module.mx, 10 ** 9)

@@ -29,7 +29,7 @@ import contextlib
 
 import mlx.core as mx
 
-__all__ = ["install", "tracing", "MODES"]
+__all__ = ["install", "tracing", "current", "MODES"]
 
 MODES = ("gates", "kernel", "fast", "ops")
 _TRACING = [None]  # the mode of the trace being made (None: not an engine's step)
@@ -217,6 +217,11 @@ def install() -> None:
 
     gated_delta_ops._mlxnb = True
     gd.gated_delta_ops = gated_delta_ops
+
+
+def current():
+    """The mode of the engine's recurrent step being traced now, or None."""
+    return _TRACING[0]
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from . import gated_delta
+from . import gated_delta, short_conv
 from .rows_gemv import RowsLinear
 
 __all__ = ["compile_recurrent", "uncompile"]
@@ -185,10 +185,11 @@ def _compile_mlps(layers, cache, enabled) -> None:
 
 
 def compile_recurrent(model, cache: list, enabled: Callable[[], bool],
-                      recurrence: str = "ops") -> int:
+                      recurrence: str = "ops", convs: bool = False) -> int:
     """Give every layer of `model.layers` whose cache (in `cache`, the model's
     make_prompt_cache) is an ArraysCache a compiled decode step; returns how many.
-    `recurrence`: what a gated delta rule inside runs as (gated_delta.MODES)."""
+    `recurrence`: what a gated delta rule inside runs as (gated_delta.MODES); `convs`:
+    short convs inside run as short_conv.py's kernels (in a kernel mode)."""
     layers = getattr(model, "layers", None)
     if layers is None or len(layers) != len(cache):
         return 0
@@ -207,6 +208,8 @@ def compile_recurrent(model, cache: list, enabled: Callable[[], bool],
         layer._mlxnb_decode = _Decode(layer, cls, sig[0], sig[1], len(c.cache), enabled,
                                       recurrence)
         layer.__class__ = _subclass(cls)
+        if convs and recurrence in short_conv.KERNEL_MODES:
+            short_conv.adopt(layer)
         n += 1
     if n:
         _compile_mlps(layers, cache, enabled)
@@ -216,6 +219,7 @@ def compile_recurrent(model, cache: list, enabled: Callable[[], bool],
 def uncompile(model) -> None:
     """Put every compiled layer (and MLP) back to its own class."""
     for layer in getattr(model, "layers", None) or []:
+        short_conv.release(layer)
         mods = [layer] + [layer.get(n) for n in _MLP_NAMES if isinstance(layer, nn.Module)]
         for m in mods:
             base = getattr(type(m), "_mlxnb_base", None)

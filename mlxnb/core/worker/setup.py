@@ -12,7 +12,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from ..._log import Laps
-from . import caches, gated_delta, kv_attention, recurrent, rows_gemv, wide_kernel, wideattn
+from . import (caches, gated_delta, kv_attention, recurrent, rows_gemv, short_conv,
+               wide_kernel, wideattn)
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill_policy import AUTO_MAX, IDLE_PREFILL
@@ -60,6 +61,7 @@ class BatchModel:
         # sets `decode_gate` (no adapter selected) before any step runs
         self.decode_gate = lambda: True
         self.recurrence = ""  # what compiled gated delta rules run as, if any
+        self.short_conv = False  # compiled short convs run as short_conv.py's kernel
         self._live = [True]
         self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
         laps("recurrent steps")
@@ -73,7 +75,8 @@ class BatchModel:
             self.cache_kinds += ", recurrent decode compiled" + {
                 "gates": " (gated delta: fused kernel, gates inside)",
                 "kernel": " (gated delta: fused kernel)",
-                "fast": " (gated delta: mx.fast)"}.get(self.recurrence, "")
+                "fast": " (gated delta: mx.fast)"}.get(self.recurrence, "") + (
+                " (short conv: fused kernel)" if self.short_conv else "")
         elif self.compile_note:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
         if self.linears.startswith(("kernel", "gathered")):
@@ -217,29 +220,36 @@ class BatchModel:
     def _compile_recurrent(self, probe: list):
         """(layers whose decode is compiled, a note for the status line). On CUDA a
         gated delta rule inside runs as gated_delta.py's kernel, else MLX's fused
-        op, else mlx-lm's ops: the first whose compiled steps match the plain ones."""
+        op, else mlx-lm's ops: the first whose compiled steps match the plain ones,
+        tried first with the short convs inside (LFM2's, the gated delta-net's) as
+        short_conv.py's kernels."""
         if not any(type(c) is ArraysCache for c in caches._leaves(probe)):
             return 0, ""
         # the host time saved is measured on CPU; on a GPU the gain is not yet measured,
         # so it can be turned off without touching code
         if os.environ.get("MLXNB_COMPILE_RECURRENT", "1") == "0":
             return 0, ""
-        modes = ["ops"]
+        modes = [("ops", False)]
         if kv_attention.cuda_backend():
             gated_delta.install()
-            modes = list(gated_delta.MODES)
+            # the short-conv kernels ride with the first mode; if they disagree, the
+            # gated delta kernels are tried without them
+            modes = [(m, False) for m in gated_delta.MODES]
+            if short_conv.wanted():
+                modes.insert(0, (modes[0][0], True))
         live = self._live = [True]  # the check's switch: compiled or plain steps
         first = ""
-        for mode in modes:
-            seen = gated_delta.SEEN[0]
-            n = recurrent.compile_recurrent(self.model, probe,
-                                            self.recurrent_ok, mode)
+        for mode, convs in modes:
+            seen, nconv = gated_delta.SEEN[0], short_conv.SEEN[0]
+            n = recurrent.compile_recurrent(self.model, probe, self.recurrent_ok, mode,
+                                            convs)
             if not n:
                 return 0, ""
             why = decode_steps_agree(self.model, self.probe_ids(), live)
             if not why:
                 used = gated_delta.SEEN[0] > seen
                 self.recurrence = mode if used else ""
+                self.short_conv = short_conv.SEEN[0] > nconv
                 return n, ""
             recurrent.uncompile(self.model)
             first = first or why
