@@ -30,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlxnb
 from mlxnb.core.worker import batch as batch_module
-from mlxnb.core.worker import gated_delta, setup, short_conv
+from mlxnb.core.worker import gated_delta, recurrent, setup, short_conv
 
 # nodes that launch no kernel on a GPU (views of their input)
 VIEWS = {"Broadcast", "Reshape", "Transpose", "ExpandDims", "Squeeze", "Flatten",
@@ -50,7 +50,8 @@ def gpu_like():
     f, gd, sc = mx.fast, gated_delta, short_conv
     saved = (f.rms_norm, f.rope, f.scaled_dot_product_attention, gd.decode_step,
              gd.decode_step_ab, gd.tracing, setup.decode_steps_agree, sc.gated_step,
-             sc.silu_step, sc.KERNEL_MODES)
+             sc.silu_step, sc.KERNEL_MODES, gd.decode_step_normed,
+             recurrent.compile_recurrent)
     f.rms_norm = lambda x, w, eps: _one_node(x, w)
     f.rope = lambda x, dims, **kw: _one_node(x, kw.get("offset"))
     f.scaled_dot_product_attention = lambda q, k, v, **kw: _one_node(q, k, v,
@@ -58,19 +59,24 @@ def gpu_like():
     gd.decode_step = lambda q, k, v, g, beta, st: tuple(mx.depends([v, st], [q, k, g, beta]))
     gd.decode_step_ab = lambda q, k, v, a, b, A_log, dt_bias, st: tuple(
         mx.depends([v, st], [q, k, a, b, A_log, dt_bias]))
+    gd.decode_step_normed = lambda q, k, v, a, b, A_log, dt_bias, st, *consts: tuple(
+        mx.depends([v, st], [q, k, a, b, A_log, dt_bias]))
     gd.tracing = lambda mode: saved[5]("gates")  # the CUDA default: gates inside
     setup.decode_steps_agree = lambda *a: ""  # stand-ins agree with nothing
     # a short conv kernel: its output (a view of its input's shape) and new state
     sc.gated_step = sc.silu_step = lambda x, st, w: tuple(
         mx.depends([x[..., :w.shape[0]], st], [w]))
     sc.KERNEL_MODES = ("gates", "kernel", "ops")  # (the compile's mode here is "ops")
+    recurrent.compile_recurrent = lambda model, cache, enabled, mode="ops", convs=False: \
+        saved[-1](model, cache, enabled, mode, True)
     _GPU_LIKE[0] = True
     try:
         yield
     finally:
         (f.rms_norm, f.rope, f.scaled_dot_product_attention, gd.decode_step,
          gd.decode_step_ab, gd.tracing, setup.decode_steps_agree, sc.gated_step,
-         sc.silu_step, sc.KERNEL_MODES) = saved
+         sc.silu_step, sc.KERNEL_MODES, gd.decode_step_normed,
+         recurrent.compile_recurrent) = saved
         _GPU_LIKE[0] = False
 
 

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import normalize_qk
 
 from mlxnb import Engine
 from mlxnb.core.worker import gated_delta, kv_attention, short_conv
@@ -102,6 +103,12 @@ def _stand_ins(monkeypatch, broken=False):
     monkeypatch.setattr(gated_delta, "decode_step", _gd_reference)
     monkeypatch.setattr(gated_delta, "decode_step_ab", lambda q, k, v, a, b, A_log, dt, st:
                         _gd_reference(q, k, v, *gated_delta.gates(a, b, A_log, dt), st))
+
+    def normed(q, k, v, a, b, A_log, dt, st, inv_scale, eps):
+        calls.append("normed")
+        q, k = normalize_qk(q, k, inv_scale=inv_scale, eps=eps)
+        return _gd_reference(q, k, v, *gated_delta.gates(a, b, A_log, dt), st)
+    monkeypatch.setattr(gated_delta, "decode_step_normed", normed)
     return calls
 
 
@@ -126,6 +133,7 @@ def test_compiled_steps_run_the_kernel_checked_at_load(family, kind, broken, mon
 
     tokens, ids, status = arun(main)
     assert calls  # traced (and checked) at least once
+    assert ("normed" in calls) is (family == "qwen3_5")  # normalize_qk in the kernel
     assert ("(short conv: fused kernel)" in status) is not broken
     assert "recurrent decode compiled" in status
     mods = [type(layer[kind]) for layer in model.layers if kind in layer]
@@ -163,7 +171,8 @@ def test_only_one_token_calls_in_a_kernel_trace_take_the_kernel(family, kind, n,
         m(one, mx.ones((2, 1), mx.bool_), c)  # a padded group
         assert calls == []
         y, st = _call(m, one, state, n)
-        assert len(calls) == 1
+        assert len([c for c in calls if c != "normed"]) == 1
+        assert ("normed" in calls) is (n == 2)  # the gated delta-net's normalize_qk
     want_y, want_st = _call(m, one, state, n)
     assert mx.allclose(y, want_y, atol=1e-4).item()
     assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(st, want_st))
@@ -200,6 +209,20 @@ def test_the_cuda_kernels_are_mlx_lms(dtype, B):
     ry, rst = gated_reference(bcx, state, conv.conv.weight)
     assert mx.array_equal(st, rst).item()
     assert mx.allclose(y, ry, atol=tol, rtol=tol).item()
+    # normalize_qk inside the gated delta kernel
+    conv = mx.random.normal((B, 1, C)).astype(dtype)
+    q, k, v = [t.reshape(B, 1, h, d) for t, h, d in zip(
+        mx.split(conv, [gdn.key_dim, 2 * gdn.key_dim], -1),
+        [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+        [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim])]
+    a, b = mx.random.normal((2, B, 1, gdn.num_v_heads)).astype(dtype)
+    inv = gdn.head_k_dim ** -0.5
+    got = gated_delta.decode_step_normed(q, k, v, a, b, gdn.A_log, gdn.dt_bias, state[1],
+                                         inv, 1e-6)
+    nq, nk = normalize_qk(q, k, inv_scale=inv, eps=1e-6)
+    want = gated_delta.decode_step_ab(nq, nk, v, a, b, gdn.A_log, gdn.dt_bias, state[1])
+    for x, w in zip(got, want):
+        assert mx.allclose(x, w, atol=tol, rtol=tol).item()
     want_y, _ = _call(conv, x, [state])
     assert mx.allclose(conv.out_proj(y), want_y, atol=tol, rtol=tol).item()
 
@@ -214,3 +237,17 @@ def test_the_cuda_kernels_are_mlx_lms(dtype, B):
     ry, rst = silu_reference(qkv, state[0], gdn.conv1d.weight)
     assert mx.array_equal(st, rst).item()
     assert mx.allclose(y, ry, atol=tol, rtol=tol).item()
+    # normalize_qk inside the gated delta kernel
+    conv = mx.random.normal((B, 1, C)).astype(dtype)
+    q, k, v = [t.reshape(B, 1, h, d) for t, h, d in zip(
+        mx.split(conv, [gdn.key_dim, 2 * gdn.key_dim], -1),
+        [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+        [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim])]
+    a, b = mx.random.normal((2, B, 1, gdn.num_v_heads)).astype(dtype)
+    inv = gdn.head_k_dim ** -0.5
+    got = gated_delta.decode_step_normed(q, k, v, a, b, gdn.A_log, gdn.dt_bias, state[1],
+                                         inv, 1e-6)
+    nq, nk = normalize_qk(q, k, inv_scale=inv, eps=1e-6)
+    want = gated_delta.decode_step_ab(nq, nk, v, a, b, gdn.A_log, gdn.dt_bias, state[1])
+    for x, w in zip(got, want):
+        assert mx.allclose(x, w, atol=tol, rtol=tol).item()

@@ -29,7 +29,7 @@ import contextlib
 
 import mlx.core as mx
 
-__all__ = ["install", "tracing", "current", "MODES"]
+__all__ = ["install", "tracing", "current", "fits_ab", "MODES"]
 
 MODES = ("gates", "kernel", "fast", "ops")
 _TRACING = [None]  # the mode of the trace being made (None: not an engine's step)
@@ -57,12 +57,18 @@ _BODY = r"""
         + dv * state_in_strides[2];
     const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk + lane * NPT;
 GATES_HERE
-    float st[NPT];
     float kk[NPT];
-    float kv = 0.f;
+    float qq[NPT];
     for (int i = 0; i < NPT; i++) {
         const int e = lane * NPT + i;
         kk[i] = static_cast<float>(k[ko + e * k_strides[3]]);
+        qq[i] = static_cast<float>(q[qo + e * q_strides[3]]);
+    }
+NORM_HERE
+    float st[NPT];
+    float kv = 0.f;
+    for (int i = 0; i < NPT; i++) {
+        const int e = lane * NPT + i;
         st[i] = static_cast<float>(state_in[so + e * state_in_strides[3]]) * gv;
         kv += st[i] * kk[i];
     }
@@ -73,7 +79,7 @@ GATES_HERE
     float out = 0.f;
     for (int i = 0; i < NPT; i++) {
         st[i] += kk[i] * delta;
-        out += st[i] * static_cast<float>(q[qo + (lane * NPT + i) * q_strides[3]]);
+        out += st[i] * qq[i];
         state_out[row + i] = static_cast<StT>(st[i]);
     }
     for (int off = 16; off > 0; off /= 2) out += __shfl_xor_sync(0xffffffffu, out, off);
@@ -109,23 +115,48 @@ _FROM_AB = r"""
     const float gv = cu::Exp{}(cu::Multiply{}(decay, sp));
 """
 
+# q and k as they come from the conv, L2-normalized here as mlx-lm's normalize_qk does
+# it: mx.fast.rms_norm (x * rsqrt(mean(x^2) + eps) in float32, rounded to InT), then
+# times its scale rounded to InT (norm: q's scale, k's scale, eps as rms_norm takes it)
+_NORM = r"""
+    float qs = 0.f, ks = 0.f;
+    for (int i = 0; i < NPT; i++) {
+        qs += qq[i] * qq[i];
+        ks += kk[i] * kk[i];
+    }
+    for (int off = 16; off > 0; off /= 2) {
+        qs += __shfl_xor_sync(0xffffffffu, qs, off);
+        ks += __shfl_xor_sync(0xffffffffu, ks, off);
+    }
+    const float qr = rsqrtf(qs / Dk + norm[2]);
+    const float kr = rsqrtf(ks / Dk + norm[2]);
+    for (int i = 0; i < NPT; i++) {
+        qq[i] = static_cast<float>(static_cast<InT>(
+            static_cast<float>(static_cast<InT>(qq[i] * qr)) * norm[0]));
+        kk[i] = static_cast<float>(static_cast<InT>(
+            static_cast<float>(static_cast<InT>(kk[i] * kr)) * norm[1]));
+    }
+"""
+
 _KERNEL = {}
 
 
-def _kernel(from_ab: bool):
-    if from_ab not in _KERNEL:
+def _kernel(from_ab: bool, norm: bool = False):
+    if (from_ab, norm) not in _KERNEL:
         gates = ["a_in", "b_in", "A_log", "dt_bias"] if from_ab else ["g", "beta"]
-        _KERNEL[from_ab] = mx.fast.cuda_kernel(
-            name="mlxnb_gated_delta_" + ("ab" if from_ab else "decode"),
-            input_names=["q", "k", "v", *gates, "state_in"],
+        _KERNEL[from_ab, norm] = mx.fast.cuda_kernel(
+            name="mlxnb_gated_delta_" + ("ab" if from_ab else "decode")
+            + ("_norm" if norm else ""),
+            input_names=["q", "k", "v", *gates, "state_in"] + (["norm"] if norm else []),
             output_names=["y", "state_out"],
-            source=_BODY.replace("GATES_HERE", _FROM_AB if from_ab else _GIVEN),
+            source=_BODY.replace("GATES_HERE", _FROM_AB if from_ab else _GIVEN)
+            .replace("NORM_HERE", _NORM if norm else ""),
             header=_OPS if from_ab else "",
             ensure_row_contiguous=False)
-    return _KERNEL[from_ab]
+    return _KERNEL[from_ab, norm]
 
 
-def _launch(q, k, v, gates, state):
+def _launch(q, k, v, gates, state, norm=None):
     B, _, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     rounding = []
@@ -133,8 +164,8 @@ def _launch(q, k, v, gates, state):
         a, b, _, dt_bias = gates
         xt = a.dtype if a.dtype == dt_bias.dtype else mx.float32
         rounding = [("BT", b.dtype), ("XT", xt)]
-    return _kernel(len(gates) == 4)(
-        inputs=[q, k, v, *gates, state],
+    return _kernel(len(gates) == 4, norm is not None)(
+        inputs=[q, k, v, *gates, state] + ([norm] if norm is not None else []),
         template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv),
                   ("Hk", Hk), ("Hv", Hv), *rounding],
         grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
@@ -153,6 +184,16 @@ def decode_step_ab(q, k, v, a, b, A_log, dt_bias, state):
     return _launch(q, k, v, (a, b, A_log, dt_bias), state)
 
 
+def decode_step_normed(q, k, v, a, b, A_log, dt_bias, state, inv_scale: float, eps: float):
+    """decode_step_ab from q and k before mlx-lm's `normalize_qk(q, k,
+    inv_scale=inv_scale, eps=eps)`, which the kernel applies itself: on CUDA that is
+    six launches a layer fewer (two copies that make q and k contiguous for
+    rms_norm, the two norms, the two scales)."""
+    scales = mx.array([inv_scale ** 2, inv_scale], q.dtype).astype(mx.float32)
+    norm = mx.concatenate([scales, mx.array([eps * inv_scale ** 2], mx.float32)])
+    return _launch(q, k, v, (a, b, A_log, dt_bias), state, norm)
+
+
 def gates(a, b, A_log, dt_bias):
     """(g, beta) from the raw projections in MLX ops: decode_step_ab's gates, op for
     op (mlx-lm's compute_g and sigmoid)."""
@@ -167,7 +208,8 @@ def _fits(q, k, v, g, beta, state, mask) -> bool:
             and q.dtype == k.dtype)
 
 
-def _fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask) -> bool:
+def fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask=None) -> bool:
+    """decode_step_ab (and decode_step_normed) takes these."""
     Hv = v.shape[2]
     return (_fits(q, k, v, a, b, state, mask) and a.shape == b.shape == (q.shape[0], 1, Hv)
             and A_log.shape == dt_bias.shape == (Hv,))
@@ -180,7 +222,7 @@ def _wrap_update(orig):
     def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
         if (_TRACING[0] == "gates" and state is not None and kw.get("lower_bound") is None
                 and not kw.get("allow_neg_eigval")
-                and _fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask)):
+                and fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask)):
             SEEN[0] += 1
             return decode_step_ab(q, k, v, a, b, A_log, dt_bias, state)
         return orig(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)

@@ -177,7 +177,8 @@ def _short_conv_token(self, x, cache):
 
 def _delta_net_token(self, inputs, cache):
     """mlx-lm's GatedDeltaNet.__call__ for one token (mlx_lm/models/qwen3_5.py), its
-    concatenate-conv-SiLU-contiguous as silu_step."""
+    concatenate-conv-SiLU-contiguous as silu_step and, in a "gates" trace, its
+    normalize_qk inside the gated delta kernel (gated_delta.decode_step_normed)."""
     w = self.conv1d.weight
     B = inputs.shape[0]
     qkv = self.in_proj_qkv(inputs)
@@ -193,9 +194,16 @@ def _delta_net_token(self, inputs, cache):
         mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
         [self.num_k_heads, self.num_k_heads, self.num_v_heads],
         [self.head_k_dim, self.head_k_dim, self.head_v_dim])]
-    q, k = mod.normalize_qk(q, k, inv_scale=self.head_k_dim ** -0.5, eps=1e-6)
-    out, cache[1] = mod.gated_delta_update(q, k, v, a, b, self.A_log, self.dt_bias,
-                                           cache[1], None, use_kernel=not self.training)
+    inv_scale, state = self.head_k_dim ** -0.5, cache[1]
+    if gated_delta.current() == "gates" and gated_delta.fits_ab(
+            q, k, v, a, b, self.A_log, self.dt_bias, state):  # normalize_qk inside
+        gated_delta.SEEN[0] += 1
+        out, cache[1] = gated_delta.decode_step_normed(
+            q, k, v, a, b, self.A_log, self.dt_bias, state, inv_scale, 1e-6)
+    else:
+        q, k = mod.normalize_qk(q, k, inv_scale=inv_scale, eps=1e-6)
+        out, cache[1] = mod.gated_delta_update(q, k, v, a, b, self.A_log, self.dt_bias,
+                                               state, None, use_kernel=not self.training)
     cache.advance(1)
     out = self.norm(out, z)
     return self.out_proj(out.reshape(B, 1, -1))
