@@ -58,7 +58,8 @@ RAW = {"raw": {}, "rawb": dict(batch_cache=True), "rawv": dict(views=True)}
 VARIANTS = {
     "engineg": ("MLXNB_ROWS_GEMV", "gather", "the gathered GEMV on every few-row product"),
     "enginew": ("MLXNB_LEAN_WINDOWS", "0", "mlx-lm's window bookkeeping on every write"),
-    "enginec": ("MLXNB_CONV_KERNEL", "0", "short convs as MLX ops, not the fused kernel"),
+    "enginec": ("MLXNB_CONV_KERNEL", "0", "short convs (and the delta-net q/k norms) as "
+                "MLX ops, not in the kernels"),
 }
 DIAGNOSTIC = ("bgd", "rawt", "rawv", "rawvt", "engine0", "enginenf")
 # (mine, other): per-round ratios kept as <mine>_over_<other>_median
