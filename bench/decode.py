@@ -60,6 +60,7 @@ VARIANTS = {
     "enginew": ("MLXNB_LEAN_WINDOWS", "0", "mlx-lm's window bookkeeping on every write"),
     "enginec": ("MLXNB_CONV_KERNEL", "0", "short convs (and the delta-net q/k norms) as "
                 "MLX ops, not in the kernels"),
+    "engineq": ("MLXNB_QK_ROPE", "0", "one-token q/k norms and RoPE as MLX ops"),
 }
 DIAGNOSTIC = ("bgd", "rawt", "rawv", "rawvt", "engine0", "enginenf")
 # (mine, other): per-round ratios kept as <mine>_over_<other>_median

@@ -10,8 +10,8 @@ On a CPU, MLX's fast ops (RMS norm, RoPE, attention) build their fallback graphs
 ten-odd nodes each, and the engine's compiled gated delta-net steps run mlx-lm's
 ops; on a GPU each is one node. `gpu_like()` counts them as a GPU would: each one
 node (a stand-in of the right shape and inputs, not the right values: for counting
-only), and the engine's gated delta rule and short convs as their CUDA kernels' one
-node each.
+only), and the engine's gated delta rule, short convs and one-token q/k norms with
+RoPE as their CUDA kernels' one node each.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlxnb
 from mlxnb.core.worker import batch as batch_module
-from mlxnb.core.worker import gated_delta, recurrent, setup, short_conv
+from mlxnb.core.worker import gated_delta, qk_rope, recurrent, setup, short_conv
 
 # nodes that launch no kernel on a GPU (views of their input)
 VIEWS = {"Broadcast", "Reshape", "Transpose", "ExpandDims", "Squeeze", "Flatten",
@@ -44,39 +44,45 @@ def _one_node(out, *deps):
 _GPU_LIKE = [False]
 
 
+def _nodes(outs, deps):
+    """One node giving `outs` (views of the inputs: the shapes a kernel returns)."""
+    return tuple(mx.depends(list(outs), [d for d in deps if isinstance(d, mx.array)]))
+
+
 @contextlib.contextmanager
 def gpu_like():
     """Count graphs as a GPU builds them (module docstring); values are wrong."""
-    f, gd, sc = mx.fast, gated_delta, short_conv
-    saved = (f.rms_norm, f.rope, f.scaled_dot_product_attention, gd.decode_step,
-             gd.decode_step_ab, gd.tracing, setup.decode_steps_agree, sc.gated_step,
-             sc.silu_step, sc.KERNEL_MODES, gd.decode_step_normed,
-             recurrent.compile_recurrent)
-    f.rms_norm = lambda x, w, eps: _one_node(x, w)
-    f.rope = lambda x, dims, **kw: _one_node(x, kw.get("offset"))
-    f.scaled_dot_product_attention = lambda q, k, v, **kw: _one_node(q, k, v,
-                                                                       kw.get("mask"))
-    gd.decode_step = lambda q, k, v, g, beta, st: tuple(mx.depends([v, st], [q, k, g, beta]))
-    gd.decode_step_ab = lambda q, k, v, a, b, A_log, dt_bias, st: tuple(
-        mx.depends([v, st], [q, k, a, b, A_log, dt_bias]))
-    gd.decode_step_normed = lambda q, k, v, a, b, A_log, dt_bias, st, *consts: tuple(
-        mx.depends([v, st], [q, k, a, b, A_log, dt_bias]))
-    gd.tracing = lambda mode: saved[5]("gates")  # the CUDA default: gates inside
-    setup.decode_steps_agree = lambda *a: ""  # stand-ins agree with nothing
-    # a short conv kernel: its output (a view of its input's shape) and new state
-    sc.gated_step = sc.silu_step = lambda x, st, w: tuple(
-        mx.depends([x[..., :w.shape[0]], st], [w]))
-    sc.KERNEL_MODES = ("gates", "kernel", "ops")  # (the compile's mode here is "ops")
-    recurrent.compile_recurrent = lambda model, cache, enabled, mode="ops", convs=False: \
-        saved[-1](model, cache, enabled, mode, True)
+    gd, sc = gated_delta, short_conv
+    compile_recurrent, tracing = recurrent.compile_recurrent, gd.tracing
+    patches = [
+        (mx.fast, "rms_norm", lambda x, w, eps: _one_node(x, w)),
+        (mx.fast, "rope", lambda x, dims, **kw: _one_node(x, kw.get("offset"))),
+        (mx.fast, "scaled_dot_product_attention",
+         lambda q, k, v, **kw: _one_node(q, k, v, kw.get("mask"))),
+        (gd, "decode_step", lambda q, k, v, *a: _nodes([v, a[-1]], [q, k, *a])),
+        (gd, "decode_step_ab", lambda q, k, v, *a: _nodes([v, a[-1]], [q, k, *a])),
+        (gd, "decode_step_normed", lambda q, k, v, *a: _nodes([v, a[-3]], [q, k, *a])),
+        (gd, "tracing", lambda mode: tracing("gates")),  # the CUDA default: gates inside
+        (setup, "decode_steps_agree", lambda *a: ""),  # stand-ins agree with nothing
+        # a short conv kernel: its output (its input's shape) and new state
+        (sc, "gated_step", lambda x, st, w: _nodes([x[..., :w.shape[0]], st], [w])),
+        (sc, "silu_step", lambda x, st, w: _nodes([x[..., :w.shape[0]], st], [w])),
+        (sc, "KERNEL_MODES", ("gates", "kernel", "ops")),  # (the compile's mode: "ops")
+        (recurrent, "compile_recurrent", lambda model, cache, enabled, mode="ops",
+         convs=False: compile_recurrent(model, cache, enabled, mode, True)),
+        (qk_rope, "wanted", lambda: True),
+        (qk_rope, "norm_rope", lambda q, k, *a: _nodes(
+            [q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)], a)),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
     _GPU_LIKE[0] = True
     try:
         yield
     finally:
-        (f.rms_norm, f.rope, f.scaled_dot_product_attention, gd.decode_step,
-         gd.decode_step_ab, gd.tracing, setup.decode_steps_agree, sc.gated_step,
-         sc.silu_step, sc.KERNEL_MODES, gd.decode_step_normed,
-         recurrent.compile_recurrent) = saved
+        for obj, name, value in saved:
+            setattr(obj, name, value)
         _GPU_LIKE[0] = False
 
 

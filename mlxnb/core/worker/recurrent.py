@@ -77,7 +77,7 @@ def _subclass(cls):
     return sub
 
 
-class _Gated:
+class Gated:
     """Every engine on this model instance adds its gate; all must allow a replay."""
 
     def __init__(self, enabled: Callable[[], bool]):
@@ -98,7 +98,7 @@ class _Gated:
         return True
 
 
-class _Decode(_Gated):
+class _Decode(Gated):
     """A layer's compiled decode step and how its calls name mask and cache."""
 
     def __init__(self, layer, cls, x_name: str, mask_name: Optional[str], nstate: int,
@@ -151,7 +151,7 @@ def _mlp_subclass(cls):
     return sub
 
 
-class _MLP(_Gated):
+class _MLP(Gated):
     def __init__(self, mlp, cls, enabled: Callable[[], bool]):
         super().__init__(enabled)
         self.step = mx.compile(lambda x: cls.__call__(mlp, x))

@@ -12,8 +12,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from ..._log import Laps
-from . import (caches, gated_delta, kv_attention, recurrent, rows_gemv, short_conv,
-               wide_kernel, wideattn)
+from . import (caches, gated_delta, kv_attention, qk_rope, recurrent, rows_gemv,
+               short_conv, wide_kernel, wideattn)
 from .fuse import fuse_projections
 from .caches import aligned_views, empty_batch
 from .prefill_policy import AUTO_MAX, IDLE_PREFILL
@@ -65,6 +65,8 @@ class BatchModel:
         self._live = [True]
         self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
         laps("recurrent steps")
+        self.qk_rope = self._adopt_qk_rope()
+        laps("attention q/k kernel check")
         self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
                                            self.kv_attention_note)
         if caches.LeanBatchKVCache.dense_decode:
@@ -79,6 +81,8 @@ class BatchModel:
                 " (short conv: fused kernel)" if self.short_conv else "")
         elif self.compile_note:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
+        if self.qk_rope:
+            self.cache_kinds += ", one-token q/k norms and RoPE: fused kernel"
         if self.linears.startswith(("kernel", "gathered")):
             self.cache_kinds += ", few-row linears: " + (
                 "gathered GEMV" if self.linears.startswith("gathered") else "GEMV kernel") + (
@@ -254,6 +258,21 @@ class BatchModel:
             recurrent.uncompile(self.model)
             first = first or why
         return 0, first
+
+    def qk_ok(self) -> bool:
+        """May this forward take qk_rope.py's kernel? (held weakly, as recurrent_ok)"""
+        return self._qk_live[0]
+
+    def _adopt_qk_rope(self) -> bool:
+        """On CUDA, attention layers whose one-token q/k norms and RoPE qk_rope.py's
+        kernel computes take it if decode steps with it match those without."""
+        self._qk_live = [True]
+        if not qk_rope.adopt(self.model, self.qk_ok):
+            return False
+        if decode_steps_agree(self.model, self.probe_ids(), self._qk_live):
+            qk_rope.release(self.model)
+            return False
+        return True
 
     def kv_bytes_for(self, length: int) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""

@@ -1,0 +1,140 @@
+"""One-token q/k norms and RoPE in one kernel (qk_rope.py): which attention calls take
+it, that the one-token call around it is mlx-lm's, and that a kernel that disagrees is
+caught at load. Off CUDA the kernel is stood in for by its math in MLX ops; the CUDA
+kernel itself is checked against mlx-lm's ops where the backend has it."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlxnb import Engine
+from mlxnb.core.worker import kv_attention, qk_rope
+from mlxnb.models.tiny import byte_tokenizer
+from test_cache_kinds import PROMPTS, build  # tests/ is on sys.path
+from test_recurrent import _mlx_lm_tokens
+
+
+def reference(q, k, qw, kw, q_eps, k_eps, offset, scale, base):
+    """The kernel's math in MLX ops: mlx-lm's norms, then its RoPE."""
+    D = q.shape[-1]
+
+    def one(x, w, eps):
+        x = mx.fast.rms_norm(x, w, eps).transpose(0, 2, 1, 3)
+        return mx.fast.rope(x, D, traditional=False, base=base, scale=scale, offset=offset)
+    return one(q, qw, q_eps), one(k, kw, k_eps)
+
+
+def _attention(model):
+    return next(layer.self_attn for layer in model.layers if "self_attn" in layer)
+
+
+def _stand_in(monkeypatch, broken=False):
+    monkeypatch.setattr(kv_attention, "cuda_backend", lambda: True)
+    calls = []
+
+    def kernel(*a):
+        calls.append(a[6])
+        qo, ko = reference(*a)
+        return (qo * 1.5 if broken else qo), ko
+    monkeypatch.setattr(qk_rope, "norm_rope", kernel)
+    return calls
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_lfm2_attention_takes_the_kernel_checked_at_load(broken, monkeypatch, arun):
+    calls = _stand_in(monkeypatch, broken)
+    mx.random.seed(6)
+    model = build("lfm2", seed=6)
+
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        rows = [eng.submit(p, max_tokens=8, chat=False) for p in PROMPTS]
+        tokens = [(await r).tokens for r in rows]
+        status = eng.status()
+        await eng.aclose()
+        return tokens, [r.prompt_ids for r in rows], status
+
+    n0 = len(calls)
+    tokens, ids, status = arun(main)
+    assert calls and len(calls) > n0
+    assert ("q/k norms and RoPE: fused kernel" in status) is not broken
+    attn = [type(layer.self_attn) for layer in model.layers if "self_attn" in layer]
+    assert attn and all(hasattr(a, "_mlxnb_qk_base") is not broken for a in attn)
+    # rows that joined at different times decode padded: per-row positions
+    assert any(isinstance(c, mx.array) and c.size > 1 for c in calls) or broken
+    mx.random.seed(6)
+    plain = build("lfm2", seed=6)
+    for t, i in zip(tokens, ids):
+        assert t == _mlx_lm_tokens(plain, i, 8)
+
+
+def test_only_one_token_calls_with_the_gate_open_take_it(monkeypatch):
+    calls = _stand_in(monkeypatch)
+    model = build("lfm2")
+    attn = _attention(model)
+    D = attn.head_dim * attn.n_heads
+    gate = [True]
+
+    class Engine:
+        def ok(self):
+            return gate[0]
+    owner = Engine()
+    assert qk_rope.adopt(model, owner.ok) == 2
+    x1, x3 = mx.random.normal((2, 1, D)), mx.random.normal((2, 3, D))
+
+    def run(x, cache=None):
+        cache = cache or KVCache()
+        return attn(x, cache=cache), cache
+
+    run(x3)  # a prefill chunk
+    attn(x1)  # no cache
+    gate[0] = False
+    run(x1)
+    assert calls == []
+    gate[0] = True
+    _, cache = run(x3)
+    got, _ = run(x1, cache)
+    assert calls == [3]
+    gate[0] = False
+    c2 = KVCache()
+    run(x3, c2)
+    want, _ = run(x1, c2)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    qk_rope.release(model)
+    assert not hasattr(type(attn), "_mlxnb_qk_base")
+    del owner  # a gone engine's gate no longer holds the path shut
+    gate[0] = False
+
+
+def test_the_kernel_is_for_cuda_and_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(kv_attention, "cuda_backend", lambda: False)
+    assert qk_rope.adopt(build("lfm2"), lambda: True) == 0
+    monkeypatch.setattr(kv_attention, "cuda_backend", lambda: True)
+    monkeypatch.setenv("MLXNB_QK_ROPE", "0")
+    assert qk_rope.adopt(build("lfm2"), lambda: True) == 0
+
+
+def test_other_attentions_keep_mlx_lms_code(monkeypatch):
+    monkeypatch.setattr(kv_attention, "cuda_backend", lambda: True)
+    assert qk_rope.adopt(build("qwen3_5"), lambda: True) == 0  # gated q, partial RoPE
+    model = build("lfm2")
+    _attention(model).rope.traditional = True
+    assert qk_rope.adopt(model, lambda: True) == 1  # the other layer
+
+
+@pytest.mark.skipif(not kv_attention.cuda_backend(), reason="the CUDA kernel needs CUDA")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B,per_row", [(1, False), (5, True), (64, False)])
+def test_the_cuda_kernel_is_mlx_lms_norms_and_rope(dtype, B, per_row):
+    tol = 1e-4 if dtype == mx.float32 else 3e-2
+    mx.random.seed(B)
+    H, HK, D = 8, 2, 64
+    qkv = mx.random.normal((B, 1, (H + 2 * HK) * D)).astype(dtype)  # strided slices
+    q = qkv[..., :H * D].reshape(B, 1, H, D)
+    k = qkv[..., H * D:(H + HK) * D].reshape(B, 1, HK, D)
+    qw, kw = (1 + 0.1 * mx.random.normal((2, D))).astype(dtype)
+    off = mx.array([3, 70, 1000, 5, 9][:B], mx.int32) if per_row else 4000
+    args = (q, k, qw, kw, 1e-5, 1e-6, off, 1.0, 1e6)
+    for got, want in zip(qk_rope.norm_rope(*args), reference(*args)):
+        assert got.shape == want.shape
+        assert mx.allclose(got, want, atol=tol, rtol=tol).item()
