@@ -21,6 +21,7 @@ load and puts the modules back if they differ. The one-token call is mlx-lm's
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Callable
@@ -83,6 +84,7 @@ _BODY = r"""
 """
 
 _KERNEL = []
+_CONSTS = {}
 
 
 def _kernel():
@@ -97,13 +99,15 @@ def norm_rope(q, k, qw, kw, q_eps: float, k_eps: float, offset, scale: float,
               base: float):
     """RMS-normalized and rotated q [B, 1, H, D] and k [B, 1, HK, D] ->
     ([B, H, 1, D], [B, HK, 1, D]); `offset` an int, or int32 positions [1] or [B]."""
-    import math
-
     B, _, H, D = q.shape
     HK = k.shape[2]
     off = mx.array([offset], mx.int32) if isinstance(offset, int) else \
         offset.reshape(-1).astype(mx.int32)
-    consts = mx.array([q_eps, k_eps, scale, math.log2(base)], mx.float32)
+    key = (q_eps, k_eps, scale, base)
+    consts = _CONSTS.get(key)
+    if consts is None:  # (one per layer kind, not one per call)
+        consts = _CONSTS[key] = mx.array([q_eps, k_eps, scale, math.log2(base)],
+                                         mx.float32)
     return _kernel()(
         inputs=[q, k, qw, kw, off, consts],
         template=[("InT", q.dtype), ("D", D), ("H", H), ("HK", HK),
