@@ -47,6 +47,9 @@ CONFIGS = {
                         query_pre_attn_scalar=32, sliding_window=8,
                         sliding_window_pattern=3),
     "llama": dict(BASE, model_type="llama", num_hidden_layers=2),
+    # per-head q/k norms (qk_rope.py)
+    "qwen3": dict(BASE, model_type="qwen3", num_hidden_layers=2, rope_theta=1e6,
+                  max_position_embeddings=4096),
 }
 
 

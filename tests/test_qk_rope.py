@@ -14,13 +14,12 @@ from test_cache_kinds import PROMPTS, build  # tests/ is on sys.path
 from test_recurrent import _mlx_lm_tokens
 
 
-def reference(q, k, qw, kw, q_eps, k_eps, offset, scale, base):
+def reference(q, k, qw, kw, q_eps, k_eps, offset, scale, base, dims):
     """The kernel's math in MLX ops: mlx-lm's norms, then its RoPE."""
-    D = q.shape[-1]
-
     def one(x, w, eps):
         x = mx.fast.rms_norm(x, w, eps).transpose(0, 2, 1, 3)
-        return mx.fast.rope(x, D, traditional=False, base=base, scale=scale, offset=offset)
+        return mx.fast.rope(x, dims, traditional=False, base=base, scale=scale,
+                            offset=offset)
     return one(q, qw, q_eps), one(k, kw, k_eps)
 
 
@@ -40,11 +39,15 @@ def _stand_in(monkeypatch, broken=False):
     return calls
 
 
+@pytest.mark.parametrize("family", ["lfm2", "qwen3", "qwen3_5"])
 @pytest.mark.parametrize("broken", [False, True])
-def test_lfm2_attention_takes_the_kernel_checked_at_load(broken, monkeypatch, arun):
+def test_attention_takes_the_kernel_checked_at_load(family, broken, monkeypatch, arun):
+    """LFM2's, Qwen3's and Qwen3.5's (gated queries, RoPE on a quarter of each head)
+    attention take the kernel (its stand-in here) with mlx-lm's tokens; one that
+    disagrees is caught by the load check and the modules keep mlx-lm's code."""
     calls = _stand_in(monkeypatch, broken)
     mx.random.seed(6)
-    model = build("lfm2", seed=6)
+    model = build(family, seed=6)
 
     async def main():
         eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
@@ -63,7 +66,7 @@ def test_lfm2_attention_takes_the_kernel_checked_at_load(broken, monkeypatch, ar
     # rows that joined at different times decode padded: per-row positions
     assert any(isinstance(c, mx.array) and c.size > 1 for c in calls) or broken
     mx.random.seed(6)
-    plain = build("lfm2", seed=6)
+    plain = build(family, seed=6)
     for t, i in zip(tokens, ids):
         assert t == _mlx_lm_tokens(plain, i, 8)
 
@@ -72,7 +75,7 @@ def test_only_one_token_calls_with_the_gate_open_take_it(monkeypatch):
     calls = _stand_in(monkeypatch)
     model = build("lfm2")
     attn = _attention(model)
-    D = attn.head_dim * attn.n_heads
+    D = attn.q_proj.weight.shape[1]
     gate = [True]
 
     class Engine:
@@ -116,7 +119,7 @@ def test_the_kernel_is_for_cuda_and_can_be_turned_off(monkeypatch):
 
 def test_other_attentions_keep_mlx_lms_code(monkeypatch):
     monkeypatch.setattr(kv_attention, "cuda_backend", lambda: True)
-    assert qk_rope.adopt(build("qwen3_5"), lambda: True) == 0  # gated q, partial RoPE
+    assert qk_rope.adopt(build("llama"), lambda: True) == 0  # no q/k norms
     model = build("lfm2")
     _attention(model).rope.traditional = True
     assert qk_rope.adopt(model, lambda: True) == 1  # the other layer
@@ -124,17 +127,19 @@ def test_other_attentions_keep_mlx_lms_code(monkeypatch):
 
 @pytest.mark.skipif(not kv_attention.cuda_backend(), reason="the CUDA kernel needs CUDA")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("B,per_row", [(1, False), (5, True), (64, False)])
-def test_the_cuda_kernel_is_mlx_lms_norms_and_rope(dtype, B, per_row):
+@pytest.mark.parametrize("B,per_row,D,dims", [(1, False, 64, 64), (5, True, 64, 64),
+                                             (64, False, 128, 128), (3, True, 256, 64),
+                                             (2, False, 16, 8)])
+def test_the_cuda_kernel_is_mlx_lms_norms_and_rope(dtype, B, per_row, D, dims):
     tol = 1e-4 if dtype == mx.float32 else 3e-2
     mx.random.seed(B)
-    H, HK, D = 8, 2, 64
+    H, HK = 8, 2
     qkv = mx.random.normal((B, 1, (H + 2 * HK) * D)).astype(dtype)  # strided slices
     q = qkv[..., :H * D].reshape(B, 1, H, D)
     k = qkv[..., H * D:(H + HK) * D].reshape(B, 1, HK, D)
     qw, kw = (1 + 0.1 * mx.random.normal((2, D))).astype(dtype)
     off = mx.array([3, 70, 1000, 5, 9][:B], mx.int32) if per_row else 4000
-    args = (q, k, qw, kw, 1e-5, 1e-6, off, 1.0, 1e6)
+    args = (q, k, qw, kw, 1e-5, 1e-6, off, 1.0, 1e6, dims)
     for got, want in zip(qk_rope.norm_rope(*args), reference(*args)):
         assert got.shape == want.shape
         assert mx.allclose(got, want, atol=tol, rtol=tol).item()

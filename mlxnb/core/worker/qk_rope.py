@@ -1,22 +1,23 @@
 """An attention layer's q/k norms and RoPE for one decode token in one CUDA kernel.
 
-mlx-lm's LFM2 attention decodes a token with six launches between its projections and
-the KV write: q and k are slices of the fused projection, so each `rms_norm` first
-copies its input to make it contiguous (mlx/backend/cuda/rms_norm.cu), then the two
-norms, then RoPE on each. A decode step is host-bound on GPUs at these sizes, and
-MLX's CUDA backend costs the host about the same per launch whatever the kernel does,
-so here the six are one kernel: a warp owns one head of one row, reads it once through
-its strides, normalizes it (mx.fast.rms_norm's float32 sum and roundings), rotates it
-(mx.fast.rope's angles) and writes it in the [B, heads, 1, D] layout the cache takes.
-LFM2-1.2B has six attention layers: 30 launches fewer a step.
+mlx-lm's attention with per-head q/k norms (LFM2, Qwen3, Qwen3-Next and Qwen3.5)
+decodes a token with six launches between its projections and the KV write: q and k
+are slices of the fused projection, so each `rms_norm` first copies its input to make
+it contiguous (mlx/backend/cuda/rms_norm.cu), then the two norms, then RoPE on each. A
+decode step is host-bound on GPUs at these sizes, and MLX's CUDA backend costs the
+host about the same per launch whatever the kernel does, so here the six are one
+kernel: a warp owns one head of one row, reads it once through its strides,
+normalizes it (mx.fast.rms_norm's float32 sum and roundings), rotates its first
+`dims` (mx.fast.rope's angles) and writes it in the [B, heads, 1, D] layout the cache
+takes. LFM2-1.2B and Qwen3.5-0.8B have six such layers each: 30 launches fewer a
+step; Qwen3-0.6B has 28.
 
-`adopt` gives a model's matching attention modules a subclass (on this instance) whose
-one-token calls take the kernel while `enabled()` allows it (the engine's gate: the
-load check's switch); everything else -- prefill chunks, verifications, other
+`adopt` gives a model's matching attention modules (`FORMS`) a subclass (on this
+instance) whose one-token calls take the kernel while every engine's gate allows it
+(the load check's switch); everything else -- prefill chunks, verifications, other
 callers -- runs mlx-lm's code. setup.py compares decode steps with and without it at
-load and puts the modules back if they differ. The one-token call is mlx-lm's
-`Attention.__call__` (mlx_lm/models/lfm2.py) with the norms and RoPE swapped
-(`_token`).
+load and puts the modules back if they differ. The one-token call is the module's
+mlx-lm `__call__` with the norms and RoPE swapped (`_token`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,10 +39,13 @@ SEEN = [0]  # one-token attention calls that took the kernel (a probe reads it)
 # q: [B, 1, H, D], k: [B, 1, HK, D], read through their strides; qw, kw: the norms'
 # weights [D]; offset: int32 [B] (PER_ROW) or [1]; consts: q's eps, k's eps, RoPE's
 # scale, log2(base). qo: [B, H, 1, D], ko: [B, HK, 1, D]. Warp n of row b: q's head
-# n, or k's head n - H. Lane i holds the rotation pairs (j, j + D/2), j = i, i + 32..
+# n, or k's head n - H. The first ROT dims rotate in pairs (j, j + ROT/2) and the rest
+# pass (mx.fast.rope with dims=ROT); lane i holds pairs j = i, i + 32 .. and rest
+# elements ROT + i, ROT + i + 32 ..
 _BODY = r"""
-    constexpr int HALF = D / 2;
+    constexpr int HALF = ROT / 2;
     constexpr int NP = (HALF + 31) / 32;
+    constexpr int NR = (D - ROT + 31) / 32 > 0 ? (D - ROT + 31) / 32 : 1;
     const int lane = threadIdx.x;
     const int n = blockIdx.y;
     const int b = blockIdx.z;
@@ -54,7 +58,7 @@ _BODY = r"""
     const InT* w = isq ? qw : kw;
     const float eps = consts[isq ? 0 : 1];
     const int64_t base = b * s0 + h * s2;
-    float x1[NP], x2[NP];
+    float x1[NP], x2[NP], xr[NR];
     float ss = 0.f;
     for (int p = 0; p < NP; p++) {
         const int j = lane + 32 * p;
@@ -62,15 +66,20 @@ _BODY = r"""
         x2[p] = j < HALF ? static_cast<float>(src[base + (j + HALF) * s3]) : 0.f;
         ss += x1[p] * x1[p] + x2[p] * x2[p];
     }
+    for (int p = 0; p < NR; p++) {
+        const int e = ROT + lane + 32 * p;
+        xr[p] = e < D ? static_cast<float>(src[base + e * s3]) : 0.f;
+        ss += xr[p] * xr[p];
+    }
     for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     const float r = rsqrtf(ss / D + eps);
     const float pos = consts[2] * static_cast<float>(offset[PER_ROW ? b : 0]);
     InT* dst = isq ? qo + (static_cast<int64_t>(b) * H + h) * D
                    : ko + (static_cast<int64_t>(b) * HK + h) * D;
+    // rms_norm: w * round(x * r), rounded; RoPE on that
     for (int p = 0; p < NP; p++) {
         const int j = lane + 32 * p;
         if (j >= HALF) break;
-        // rms_norm: w * round(x * r); RoPE on the rounded result
         const float a = static_cast<float>(static_cast<InT>(
             static_cast<float>(w[j]) * static_cast<float>(static_cast<InT>(x1[p] * r))));
         const float c = static_cast<float>(static_cast<InT>(
@@ -80,6 +89,12 @@ _BODY = r"""
         const float ct = cos(theta), st = sin(theta);
         dst[j] = static_cast<InT>(a * ct - c * st);
         dst[j + HALF] = static_cast<InT>(a * st + c * ct);
+    }
+    for (int p = 0; p < NR; p++) {
+        const int e = ROT + lane + 32 * p;
+        if (e >= D) break;
+        dst[e] = static_cast<InT>(
+            static_cast<float>(w[e]) * static_cast<float>(static_cast<InT>(xr[p] * r)));
     }
 """
 
@@ -96,8 +111,8 @@ def _kernel():
 
 
 def norm_rope(q, k, qw, kw, q_eps: float, k_eps: float, offset, scale: float,
-              base: float):
-    """RMS-normalized and rotated q [B, 1, H, D] and k [B, 1, HK, D] ->
+              base: float, dims: int):
+    """RMS-normalized q [B, 1, H, D] and k [B, 1, HK, D], their first `dims` rotated ->
     ([B, H, 1, D], [B, HK, 1, D]); `offset` an int, or int32 positions [1] or [B]."""
     B, _, H, D = q.shape
     HK = k.shape[2]
@@ -110,7 +125,7 @@ def norm_rope(q, k, qw, kw, q_eps: float, k_eps: float, offset, scale: float,
                                          mx.float32)
     return _kernel()(
         inputs=[q, k, qw, kw, off, consts],
-        template=[("InT", q.dtype), ("D", D), ("H", H), ("HK", HK),
+        template=[("InT", q.dtype), ("D", D), ("ROT", dims), ("H", H), ("HK", HK),
                   ("PER_ROW", off.size > 1)],
         grid=(32, H + HK, B), threadgroup=(32, 1, 1),
         output_shapes=[(B, H, 1, D), (B, HK, 1, D)], output_dtypes=[q.dtype, q.dtype])
@@ -124,22 +139,48 @@ def wanted() -> bool:
     return cuda_backend() and os.environ.get("MLXNB_QK_ROPE", "1") != "0"
 
 
-def _matches(m) -> bool:
-    """mlx-lm's LFM2 Attention as the kernel reads it: RMS norms on q and k, a plain
-    RoPE over the whole head (nn.RoPE, not traditional)."""
-    if not (isinstance(m, nn.Module) and type(m).__name__ == "Attention"
-            and not hasattr(type(m), "_mlxnb_qk_base")):
-        return False
+class _Form(NamedTuple):
+    """How an mlx-lm attention module names its parts."""
+    norms: tuple  # (q's, k's) nn.RMSNorm over one head
+    out: str  # the output projection
+    heads: tuple  # (query heads, KV heads) attribute names
+    gated: bool  # q_proj gives each head's query and an output gate (Qwen3-Next)
+
+
+# (module, class) -> form. Each one-token call below is that class's __call__.
+FORMS = {
+    ("mlx_lm.models.lfm2", "Attention"): _Form(
+        ("q_layernorm", "k_layernorm"), "out_proj", ("n_heads", "n_kv_heads"), False),
+    ("mlx_lm.models.lfm2_moe", "Attention"): _Form(
+        ("q_layernorm", "k_layernorm"), "out_proj", ("n_heads", "n_kv_heads"), False),
+    ("mlx_lm.models.qwen3", "Attention"): _Form(
+        ("q_norm", "k_norm"), "o_proj", ("n_heads", "n_kv_heads"), False),
+    ("mlx_lm.models.qwen3_moe", "Attention"): _Form(
+        ("q_norm", "k_norm"), "o_proj", ("n_heads", "n_kv_heads"), False),
+    ("mlx_lm.models.qwen3_next", "Qwen3NextAttention"): _Form(
+        ("q_norm", "k_norm"), "o_proj", ("num_attention_heads", "num_key_value_heads"),
+        True),
+}
+
+
+def _form(m):
+    """The module's form if the kernel reads it: RMS norms over one head on q and k,
+    a plain RoPE (nn.RoPE, not traditional) over an even part of the head."""
+    if not isinstance(m, nn.Module) or hasattr(type(m), "_mlxnb_qk_base"):
+        return None
+    form = FORMS.get((type(m).__module__, type(m).__name__))
     mod = sys.modules.get(type(m).__module__)
-    need = ("q_proj", "k_proj", "v_proj", "out_proj", "q_layernorm", "k_layernorm",
-            "rope", "n_heads", "n_kv_heads", "head_dim", "scale")
-    if not (hasattr(mod, "scaled_dot_product_attention")
-            and all(hasattr(m, a) for a in need)):
-        return False
-    rope, qn, kn = m.rope, m.q_layernorm, m.k_layernorm
-    return (type(rope) is nn.RoPE and not rope.traditional and rope.dims == m.head_dim
-            and type(qn) is nn.RMSNorm and type(kn) is nn.RMSNorm
-            and m.head_dim % 2 == 0 and m.head_dim <= 512)
+    if form is None or not hasattr(mod, "scaled_dot_product_attention") or not all(
+            hasattr(m, a) for a in (*form.norms, form.out, *form.heads, "q_proj",
+                                    "k_proj", "v_proj", "rope", "scale")):
+        return None
+    qn, kn = (m[n] for n in form.norms)
+    rope = m.rope
+    D = qn.weight.shape[0] if type(qn) is nn.RMSNorm else 0
+    ok = (type(qn) is nn.RMSNorm and type(kn) is nn.RMSNorm and kn.weight.shape == (D,)
+          and type(rope) is nn.RoPE and not rope.traditional
+          and 2 <= rope.dims <= D <= 512 and rope.dims % 2 == 0)
+    return form if ok else None
 
 
 def _offset(cache, B):
@@ -153,26 +194,33 @@ def _offset(cache, B):
 
 
 def _token(self, x, mask, cache):
-    """mlx-lm's LFM2 Attention.__call__ for one token, its norms and RoPE as
-    norm_rope; None where the kernel does not fit."""
+    """The module's __call__ for one token (mlx_lm/models/lfm2.py, qwen3.py,
+    qwen3_next.py), its norms and RoPE as norm_rope; None where the kernel does not
+    fit."""
+    form = self._mlxnb_qk_form
     B = x.shape[0]
     off = _offset(cache, B)
     if off is None:
         return None
+    qn, kn = (self[n] for n in form.norms)
+    H, HK = (getattr(self, n) for n in form.heads)
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-    if not (q.dtype == k.dtype == self.q_layernorm.weight.dtype
-            == self.k_layernorm.weight.dtype):
+    if not q.dtype == k.dtype == qn.weight.dtype == kn.weight.dtype:
         return None
+    gate = None
+    if form.gated:  # each head's query, then its gate
+        q, gate = mx.split(q.reshape(B, 1, H, -1), 2, axis=-1)
+        gate = gate.reshape(B, 1, -1)
     SEEN[0] += 1
     queries, keys = norm_rope(
-        q.reshape(B, 1, self.n_heads, -1), k.reshape(B, 1, self.n_kv_heads, -1),
-        self.q_layernorm.weight, self.k_layernorm.weight, self.q_layernorm.eps,
-        self.k_layernorm.eps, off, self.rope.scale, self.rope.base)
-    values = v.reshape(B, 1, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q.reshape(B, 1, H, -1), k.reshape(B, 1, HK, -1), qn.weight, kn.weight, qn.eps,
+        kn.eps, off, self.rope.scale, self.rope.base, self.rope.dims)
+    values = v.reshape(B, 1, HK, -1).transpose(0, 2, 1, 3)
     keys, values = cache.update_and_fetch(keys, values)
     sdpa = sys.modules[type(self)._mlxnb_qk_base.__module__].scaled_dot_product_attention
     out = sdpa(queries, keys, values, cache=cache, mask=mask, scale=self.scale)
-    return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, 1, -1))
+    out = out.transpose(0, 2, 1, 3).reshape(B, 1, -1)
+    return self[form.out](out if gate is None else out * mx.sigmoid(gate))
 
 
 _SUBCLASSES = {}
@@ -208,7 +256,8 @@ def adopt(model, enabled: Callable[[], bool]) -> int:
             if hasattr(type(child), "_mlxnb_qk_base"):  # adopted for another engine
                 child._mlxnb_qk_gate.add_gate(enabled)
                 n += 1
-            elif _matches(child):
+            elif _form(child) is not None:
+                child._mlxnb_qk_form = _form(child)
                 child._mlxnb_qk_gate = Gated(enabled)
                 child.__class__ = _subclass(type(child))
                 n += 1
@@ -224,4 +273,4 @@ def release(model) -> None:
             base = getattr(type(child), "_mlxnb_qk_base", None)
             if base is not None:
                 child.__class__ = base
-                del child._mlxnb_qk_gate
+                del child._mlxnb_qk_gate, child._mlxnb_qk_form
