@@ -143,3 +143,44 @@ def test_the_cuda_kernel_is_mlx_lms_norms_and_rope(dtype, B, per_row, D, dims):
     for got, want in zip(qk_rope.norm_rope(*args), reference(*args)):
         assert got.shape == want.shape
         assert mx.allclose(got, want, atol=tol, rtol=tol).item()
+
+
+@pytest.mark.parametrize("family,kv", [("lfm2", dict(kv_bits=8, kv_group_size=32)),
+                                       ("qwen3", dict(kv_bits=4, kv_group_size=32)),
+                                       ("qwen3", {})])
+def test_rows_joining_a_running_batch_keep_mlx_lms_tokens(family, kv, monkeypatch, arun):
+    """Through the kernel path (its stand-in), rows alone, prefilled as a padded group
+    and joining the running batch, on full-precision and quantized KV, give
+    mlx-lm's own tokens."""
+    import asyncio
+
+    from mlx_lm.generate import generate_step
+
+    from mlxnb.core.worker.caches import make_row_cache
+
+    calls = _stand_in(monkeypatch)
+    mx.random.seed(7)
+    model = build(family, seed=7)
+    n = 12
+
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None, **kv)
+        alone = [(await eng.submit(p, max_tokens=n, chat=False)).tokens for p in PROMPTS]
+        rows = [eng.submit(p, max_tokens=n, chat=False) for p in PROMPTS[:3]]
+        while not any(r.tokens for r in rows):
+            await asyncio.sleep(0.001)
+        rows.append(eng.submit(PROMPTS[3], max_tokens=n, chat=False))
+        batched = [(await r).tokens for r in rows]
+        ids = [r.prompt_ids for r in rows]
+        await eng.aclose()
+        return alone, batched, ids
+
+    alone, batched, ids = arun(main)
+    assert calls and batched == alone
+    mx.random.seed(7)
+    plain = build(family, seed=7)
+    for t, i in zip(alone, ids):
+        cache = make_row_cache(plain, kv.get("kv_bits"), kv.get("kv_group_size", 64))
+        want = [int(x) for x, _ in generate_step(mx.array(i), plain, max_tokens=n,
+                                                 prompt_cache=cache)]
+        assert t == want
