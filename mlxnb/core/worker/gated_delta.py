@@ -117,7 +117,8 @@ _FROM_AB = r"""
 
 # q and k as they come from the conv, L2-normalized here as mlx-lm's normalize_qk does
 # it: mx.fast.rms_norm (x * rsqrt(mean(x^2) + eps) in float32, rounded to InT), then
-# times its scale rounded to InT (norm: q's scale, k's scale, eps as rms_norm takes it)
+# times its scale rounded to InT, as MLX rounds a Python scalar to the array's dtype
+# (norm: q's scale, k's scale, eps as rms_norm takes it; float32)
 _NORM = r"""
     float qs = 0.f, ks = 0.f;
     for (int i = 0; i < NPT; i++) {
@@ -130,15 +131,18 @@ _NORM = r"""
     }
     const float qr = rsqrtf(qs / Dk + norm[2]);
     const float kr = rsqrtf(ks / Dk + norm[2]);
+    const float qsc = static_cast<float>(static_cast<InT>(norm[0]));
+    const float ksc = static_cast<float>(static_cast<InT>(norm[1]));
     for (int i = 0; i < NPT; i++) {
         qq[i] = static_cast<float>(static_cast<InT>(
-            static_cast<float>(static_cast<InT>(qq[i] * qr)) * norm[0]));
+            static_cast<float>(static_cast<InT>(qq[i] * qr)) * qsc));
         kk[i] = static_cast<float>(static_cast<InT>(
-            static_cast<float>(static_cast<InT>(kk[i] * kr)) * norm[1]));
+            static_cast<float>(static_cast<InT>(kk[i] * kr)) * ksc));
     }
 """
 
 _KERNEL = {}
+_NORM_CONSTS = {}
 
 
 def _kernel(from_ab: bool, norm: bool = False):
@@ -189,8 +193,11 @@ def decode_step_normed(q, k, v, a, b, A_log, dt_bias, state, inv_scale: float, e
     inv_scale=inv_scale, eps=eps)`, which the kernel applies itself: on CUDA that is
     six launches a layer fewer (two copies that make q and k contiguous for
     rms_norm, the two norms, the two scales)."""
-    scales = mx.array([inv_scale ** 2, inv_scale], q.dtype).astype(mx.float32)
-    norm = mx.concatenate([scales, mx.array([eps * inv_scale ** 2], mx.float32)])
+    key = (inv_scale, eps)
+    norm = _NORM_CONSTS.get(key)
+    if norm is None:  # made once: inside a compiled step every op is replayed per call
+        norm = _NORM_CONSTS[key] = mx.array(
+            [inv_scale ** 2, inv_scale, eps * inv_scale ** 2], mx.float32)
     return _launch(q, k, v, (a, b, A_log, dt_bias), state, norm)
 
 
@@ -203,9 +210,13 @@ def gates(a, b, A_log, dt_bias):
 
 
 def _fits(q, k, v, g, beta, state, mask) -> bool:
-    return (mask is None and q.shape[1] == 1 and g.ndim == 3 and k.shape[-1] % 32 == 0
-            and v.shape[2] % k.shape[2] == 0 and state.dtype == mx.float32
-            and q.dtype == k.dtype)
+    if not (k.ndim == v.ndim == 4):
+        return False
+    B, _, Hk, Dk = k.shape
+    return (mask is None and q.shape[1] == 1 and g.ndim == 3 and Dk % 32 == 0
+            and q.shape == k.shape and v.shape[2] % Hk == 0
+            and state.shape == (B, v.shape[2], v.shape[3], Dk)
+            and state.dtype == mx.float32 and q.dtype == k.dtype)
 
 
 def fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask=None) -> bool:

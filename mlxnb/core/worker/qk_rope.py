@@ -205,7 +205,9 @@ def _token(self, x, mask, cache):
     qn, kn = (self[n] for n in form.norms)
     H, HK = (getattr(self, n) for n in form.heads)
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-    if not q.dtype == k.dtype == qn.weight.dtype == kn.weight.dtype:
+    D = qn.weight.shape[0]
+    if not (q.dtype == k.dtype == qn.weight.dtype == kn.weight.dtype
+            and q.shape[-1] == H * D * (2 if form.gated else 1) and k.shape[-1] == HK * D):
         return None
     gate = None
     if form.gated:  # each head's query, then its gate

@@ -73,15 +73,18 @@ _GATED_OUT = r"""
         static_cast<float>(bcx[r + (C + ch) * c]) * static_cast<float>(conv));
 """
 # the gated delta-net: x [B, 1, C] (a slice of the fused in-projection); the output is
-# SiLU(conv) as nn.silu computes it, x * sigmoid(x), each op rounding to InT
+# SiLU(conv) as nn.silu computes it, x * sigmoid(x): MLX's own sigmoid at InT (its
+# ops round at InT, so a float32 sigmoid would differ in the last bit), then the
+# product rounded to InT
 _SILU_IN = r"""
     const InT xin = x[b * x_strides[0] + ch * x_strides[2]];
 """
 _SILU_OUT = r"""
-    const float cf = static_cast<float>(conv);
-    const InT sg = static_cast<InT>(1.f / (1.f + expf(-cf)));
-    y[static_cast<int64_t>(b) * C + ch] = static_cast<InT>(cf * static_cast<float>(sg));
+    const InT sg = mlx::core::cu::Sigmoid{}(conv);
+    y[static_cast<int64_t>(b) * C + ch] = static_cast<InT>(
+        static_cast<float>(conv) * static_cast<float>(sg));
 """
+_SILU_HEADER = '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
 
 _KERNEL = {}
 
@@ -94,7 +97,7 @@ def _kernel(gated: bool):
             output_names=["y", "state_out"],
             source=_BODY.replace("INPUT_HERE", _GATED_IN if gated else _SILU_IN)
             .replace("OUTPUT_HERE", _GATED_OUT if gated else _SILU_OUT),
-            ensure_row_contiguous=False)
+            header="" if gated else _SILU_HEADER, ensure_row_contiguous=False)
     return _KERNEL[gated]
 
 
