@@ -102,25 +102,38 @@ CASES = [("qwen3_5", {}), ("lfm2", {}), ("mamba2", {}), ("gemma3_text", {}),
          ("gemma3_text", dict(kv_bits=8, kv_group_size=32))]
 
 
+def prompts_through(model, arun, n=8, **kw):
+    """(tokens, prompt ids, status line) of PROMPTS submitted together to a fresh
+    Engine on `model`."""
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None, **kw)
+        rows = [eng.submit(p, max_tokens=n, chat=False) for p in PROMPTS]
+        tokens = [(await r).tokens for r in rows]
+        status = eng.status()
+        await eng.aclose()
+        return tokens, [r.prompt_ids for r in rows], status
+    return arun(main)
+
+
+async def alone_then_joining(eng, n):
+    """(each prompt's tokens alone, their tokens when three prefill as one padded group
+    and the fourth joins the running batch, the batched rows' prompt ids); closes eng."""
+    alone = [(await eng.submit(p, max_tokens=n, chat=False)).tokens for p in PROMPTS]
+    rows = [eng.submit(p, max_tokens=n, chat=False) for p in PROMPTS[:3]]
+    while not any(r.tokens for r in rows):
+        await asyncio.sleep(0.001)
+    rows.append(eng.submit(PROMPTS[3], max_tokens=n, chat=False))
+    batched = [(await r).tokens for r in rows]
+    await eng.aclose()
+    return alone, batched, [r.prompt_ids for r in rows]
+
+
 @pytest.mark.parametrize("family,kv", CASES, ids=[
     f"{f}-kv{kv.get('kv_bits', 'full')}" for f, kv in CASES])
 def test_greedy_parity_batched_alone_and_mlx_lm(family, kv, arun):
     n = 16
-
-    async def main():
-        eng = engine(family, **kv)
-        alone = [(await eng.submit(p, max_tokens=n, chat=False)).tokens for p in PROMPTS]
-        # three rows prefill as one padded group; the fourth joins the running batch
-        rows = [eng.submit(p, max_tokens=n, chat=False) for p in PROMPTS[:3]]
-        while not any(r.tokens for r in rows):
-            await asyncio.sleep(0.001)
-        rows.append(eng.submit(PROMPTS[3], max_tokens=n, chat=False))
-        batched = [(await r).tokens for r in rows]
-        ids = rows[1].prompt_ids
-        await eng.aclose()
-        return alone, batched, ids
-
-    alone, batched, ids = arun(main)
+    alone, batched, ids = arun(lambda: alone_then_joining(engine(family, **kv), n))
+    ids = ids[1]
     assert batched == alone
     assert len(set(map(tuple, alone))) > 1  # the prompts lead somewhere different
     assert alone[1] == mlx_lm_tokens(family, ids, n, **kv)

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 from mlxnb import Engine
 from mlxnb.core.worker import kv_attention, qk_rope
 from mlxnb.models.tiny import byte_tokenizer
-from test_cache_kinds import PROMPTS, build  # tests/ is on sys.path
+from test_cache_kinds import alone_then_joining, build, prompts_through  # tests/ on path
 from test_recurrent import _mlx_lm_tokens
 
 
@@ -49,16 +49,8 @@ def test_attention_takes_the_kernel_checked_at_load(family, broken, monkeypatch,
     mx.random.seed(6)
     model = build(family, seed=6)
 
-    async def main():
-        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
-        rows = [eng.submit(p, max_tokens=8, chat=False) for p in PROMPTS]
-        tokens = [(await r).tokens for r in rows]
-        status = eng.status()
-        await eng.aclose()
-        return tokens, [r.prompt_ids for r in rows], status
-
     n0 = len(calls)
-    tokens, ids, status = arun(main)
+    tokens, ids, status = prompts_through(model, arun)
     assert calls and len(calls) > n0
     assert ("q/k norms and RoPE: fused kernel" in status) is not broken
     attn = [type(layer.self_attn) for layer in model.layers if "self_attn" in layer]
@@ -152,8 +144,6 @@ def test_rows_joining_a_running_batch_keep_mlx_lms_tokens(family, kv, monkeypatc
     """Through the kernel path (its stand-in), rows alone, prefilled as a padded group
     and joining the running batch, on full-precision and quantized KV, give
     mlx-lm's own tokens."""
-    import asyncio
-
     from mlx_lm.generate import generate_step
 
     from mlxnb.core.worker.caches import make_row_cache
@@ -162,20 +152,8 @@ def test_rows_joining_a_running_batch_keep_mlx_lms_tokens(family, kv, monkeypatc
     mx.random.seed(7)
     model = build(family, seed=7)
     n = 12
-
-    async def main():
-        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None, **kv)
-        alone = [(await eng.submit(p, max_tokens=n, chat=False)).tokens for p in PROMPTS]
-        rows = [eng.submit(p, max_tokens=n, chat=False) for p in PROMPTS[:3]]
-        while not any(r.tokens for r in rows):
-            await asyncio.sleep(0.001)
-        rows.append(eng.submit(PROMPTS[3], max_tokens=n, chat=False))
-        batched = [(await r).tokens for r in rows]
-        ids = [r.prompt_ids for r in rows]
-        await eng.aclose()
-        return alone, batched, ids
-
-    alone, batched, ids = arun(main)
+    alone, batched, ids = arun(lambda: alone_then_joining(
+        Engine((model, byte_tokenizer()), warmup=False, kv_budget=None, **kv), n))
     assert calls and batched == alone
     mx.random.seed(7)
     plain = build(family, seed=7)

@@ -14,7 +14,7 @@ from mlxnb import Engine
 from mlxnb.core.worker import recurrent
 from mlxnb.core.worker.setup import decode_steps_agree
 from mlxnb.models.tiny import byte_tokenizer
-from test_cache_kinds import PROMPTS, build, engine  # tests/ is on sys.path
+from test_cache_kinds import PROMPTS, build, engine, prompts_through  # tests/ on sys.path
 
 
 def _count_steps(model, mlps: bool = False):
@@ -282,16 +282,7 @@ def test_gated_delta_kernel_path_is_checked_and_keeps_tokens(broken, monkeypatch
     monkeypatch.setattr(gated_delta, "decode_step_ab", kernel_ab)
     mx.random.seed(5)
     model = build("qwen3_5", seed=5)
-
-    async def main():
-        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
-        rows = [eng.submit(p, max_tokens=8, chat=False) for p in PROMPTS]
-        tokens = [(await r).tokens for r in rows]
-        status = eng.status()
-        await eng.aclose()
-        return tokens, [r.prompt_ids for r in rows], status
-
-    tokens, ids, status = arun(main)
+    tokens, ids, status = prompts_through(model, arun)
     want = {"": "(gated delta: fused kernel, gates inside)",
             "gates": "(gated delta: fused kernel)", "both": "(gated delta: mx.fast)"}[broken]
     assert f"recurrent decode compiled {want}" in status

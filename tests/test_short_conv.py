@@ -10,10 +10,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import normalize_qk
 
-from mlxnb import Engine
 from mlxnb.core.worker import gated_delta, kv_attention, short_conv
-from mlxnb.models.tiny import byte_tokenizer
-from test_cache_kinds import PROMPTS, build  # tests/ is on sys.path
+from test_cache_kinds import build, prompts_through  # tests/ is on sys.path
 from test_recurrent import _gd_reference, _mlx_lm_tokens
 
 
@@ -123,15 +121,7 @@ def test_compiled_steps_run_the_kernel_checked_at_load(family, kind, broken, mon
     mx.random.seed(5)
     model = build(family, seed=5)
 
-    async def main():
-        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
-        rows = [eng.submit(p, max_tokens=8, chat=False) for p in PROMPTS]
-        tokens = [(await r).tokens for r in rows]
-        status = eng.status()
-        await eng.aclose()
-        return tokens, [r.prompt_ids for r in rows], status
-
-    tokens, ids, status = arun(main)
+    tokens, ids, status = prompts_through(model, arun)
     assert calls  # traced (and checked) at least once
     assert ("normed" in calls) is (family == "qwen3_5")  # normalize_qk in the kernel
     assert ("(short conv: fused kernel)" in status) is not broken
