@@ -162,3 +162,33 @@ def test_rows_joining_a_running_batch_keep_mlx_lms_tokens(family, kv, monkeypatc
         want = [int(x) for x, _ in generate_step(mx.array(i), plain, max_tokens=n,
                                                  prompt_cache=cache)]
         assert t == want
+
+
+def test_a_kernel_wrong_only_for_per_row_positions_is_caught_at_load(monkeypatch, arun):
+    """The load's decode check runs one position for all rows; the self-check runs
+    one per row too."""
+    _stand_in(monkeypatch)
+    good = qk_rope.norm_rope
+
+    def first_row_only(q, k, qw, kw, qe, ke, offset, *a):
+        if isinstance(offset, mx.array) and offset.size > 1:
+            offset = offset.reshape(-1)[:1]
+        return good(q, k, qw, kw, qe, ke, offset, *a)
+    monkeypatch.setattr(qk_rope, "norm_rope", first_row_only)
+    model = build("lfm2", seed=8)
+    tokens, ids, status = prompts_through(model, arun)
+    assert "q/k norms and RoPE: MLX's (kernel differs from MLX's norms and RoPE)" in status
+    assert not any(hasattr(type(layer.get("self_attn")), "_mlxnb_qk_base")
+                   for layer in model.layers)
+
+
+def test_the_adopted_modules_keep_their_tree(monkeypatch):
+    from mlx.utils import tree_flatten
+
+    monkeypatch.setattr(kv_attention, "cuda_backend", lambda: True)
+    model = build("qwen3_5")
+    before = [k for k, _ in tree_flatten(model)]
+    assert qk_rope.adopt(model, lambda: True)
+    assert [k for k, _ in tree_flatten(model)] == before
+    qk_rope.release(model)
+    assert [k for k, _ in tree_flatten(model)] == before

@@ -10,7 +10,9 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import normalize_qk
 
+from mlxnb import Engine
 from mlxnb.core.worker import gated_delta, kv_attention, short_conv
+from mlxnb.models.tiny import byte_tokenizer
 from test_cache_kinds import build, prompts_through  # tests/ is on sys.path
 from test_recurrent import _gd_reference, _mlx_lm_tokens
 
@@ -227,3 +229,51 @@ def test_the_cuda_kernels_are_mlx_lms(dtype, B):
     want = gated_delta.decode_step_ab(nq, nk, v, a, b, gdn.A_log, gdn.dt_bias, state[1])
     for x, w in zip(got, want):
         assert mx.allclose(x, w, atol=tol, rtol=tol).item()
+
+
+def test_an_engine_on_a_model_another_engine_used_gets_its_own_settings(monkeypatch,
+                                                                       arun):
+    """A second Engine on the same model instance makes the compiled steps and kernels
+    again for its settings (here: the short-conv kernels off) and reports what it
+    made; the first engine's gate still holds the compiled path for its rows."""
+    import gc
+
+    from mlxnb.core.worker import qk_rope
+
+    calls = _stand_ins(monkeypatch)
+    monkeypatch.setattr(qk_rope, "norm_rope", lambda q, k, qw, kw, qe, ke, off, sc, base,
+                        dims: [mx.fast.rope(mx.fast.rms_norm(x, w, e).transpose(0, 2, 1, 3),
+                                            dims, traditional=False, base=base, scale=sc,
+                                            offset=off)
+                               for x, w, e in ((q, qw, qe), (k, kw, ke))])
+    model = build("qwen3_5", seed=5)
+
+    async def first_engine():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        status, setup = eng.status(), eng._exec.setup
+        await eng.aclose()
+        return status, setup
+
+    status, setup = arun(first_engine)  # (its setup held: its gate stays live)
+    assert "(short conv: fused kernel)" in status
+    assert "q/k norms and RoPE: fused kernel" in status
+    monkeypatch.setenv("MLXNB_CONV_KERNEL", "0")
+    monkeypatch.setenv("MLXNB_QK_ROPE", "0")
+    _, _, status = prompts_through(model, arun)
+    assert "short conv" not in status and "q/k norms" not in status
+    assert "(gated delta: fused kernel, gates inside)" in status
+    calls.clear()
+    prompts_through(model, arun)
+    assert [c for c in calls if c != "normed"] == []  # no conv kernel traced or run
+    layer = next(layer for layer in model.layers if "linear_attn" in layer)
+    assert not hasattr(type(layer.linear_attn), "_mlxnb_conv_base")
+    assert not any(hasattr(type(m.self_attn), "_mlxnb_qk_base")
+                   for m in model.layers if "self_attn" in m)
+    # the first engine's gate came along: it still shuts the compiled path
+    gates = layer._mlxnb_decode
+    assert gates.allowed()
+    setup.decode_gate = lambda: False
+    assert not gates.allowed()
+    del setup
+    gc.collect()
+    assert gates.allowed()

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -100,6 +101,7 @@ _BODY = r"""
 
 _KERNEL = []
 _CONSTS = {}
+_OFFSET = [None, None]  # the last int position and its array
 
 
 def _kernel():
@@ -116,8 +118,12 @@ def norm_rope(q, k, qw, kw, q_eps: float, k_eps: float, offset, scale: float,
     ([B, H, 1, D], [B, HK, 1, D]); `offset` an int, or int32 positions [1] or [B]."""
     B, _, H, D = q.shape
     HK = k.shape[2]
-    off = mx.array([offset], mx.int32) if isinstance(offset, int) else \
-        offset.reshape(-1).astype(mx.int32)
+    if isinstance(offset, int):  # every layer of a step has the same: one array
+        if _OFFSET[0] != offset:
+            _OFFSET[:] = [offset, mx.array([offset], mx.int32)]
+        off = _OFFSET[1]
+    else:
+        off = offset.reshape(-1).astype(mx.int32)
     key = (q_eps, k_eps, scale, base)
     consts = _CONSTS.get(key)
     if consts is None:  # (one per layer kind, not one per call)
@@ -131,6 +137,48 @@ def norm_rope(q, k, qw, kw, q_eps: float, k_eps: float, offset, scale: float,
         output_shapes=[(B, H, 1, D), (B, HK, 1, D)], output_dtypes=[q.dtype, q.dtype])
 
 
+def _adopted(model):
+    for layer in getattr(model, "layers", None) or []:
+        if isinstance(layer, nn.Module):
+            for child in layer.children().values():
+                if hasattr(type(child), "_mlxnb_qk_base"):
+                    yield child
+
+
+def self_check(model) -> str:
+    """'' if the kernel gives mlx-lm's norms and RoPE at every adopted module's sizes
+    and dtype, with one position for all rows and with one per row (the load's decode
+    check sees only the first); else what differs."""
+    done = set()
+    for m in _adopted(model):
+        form = m._mlxnb_qk_form
+        qn, kn = (m[n] for n in form.norms)
+        H, HK = (getattr(m, n) for n in form.heads)
+        D, rope, dt = qn.weight.shape[0], m.rope, qn.weight.dtype
+        key = (H, HK, D, rope.dims, rope.base, rope.scale, qn.eps, kn.eps, dt)
+        if key in done:
+            continue
+        done.add(key)
+        kq, kk = mx.random.split(mx.random.key(0))
+        q = mx.random.normal((3, 1, H, D), key=kq).astype(dt)
+        k = mx.random.normal((3, 1, HK, D), key=kk).astype(dt)
+        for off in (37, mx.array([0, 5, 3000], mx.int32)):
+            try:
+                got = norm_rope(q, k, qn.weight, kn.weight, qn.eps, kn.eps, off,
+                                rope.scale, rope.base, rope.dims)
+                want = [rope(norm(x).transpose(0, 2, 1, 3), offset=off)
+                        for norm, x in ((qn, q), (kn, k))]
+                mx.eval(got, want)
+            except Exception as e:
+                return f"kernel failed: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+            for g, w in zip(got, want):
+                w = w.astype(mx.float32)
+                scale = max(1.0, w.abs().max().item())
+                if not (g.astype(mx.float32) - w).abs().max().item() <= 0.02 * scale:
+                    return "kernel differs from MLX's norms and RoPE"
+    return ""
+
+
 def wanted() -> bool:
     """On CUDA, unless `MLXNB_QK_ROPE=0` keeps mlx-lm's norms and RoPE (a bench's other
     arm)."""
@@ -139,8 +187,10 @@ def wanted() -> bool:
     return cuda_backend() and os.environ.get("MLXNB_QK_ROPE", "1") != "0"
 
 
-class _Form(NamedTuple):
-    """How an mlx-lm attention module names its parts."""
+@dataclass(frozen=True)
+class _Form:
+    """How an mlx-lm attention module names its parts. (A class, not a tuple: an
+    nn.Module keeps a tuple attribute in its tree.)"""
     norms: tuple  # (q's, k's) nn.RMSNorm over one head
     out: str  # the output projection
     heads: tuple  # (query heads, KV heads) attribute names

@@ -36,7 +36,7 @@ from mlx_lm.models.cache import ArraysCache
 from . import gated_delta, short_conv
 from .rows_gemv import RowsLinear
 
-__all__ = ["compile_recurrent", "uncompile"]
+__all__ = ["compile_recurrent", "uncompile", "held_gates", "carry", "Gated"]
 
 _SUBCLASSES = {}
 
@@ -96,6 +96,50 @@ class Gated:
             if gate is not None and not gate():
                 return False
         return True
+
+    def carry(self, refs: list) -> None:
+        """Add other engines' gates (weak references, as `held_gates` gives them)."""
+        have = {_gate_key(r()) for r in self.gates if r() is not None}
+        self.gates += [r for r in refs if r() is not None and _gate_key(r()) not in have]
+
+
+def _gate_key(gate) -> tuple:
+    return (id(gate.__self__), gate.__func__) if inspect.ismethod(gate) else (id(gate),)
+
+
+def _gated(model) -> List[Gated]:
+    """Every gate holder on `model.layers`: compiled steps and MLPs, and the kernels
+    other modules (qk_rope.py) adopted there."""
+    out = []
+    for layer in getattr(model, "layers", None) or []:
+        if not isinstance(layer, nn.Module):
+            continue
+        for m in (layer, *layer.children().values()):
+            for name in ("_mlxnb_decode", "_mlxnb_qk_gate"):
+                g = getattr(m, name, None) if isinstance(m, nn.Module) else None
+                if isinstance(g, Gated):
+                    out.append(g)
+    return out
+
+
+def held_gates(model) -> list:
+    """The live gates of the engines whose compiled steps or kernels `model` holds
+    (weak references): an engine loading on the same model re-makes those steps for
+    its own settings and `carry`s these over, so every live engine still decides."""
+    refs, seen = [], set()
+    for g in _gated(model):
+        for r in g.gates:
+            gate = r()
+            if gate is not None and _gate_key(gate) not in seen:
+                seen.add(_gate_key(gate))
+                refs.append(r)
+    return refs
+
+
+def carry(model, refs: list) -> None:
+    """Every gate holder on `model` takes `refs` (held_gates of before) too."""
+    for g in _gated(model):
+        g.carry(refs)
 
 
 class _Decode(Gated):

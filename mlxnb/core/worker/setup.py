@@ -63,10 +63,17 @@ class BatchModel:
         self.recurrence = ""  # what compiled gated delta rules run as, if any
         self.short_conv = False  # compiled short convs run as short_conv.py's kernel
         self._live = [True]
+        # Steps and kernels another engine put on this model instance are made again
+        # for this engine's settings (each is checked and reported as this engine
+        # made it); that engine's gate is carried over, so it still decides for its rows
+        others = recurrent.held_gates(model)
+        recurrent.uncompile(model)
+        qk_rope.release(model)
         self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
         laps("recurrent steps")
-        self.qk_rope = self._adopt_qk_rope()
+        self.qk_rope, self.qk_note = self._adopt_qk_rope()
         laps("attention q/k kernel check")
+        recurrent.carry(model, others)
         self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
                                            self.kv_attention_note)
         if caches.LeanBatchKVCache.dense_decode:
@@ -83,6 +90,8 @@ class BatchModel:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
         if self.qk_rope:
             self.cache_kinds += ", one-token q/k norms and RoPE: fused kernel"
+        elif self.qk_note:
+            self.cache_kinds += f", one-token q/k norms and RoPE: MLX's ({self.qk_note})"
         if self.linears.startswith(("kernel", "gathered")):
             self.cache_kinds += ", few-row linears: " + (
                 "gathered GEMV" if self.linears.startswith("gathered") else "GEMV kernel") + (
@@ -263,16 +272,20 @@ class BatchModel:
         """May this forward take qk_rope.py's kernel? (held weakly, as recurrent_ok)"""
         return self._qk_live[0]
 
-    def _adopt_qk_rope(self) -> bool:
-        """On CUDA, attention layers whose one-token q/k norms and RoPE qk_rope.py's
-        kernel computes take it if decode steps with it match those without."""
+    def _adopt_qk_rope(self) -> tuple:
+        """(adopted, why not): on CUDA, attention layers whose one-token q/k norms and
+        RoPE qk_rope.py's kernel computes take it if it matches MLX's ops at their
+        sizes (one position for all rows, and one per row) and decode steps with it
+        match those without."""
         self._qk_live = [True]
         if not qk_rope.adopt(self.model, self.qk_ok):
-            return False
-        if decode_steps_agree(self.model, self.probe_ids(), self._qk_live):
+            return False, ""
+        why = (qk_rope.self_check(self.model)
+               or decode_steps_agree(self.model, self.probe_ids(), self._qk_live))
+        if why:
             qk_rope.release(self.model)
-            return False
-        return True
+            return False, why
+        return True, ""
 
     def kv_bytes_for(self, length: int) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""
