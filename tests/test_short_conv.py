@@ -277,3 +277,16 @@ def test_an_engine_on_a_model_another_engine_used_gets_its_own_settings(monkeypa
     del setup
     gc.collect()
     assert gates.allowed()
+
+
+def test_a_normalizing_kernel_that_disagrees_keeps_the_conv_kernels(monkeypatch, arun):
+    """The load check tries the conv kernels with the gated delta kernel given the
+    gates (q/k norms as MLX ops) before giving them up."""
+    calls = _stand_ins(monkeypatch)
+    good = gated_delta.decode_step_normed
+    monkeypatch.setattr(gated_delta, "decode_step_normed",
+                        lambda *a: tuple(x * 1.5 for x in good(*a)))
+    model = build("qwen3_5", seed=5)
+    status = prompts_through(model, arun)[2]
+    assert "(gated delta: fused kernel) (short conv: fused kernel)" in status
+    assert any(c != "normed" for c in calls)

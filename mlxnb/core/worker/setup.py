@@ -245,11 +245,12 @@ class BatchModel:
         modes = [("ops", False)]
         if kv_attention.cuda_backend():
             gated_delta.install()
-            # the short-conv kernels ride with the first mode; if they disagree, the
-            # gated delta kernels are tried without them
+            # the short-conv kernels ride with the kernel modes ("gates" also folds
+            # the delta-net's q/k norms into its kernel); if they disagree, the gated
+            # delta kernels are tried without them
             modes = [(m, False) for m in gated_delta.MODES]
             if short_conv.wanted():
-                modes.insert(0, (modes[0][0], True))
+                modes[:0] = [(m, True) for m in short_conv.KERNEL_MODES]
         live = self._live = [True]  # the check's switch: compiled or plain steps
         first = ""
         for mode, convs in modes:
