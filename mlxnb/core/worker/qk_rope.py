@@ -38,7 +38,7 @@ __all__ = ["adopt", "release", "norm_rope", "wanted", "SEEN"]
 SEEN = [0]  # one-token attention calls that took the kernel (a probe reads it)
 
 # q: [B, 1, H, D], k: [B, 1, HK, D], read through their strides; qw, kw: the norms'
-# weights [D]; offset: int32 [B] (PER_ROW) or [1]; consts: q's eps, k's eps, RoPE's
+# weights [D]; offset: int32 [B] (a position per row) or [1]; consts: q's eps, k's eps, RoPE's
 # scale, log2(base). qo: [B, H, 1, D], ko: [B, HK, 1, D]. Warp n of row b: q's head
 # n, or k's head n - H. The first ROT dims rotate in pairs (j, j + ROT/2) and the rest
 # pass (mx.fast.rope with dims=ROT); lane i holds pairs j = i, i + 32 .. and rest
@@ -74,7 +74,8 @@ _BODY = r"""
     }
     for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     const float r = rsqrtf(ss / D + eps);
-    const float pos = consts[2] * static_cast<float>(offset[PER_ROW ? b : 0]);
+    const int32_t at = offset[offset_shape[0] > 1 ? b : 0];
+    const float pos = consts[2] * static_cast<float>(at);
     InT* dst = isq ? qo + (static_cast<int64_t>(b) * H + h) * D
                    : ko + (static_cast<int64_t>(b) * HK + h) * D;
     // rms_norm: w * round(x * r), rounded; RoPE on that
@@ -131,8 +132,7 @@ def norm_rope(q, k, qw, kw, q_eps: float, k_eps: float, offset, scale: float,
                                          mx.float32)
     return _kernel()(
         inputs=[q, k, qw, kw, off, consts],
-        template=[("InT", q.dtype), ("D", D), ("ROT", dims), ("H", H), ("HK", HK),
-                  ("PER_ROW", off.size > 1)],
+        template=[("InT", q.dtype), ("D", D), ("ROT", dims), ("H", H), ("HK", HK)],
         grid=(32, H + HK, B), threadgroup=(32, 1, 1),
         output_shapes=[(B, H, 1, D), (B, HK, 1, D)], output_dtypes=[q.dtype, q.dtype])
 
