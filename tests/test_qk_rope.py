@@ -39,12 +39,13 @@ def _stand_in(monkeypatch, broken=False):
     return calls
 
 
-@pytest.mark.parametrize("family", ["lfm2", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["lfm2", "qwen3", "qwen3_5", "gemma3_text"])
 @pytest.mark.parametrize("broken", [False, True])
 def test_attention_takes_the_kernel_checked_at_load(family, broken, monkeypatch, arun):
-    """LFM2's, Qwen3's and Qwen3.5's (gated queries, RoPE on a quarter of each head)
-    attention take the kernel (its stand-in here) with mlx-lm's tokens; one that
-    disagrees is caught by the load check and the modules keep mlx-lm's code."""
+    """LFM2's, Qwen3's, Qwen3.5's (gated queries, RoPE on a quarter of each head) and
+    Gemma 3's (norms scaled by 1 + weight, sliding windows) attention take the kernel
+    (its stand-in here) with mlx-lm's tokens; one that disagrees is caught by the load
+    check and the modules keep mlx-lm's code."""
     calls = _stand_in(monkeypatch, broken)
     mx.random.seed(6)
     model = build(family, seed=6)
@@ -55,6 +56,9 @@ def test_attention_takes_the_kernel_checked_at_load(family, broken, monkeypatch,
     assert ("q/k norms and RoPE: fused kernel" in status) is not broken
     attn = [type(layer.self_attn) for layer in model.layers if "self_attn" in layer]
     assert attn and all(hasattr(a, "_mlxnb_qk_base") is not broken for a in attn)
+    if family == "gemma3_text" and not broken:  # the scales are 1 + weight, made once
+        a = next(layer.self_attn for layer in model.layers)
+        assert mx.array_equal(a._mlxnb_qk_scales.scales[0], 1.0 + a.q_norm.weight).item()
     # rows that joined at different times decode padded: per-row positions
     assert any(isinstance(c, mx.array) and c.size > 1 for c in calls) or broken
     mx.random.seed(6)
@@ -139,7 +143,8 @@ def test_the_cuda_kernel_is_mlx_lms_norms_and_rope(dtype, B, per_row, D, dims):
 
 @pytest.mark.parametrize("family,kv", [("lfm2", dict(kv_bits=8, kv_group_size=32)),
                                        ("qwen3", dict(kv_bits=4, kv_group_size=32)),
-                                       ("qwen3", {})])
+                                       ("qwen3", {}), ("gemma3_text", {}),
+                                       ("gemma3_text", dict(kv_bits=8, kv_group_size=32))])
 def test_rows_joining_a_running_batch_keep_mlx_lms_tokens(family, kv, monkeypatch, arun):
     """Through the kernel path (its stand-in), rows alone, prefilled as a padded group
     and joining the running batch, on full-precision and quantized KV, give

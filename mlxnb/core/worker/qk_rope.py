@@ -1,6 +1,6 @@
 """An attention layer's q/k norms and RoPE for one decode token in one CUDA kernel.
 
-mlx-lm's attention with per-head q/k norms (LFM2, Qwen3, Qwen3-Next and Qwen3.5)
+mlx-lm's attention with per-head q/k norms (LFM2, Qwen3, Qwen3-Next, Qwen3.5, Gemma 3)
 decodes a token with six launches between its projections and the KV write: q and k
 are slices of the fused projection, so each `rms_norm` first copies its input to make
 it contiguous (mlx/backend/cuda/rms_norm.cu), then the two norms, then RoPE on each. A
@@ -10,7 +10,7 @@ kernel: a warp owns one head of one row, reads it once through its strides,
 normalizes it (mx.fast.rms_norm's float32 sum and roundings), rotates its first
 `dims` (mx.fast.rope's angles) and writes it in the [B, heads, 1, D] layout the cache
 takes. LFM2-1.2B and Qwen3.5-0.8B have six such layers each: 30 launches fewer a
-step; Qwen3-0.6B has 28.
+step; Qwen3-0.6B has 28, Gemma-3-1B 26.
 
 `adopt` gives a model's matching attention modules (`FORMS`) a subclass (on this
 instance) whose one-token calls take the kernel while every engine's gate allows it
@@ -164,7 +164,7 @@ def self_check(model) -> str:
         k = mx.random.normal((3, 1, HK, D), key=kk).astype(dt)
         for off in (37, mx.array([0, 5, 3000], mx.int32)):
             try:
-                got = norm_rope(q, k, qn.weight, kn.weight, qn.eps, kn.eps, off,
+                got = norm_rope(q, k, *_weights(m, qn, kn), qn.eps, kn.eps, off,
                                 rope.scale, rope.base, rope.dims)
                 want = [rope(norm(x).transpose(0, 2, 1, 3), offset=off)
                         for norm, x in ((qn, q), (kn, k))]
@@ -194,7 +194,8 @@ class _Form:
     norms: tuple  # (q's, k's) nn.RMSNorm over one head
     out: str  # the output projection
     heads: tuple  # (query heads, KV heads) attribute names
-    gated: bool  # q_proj gives each head's query and an output gate (Qwen3-Next)
+    gated: bool = False  # q_proj gives each head's query and an output gate (Qwen3-Next)
+    plus_one: bool = False  # the norms scale by 1 + weight (Gemma's RMSNorm)
 
 
 # (module, class) -> form. Each one-token call below is that class's __call__.
@@ -209,7 +210,9 @@ FORMS = {
         ("q_norm", "k_norm"), "o_proj", ("n_heads", "n_kv_heads"), False),
     ("mlx_lm.models.qwen3_next", "Qwen3NextAttention"): _Form(
         ("q_norm", "k_norm"), "o_proj", ("num_attention_heads", "num_key_value_heads"),
-        True),
+        gated=True),
+    ("mlx_lm.models.gemma3_text", "Attention"): _Form(
+        ("q_norm", "k_norm"), "o_proj", ("n_heads", "n_kv_heads"), plus_one=True),
 }
 
 
@@ -226,11 +229,35 @@ def _form(m):
         return None
     qn, kn = (m[n] for n in form.norms)
     rope = m.rope
-    D = qn.weight.shape[0] if type(qn) is nn.RMSNorm else 0
-    ok = (type(qn) is nn.RMSNorm and type(kn) is nn.RMSNorm and kn.weight.shape == (D,)
+    # nn.RMSNorm, or the model's own RMSNorm that scales by 1 + weight
+    norm = (lambda x: type(x).__name__ == "RMSNorm" and type(x).__module__ ==
+            type(m).__module__) if form.plus_one else (lambda x: type(x) is nn.RMSNorm)
+    D = qn.weight.shape[0] if norm(qn) and qn.weight.ndim == 1 else 0
+    ok = (D > 0 and norm(kn) and kn.weight.shape == (D,)
           and type(rope) is nn.RoPE and not rope.traditional
           and 2 <= rope.dims <= D <= 512 and rope.dims % 2 == 0)
     return form if ok else None
+
+
+def _weights(m, qn, kn):
+    """The norms' scales as the kernel takes them: Gemma's 1 + weight is made once
+    per weight (each op in a step is a launch), as MLX computes it per call."""
+    if not m._mlxnb_qk_form.plus_one:
+        return qn.weight, kn.weight
+    held = getattr(m, "_mlxnb_qk_scales", None)
+    if held is None or held.of[0] is not qn.weight or held.of[1] is not kn.weight:
+        scales = (1.0 + qn.weight, 1.0 + kn.weight)
+        mx.eval(scales)
+        held = m._mlxnb_qk_scales = _Scales((qn.weight, kn.weight), scales)
+    return held.scales
+
+
+@dataclass
+class _Scales:
+    """Gemma's norm scales and the weights they were made from. (A class, not a
+    tuple: an nn.Module keeps a tuple attribute in its tree.)"""
+    of: tuple
+    scales: tuple
 
 
 def _offset(cache, B):
@@ -264,9 +291,10 @@ def _token(self, x, mask, cache):
         q, gate = mx.split(q.reshape(B, 1, H, -1), 2, axis=-1)
         gate = gate.reshape(B, 1, -1)
     SEEN[0] += 1
+    qw, kw = _weights(self, qn, kn)
     queries, keys = norm_rope(
-        q.reshape(B, 1, H, -1), k.reshape(B, 1, HK, -1), qn.weight, kn.weight, qn.eps,
-        kn.eps, off, self.rope.scale, self.rope.base, self.rope.dims)
+        q.reshape(B, 1, H, -1), k.reshape(B, 1, HK, -1), qw, kw, qn.eps, kn.eps, off,
+        self.rope.scale, self.rope.base, self.rope.dims)
     values = v.reshape(B, 1, HK, -1).transpose(0, 2, 1, 3)
     keys, values = cache.update_and_fetch(keys, values)
     sdpa = sys.modules[type(self)._mlxnb_qk_base.__module__].scaled_dot_product_attention
@@ -326,3 +354,4 @@ def release(model) -> None:
             if base is not None:
                 child.__class__ = base
                 del child._mlxnb_qk_gate, child._mlxnb_qk_form
+                child.__dict__.pop("_mlxnb_qk_scales", None)
