@@ -15,9 +15,11 @@ step; Qwen3-0.6B has 28, Gemma-3-1B 26.
 `adopt` gives a model's matching attention modules (`FORMS`) a subclass (on this
 instance) whose one-token calls take the kernel while every engine's gate allows it
 (the load check's switch); everything else -- prefill chunks, verifications, other
-callers -- runs mlx-lm's code. setup.py compares decode steps with and without it at
-load and puts the modules back if they differ. The one-token call is the module's
-mlx-lm `__call__` with the norms and RoPE swapped (`_token`).
+callers -- runs mlx-lm's code. At load setup.py compares the kernel with MLX's norms
+and RoPE at each layer's sizes (`self_check`: one position for all rows, and one per
+row) and decode steps with and without it, and puts the modules back if either
+differs. The one-token call is the module's mlx-lm `__call__` with the norms and
+RoPE swapped (`_token`).
 """
 
 from __future__ import annotations
