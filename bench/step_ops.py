@@ -71,6 +71,7 @@ def gpu_like():
         (recurrent, "compile_recurrent", lambda model, cache, enabled, mode="ops",
          convs=False: compile_recurrent(model, cache, enabled, mode, True)),
         (qk_rope, "wanted", lambda: True),
+        (qk_rope, "self_check", lambda model: ""),
         (qk_rope, "norm_rope", lambda q, k, *a: _nodes(
             [q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)], a)),
     ]
