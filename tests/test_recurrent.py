@@ -340,3 +340,51 @@ def test_quantized_hybrid_model_decodes_compiled_with_mlx_lm_tokens(arun):
     nn.quantize(plain, group_size=32, bits=4)
     for t, i in zip(tokens, ids):
         assert t == _mlx_lm_tokens(plain, i, 8)
+
+
+def _load(model, arun):
+    """An Engine's BatchModel on `model` (the engine closed, the BatchModel held: its
+    gate stays live)."""
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        setup = eng._exec.setup
+        await eng.aclose()
+        return setup
+    return arun(main)
+
+
+def test_an_engine_that_compiled_nothing_still_gates_the_compiled_steps(monkeypatch, arun):
+    """Another engine's compiled steps are shut while this engine's adapter rows run,
+    though this engine compiled nothing itself."""
+    import gc
+
+    model = build("qwen3_5", seed=5)
+    monkeypatch.setenv("MLXNB_COMPILE_RECURRENT", "0")
+    first = _load(model, arun)
+    assert recurrent.compiled_layers(model) == []
+    monkeypatch.delenv("MLXNB_COMPILE_RECURRENT")
+    second = _load(model, arun)
+    gates = model.layers[recurrent.compiled_layers(model)[0]]._mlxnb_decode
+    assert gates.allowed()
+    first.decode_gate = lambda: False  # (an adapter selected on the first engine)
+    assert not gates.allowed()
+    del first
+    gc.collect()
+    assert gates.allowed()
+    del second
+
+
+def test_a_load_that_fails_midway_leaves_no_steps_ungated(monkeypatch, arun):
+    from mlxnb.core.worker.setup import BatchModel
+
+    model = build("qwen3_5", seed=5)
+    held = _load(model, arun)
+    assert recurrent.compiled_layers(model)
+
+    def fails(self):
+        raise MemoryError("out of memory")
+    monkeypatch.setattr(BatchModel, "_adopt_qk_rope", fails)
+    with pytest.raises(Exception):
+        _load(model, arun)
+    assert recurrent.compiled_layers(model) == []  # plain code, not steps nobody gates
+    del held

@@ -241,11 +241,8 @@ def test_an_engine_on_a_model_another_engine_used_gets_its_own_settings(monkeypa
     from mlxnb.core.worker import qk_rope
 
     calls = _stand_ins(monkeypatch)
-    monkeypatch.setattr(qk_rope, "norm_rope", lambda q, k, qw, kw, qe, ke, off, sc, base,
-                        dims: [mx.fast.rope(mx.fast.rms_norm(x, w, e).transpose(0, 2, 1, 3),
-                                            dims, traditional=False, base=base, scale=sc,
-                                            offset=off)
-                               for x, w, e in ((q, qw, qe), (k, kw, ke))])
+    from test_qk_rope import reference
+    monkeypatch.setattr(qk_rope, "norm_rope", reference)
     model = build("qwen3_5", seed=5)
 
     async def first_engine():

@@ -60,6 +60,10 @@ _BODY = r"""
     const int64_t s3 = isq ? q_strides[3] : k_strides[3];
     const InT* w = isq ? qw : kw;
     const float eps = consts[isq ? 0 : 1];
+    auto scale_of = [](InT v) {
+        return PLUS_ONE ? static_cast<float>(static_cast<InT>(1.f + static_cast<float>(v)))
+                        : static_cast<float>(v);
+    };
     const int64_t base = b * s0 + h * s2;
     float x1[NP], x2[NP], xr[NR];
     float ss = 0.f;
@@ -80,15 +84,15 @@ _BODY = r"""
     const float pos = consts[2] * static_cast<float>(at);
     InT* dst = isq ? qo + (static_cast<int64_t>(b) * H + h) * D
                    : ko + (static_cast<int64_t>(b) * HK + h) * D;
-    // rms_norm: w * round(x * r), rounded; RoPE on that
+    // rms_norm: w * round(x * r), rounded; RoPE on that. Gemma's norms scale by
+    // 1 + w, rounded to InT as MLX's `1.0 + weight` is
     for (int p = 0; p < NP; p++) {
         const int j = lane + 32 * p;
         if (j >= HALF) break;
         const float a = static_cast<float>(static_cast<InT>(
-            static_cast<float>(w[j]) * static_cast<float>(static_cast<InT>(x1[p] * r))));
+            scale_of(w[j]) * static_cast<float>(static_cast<InT>(x1[p] * r))));
         const float c = static_cast<float>(static_cast<InT>(
-            static_cast<float>(w[j + HALF])
-            * static_cast<float>(static_cast<InT>(x2[p] * r))));
+            scale_of(w[j + HALF]) * static_cast<float>(static_cast<InT>(x2[p] * r))));
         const float theta = pos * exp2f(-(static_cast<float>(j) / HALF) * consts[3]);
         const float ct = cos(theta), st = sin(theta);
         dst[j] = static_cast<InT>(a * ct - c * st);
@@ -98,7 +102,7 @@ _BODY = r"""
         const int e = ROT + lane + 32 * p;
         if (e >= D) break;
         dst[e] = static_cast<InT>(
-            static_cast<float>(w[e]) * static_cast<float>(static_cast<InT>(xr[p] * r)));
+            scale_of(w[e]) * static_cast<float>(static_cast<InT>(xr[p] * r)));
     }
 """
 
@@ -116,9 +120,10 @@ def _kernel():
 
 
 def norm_rope(q, k, qw, kw, q_eps: float, k_eps: float, offset, scale: float,
-              base: float, dims: int):
-    """RMS-normalized q [B, 1, H, D] and k [B, 1, HK, D], their first `dims` rotated ->
-    ([B, H, 1, D], [B, HK, 1, D]); `offset` an int, or int32 positions [1] or [B]."""
+              base: float, dims: int, plus_one: bool = False):
+    """RMS-normalized q [B, 1, H, D] and k [B, 1, HK, D] (scaled by the weights, or by 1
+    + weights with `plus_one`), their first `dims` rotated -> ([B, H, 1, D],
+    [B, HK, 1, D]); `offset` an int, or int32 positions [1] or [B]."""
     B, _, H, D = q.shape
     HK = k.shape[2]
     if isinstance(offset, int):  # every layer of a step has the same: one array
@@ -134,7 +139,8 @@ def norm_rope(q, k, qw, kw, q_eps: float, k_eps: float, offset, scale: float,
                                          mx.float32)
     return _kernel()(
         inputs=[q, k, qw, kw, off, consts],
-        template=[("InT", q.dtype), ("D", D), ("ROT", dims), ("H", H), ("HK", HK)],
+        template=[("InT", q.dtype), ("D", D), ("ROT", dims), ("H", H), ("HK", HK),
+                  ("PLUS_ONE", bool(plus_one))],
         grid=(32, H + HK, B), threadgroup=(32, 1, 1),
         output_shapes=[(B, H, 1, D), (B, HK, 1, D)], output_dtypes=[q.dtype, q.dtype])
 
@@ -166,8 +172,8 @@ def self_check(model) -> str:
         k = mx.random.normal((3, 1, HK, D), key=kk).astype(dt)
         for off in (37, mx.array([0, 5, 3000], mx.int32)):
             try:
-                got = norm_rope(q, k, *_weights(m, qn, kn), qn.eps, kn.eps, off,
-                                rope.scale, rope.base, rope.dims)
+                got = norm_rope(q, k, qn.weight, kn.weight, qn.eps, kn.eps, off,
+                                rope.scale, rope.base, rope.dims, form.plus_one)
                 want = [rope(norm(x).transpose(0, 2, 1, 3), offset=off)
                         for norm, x in ((qn, q), (kn, k))]
                 mx.eval(got, want)
@@ -241,27 +247,6 @@ def _form(m):
     return form if ok else None
 
 
-def _weights(m, qn, kn):
-    """The norms' scales as the kernel takes them: Gemma's 1 + weight is made once
-    per weight (each op in a step is a launch), as MLX computes it per call."""
-    if not m._mlxnb_qk_form.plus_one:
-        return qn.weight, kn.weight
-    held = getattr(m, "_mlxnb_qk_scales", None)
-    if held is None or held.of[0] is not qn.weight or held.of[1] is not kn.weight:
-        scales = (1.0 + qn.weight, 1.0 + kn.weight)
-        mx.eval(scales)
-        held = m._mlxnb_qk_scales = _Scales((qn.weight, kn.weight), scales)
-    return held.scales
-
-
-@dataclass
-class _Scales:
-    """Gemma's norm scales and the weights they were made from. (A class, not a
-    tuple: an nn.Module keeps a tuple attribute in its tree.)"""
-    of: tuple
-    scales: tuple
-
-
 def _offset(cache, B):
     off = getattr(cache, "offset", None)
     if isinstance(off, int):
@@ -293,10 +278,9 @@ def _token(self, x, mask, cache):
         q, gate = mx.split(q.reshape(B, 1, H, -1), 2, axis=-1)
         gate = gate.reshape(B, 1, -1)
     SEEN[0] += 1
-    qw, kw = _weights(self, qn, kn)
     queries, keys = norm_rope(
-        q.reshape(B, 1, H, -1), k.reshape(B, 1, HK, -1), qw, kw, qn.eps, kn.eps, off,
-        self.rope.scale, self.rope.base, self.rope.dims)
+        q.reshape(B, 1, H, -1), k.reshape(B, 1, HK, -1), qn.weight, kn.weight, qn.eps,
+        kn.eps, off, self.rope.scale, self.rope.base, self.rope.dims, form.plus_one)
     values = v.reshape(B, 1, HK, -1).transpose(0, 2, 1, 3)
     keys, values = cache.update_and_fetch(keys, values)
     sdpa = sys.modules[type(self)._mlxnb_qk_base.__module__].scaled_dot_product_attention
@@ -356,4 +340,3 @@ def release(model) -> None:
             if base is not None:
                 child.__class__ = base
                 del child._mlxnb_qk_gate, child._mlxnb_qk_form
-                child.__dict__.pop("_mlxnb_qk_scales", None)

@@ -36,7 +36,7 @@ from mlx_lm.models.cache import ArraysCache
 from . import gated_delta, short_conv
 from .rows_gemv import RowsLinear
 
-__all__ = ["compile_recurrent", "uncompile", "held_gates", "carry", "Gated"]
+__all__ = ["compile_recurrent", "uncompile", "register", "carry", "Gated"]
 
 _SUBCLASSES = {}
 
@@ -98,7 +98,7 @@ class Gated:
         return True
 
     def carry(self, refs: list) -> None:
-        """Add other engines' gates (weak references, as `held_gates` gives them)."""
+        """Add other engines' gates (weak references, as `register` gives them)."""
         have = {_gate_key(r()) for r in self.gates if r() is not None}
         self.gates += [r for r in refs if r() is not None and _gate_key(r()) not in have]
 
@@ -107,39 +107,25 @@ def _gate_key(gate) -> tuple:
     return (id(gate.__self__), gate.__func__) if inspect.ismethod(gate) else (id(gate),)
 
 
-def _gated(model) -> List[Gated]:
-    """Every gate holder on `model.layers`: compiled steps and MLPs, and the kernels
-    other modules (qk_rope.py) adopted there."""
-    out = []
-    for layer in getattr(model, "layers", None) or []:
-        if not isinstance(layer, nn.Module):
-            continue
-        for m in (layer, *layer.children().values()):
-            for name in ("_mlxnb_decode", "_mlxnb_qk_gate"):
-                g = getattr(m, name, None) if isinstance(m, nn.Module) else None
-                if isinstance(g, Gated):
-                    out.append(g)
-    return out
-
-
-def held_gates(model) -> list:
-    """The live gates of the engines whose compiled steps or kernels `model` holds
-    (weak references): an engine loading on the same model re-makes those steps for
-    its own settings and `carry`s these over, so every live engine still decides."""
-    refs, seen = [], set()
-    for g in _gated(model):
-        for r in g.gates:
-            gate = r()
-            if gate is not None and _gate_key(gate) not in seen:
-                seen.add(_gate_key(gate))
-                refs.append(r)
-    return refs
+def register(model, enabled: Callable[[], bool]) -> list:
+    """Record an engine's gate on `model` (weakly, outside its module tree) whether or
+    not that engine compiles anything; the other live engines' gates, for `carry`.
+    An engine loading on a model re-makes the compiled steps for its own settings,
+    and every live engine's gate must still hold them shut while its adapter rows
+    run -- an engine that compiled nothing included."""
+    held = [r for r in model.__dict__.get("_mlxnb_gates", ()) if r() is not None]
+    model.__dict__["_mlxnb_gates"] = held + Gated(enabled).gates
+    return held
 
 
 def carry(model, refs: list) -> None:
-    """Every gate holder on `model` takes `refs` (held_gates of before) too."""
-    for g in _gated(model):
-        g.carry(refs)
+    """Every compiled step and MLP on `model.layers` takes `refs` too."""
+    for layer in getattr(model, "layers", None) or []:
+        if isinstance(layer, nn.Module):
+            for m in (layer, *layer.children().values()):
+                g = getattr(m, "_mlxnb_decode", None) if isinstance(m, nn.Module) else None
+                if isinstance(g, Gated):
+                    g.carry(refs)
 
 
 class _Decode(Gated):

@@ -65,14 +65,20 @@ class BatchModel:
         self._live = [True]
         # Steps and kernels another engine put on this model instance are made again
         # for this engine's settings (each is checked and reported as this engine
-        # made it); that engine's gate is carried over, so it still decides for its rows
-        others = recurrent.held_gates(model)
+        # made it); every other live engine's gate is carried over, so it still
+        # decides for its rows. A load that fails midway leaves no steps ungated.
+        others = recurrent.register(model, self.recurrent_ok)
         recurrent.uncompile(model)
         qk_rope.release(model)
-        self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
-        laps("recurrent steps")
-        self.qk_rope, self.qk_note = self._adopt_qk_rope()
-        laps("attention q/k kernel check")
+        try:
+            self.compiled_layers, self.compile_note = self._compile_recurrent(probe)
+            laps("recurrent steps")
+            self.qk_rope, self.qk_note = self._adopt_qk_rope()
+            laps("attention q/k kernel check")
+        except BaseException:
+            recurrent.uncompile(model)
+            qk_rope.release(model)
+            raise
         recurrent.carry(model, others)
         self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
                                            self.kv_attention_note)
