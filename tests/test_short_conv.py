@@ -10,11 +10,9 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import normalize_qk
 
-from mlxnb import Engine
 from mlxnb.core.worker import gated_delta, kv_attention, short_conv
-from mlxnb.models.tiny import byte_tokenizer
 from test_cache_kinds import build, prompts_through  # tests/ is on sys.path
-from test_recurrent import _gd_reference, _mlx_lm_tokens
+from test_recurrent import _gd_reference, _load, _mlx_lm_tokens
 
 
 def _conv(state, x, w):
@@ -244,14 +242,8 @@ def test_an_engine_on_a_model_another_engine_used_gets_its_own_settings(monkeypa
     from test_qk_rope import reference
     monkeypatch.setattr(qk_rope, "norm_rope", reference)
     model = build("qwen3_5", seed=5)
-
-    async def first_engine():
-        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
-        status, setup = eng.status(), eng._exec.setup
-        await eng.aclose()
-        return status, setup
-
-    status, setup = arun(first_engine)  # (its setup held: its gate stays live)
+    setup = _load(model, arun)  # (its setup held: its gate stays live)
+    status = setup.cache_kinds
     assert "(short conv: fused kernel)" in status
     assert "q/k norms and RoPE: fused kernel" in status
     monkeypatch.setenv("MLXNB_CONV_KERNEL", "0")

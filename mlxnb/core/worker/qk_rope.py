@@ -35,9 +35,7 @@ import mlx.nn as nn
 
 from .recurrent import Gated
 
-__all__ = ["adopt", "release", "norm_rope", "wanted", "SEEN"]
-
-SEEN = [0]  # one-token attention calls that took the kernel (a probe reads it)
+__all__ = ["adopt", "release", "norm_rope", "self_check", "wanted"]
 
 # q: [B, 1, H, D], k: [B, 1, HK, D], read through their strides; qw, kw: the norms'
 # weights [D]; offset: int32 [B] (a position per row) or [1]; consts: q's eps, k's eps, RoPE's
@@ -277,7 +275,6 @@ def _token(self, x, mask, cache):
     if form.gated:  # each head's query, then its gate
         q, gate = mx.split(q.reshape(B, 1, H, -1), 2, axis=-1)
         gate = gate.reshape(B, 1, -1)
-    SEEN[0] += 1
     queries, keys = norm_rope(
         q.reshape(B, 1, H, -1), k.reshape(B, 1, HK, -1), qn.weight, kn.weight, qn.eps,
         kn.eps, off, self.rope.scale, self.rope.base, self.rope.dims, form.plus_one)

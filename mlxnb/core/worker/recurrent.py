@@ -85,10 +85,8 @@ class Gated:
         self.add_gate(enabled)
 
     def add_gate(self, enabled: Callable[[], bool]) -> None:
-        """A bound method is held weakly (a closed engine's gate goes with it)."""
         self.gates = [r for r in self.gates if r() is not None]
-        self.gates.append(weakref.WeakMethod(enabled) if inspect.ismethod(enabled)
-                          else (lambda f=enabled: f))
+        self.gates.append(_weak(enabled))
 
     def allowed(self) -> bool:
         for ref in self.gates:
@@ -103,6 +101,12 @@ class Gated:
         self.gates += [r for r in refs if r() is not None and _gate_key(r()) not in have]
 
 
+def _weak(enabled: Callable[[], bool]):
+    """A bound method is held weakly (a closed engine's gate goes with it)."""
+    return (weakref.WeakMethod(enabled) if inspect.ismethod(enabled)
+            else (lambda f=enabled: f))
+
+
 def _gate_key(gate) -> tuple:
     return (id(gate.__self__), gate.__func__) if inspect.ismethod(gate) else (id(gate),)
 
@@ -114,7 +118,7 @@ def register(model, enabled: Callable[[], bool]) -> list:
     and every live engine's gate must still hold them shut while its adapter rows
     run -- an engine that compiled nothing included."""
     held = [r for r in model.__dict__.get("_mlxnb_gates", ()) if r() is not None]
-    model.__dict__["_mlxnb_gates"] = held + Gated(enabled).gates
+    model.__dict__["_mlxnb_gates"] = held + [_weak(enabled)]
     return held
 
 
