@@ -177,6 +177,48 @@ def endless_line(srv, conn):
         conn.sendall(block)
 
 
+
+def endless_event(srv, conn):
+    """`data:` lines of 64 kB each, 64 MB of them, and never the blank line that would
+    end their event."""
+    conn.sendall(SSE_HEAD)
+    line = b"data: " + b"x" * 65530 + b"\n"
+    until = time.monotonic() + HOLD_S
+    for _ in range(1024):
+        if srv.stop.is_set() or time.monotonic() > until:
+            return
+        conn.sendall(line)
+
+
+def send_apart(conn, chunks):
+    """Each chunk in a write of its own, a little apart, so that the client reads
+    them one by one: a network chunk ends where each ends."""
+    conn.sendall(SSE_HEAD)
+    for c in chunks:
+        time.sleep(0.05)
+        conn.sendall(c)
+
+
+def cr_line_ends(srv, conn):
+    """Lines ended by a bare CR, which the SSE spec allows as LF and CRLF are."""
+    send_apart(conn, [x.replace(b"\n", b"\r") for x in
+                      (token("a"), token("b"), token("", "stop"), b"data: [DONE]\n\n")])
+
+
+def one_event_over_lines_and_chunks(srv, conn):
+    """One JSON event over three `data:` lines (its data: the lines joined with LF),
+    CRLF ended, in chunks that part a CRLF between its CR and its LF and cut a line in
+    two; then the finish as usual."""
+    ev = json.dumps({"choices": [{"index": 0, "delta": {"content": "split"},
+                                  "finish_reason": None}]}).encode()
+    i, j = ev.index(b"["), ev.index(b'"delta"')  # (a line break inside a string is no JSON)
+    body = (b"data: " + ev[:i] + b"\r\ndata:" + ev[i:j] + b"\r\ndata: " + ev[j:] + b"\r\n\r\n"
+            + (token("", "stop") + b"data: [DONE]\n\n").replace(b"\n", b"\r\n"))
+    cuts = [0, body.index(b"\r") + 1, body.index(b"data:", 10) + 9,
+            body.index(b"\r\n\r\n") + 3, len(body)]
+    send_apart(conn, [body[a:b] for a, b in zip(cuts, cuts[1:])])
+
+
 def tokens_forever(srv, conn):
     """Tokens every 10 ms, whatever max_tokens said, until the client goes."""
     conn.sendall(SSE_HEAD)
@@ -426,17 +468,30 @@ def test_tokens_past_max_tokens_end_the_row_at_length(arun):
     assert left, "the stream was not closed"
 
 
-def test_an_endless_line_ends_the_row_with_memory_flat(arun):
+@pytest.mark.parametrize("server, what", [(endless_line, "line"), (endless_event, "event")],
+                         ids=["line", "event"])
+def test_an_endless_line_ends_the_row_with_memory_flat(arun, server, what):
     tracemalloc.start()
     try:
-        with Loopback(endless_line) as srv:
+        with Loopback(server) as srv:
             res, took, gap = arun_bounded(arun, one_row, srv.url, 5)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert res.finish_reason == "error" and "line longer than" in res.error, res.error
+    assert res.finish_reason == "error" and f"{what} longer than" in res.error, res.error
     assert "\n" not in res.error and gap < 1.0
-    assert peak < 16 << 20, f"reading the line took {peak / 2**20:.0f} MB"
+    assert peak < 16 << 20, f"reading the {what} took {peak / 2**20:.0f} MB"
+
+
+@pytest.mark.parametrize("server, text", [(cr_line_ends, "ab"),
+                                          (one_event_over_lines_and_chunks, "split")],
+                         ids=["cr-line-ends", "one-event-over-lines-and-chunks"])
+def test_event_streams_the_sse_spec_allows_are_read_whatever_the_chunks(arun, server, text):
+    """Line ends and `data:` lines as the spec reads them: https://html.spec.whatwg.org/
+    multipage/server-sent-events.html#event-stream-interpretation"""
+    with Loopback(server) as srv:
+        row, took, gap = arun_bounded(arun, one_row, srv.url, 5)
+    assert (row.finish_reason, row.error, row.text) == ("stop", None, text)
 
 
 def test_the_magic_passes_its_timeout_to_rows(ip, arun):

@@ -14,7 +14,7 @@ import pytest
 from mlxnb.core.protocol import EngineLike
 from mlxnb.remote import RemoteEngine
 from mlxnb.remote.client import normalize_url
-from mlxnb.remote.wire import ServerError, error_text
+from mlxnb.remote.wire import SSEEvents, SSELines, ServerError, error_text
 from mlxnb.remote.metrics import parse_prometheus, server_load
 
 pytestmark = pytest.mark.usefixtures("patient_connect")
@@ -756,20 +756,86 @@ def test_a_200_answer_that_is_not_an_event_stream_says_what_it_is(arun, content,
     assert r.error.startswith("the server's answer is not an event stream: ") and want in r.error
 
 
+def over_lines(*events, end="\n") -> bytes:
+    """`sse(*events)` with each event's JSON over several `data:` lines (indented, so
+    its lines break between tokens) and its lines ended by `end`."""
+    out = []
+    for text in [json.dumps(e, indent=1) for e in events] + ["[DONE]"]:
+        out += [f"data: {line}{end}" for line in text.split("\n")] + [end]
+    return "".join(out).encode()
+
+
+HELLO = chat_chunks(["hello ", "world"], "stop")
+
+
 @pytest.mark.parametrize("name, body", [
-    ("a byte-order mark", b"\xef\xbb\xbf" + sse(*chat_chunks(["hello ", "world"], "stop"))),
-    ("an empty data field", b"data:\n\n" + sse(*chat_chunks(["hello ", "world"], "stop"))),
-    ("a comment of other digits", sse(*chat_chunks(["hello ", "world"], "stop"),
-                                      comments=["keepalive \u00b2/3"])),
+    ("a byte-order mark", b"\xef\xbb\xbf" + sse(*HELLO)),
+    ("an empty data field", b"data:\n\n" + sse(*HELLO)),
+    ("a comment of other digits", sse(*HELLO, comments=["keepalive \u00b2/3"])),
+    # https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation
+    ("lines ended by a bare CR", sse(*HELLO, comments=["keepalive 1/2"]).replace(b"\n", b"\r")),
+    ("events over several data lines, CRLF ended", over_lines(*HELLO, end="\r\n")),
+    ("events over several data lines, CR ended", over_lines(*HELLO, end="\r")),
 ])
 def test_event_stream_details_a_server_may_send(arun, name, body):
-    class Drip(httpx.AsyncByteStream):  # a byte at a time: the mark split too
+    class Drip(httpx.AsyncByteStream):  # a byte at a time: the mark and each CRLF split too
         async def __aiter__(self):
             for i in range(len(body)):
                 yield body[i:i + 1]
 
     r = one_row(arun, Server(lambda req, n: httpx.Response(200, stream=Drip())))
     assert (r.finish_reason, r.text, r.error) == ("stop", "hello world", None), name
+
+
+
+# -- the event stream, parsed without I/O: https://html.spec.whatwg.org/multipage/
+# server-sent-events.html#event-stream-interpretation
+def split(chunks, limit=64):
+    lines = SSELines(limit)
+    return [x for c in chunks for x in lines.feed(c)] + lines.end()
+
+
+def every_chunking(body):
+    """`body` whole, a byte at a time, and cut in two at every point."""
+    yield [body]
+    yield [body[i:i + 1] for i in range(len(body))]
+    for i in range(len(body) + 1):
+        yield [body[:i], b"", body[i:]]
+
+
+def test_lines_end_in_crlf_lf_or_a_bare_cr_wherever_the_chunks_part():
+    body = "\ufeffdata: é1\r\n\r\n: c\rdata: 2\n\ndata: 3\r\rx".encode()
+    want = ["data: é1", "", ": c", "data: 2", "", "data: 3", "", "x"]
+    for chunks in every_chunking(body):  # a CR then an LF in the next chunk: one end
+        assert split(chunks) == want, chunks
+    assert split([b"a\r", b"\n", b"\n"]) == ["a", ""]
+    assert split([b"a\r", b"\r\n"]) == ["a", ""]
+    assert split([b"a\n\r"]) == ["a", ""]  # (no LF followed: the CR ends a line)
+    # a byte-order mark is dropped at the very start only
+    assert split([b"\n\xef\xbb\xbfx\n"]) == ["", "\ufeffx"]
+    assert split([b"\xef\xbb", b"\xbfx"]) == ["x"]
+    with pytest.raises(ServerError, match="line longer than"):
+        split([b"x" * 65 + b"\r"])
+
+
+def events(lines, limit=1 << 20):
+    ev = SSEEvents(limit)
+    out = [x for x in map(ev.line, lines) if x is not None]
+    return out + ([last] if (last := ev.end()) else [])
+
+
+def test_an_events_data_lines_are_joined_and_dispatched_at_the_blank_line():
+    assert events(['data: {"a":', "data:  1,", "event: x", "id: 7", "retry: 5",
+                   'data: "b": 2}', ""]) == [("data", '{"a":\n 1,\n"b": 2}')]  # one space off
+    assert events(["data", "data:", "", "", "data: [DONE]", ""]) == \
+        [("data", "\n"), ("data", "[DONE]")]  # a field's name alone: an empty value
+    assert events([": keepalive 1/2", "data: 1", ": ping", "data: 2", ""]) == \
+        [("comment", " keepalive 1/2"), ("comment", " ping"), ("data", "1\n2")]
+    assert events(["error: {}", "<html>", "data: 1"]) == \
+        [("error", "{}"), ("other", "<html>"), ("data", "1")]  # the last without its blank
+    assert events(["error", ""]) == [("other", "error")]
+    with pytest.raises(ServerError, match="event longer than 1 kB"):
+        events(["data: " + "x" * 500] * 3, limit=1024)  # bounded, though each line is short
 
 
 def test_a_finish_reason_that_is_not_a_string_is_not_a_finish(arun):

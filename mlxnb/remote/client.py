@@ -33,7 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from .._text import one_line
-from .bodies import read_capped, sse_lines
+from .bodies import read_capped, sse_events
 from .wire import ServerError, error_line, error_text, status_error
 
 # Statuses worth trying again: rate limits and a server (or its proxy) that is
@@ -264,24 +264,19 @@ class Client:
                                                self.backoff_s)
                         raise self.http_error(resp.status_code, data, body.get("model"))
                     other: List[str] = []  # lines no event stream has: what it is instead
-                    async for line in sse_lines(resp, self.max_line):
-                        if not line:
-                            continue
-                        if line.startswith(":"):
-                            if on_comment is not None and on_comment(line[1:].strip()):
+                    async for kind, value in sse_events(resp, self.max_line):
+                        if kind == "comment":
+                            if on_comment is not None and on_comment(value.strip()):
                                 last = self.last_output = loop.time()
                             continue
-                        if line.startswith("error:"):
-                            # llama.cpp's server reports a failure mid-stream as an
-                            # `error: {json}` line of its own (not an SSE field)
-                            on_data({"error": error_line(line[6:].strip())})
+                        if kind == "error":  # llama.cpp's failure mid-stream
+                            on_data({"error": error_line(value.strip())})
                             continue
-                        if not line.startswith("data:"):
-                            if not line.startswith(("event:", "id:", "retry:")) and \
-                                    len(other) < 64:
-                                other.append(line)
-                            continue  # event:, id:, retry: fields carry nothing we use
-                        payload = line[5:].strip()
+                        if kind == "other":
+                            if len(other) < 64:
+                                other.append(value)
+                            continue
+                        payload = value.strip()  # an event's data, its lines joined
                         if payload == "[DONE]":
                             return None
                         if not payload:  # an empty data field dispatches nothing
@@ -289,7 +284,7 @@ class Client:
                         try:
                             obj = json.loads(payload)
                         except ValueError:  # (long: the engine scrubs the key, then cuts)
-                            raise ServerError("the server sent a stream line that is not "
+                            raise ServerError("the server sent a stream event that is not "
                                               f"JSON: {payload[:2000]!r}") from None
                         try:
                             output = on_data(obj)

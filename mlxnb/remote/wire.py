@@ -5,13 +5,16 @@ Pure functions (no I/O, no engine state), so every server dialect they accept is
 unit-tested on its own: chat events carry `delta.content` and `logprobs.content`,
 completion events `text` and `logprobs.tokens / token_logprobs / top_logprobs`;
 usage comes in a last event with no choices (`stream_options.include_usage`).
+The event stream itself is read the same way, bytes to lines (`SSELines`) and lines
+to events (`SSEEvents`), fed a chunk or a line at a time by bodies.py.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from .._text import one_line
 from ..core.rows import SamplingParams
@@ -221,3 +224,120 @@ def _logprobs(lp, chat: bool) -> Optional[list]:
             top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
             out.append({"token": t, "logprob": v, "top": list(top.items())})
     return out or None
+
+
+# -- the event stream ------------------------------------------------------------------
+# https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation
+BOM = b"\xef\xbb\xbf"
+_EOL = re.compile(rb"[\r\n]")
+
+
+class SSELines:
+    """An event stream's bytes, fed a network chunk at a time, as its lines.
+
+    A line ends in CRLF, LF or a bare CR (the spec allows all three). A CR is a line
+    end at once, so a line is not held back for the next chunk; an LF that comes
+    next, in the same chunk or the next one, belongs to that CR's ending and is no
+    line of its own (an empty line would dispatch an event early). A byte-order mark
+    at the very start is not part of the first line. Line ends never fall inside a
+    UTF-8 sequence, so each line is decoded on its own.
+
+    A line longer than `limit` bytes raises ServerError as soon as `limit` bytes of it
+    have come, so memory stays at about `limit` whatever the server sends; scanning
+    resumes where it stopped, so a line dripped a byte at a time costs linear time."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._buf = bytearray()
+        self._seen = 0  # bytes of _buf already scanned for a line end
+        self._cr = False  # the last line ended in a CR that was the last byte fed
+        self._head = True  # the stream's first bytes may still be a byte-order mark
+
+    def feed(self, chunk: bytes) -> Iterator[str]:
+        """The lines `chunk` completes (iterate it to the end before the next feed)."""
+        buf = self._buf
+        buf += chunk
+        if self._head:
+            if len(buf) < len(BOM) and BOM.startswith(buf):
+                return  # too few bytes yet to tell a mark from a first line
+            self._head = False
+            if buf.startswith(BOM):
+                del buf[:len(BOM)]
+        start = 0
+        if self._cr and buf:
+            self._cr = False
+            if buf[0] == 0x0A:  # the LF of a CRLF split between chunks
+                start = self._seen = 1
+        while (m := _EOL.search(buf, self._seen)) is not None:
+            i = m.start()
+            if i - start > self.limit:
+                break
+            yield buf[start:i].decode("utf-8", "replace")
+            if buf[i] == 0x0D and i + 1 == len(buf):
+                self._cr = True  # its LF, if any, comes with the next chunk
+            start = self._seen = i + 2 if buf[i:i + 2] == b"\r\n" else i + 1
+        del buf[:start]
+        self._seen = len(buf)
+        if self._seen > self.limit:
+            raise ServerError(f"the server sent a line longer than {self.limit // 1024} kB; "
+                              "it is not a streaming completion (check the address and the "
+                              "server)")
+
+    def end(self) -> List[str]:
+        """At the stream's end: its last line, when no line end follows it."""
+        last = self._buf.decode("utf-8", "replace") if self._buf else None
+        self._buf.clear()
+        return [] if last is None else [last]
+
+
+class SSEEvents:
+    """An event stream's lines, fed one at a time, as what they say.
+
+    As the spec reads them: a `data` field's value (less one leading space) is a line
+    of the event's data, and a blank line dispatches the event, its data lines joined
+    with "\n" (a JSON event may be split over several `data:` lines). `event`, `id`
+    and `retry` carry nothing used here. `line()` returns ("data", the data) at a
+    dispatch, ("comment", the text after ":") for a comment (mlx_lm.server's prefill
+    progress), ("error", the value) for llama.cpp's `error: {json}` line (its own, not
+    an SSE field), ("other", the line) for a line no event stream has, or None.
+
+    An event's data past `limit` characters raises ServerError: lines are bounded one
+    by one, and data lines that never reach a blank line must not grow forever."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._data: List[str] = []
+        self._size = 0
+
+    def line(self, line: str) -> Optional[Tuple[str, str]]:
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return "comment", line[1:]
+        field, colon, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "data":
+            self._size += len(value) + 1
+            if self._size > self.limit:
+                raise ServerError(f"the server sent an event longer than "
+                                  f"{self.limit // 1024} kB; it is not a streaming "
+                                  "completion (check the address and the server)")
+            self._data.append(value)
+            return None
+        if field == "error" and colon:
+            return "error", value
+        if field in ("event", "id", "retry"):
+            return None
+        return "other", line
+
+    def end(self) -> Optional[Tuple[str, str]]:
+        """At the stream's end: the event whose blank line never came. The spec drops
+        it; it is read all the same, since a stream that ends without a blank line
+        (or without [DONE]) may still carry its last tokens and finish reason."""
+        return self._dispatch()
+
+    def _dispatch(self) -> Optional[Tuple[str, str]]:
+        if not self._data:
+            return None
+        data, self._data, self._size = "\n".join(self._data), [], 0
+        return "data", data
