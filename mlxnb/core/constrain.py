@@ -21,8 +21,8 @@ from typing import Any, Dict, Optional, Tuple
 from .._log import log
 from .constraint_params import (_EMPTY, _FIX, _WHAT, _explain, _key, _short, kind_of,
                                 one_line)
-from .constraint_grammar import grammar as _grammar, parser_limits
-from .constraint_results import _CACHE, verdict
+from .constraint_grammar import grammar as _grammar, parser_limits, wide_parts
+from .constraint_results import _CACHE, cut_short, incomplete, verdict
 
 
 # Bounds on compiling a constraint. It runs on a thread of its own, never on the
@@ -251,6 +251,8 @@ class Constraints:
             timer.start()
             try:
                 self._probe(key[0], self._template(p).deep_copy())
+                if key[0] == "json_schema":
+                    self._probe_parts(p.json_schema)
             finally:
                 timer.cancel()
             if key[0] == "json_schema":  # its rows' full check needs it (above)
@@ -284,10 +286,28 @@ class Constraints:
         while len(self._refused) > _CACHE:
             self._refused.popitem(last=False)
 
-    def _probe(self, kind: str, m) -> None:
-        """Walk `m` (a fresh copy) a few tokens, each the lowest-numbered one its mask
-        allows: an empty language, and llguidance's per-row limits (items in a parser
-        row, items per token), show at the first token or the next."""
+    def _probe_parts(self, schema: dict) -> None:
+        """Probe each of a schema's widest objects as a schema of its own, for the
+        limit on alternatives that `_probe`'s one path passes by (constraint_grammar
+        `wide_parts`). Only that limit refuses the schema: a part may fail on its
+        own for reasons its place in the whole schema never meets."""
+        import llguidance as llg
+
+        for at, part in wide_parts(schema):
+            try:
+                m = llg.LLMatcher(self.lltokenizer(), _grammar("json_schema", part),
+                                  log_level=0, limits=parser_limits())
+                self._probe("json_schema", m, at)
+            except BaseException as e:  # a Rust panic too: the whole schema compiled
+                if isinstance(e, ValueError) and "llguidance's limit" in str(e):
+                    raise
+                log.debug("probing %s of a schema on its own failed", at, exc_info=True)
+
+    def _probe(self, kind: str, m, at: Optional[str] = None) -> None:
+        """Walk `m` (a fresh copy; of the part of a schema `at` a JSON pointer) a few
+        tokens, each the lowest-numbered one its mask allows: an empty language, and
+        llguidance's per-row limits (items in a parser row, items per token), show at
+        the first token or the next."""
         import llguidance.numpy as lln
         import numpy as np
 
@@ -312,7 +332,7 @@ class Constraints:
                 log.debug("%s failed its first tokens: %s", kind, err)
                 if step > 0 and "NoExtensionBias" in err:
                     return  # a dead branch the probe walked into; other branches may live
-                raise ValueError(_explain(kind, err))
+                raise ValueError(_explain(kind, err, at))
 
     def check(self, p, text: str) -> Optional[str]:
         """Why `text` does not satisfy `p`'s constraint, or None when it does. A
@@ -324,12 +344,15 @@ class Constraints:
         if m is None:
             return None
         llt = self.lltokenizer()
-        ids = llt.greedy_tokenize(text)
+        # a character cut short is incomplete output, as the worker's matcher, which
+        # read its bytes, says; its U+FFFD is not a character the model wrote
+        cut = cut_short(text)
+        ids = llt.greedy_tokenize(text[:-1] if cut else text)
         n = m.try_consume_tokens(ids)
         if n < len(ids):
             at = len(llt.decode_str(ids[:n]))
             return f"breaks {_WHAT[kind_of(p)]} at character {at}: {_short(text[at:], 24)}"
-        return verdict(p, m, text)
+        return incomplete(p, text) if cut else verdict(p, m, text)
 
     def _template(self, p, lane: Any = 0):
         key = _key(p)

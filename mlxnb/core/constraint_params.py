@@ -67,13 +67,74 @@ def _schema_dict(js) -> dict:
     try:  # a deep, JSON-only copy: later edits to the user's dict change nothing here
         text = json.dumps(js, ensure_ascii=False)
         text.encode("utf-8")
-        return json.loads(text)
+        js = json.loads(text)
     except UnicodeEncodeError as e:
         raise ValueError(f"json_schema holds a string that is not valid Unicode "
                          f"({_bad_char(e)}); remove that character") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"json_schema holds a value JSON cannot represent "
                          f"({one_line(e, 120)})") from None
+    big = _big_integer(js, "")
+    if big is not None:
+        n, key, at = big
+        raise ValueError(f"json_schema: integer {_short(n, 40)} in `{key}` at {at or '/'} "
+                         f"is beyond 2^53, which constrained generation rounds (llguidance "
+                         f"reads numbers as 64-bit floats); use a string instead (with a "
+                         f"pattern for a range)")
+    return js
+
+
+# Keys whose numbers llguidance writes into the mask. It reads them as 64-bit floats,
+# so an integer past 2^53 becomes a neighbour: the mask then forces or bounds by a
+# number the schema does not hold, and the full check calls the row invalid.
+_EXACT = 2 ** 53
+_NUMBERS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                      "multipleOf"})
+
+
+def _big_integer(node, at: str, named: bool = False) -> Optional[tuple]:
+    """The first (integer, key, JSON pointer of its schema) in a schema where the
+    mask would round it: in `const` / `enum` (any depth of their data) or a numeric
+    bound, in any subschema. Data keys (default, ...) and annotations never reach
+    the mask. (Depth is bounded by MAX_SCHEMA_DEPTH, checked first.)"""
+    if isinstance(node, list):
+        for i, x in enumerate(node):
+            hit = _big_integer(x, f"{at}/{i}")
+            if hit is not None:
+                return hit
+        return None
+    if not isinstance(node, dict):
+        return None
+    for k, v in node.items():
+        if named:
+            hit = _big_integer(v, f"{at}/{k}")
+        elif k in ("const", "enum"):
+            n = _big_in_data(v)
+            hit = None if n is None else (n, k, at)
+        elif k in _NUMBERS:
+            hit = (v, k, at) if _is_big(v) else None
+        elif k in _DATA or k in _ANNOTATIONS:
+            hit = None
+        else:
+            hit = _big_integer(v, f"{at}/{k}", k in _NAMED)
+        if hit is not None:
+            return hit
+    return None
+
+
+def _is_big(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and abs(v) > _EXACT
+
+
+def _big_in_data(v) -> Optional[int]:
+    if _is_big(v):
+        return v
+    items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+    for x in items:
+        n = _big_in_data(x)
+        if n is not None:
+            return n
+    return None
 
 
 def _deeper_than(v, limit: int) -> bool:
@@ -220,17 +281,18 @@ _FIX = {
 }
 
 
-def _explain(kind: str, err: str) -> str:
-    """llguidance's failure at the first tokens of a fresh matcher as one line:
-    which of its limits, and what to change."""
+def _explain(kind: str, err: str, at: Optional[str] = None) -> str:
+    """llguidance's failure at the first tokens of a fresh matcher (of the part of a
+    schema `at` a JSON pointer) as one line: which of its limits, and what to change."""
     m = re.search(r"Current row has (\d+) items; max is (\d+)", err)
     if m:
-        return (f"{kind} is over llguidance's limit of {m[2]} alternatives at one point "
-                f"(it has {m[1]}); {_FIX[kind]}")
+        return (f"{kind} is over llguidance's limit of {m[2]} alternatives at "
+                f"{at or 'one point'} (it has {m[1]}); {_FIX[kind]}")
     m = re.search(r"Too many items \(limit (\d+)", err)
     if m:
-        return (f"{kind} is over llguidance's limit of {m[1]} parser items per token "
-                f"(a right-recursive rule, or one that never ends?); {_FIX[kind]}")
+        return (f"{kind} is over llguidance's limit of {m[1]} parser items per token"
+                f"{' at ' + at if at else ''} (a right-recursive rule, or one that never "
+                f"ends?); {_FIX[kind]}")
     if "NoExtensionBias" in err:
         return _EMPTY[kind]
     return f"{kind} fails at its first tokens: {one_line(err, 200)}; {_FIX[kind]}"

@@ -26,7 +26,26 @@ def verdict(p, m, text: Optional[str] = None) -> Optional[str]:
             got = text if got is None else got
             return None if got is None else full_check(p.json_schema, got)
         return None
-    return f"incomplete: {_WHAT[kind_of(p)]} needs more"
+    return incomplete(p, text)
+
+
+# What a detokenizer shows for a character max_tokens cut short. The matcher reads
+# bytes, and no constraint is met inside a character; the text's U+FFFD in its place
+# is not what the model wrote, so no check reads it as a character (`cut_short`).
+_CUT = "\ufffd"
+
+
+def cut_short(text: Optional[str]) -> bool:
+    """Whether `text` ends in a character cut short (or, unknowable from the text
+    alone, in a U+FFFD the model wrote: read as cut short too)."""
+    return bool(text) and text.endswith(_CUT)
+
+
+def incomplete(p, text: Optional[str] = None) -> str:
+    why = f"incomplete: {_WHAT[kind_of(p)]} needs more"
+    if cut_short(text):
+        why += " (max_tokens ended the row inside a character, shown as U+FFFD)"
+    return why
 
 
 _validators: "OrderedDict[str, Any]" = OrderedDict()

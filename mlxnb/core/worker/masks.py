@@ -44,6 +44,16 @@ from .tokens import ids
 
 
 
+# llguidance's error for a token its matcher refuses. The sampler never draws a
+# token whose logit is -inf while any finite one is left (sampling.py), and the mask
+# leaves only allowed tokens finite; so a refused draw means no allowed token kept a
+# finite logit. In a row with logits processors they are what did that.
+_REFUSED = "doesn't satisfy the grammar"
+_NOTHING_LEFT = ("the logits processors left no token the constraint allows: every token "
+                 "its {0} allows had logit -inf after them, so the row drew one the {0} "
+                 "forbids; have them keep some allowed token")
+
+
 def default_fill_threads() -> int:
     """Fill threads (and lanes): a mask costs 0.01-0.3 ms of one core, a batch's
     masks several ms, and the worker needs a core of its own to launch the forward
@@ -214,7 +224,10 @@ class MaskFiller:
         grammar ends the row as its end-of-sequence token would."""
         m = r.matcher
         if m.is_error():
-            return Ending(Finish.ERROR, f"constraint failed: {one_line(m.get_error())}")
+            err = m.get_error()
+            if r.processors and _REFUSED in err:
+                return Ending(Finish.ERROR, _NOTHING_LEFT.format(kind_of(r.params)))
+            return Ending(Finish.ERROR, f"constraint failed: {one_line(err)}")
         if not m.is_stopped():
             return ending
         if ending is None:

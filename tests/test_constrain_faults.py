@@ -1,0 +1,184 @@
+"""Constrained rows where something other than the constraint's text goes wrong: a
+schema's numbers the mask cannot hold exactly, a logits processor that leaves the
+row nothing to draw, a row cut inside a character. Each is refused in one line
+before submitting, or ends its own row with a reason that says what happened."""
+
+import asyncio
+
+import mlx.core as mx
+import pytest
+from IPython.core.error import UsageError
+
+from mlxnb.core.constraint_params import normalize
+
+from test_constrain_edges import make, refused
+from test_magics import arun_shut, attach, gen, ip  # noqa: F401  (fixtures)
+
+
+pytestmark = pytest.mark.usefixtures("patient_submits")  # (conftest.py)
+
+BIG = 12345678901234567891  # past 2^53: a 64-bit float holds 12345678901234567168
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"const": BIG}, "`const` at /"),
+    ({"type": "integer", "enum": [1, -(2 ** 53 + 1)]}, "`enum` at /"),
+    ({"type": "object", "properties": {"id": {"type": "integer", "minimum": 2 ** 60}}},
+     "`minimum` at /properties/id"),
+    ({"type": "array", "items": {"type": "integer", "exclusiveMaximum": -BIG}},
+     "`exclusiveMaximum` at /items"),
+    ({"anyOf": [{"type": "string"}, {"type": "integer", "maximum": BIG}]},
+     "`maximum` at /anyOf/1"),
+    ({"$ref": "#/$defs/n", "$defs": {"n": {"type": "integer", "multipleOf": BIG}}},
+     "`multipleOf` at /$defs/n"),
+    ({"type": "object", "properties": {"p": {"const": {"deep": [1, {"n": BIG}]}}}},
+     "`const` at /properties/p"),
+    ({"type": "integer", "exclusiveMinimum": 2 ** 53 + 1}, "`exclusiveMinimum` at /"),
+])
+def test_integers_past_2_53_that_the_mask_would_round_are_refused(tiny, arun, schema,
+                                                                  where):
+    """llguidance reads a schema's numbers as 64-bit floats: such a row was masked to
+    a neighbouring number, then called invalid by the exact check after."""
+    msg = refused(tiny, arun, json_schema=schema)
+    assert "beyond 2^53" in msg and where in msg and "use a string" in msg, msg
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": -(2 ** 53), "maximum": 2 ** 53},  # exact in a float
+    {"type": "number", "maximum": 1e300},  # a float is what the mask reads already
+    {"type": "integer", "default": BIG, "examples": [BIG], "description": str(BIG)},
+    # a property named like a keyword is a schema, not a value
+    {"type": "object", "properties": {"const": {"type": "integer"},
+                                      "minimum": {"type": "integer"}}},
+    {"type": "string", "maxLength": 5, "exclusiveMinimum": True},  # draft 4's boolean
+])
+def test_schemas_without_such_integers_pass(schema):
+    assert normalize({"json_schema": schema})["json_schema"] == schema
+
+
+def test_refusing_a_big_integer_leaves_running_rows_alone(tiny, arun):
+    async def main():
+        eng = make(tiny)
+        running = eng.submit("x", chat=False, max_tokens=64, regex="[a-z]{64}")
+        while not running.ntok:
+            await asyncio.sleep(0.002)
+        with pytest.raises(ValueError, match="beyond 2"):
+            eng.submit("x", chat=False, max_tokens=8, json_schema={"const": BIG})
+        await eng.wait()
+        await eng.aclose()
+        return running, len(eng.rows)
+
+    running, n = arun(main)
+    assert n == 1 and (running.finish_reason, running.valid, running.ntok) == ("stop", True, 64)
+
+
+def test_a_big_integer_in_generate_is_a_one_line_usage_error(ip, tiny, arun_shut):
+    async def main():
+        eng = attach(tiny)
+        ip.user_ns["big_schema"] = {"type": "object", "properties": {"n": {"const": BIG}}}
+        with pytest.raises(UsageError) as ei:
+            gen(ip, "--quiet --raw --max-tokens 8 --json-schema big_schema", "a")
+        return str(ei.value), len(eng.rows)
+
+    try:
+        msg, n = arun_shut(main)
+    finally:
+        ip.user_ns.pop("big_schema", None)
+    assert n == 0 and "\n" not in msg and f"integer {BIG} in `const`" in msg, msg
+
+
+def _ban_digits(tokens, logits):
+    """Sets every digit's logit to -inf (the byte model: byte b is token b)."""
+    return mx.where((mx.arange(logits.shape[-1]) >= 48) & (mx.arange(logits.shape[-1]) < 58),
+                    -mx.inf, logits)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_processor_that_bans_every_allowed_token_ends_its_row_saying_so(tiny, arun,
+                                                                         temperature):
+    async def main():
+        eng = make(tiny)
+        kw = dict(chat=False, max_tokens=6, temperature=temperature, seed=1)
+        banned = eng.submit("x", regex="[0-9]{3}", logits_processors=[_ban_digits], **kw)
+        plain = eng.submit("x", regex="[0-9]{3}", **kw)
+        free = eng.submit("x", logits_processors=[_ban_digits], **kw)
+        await eng.wait()
+        await eng.aclose()
+        return banned, plain, free
+
+    banned, plain, free = arun(main)
+    assert banned.finish_reason == "error" and banned.valid is None
+    assert "logits processors left no token the constraint allows" in banned.error, banned.error
+    assert "constraint failed" not in banned.error and "\n" not in banned.error
+    # the batch's other rows go on as if it were not there
+    assert (plain.finish_reason, plain.valid, plain.error) == ("stop", True, None)
+    assert free.finish_reason == "length" and free.ntok == 6
+    assert not any(c.isdigit() for c in free.text)
+
+
+@pytest.mark.parametrize("kw, text", [
+    # "ab" then any non-ASCII character, which U+FFFD is: the loop's check read the
+    # replacement character as that character, the worker's matcher the cut bytes
+    (dict(regex="ab[^\\x00-\\x7f]?", max_tokens=3), "ab\ufffd"),
+    (dict(choices=["ab", "abé"], max_tokens=3), "ab\ufffd"),
+    (dict(json_schema={"enum": ["abé"]}, max_tokens=4), '"ab\ufffd'),
+])
+def test_a_row_cut_inside_a_character_is_incomplete_with_or_without_a_stop(tiny, arun,
+                                                                            kw, text):
+    """The row's text, checked on the worker (no stop string: its matcher) or on the
+    loop (a stop string: a fresh matcher reads the text), gets one verdict."""
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("x", chat=False, **kw),
+                eng.submit("x", chat=False, stop=["zz"], **kw)]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    worker, loop = arun(main)
+    for r in (worker, loop):
+        assert (r.finish_reason, r.text, r.valid) == ("length", text, False), (
+            r.text, r.constraint_error)
+        assert "inside a character" in r.constraint_error, r.constraint_error
+    assert worker.constraint_error == loop.constraint_error
+
+
+def _wide(n: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+
+WIDE = _wide(600)  # 2,407 alternatives in one parser row once a row enters it
+
+
+@pytest.mark.parametrize("schema, at", [
+    ({"anyOf": [{"type": "integer"}, WIDE]}, "/anyOf/1"),
+    ({"type": "array", "items": WIDE}, "/items"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": WIDE},
+      "required": ["a", "b"]}, "/properties/b"),
+    ({"type": "object", "properties": {"a": {"type": "integer"},
+                                       "b": {"$ref": "#/definitions/wide"}},
+      "required": ["a", "b"], "definitions": {"wide": WIDE}}, "/definitions/wide"),
+])
+def test_a_wide_object_off_the_probes_path_is_refused_before_submitting(tiny, arun,
+                                                                        schema, at):
+    """The walk over a schema's first tokens passed these by; their rows then ended
+    `error` with llguidance's own message once one entered the object."""
+    msg = refused(tiny, arun, json_schema=schema)
+    assert f"limit of 2000 alternatives at {at} (it has" in msg, msg
+
+
+@pytest.mark.parametrize("schema", [
+    {"anyOf": [{"type": "integer"}, _wide(300)]},  # wide, within the limit
+    {"type": "integer", "$defs": {"unused": WIDE}},  # never reached
+])
+def test_wide_objects_within_the_limit_or_unreached_run(tiny, arun, schema):
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("x", chat=False, json_schema=schema, max_tokens=16, seed=s,
+                           temperature=1.0) for s in range(4)]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    for r in arun(main):
+        assert r.finish_reason in ("stop", "length") and r.error is None, r.error
