@@ -11,8 +11,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mlx_lm.generate import generate_step
 
 from mlxnb import Engine
+from mlxnb.core._threads import mlx_worker
 from mlxnb.core.worker import recurrent
-from mlxnb.core.worker.setup import decode_steps_agree
+from mlxnb.core.worker.loadchecks import decode_steps_agree
 from mlxnb.models.tiny import byte_tokenizer
 from test_cache_kinds import PROMPTS, build, engine, prompts_through  # tests/ on sys.path
 
@@ -69,6 +70,41 @@ def test_recurrent_layers_decode_compiled_with_mlx_lm_tokens(family, expect, mlp
         assert t == _mlx_lm_tokens(plain, i, 10)
 
 
+def test_every_other_caller_of_the_model_runs_mlx_lms_code(arun):
+    """A trace replays on the streams of the thread that made it (MLX keeps streams
+    per thread), and a replay from another thread raced: mlx-lm's generate on the
+    main thread drew other tokens, now and then. So compiled steps run for the
+    engines' forwards on the worker alone: a forward from any other thread, or
+    after every engine on the model is gone, is mlx-lm's own code."""
+    import gc
+
+    mx.random.seed(4)
+    model = build("lfm2", seed=4)
+    mx.random.seed(4)
+    plain = build("lfm2", seed=4)
+    ids = byte_tokenizer().encode("a prompt of some length")
+    want = _mlx_lm_tokens(plain, ids, 8)
+
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        calls, mlp_calls = _count_steps(model), _count_steps(model, mlps=True)
+        here = _mlx_lm_tokens(model, ids, 8)  # the engine live, this thread
+        seen = calls[0] + mlp_calls[0]
+        await eng.submit(PROMPTS[0], max_tokens=4, chat=False)
+        ran = calls[0] + mlp_calls[0] - seen
+        await eng.aclose()
+        del eng
+        gc.collect()
+        then = calls[0] + mlp_calls[0]
+        on_thread = on_worker(lambda: _mlx_lm_tokens(model, ids, 8))  # none live
+        return here, seen, ran, on_thread, calls[0] + mlp_calls[0] - then
+
+    here, seen, ran, on_thread, after = arun(main)
+    assert recurrent.compiled_layers(model) and recurrent.compiled_mlps(model)
+    assert (seen, after) == (0, 0) and ran > 0
+    assert here == on_thread == want
+
+
 class _Counting(nn.Module):
     """A recurrent layer whose step depends on a Python counter: a trace bakes the
     counter's value in, so replays compute something else than the code says."""
@@ -112,8 +148,8 @@ class _Pure(_Counting):
 def test_probe_keeps_plain_code_where_a_trace_would_differ(monkeypatch):
     import mlx_lm.models.cache as mc
     monkeypatch.setattr(mc, "make_prompt_cache", lambda m, *a: m.make_cache())
-    import mlxnb.core.worker.setup as setup
-    monkeypatch.setattr(setup, "make_prompt_cache", lambda m, *a: m.make_cache())
+    import mlxnb.core.worker.loadchecks as loadchecks
+    monkeypatch.setattr(loadchecks, "make_prompt_cache", lambda m, *a: m.make_cache())
     for cls, agree in ((_Pure, True), (_Counting, False)):
         mx.random.seed(0)
         toy = _Toy(cls)
@@ -342,6 +378,11 @@ def test_quantized_hybrid_model_decodes_compiled_with_mlx_lm_tokens(arun):
         assert t == _mlx_lm_tokens(plain, i, 8)
 
 
+def on_worker(fn):
+    """fn() on the MLX worker, the one thread an engine's gate opens for."""
+    return mlx_worker().submit(fn).result()
+
+
 def _load(model, arun):
     """An Engine's BatchModel on `model` (the engine closed, the BatchModel held: its
     gate stays live)."""
@@ -365,13 +406,15 @@ def test_an_engine_that_compiled_nothing_still_gates_the_compiled_steps(monkeypa
     monkeypatch.delenv("MLXNB_COMPILE_RECURRENT")
     second = _load(model, arun)
     gates = model.layers[recurrent.compiled_layers(model)[0]]._mlxnb_decode
-    assert gates.allowed()
+    assert on_worker(gates.allowed)
     first.decode_gate = lambda: False  # (an adapter selected on the first engine)
-    assert not gates.allowed()
+    assert not on_worker(gates.allowed)
     del first
     gc.collect()
-    assert gates.allowed()
+    assert on_worker(gates.allowed)
     del second
+    gc.collect()
+    assert not on_worker(gates.allowed)  # no engine left: mlx-lm's own code again
 
 
 def test_a_load_that_fails_midway_leaves_no_steps_ungated(monkeypatch, arun):

@@ -12,7 +12,7 @@ from mlx_lm.models.gated_delta import normalize_qk
 
 from mlxnb.core.worker import gated_delta, kv_attention, short_conv
 from test_cache_kinds import build, prompts_through  # tests/ is on sys.path
-from test_recurrent import _gd_reference, _load, _mlx_lm_tokens
+from test_recurrent import _gd_reference, _load, _mlx_lm_tokens, on_worker
 
 
 def _conv(state, x, w):
@@ -259,13 +259,15 @@ def test_an_engine_on_a_model_another_engine_used_gets_its_own_settings(monkeypa
     assert not any(hasattr(type(m.self_attn), "_mlxnb_qk_base")
                    for m in model.layers if "self_attn" in m)
     # the first engine's gate came along: it still shuts the compiled path
+    second = _load(model, arun)  # a live engine after the first is gone
     gates = layer._mlxnb_decode
-    assert gates.allowed()
+    assert on_worker(gates.allowed)
     setup.decode_gate = lambda: False
-    assert not gates.allowed()
+    assert not on_worker(gates.allowed)
     del setup
     gc.collect()
-    assert gates.allowed()
+    assert on_worker(gates.allowed)
+    del second
 
 
 def test_a_normalizing_kernel_that_disagrees_keeps_the_conv_kernels(monkeypatch, arun):

@@ -20,7 +20,8 @@
       prefill.py          admitted rows' prompts, in groups (prefill_policy.py: how much a tick)
       caches.py  windows.py  quantized_kv.py   every cache kind, batched
       sampling.py  decoding.py  masks.py
-      readback.py  prefix.py  fuse.py  setup.py  inflight.py  warmup.py  stepsplit.py
+      readback.py  prefix.py  fuse.py  inflight.py  warmup.py  stepsplit.py
+      setup.py  loadchecks.py   a model's load: its checks, kernels and compiled steps
       tokens.py           one integer type for token ids and row indices
       speculate.py  specpolicy.py  steptimes.py  verify.py  wide.py   speculative decoding:
       lookup.py  draft.py  draftrule.py  rollback.py  roll.py   when, two ways, drafts, rollback

@@ -89,11 +89,16 @@ class Gated:
         self.gates.append(_weak(enabled))
 
     def allowed(self) -> bool:
+        """Every live engine allows a replay, and one at least does: once the
+        engines are gone the model is mlx-lm's own again."""
+        live = False
         for ref in self.gates:
             gate = ref()
-            if gate is not None and not gate():
-                return False
-        return True
+            if gate is not None:
+                if not gate():
+                    return False
+                live = True
+        return live
 
     def carry(self, refs: list) -> None:
         """Add other engines' gates (weak references, as `register` gives them)."""

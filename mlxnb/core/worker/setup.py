@@ -5,17 +5,19 @@ and fused projections."""
 from __future__ import annotations
 
 import os
+import threading
 from typing import List, Optional
 
 import mlx.core as mx
 
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache
 
 from ..._log import Laps
 from . import (caches, gated_delta, kv_attention, qk_rope, recurrent, rows_gemv,
                short_conv, wide_kernel, wideattn)
 from .fuse import fuse_projections
-from .caches import aligned_views, empty_batch
+from .caches import empty_batch
+from .loadchecks import decode_steps_agree, padding_stays_out
 from .prefill_policy import AUTO_MAX, IDLE_PREFILL
 from .prefix import PrefixStore
 from .tokens import TOKEN, ids as tokens_of
@@ -63,6 +65,9 @@ class BatchModel:
         self.recurrence = ""  # what compiled gated delta rules run as, if any
         self.short_conv = False  # compiled short convs run as short_conv.py's kernel
         self._live = [True]
+        # MLX keeps streams per thread and a trace replays on the streams it was made
+        # with: compiled steps and kernels run for this engine's worker thread alone
+        self._thread = threading.get_ident()
         # Steps and kernels another engine put on this model instance are made again
         # for this engine's settings (each is checked and reported as this engine
         # made it); every other live engine's gate is carried over, so it still
@@ -232,9 +237,12 @@ class BatchModel:
         return "fused kernel"
 
     def recurrent_ok(self) -> bool:
-        """May this forward replay compiled recurrent steps? (recurrent.py holds this
+        """May this forward replay compiled recurrent steps? Only this engine's own
+        forwards, on its worker thread: any other caller of the model (mlx-lm's
+        generate, a user's forward) runs mlx-lm's code. (recurrent.py holds this
         method weakly: it goes with the engine.)"""
-        return self._live[0] and self.decode_gate()
+        return (self._live[0] and threading.get_ident() == self._thread
+                and self.decode_gate())
 
     def _compile_recurrent(self, probe: list):
         """(layers whose decode is compiled, a note for the status line). On CUDA a
@@ -315,95 +323,3 @@ def row_kv_bytes(layer_costs: List[tuple], prefill_chunk: Optional[int],
     win = max(prefill_chunk or 0, IDLE_PREFILL, AUTO_MAX)
     return sum(fixed + per_tok * (min(alloc, w + win) if w else alloc)
                for per_tok, w, fixed in layer_costs)
-
-
-def _diff(a, b) -> float:
-    return (a.astype(mx.float32) - b.astype(mx.float32)).abs().max().item()
-
-
-def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
-    """How padding behaves in this model, measured at load: a 3-token row's first
-    decode logits alone, beside another 3-token row (no padding: the noise of a
-    batch shape change alone), beside an 11-token row it joined (left-padded in
-    decode) and right-padded in a prefill group with it (4-token chunks, so a
-    chunk can be all padding for it). Masked padding keeps the padded cases within
-    the noise; measured leaks are far outside it (tiny random models: 2-3% of the
-    logit range for a recurrent state that decays over padded steps, 8-25% for
-    layers that take positions from the buffer length; dtype noise on an H200 in
-    bf16 was the same with and without padding).
-
-    Left padding outside the noise, or a padded batch that fails, refuses the model
-    (ValueError). Right padding outside it returns False: mlx-lm's recurrent layers
-    mostly mask padded steps out of their state (`ArraysCache.lengths`), but some
-    let them in, and those rows must prefill unpadded."""
-    ids = (list(ids) * 14)[:14] if ids else list(range(2, 16))
-    short, longer, other = ids[:3], ids[3:14], ids[4:7]
-
-    def prefill(rows, chunk=4):
-        width = max(map(len, rows))
-        cache = empty_batch(make_cache(), len(rows))
-        pad = [width - len(r) for r in rows]
-        if max(pad):
-            for c in cache:
-                c.prepare(lengths=[len(r) for r in rows], right_padding=pad)
-        tokens = tokens_of([r + [0] * p for r, p in zip(rows, pad)])
-        views = aligned_views(cache)
-        for i in range(0, width, chunk):
-            model(tokens[:, i:i + chunk], cache=views)
-        if max(pad):
-            for c in cache:
-                c.finalize()
-        return cache
-
-    def step(cache, n):
-        return model(tokens_of([ids[:1]] * n), cache=cache)[0, -1]
-
-    try:
-        alone = step(aligned_views(prefill([short])), 1)
-        pair = step(aligned_views(prefill([short, other])), 2)
-        joined = prefill([short])
-        for c, o in zip(joined, prefill([longer])):
-            c.extend(o)
-        beside = step(joined, 2)
-        padded = step(prefill([short, longer]), 2)
-        mx.eval(alone, pair, beside, padded)
-    except Exception as e:
-        raise ValueError(f"mlxnb cannot batch this model: a padded batch fails in its "
-                         f"forward ({type(e).__name__}: {' '.join(str(e).split())[:160]})."
-                         f" Use mlx_lm.generate for it.") from None
-    noise = 4 * _diff(pair, alone) + 0.005 * max(1.0, alone.abs().max().item())
-    if _diff(beside, alone) > noise:
-        raise ValueError("mlxnb cannot batch this model: a row's output changes when "
-                         "it shares a batch with longer rows (left padding reaches its "
-                         "attention or positions). Use mlx_lm.generate for it.")
-    return _diff(padded, alone) <= noise
-
-
-def decode_steps_agree(model, ids: List[int], switch: list) -> str:
-    """Three decode steps of two rows with the compiled recurrent steps (switch[0]
-    True) and without: '' if logits and states agree within dtype noise, else what
-    differs. A trace that dropped a side effect of the layer's code, or baked in a
-    value that changes per step, shows up here."""
-    ids = (list(ids) * 10)[:10] if ids else list(range(2, 12))
-
-    def run(on: bool):
-        switch[0] = on
-        cache = make_prompt_cache(model)
-        model(tokens_of([ids[:5], ids[5:]]), cache=cache)
-        steps = [model(tokens_of([[ids[i]], [ids[-1 - i]]]), cache=cache)[:, -1]
-                 for i in range(3)]
-        states = [x for c in cache if type(c) is ArraysCache for x in c.cache]
-        mx.eval(steps, states)
-        return steps, states
-
-    try:
-        plain, compiled = run(False), run(True)
-    except Exception as e:
-        return f"compiled decode failed: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
-    finally:
-        switch[0] = True
-    for a, b in zip(plain[0] + plain[1], compiled[0] + compiled[1]):
-        scale = max(1.0, a.astype(mx.float32).abs().max().item())
-        if not _diff(a, b) <= 0.02 * scale:
-            return "compiled decode steps differ from the plain ones"
-    return ""
