@@ -148,6 +148,27 @@ def test_biased_and_quantized_linears_keep_mlx(stand_in):
     assert stand_in == []
 
 
+def test_only_the_installing_thread_takes_the_products(stand_in):
+    """The compiled products replay on the streams of the thread that traced them:
+    another thread's forward of the same model runs nn.Linear's product."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = nn.Sequential(nn.Linear(64, 64, bias=False))
+    assert rows_gemv.install(model) == "kernel, 1 layers"
+    mx.eval(model.parameters())
+    stand_in.clear()
+
+    def forward():
+        with mx.stream(mx.new_stream(mx.default_device())):  # (streams are per thread)
+            mx.eval(model(mx.zeros((4, 64))))
+
+    with ThreadPoolExecutor(1) as other:
+        other.submit(forward).result()
+    assert stand_in == []
+    mx.eval(model(mx.zeros((4, 64))))
+    assert stand_in == [4]
+
+
 def test_the_gathered_gemv_is_each_rows_own_product():
     """The gather form's product: row i of x times w.T, for any row count (MLX's
     gather_mm runs here on the CPU in float32; on CUDA `check` asks bit equality)."""

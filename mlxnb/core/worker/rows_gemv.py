@@ -49,6 +49,7 @@ against cuBLAS's 28, and 58 us for 8; the gathered form 74 us for 16 against 29)
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from typing import Optional
 
@@ -111,8 +112,9 @@ _BODY = r"""
 
 _KERNEL = []
 # install's verdict for the RowsLinear layers; "all": every few-row product, else only
-# while `verifying`
-_STATE = {"on": False, "all": True, "verifying": False, "form": "kernel"}
+# while `verifying`; "thread": the worker's, where the compiled products are traced
+# (a trace replays on its thread's streams: every other caller takes nn.Linear's)
+_STATE = {"on": False, "all": True, "verifying": False, "form": "kernel", "thread": None}
 # MLXNB_ROWS_GEMV -> (form, products): the custom kernel or MLX's gathered GEMV, for
 # every few-row product or those of verifications only
 _MODES = {"1": ("kernel", "all"), "kernel": ("kernel", "all"), "verify": ("kernel", "verify"),
@@ -228,7 +230,8 @@ class RowsLinear(nn.Linear):
     is on (`install`); the same weights, the same parameters."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _STATE["on"] and (_STATE["all"] or _STATE["verifying"]) and "bias" not in self:
+        if (_STATE["on"] and (_STATE["all"] or _STATE["verifying"]) and "bias" not in self
+                and threading.get_ident() == _STATE["thread"]):
             K, w = x.shape[-1], self.weight
             rows = x.size // K if K else 0
             if 2 <= rows <= _max_rows(*w.shape) and x.dtype == w.dtype:
@@ -308,6 +311,7 @@ def install(model, on: Optional[bool] = None) -> str:
     _STATE["on"] = False
     _STATE["all"] = mode() != "verify"
     _STATE["form"] = form()
+    _STATE["thread"] = threading.get_ident()
     _PRODUCTS.clear()
     if not (enabled() if on is None else on):
         return f"MLX's matmul (MLXNB_ROWS_GEMV={_env()})"
