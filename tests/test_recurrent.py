@@ -71,11 +71,13 @@ def test_recurrent_layers_decode_compiled_with_mlx_lm_tokens(family, expect, mlp
 
 
 def test_every_other_caller_of_the_model_runs_mlx_lms_code(arun):
-    """A trace replays on the streams of the thread that made it (MLX keeps streams
-    per thread), and a replay from another thread is not sound: mlx-lm's generate on the
-    main thread drew other tokens, now and then. So compiled steps run for the
-    engines' forwards on the worker alone: a forward from any other thread, or
-    after every engine on the model is gone, is mlx-lm's own code."""
+    """MLX keeps compiled traces per thread, keyed by the function's address, and
+    forgets a freed function's traces on the thread that called it last only: steps
+    called on two threads left traces that later steps at the same addresses
+    replayed, and mlx-lm's generate on the main thread drew other tokens now and
+    then. So compiled steps run for the engines' forwards on the worker alone: a
+    forward from any other thread, or after every engine on the model is gone, is
+    mlx-lm's own code."""
     import gc
 
     mx.random.seed(4)

@@ -149,8 +149,9 @@ def test_biased_and_quantized_linears_keep_mlx(stand_in):
 
 
 def test_only_the_installing_thread_takes_the_products(stand_in):
-    """The compiled products replay on the streams of the thread that traced them:
-    another thread's forward of the same model runs nn.Linear's product."""
+    """The compiled products are called on one thread only (MLX keeps traces per
+    thread: test_recurrent's test of other callers says why): another thread's
+    forward of the same model runs nn.Linear's product."""
     from concurrent.futures import ThreadPoolExecutor
 
     model = nn.Sequential(nn.Linear(64, 64, bias=False))

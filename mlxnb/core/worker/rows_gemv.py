@@ -112,8 +112,8 @@ _BODY = r"""
 
 _KERNEL = []
 # install's verdict for the RowsLinear layers; "all": every few-row product, else only
-# while `verifying`; "thread": the worker's, where the compiled products are traced
-# (a trace replays on its thread's streams: every other caller takes nn.Linear's)
+# while `verifying`; "thread": the one thread that calls the compiled products (MLX
+# keeps traces per thread: see setup.py's `_thread`); others take nn.Linear's
 _STATE = {"on": False, "all": True, "verifying": False, "form": "kernel", "thread": None}
 # MLXNB_ROWS_GEMV -> (form, products): the custom kernel or MLX's gathered GEMV, for
 # every few-row product or those of verifications only

@@ -65,8 +65,11 @@ class BatchModel:
         self.recurrence = ""  # what compiled gated delta rules run as, if any
         self.short_conv = False  # compiled short convs run as short_conv.py's kernel
         self._live = [True]
-        # MLX keeps streams per thread and a trace replays on the streams it was made
-        # with: compiled steps and kernels run for this engine's worker thread alone
+        # Compiled steps run on this engine's worker thread alone. MLX keeps traces
+        # per thread, keyed by the function's address, and drops a freed function's
+        # traces from the cache of the thread that called it last only: a step
+        # called on two threads leaves traces that a later function at the same
+        # address replays, the old layer's weights and all (mlx/compile.cpp).
         self._thread = threading.get_ident()
         # Steps and kernels another engine put on this model instance are made again
         # for this engine's settings (each is checked and reported as this engine
