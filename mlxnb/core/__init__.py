@@ -41,6 +41,11 @@ Threads. MLX keeps arrays on thread-local streams, so the rule is about threads:
   hands the worker `Admit`s and cancelled row ids and reads back only what a tick
   returns (`messages.TickReport`) and the plain values measured at load
   (`Engine.cache_kinds`, `layer_costs`); it never touches a worker object's fields.
+* The compiled steps and kernels an engine puts on a model take only the worker's
+  calls (setup.py `recurrent_ok`, rows_gemv's installing thread): MLX keeps traces
+  per thread and forgets a freed function's on one thread only, so a function
+  called from two threads can leave a trace that a later one replays. The model's
+  other callers, and all once its engines are gone, run mlx-lm's code.
 * Two other threads make MLX arrays, and hand them over whole:
   the model loader (`_threads.load_bounded`) creates the weights with mlx_lm.load
   before the worker first sees the model; and the mask fill threads
