@@ -84,6 +84,36 @@ export function verdict(r) {
   return { valid: false, mark: `${r.con} ✗`, text: `${r.con} ✗ ${why}` };
 }
 
+// ---------------------------------------------------------------- cut text
+/** The mark of a row whose text the widget's state holds cut (`r.cut`: characters
+ *  left out; mlxnb/notebook/textcap.py), "" for a whole one: a reader of a saved
+ *  notebook must know the text stops short, and where the rest is. */
+export function cutNote(r, dashboard = false) {
+  if (!r || !(r.cut > 0)) return "";
+  return `… [${r.cut} more characters: see ${dashboard ? "its run's " : "run."}texts]`;
+}
+
+const codePoints = (s) => { let n = 0; for (const _ of s) n++; return n; };
+
+/** `next` (a state built from the traits) with each cut row's whole text put back
+ *  where `prev` (this view's state) streamed all of it: the cut bounds what a notebook
+ *  file holds, not what an open view already shows. The cut count is in characters as
+ *  Python counts them (code points). Returns `next`. */
+export function keepWholeText(prev, next) {
+  if (!prev || !prev.rows) return next;
+  for (const [id, r] of next.rows) {
+    const old = r.cut > 0 ? prev.rows.get(id) : null;
+    if (!old || old.cut || old.state !== "done" || typeof old.text !== "string") continue;
+    const head = r.text || "";
+    if (!old.text.startsWith(head) || codePoints(old.text) !== codePoints(head) + r.cut) continue;
+    const { cut: _cut, ...whole } = r;
+    whole.text = old.text;
+    if (old.drafted_spans) whole.drafted_spans = old.drafted_spans;
+    next.rows.set(id, whole);
+  }
+  return next;
+}
+
 // ---------------------------------------------------------------- liveness
 /**
  * Whether the kernel behind a view is gone, from the widget manager anywidget hands

@@ -3,7 +3,7 @@
 // is redrawn at most once per animation frame. Charts are plain <canvas> (charts.js);
 // the detail panel (a row's life and tokens, the step inspector) is detail.js.
 import { CHART_TITLES, applyMessage, badgeKind, badgeText, bandAt, formatDuration, formatRate, headerParts, isStale, laneAt, layoutFor, liveNow, moreLabel, oneLine, rowColor, shouldTakeTraits, stateFromTraits, tailText } from "./lib.js";
-import { STEP_LEGEND, commonParts, draftText, kernelGone, pickVisible, promptLabel, verdict } from "./views.js";
+import { STEP_LEGEND, commonParts, cutNote, draftText, keepWholeText, kernelGone, pickVisible, promptLabel, verdict } from "./views.js";
 import { applyTheme, colors, drawKV, drawSteps, drawTimeline, h, setAttr, setText } from "./charts.js";
 import { detailPanel } from "./detail.js";
 
@@ -121,7 +121,7 @@ function render({ model, el }) {
       traitsQueued = false;
       const t = readTraits();
       if (!shouldTakeTraits(st, t.seq)) return;
-      st = stateFromTraits(t);
+      st = keepWholeText(st, stateFromTraits(t));
       st.recvAt = performance.now();
       dirty = new Set(st.rows.keys()); relayout = true;
       detail.takeSaved();
@@ -177,7 +177,8 @@ function render({ model, el }) {
     const badge = h("span", "mlxnb-badge"), prompt = h("span", "mlxnb-prompt");
     const text = h("span", "mlxnb-text"), inner = h("span", "mlxnb-text-inner");
     const verdictEl = h("span", "mlxnb-verdict"); // a structured row's ✓ / ✗ and why
-    text.append(verdictEl, inner);
+    const cut = h("span", "mlxnb-cut"); // text the saved state left out: how much, where it is
+    text.append(verdictEl, inner, cut);
     const nums = h("span", "mlxnb-nums");
     const ntok = h("span", "mlxnb-num mlxnb-ntok"), rate = h("span", "mlxnb-num mlxnb-rate");
     const ttft = h("span", "mlxnb-num mlxnb-ttft"), stop = h("button", "mlxnb-stop", "■");
@@ -198,7 +199,7 @@ function render({ model, el }) {
     e.addEventListener("mouseenter", () => highlight(id));
     e.addEventListener("mouseleave", () => highlight(null));
     e.append(sw, badge, prompt, text, nums, stop);
-    const v = { e, badge, prompt, inner, verdict: verdictEl, ntok, rate, ttft, stop };
+    const v = { e, badge, prompt, inner, verdict: verdictEl, cut, ntok, rate, ttft, stop };
     rowEls.set(id, v);
     return v;
   }
@@ -223,6 +224,10 @@ function render({ model, el }) {
     const expandedRow = v.e.classList.contains("mlxnb-expanded");
     setText(v.inner, expandedRow ? text
       : r.state === "done" || stale ? oneLine(text, 400) : tailText(text, 240));
+    setText(v.cut, cutNote(r, st.header.mode === "dashboard"));
+    setAttr(v.e, "data-cut", r.cut > 0 ? r.cut : "");
+    setAttr(v.cut, "title", r.cut > 0 ? "a saved notebook keeps part of long rows' text, " +
+      "so its file stays small; the kernel's rows hold all of it" : "");
     setText(v.ntok, `${r.ntok ?? 0} tok`);
     setAttr(v.ntok, "title", draftText(r.draft, r.ntok));
     setAttr(v.e, "data-spec", r.draft && r.draft[1] ? "1" : "");

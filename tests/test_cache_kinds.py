@@ -54,7 +54,11 @@ CONFIGS = {
 
 
 def build(family: str, seed: int = 0):
+    """A random-weight model of `family`, the same for the same seed whatever ran
+    before: constructors draw some 1-D parameters (Qwen3.5's decay rates) from the
+    global RNG, so it is seeded here (MLX has no way to put its state back)."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
+    mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(CONFIGS[family]))
     params = tree_flatten(model.parameters())
     keys = mx.random.split(mx.random.key(seed), len(params))

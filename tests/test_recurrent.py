@@ -48,7 +48,6 @@ def _mlx_lm_tokens(model, ids, n):
 def test_recurrent_layers_decode_compiled_with_mlx_lm_tokens(family, expect, mlps, arun):
     """A hybrid model's attention layers keep mlx-lm's code but their MLPs decode
     compiled too."""
-    mx.random.seed(3)  # (its norms and decay constants come from the global seed)
     model = build(family, seed=3)  # its own instance: the engine changes its layers
 
     async def main():
@@ -64,7 +63,6 @@ def test_recurrent_layers_decode_compiled_with_mlx_lm_tokens(family, expect, mlp
     assert recurrent.compiled_mlps(model) == mlps
     assert (calls > 0) == bool(expect)
     assert (mlp_calls > 0) == bool(mlps)
-    mx.random.seed(3)
     plain = build(family, seed=3)  # the same weights, mlx-lm's own layers
     for t, i in zip(tokens, ids):
         assert t == _mlx_lm_tokens(plain, i, 10)
@@ -80,9 +78,7 @@ def test_every_other_caller_of_the_model_runs_mlx_lms_code(arun):
     mlx-lm's own code."""
     import gc
 
-    mx.random.seed(4)
     model = build("lfm2", seed=4)
-    mx.random.seed(4)
     plain = build("lfm2", seed=4)
     ids = byte_tokenizer().encode("a prompt of some length")
     want = _mlx_lm_tokens(plain, ids, 8)
@@ -185,7 +181,6 @@ def test_gate_and_prefill_take_the_plain_path():
 
 
 def test_mlp_prefill_and_closed_gate_take_the_plain_path():
-    mx.random.seed(2)
     model = build("qwen3_5", seed=2)
     gate = [True]
     assert recurrent.compile_recurrent(model, make_prompt_cache(model), lambda: gate[0])
@@ -318,14 +313,12 @@ def test_gated_delta_kernel_path_is_checked_and_keeps_tokens(broken, monkeypatch
 
     monkeypatch.setattr(gated_delta, "decode_step", kernel)
     monkeypatch.setattr(gated_delta, "decode_step_ab", kernel_ab)
-    mx.random.seed(5)
     model = build("qwen3_5", seed=5)
     tokens, ids, status = prompts_through(model, arun)
     want = {"": "(gated delta: fused kernel, gates inside)",
             "gates": "(gated delta: fused kernel)", "both": "(gated delta: mx.fast)"}[broken]
     assert f"recurrent decode compiled {want}" in status
     assert calls  # the kernel was traced (and checked) at least once
-    mx.random.seed(5)
     plain = build("qwen3_5", seed=5)
     for t, i in zip(tokens, ids):
         assert t == _mlx_lm_tokens(plain, i, 8)
@@ -358,7 +351,6 @@ def test_a_closed_engines_gate_goes_with_it():
 
 
 def test_quantized_hybrid_model_decodes_compiled_with_mlx_lm_tokens(arun):
-    mx.random.seed(6)
     model = build("qwen3_5", seed=6)
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())  # (the engine's worker thread cannot evaluate them)
@@ -373,7 +365,6 @@ def test_quantized_hybrid_model_decodes_compiled_with_mlx_lm_tokens(arun):
     tokens, ids = arun(main)
     assert recurrent.compiled_layers(model) == [0, 2]
     assert recurrent.compiled_mlps(model) == [1, 3]
-    mx.random.seed(6)
     plain = build("qwen3_5", seed=6)
     nn.quantize(plain, group_size=32, bits=4)
     for t, i in zip(tokens, ids):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mlxnb.core.rows import DECODE, DONE, PREFILL, Row, SamplingParams, StepRecord
+from mlxnb.notebook import rowwire, textcap
 from mlxnb.notebook.widget import MAX_STEP_POINTS, GenerationWidget
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -374,6 +375,92 @@ def test_rewritten_text_is_replaced_not_appended():
     ds = [d for m in customs(msgs) for d in m["rows"]]
     assert any(d.get("text", "").startswith("rewritten") for d in ds)
     assert replay([], customs(msgs))[row.id]["text"] == row.text
+
+
+def _finished(n, text_of):
+    """`n` rows run to the end on the fake engine, then given `text_of(i)` as their text."""
+    async def main():
+        eng = FakeEngine(step_s=0.0, max_batch=n, chunk=64)
+        rows = [eng.submit(f"p{i}", max_tokens=1) for i in range(n)]
+        await eng.wait()
+        for i, r in enumerate(rows):
+            r.text = text_of(i)
+        return eng, rows
+    return asyncio.run(main())
+
+
+def test_saved_state_keeps_a_bounded_text_and_marks_the_rows_it_cut():
+    """1,500 finished rows of 3,000 characters (4.5 M in all) and 100 short ones: the
+    rows trait holds at most TEXT_BUDGET characters of text; each long row keeps the
+    head of its text and says how much it left out; short rows and the rows themselves
+    are whole."""
+    def text_of(i):
+        return f"row {i}: " + "lorem ipsum " * 5 if i % 16 == 0 else f"{i}:" + "abcdefghij" * 300
+
+    eng, rows = _finished(1600, text_of)
+    w = GenerationWidget(eng, rows)  # made after the run: the traits alone
+    assert len(w.rows) == 1600
+    assert sum(len(d["text"]) for d in w.rows) <= textcap.TEXT_BUDGET
+    # what a saved notebook holds: the budget, and well under 1 KB a row besides
+    assert len(json.dumps(w.rows)) < textcap.TEXT_BUDGET + 1000 * len(rows)
+    kept = set()
+    for d, r in zip(w.rows, rows):
+        assert r.text == text_of(r.id)  # the row keeps all of its text
+        if len(r.text) < 100:
+            assert d == rowwire.full(r) and "cut" not in d
+        else:
+            assert r.text.startswith(d["text"]) and d["cut"] == len(r.text) - len(d["text"]) > 0
+            kept.add(len(d["text"]))
+    assert len(kept) == 1 and kept.pop() > 1000  # one share for every long row
+
+
+def test_a_few_very_long_rows_are_cut_to_the_row_limit():
+    eng, rows = _finished(3, lambda i: "x" * (textcap.ROW_TEXT_MAX + 10_000 * i))
+    w = GenerationWidget(eng, rows)
+    assert [len(d["text"]) for d in w.rows] == [textcap.ROW_TEXT_MAX] * 3
+    assert [d["cut"] for d in w.rows] == [0 + 10_000 * i for i in range(3)][:0] or \
+        [d.get("cut") for d in w.rows] == [None, 10_000, 20_000]
+
+
+def test_a_short_run_is_saved_whole():
+    eng, rows = _finished(20, lambda i: f"answer {i} " * 40)
+    w = GenerationWidget(eng, rows)
+    assert w.rows == [rowwire.full(r) for r in rows]
+    assert not any("cut" in d for d in w.rows)
+
+
+def test_running_rows_stay_whole_in_the_traits_and_are_cut_once_finished(monkeypatch):
+    """Deltas append to the text a view holds, so a row still running is never cut:
+    traits taken mid-run plus the later deltas rebuild every row exactly."""
+    monkeypatch.setattr(textcap, "TEXT_BUDGET", 300)
+
+    async def main():
+        eng = FakeEngine(step_s=0.002, max_batch=2)
+        rows = [eng.submit(f"p{i}", max_tokens=60) for i in range(4)]
+        w = GenerationWidget(eng, rows)
+        msgs = capture(w)
+        while not rows[0].done:
+            await asyncio.sleep(0.005)
+        while rows[2].ntok < 5:
+            await asyncio.sleep(0.005)
+        w._on_front_msg(w, {"type": "sync"}, [])  # what a late view asks for
+        snap = ([dict(d) for d in w.rows], w.seq)
+        n_before = len(msgs)
+        await settle(w, eng)
+        return rows, w, snap, msgs[n_before:]
+
+    rows, w, (mid, seq), later = asyncio.run(main())
+    by_id = {d["id"]: d for d in mid}
+    assert "cut" in by_id[rows[0].id]  # finished first: cut (60 tokens > the share)
+    for r in rows[2:]:  # running then: whole, and the deltas continue from there
+        assert "cut" not in by_id[r.id]
+    deltas = [m for m in customs(later) if m["seq"] > seq]
+    state = replay(mid, deltas)
+    for r in rows[2:]:
+        assert state[r.id]["text"] == r.text
+    # at the end every row is finished: all of them share the budget
+    assert sum(len(d["text"]) for d in w.rows) <= 300
+    assert all(d["cut"] == len(r.text) - len(d["text"]) > 0 for d, r in zip(w.rows, rows))
 
 
 @pytest.mark.integration

@@ -145,3 +145,41 @@ test("a speculating row says how many drafted tokens it accepted; others say not
   assert.match(t, /31 of 40 drafted tokens accepted \(77.5%\)/);
   assert.match(t, /31 of its 50 tokens came from drafts/);
 });
+
+test("a row whose saved text was cut says how much is left out and where the rest is", async () => {
+  const { cutNote } = await import("../views.js");
+  assert.equal(cutNote({ text: "whole" }), "");
+  assert.equal(cutNote({ text: "abc", cut: 0 }), "");
+  assert.equal(cutNote({ text: "abc", cut: 1234 }), "… [1234 more characters: see run.texts]");
+  assert.equal(cutNote({ text: "abc", cut: 5 }, true), "… [5 more characters: see its run's texts]");
+});
+
+test("a view that streamed a row's whole text keeps it when the traits bring it cut", async () => {
+  const { keepWholeText } = await import("../views.js");
+  const whole = "héllo 👋 world, and more";
+  const head = whole.slice(0, 9); // "héllo 👋 " : 8 code points, 9 UTF-16 units
+  const cutBy = [...whole].length - [...head].length;
+  const saved = () => ({ rows: new Map([
+    [1, { id: 1, state: "done", text: head, cut: cutBy }],
+    [2, { id: 2, state: "done", text: "short" }],
+    [3, { id: 3, state: "done", text: "abc", cut: 10 }],
+  ]) });
+  const streamed = { rows: new Map([
+    [1, { id: 1, state: "done", text: whole }],
+    [2, { id: 2, state: "done", text: "short" }],
+    [3, { id: 3, state: "done", text: "abcdef" }], // not the text the cut came from
+  ]) };
+  const st = keepWholeText(streamed, saved());
+  assert.equal(st.rows.get(1).text, whole);
+  assert.equal(st.rows.get(1).cut, undefined);
+  assert.equal(st.rows.get(2).text, "short");
+  assert.equal(st.rows.get(3).text, "abc");
+  assert.equal(st.rows.get(3).cut, 10);
+  // a view that never streamed the row (a reopened notebook) keeps the cut and its mark
+  const fresh = keepWholeText({ rows: new Map() }, saved());
+  assert.equal(fresh.rows.get(1).text, head);
+  assert.equal(fresh.rows.get(1).cut, cutBy);
+  // a row the view holds cut itself, or still running, is not taken for whole
+  const running = { rows: new Map([[1, { id: 1, state: "decode", text: whole }]]) };
+  assert.equal(keepWholeText(running, saved()).rows.get(1).cut, cutBy);
+});

@@ -5,7 +5,9 @@ token resends whole lists, so live progress travels as small custom messages
 (`widget.send`) batched at ~15 Hz by one flush task that runs only while rows are live.
 Custom messages never reach views created later, so the full state is also written
 into synced traits -- when rows finish (debounced) and in `sync_now()` -- and every
-message carries a sequence number: a view that sees a gap asks for a resync.
+message carries a sequence number: a view that sees a gap asks for a resync. The
+traits are also what a notebook saved with widget state keeps, so finished rows' text
+in them is cut to a share of a budget (textcap.py).
 
 Message protocol (kernel -> front end), one per flush::
 
@@ -43,6 +45,7 @@ import traitlets as t
 from .. import _aio
 from . import details as _details
 from . import stepchart as _stepchart
+from . import textcap as _textcap
 from . import textview as _textview
 from . import results, rowwire
 from .frontend import asset, bundle
@@ -64,7 +67,9 @@ class GenerationWidget(anywidget.AnyWidget):
     # every widget made from it alive for good (and with it the rows it shows)
     _css = asset("widget.css").read_text(encoding="utf-8")
 
-    rows = t.List(t.Dict()).tag(sync=True)  # full row dicts: every delta field + "text"
+    # row dicts: every delta field + "text", a finished row's text cut to a share of a
+    # budget (with "cut": the characters left out; textcap.py)
+    rows = t.List(t.Dict()).tag(sync=True)
     steps = t.Dict().tag(sync=True)  # compact step history, see module docstring
     header = t.Dict().tag(sync=True)
     seq = t.Int(0).tag(sync=True)  # last delta message folded into the traits
@@ -202,8 +207,8 @@ class GenerationWidget(anywidget.AnyWidget):
                     self._write_traits()
                 elif time.monotonic() - self._t_traits > RESULTS_INTERVAL_S:
                     # Both saved forms (widget state, the results output) stay at most
-                    # this far behind while rows run; a full state grows with the rows'
-                    # text (about 0.5 MB for 1,000 rows of 400 tokens), every 5 s.
+                    # this far behind while rows run; each write resends every row's
+                    # text, within textcap.TEXT_BUDGET for the finished ones.
                     self._write_traits()
         finally:
             self._flusher = None
@@ -270,7 +275,8 @@ class GenerationWidget(anywidget.AnyWidget):
         steps["snap"] = list(self._snaps)
         alive = self._rows.values()  # held until the results below are written
         with self.hold_sync():  # one state message for all four traits
-            self.rows = self._rows.full(rowwire.full)
+            # rows still in _live get more deltas: their text stays whole (textcap.py)
+            self.rows = _textcap.cap_rows(self._rows.full(rowwire.full), self._live)
             self.steps = steps
             self.header = self._header()
             self.seq = self._seq
