@@ -6,7 +6,8 @@ model and its scheduler) starts lazily on the first ``%%generate`` or ``%mlxnb l
 
 The kernel's one engine and the ``%config`` values live in session.py, so unloading
 the extension (``%unload_ext mlxnb``) leaves them alone: ``%reload_ext mlxnb`` finds
-the same engine and its running rows. The option lines are read with magicargs.py.
+the same engine and its running rows. The option lines are read with magicargs.py;
+``%mlxnb``'s subcommands other than load are commands.py's.
 
 A cell magic cannot block on the loop it runs on, so ``%%generate`` returns a `Run` at
 once; wait with ``await run`` or ``await mlxnb.wait()`` in a later cell.
@@ -26,10 +27,10 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from .. import _aio
 from . import cellparse as cp
 from . import connecting
-from .adaptermagic import adapter_command, adapter_names, expand_adapters
+from .adaptermagic import adapter_names, expand_adapters
+from .commands import Commands
 from .._text import one_line
-from .magicargs import _HELP, _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved, _sendable
-from ..core.rows import Row
+from .magicargs import _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved, _sendable
 from ..core.run import Run
 from .session import (MLXNB, _S, _close, _same_model, get_engine, refuse_if_busy, shutdown,
                       use, wait)
@@ -47,7 +48,7 @@ def _default(name: str, parse):
 
 
 @magics_class
-class MLXNBMagics(Magics):
+class MLXNBMagics(Commands, Magics):
     def __init__(self, shell, config: MLXNB):
         super().__init__(shell)
         self.cfg = config
@@ -131,9 +132,6 @@ class MLXNBMagics(Magics):
             raise UsageError(f"%mlxnb {sub} takes no arguments; got {rest!r}")
         return fn(rest)
 
-    def _cmd_help(self, rest=""):
-        print(_HELP)
-
     def _cmd_load(self, rest):
         a = _parse(_LOAD, rest, "%mlxnb load", "run %mlxnb alone for the options")
         mb = cp.parse_values("max_batch", a.max_batch, int, sweep=False)[0]
@@ -166,77 +164,6 @@ class MLXNBMagics(Magics):
         # (a failed load keeps the old engine)
         if eng is not None:
             _close(eng)
-        return None
-
-    def _cmd_connect(self, rest):
-        connecting.command(rest)
-
-    def _cmd_adapter(self, rest=""):
-        adapter_command(lambda load: self._engine_for(None, False) if load else get_engine(),
-                        rest)
-
-    def _cmd_status(self, rest=""):
-        c = connecting.pending()
-        if c is not None and not c.fut.done():
-            print(f"mlxnb: {c.describe()}")
-        else:
-            connecting.settle()
-        eng = get_engine()
-        if eng is None:
-            print(f"mlxnb: no model loaded yet; {self.cfg.model!r} loads on the first "
-                  "%%generate (or `%mlxnb load [MODEL]`)")
-            return None
-        done = eng.finished
-        print(f"mlxnb: {eng.status()}\n  {eng.submitted} rows submitted ({done['cancelled']} "
-              f"cancelled, {done['error']} error), {len(eng.steps)} steps, "
-              f"max_batch {eng.max_batch}")
-        return None
-
-    def _cmd_stop(self, rest=""):
-        eng = get_engine()
-        if rest and rest != "all":
-            obj = self.shell.user_ns.get(rest)
-            if not isinstance(obj, (Run, Row)):  # not any object with a cancel()
-                raise UsageError(f"%mlxnb stop: {rest!r} is not a Run or Row variable; "
-                                 "use `%mlxnb stop` to stop everything")
-            live = [r for r in (obj.rows if isinstance(obj, Run) else [obj]) if not r.done]
-            obj.cancel()
-        else:
-            live = [] if eng is None else [r for r in eng.rows if not r.done]
-            if eng is not None:
-                eng.cancel_all()
-        print(f"mlxnb: stopping {len(live)} row{'s' * (len(live) != 1)}")
-        return None
-
-    def _cmd_dashboard(self, rest=""):
-        eng = get_engine()
-        if eng is None:
-            raise UsageError("no model loaded yet: run a %%generate cell or "
-                             "`%mlxnb load [MODEL]` first, then `%mlxnb dashboard`")
-        from .widget import GenerationWidget
-
-        w = GenerationWidget(eng)
-        _S.widgets.add(w)
-        return w
-
-    def _cmd_wait(self, rest=""):
-        print("mlxnb: a magic cannot block on the kernel's loop; in a cell run "
-              "`await mlxnb.wait()` (every row) or `await run` (one cell's rows)")
-
-    def _cmd_unload(self, rest=""):
-        c = connecting.pending()
-        connecting.abandon()  # a connection under way would install itself later
-        if c is not None:
-            print(f"mlxnb: stopped connecting to {c.url}")
-        eng = get_engine()
-        if eng is None and c is not None:
-            return None
-        if eng is None:
-            print("mlxnb: no engine to unload")
-            return None
-        live = eng.running + eng.queued
-        _close(eng)
-        print(f"mlxnb: closed the engine ({live} unfinished rows cancelled)")
         return None
 
     # -- %%generate ----------------------------------------------------------------------
