@@ -8,7 +8,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from mlxnb.notebook import magics
-from mlxnb.notebook.cellparse import constraint_params
+from mlxnb.notebook.cellrequests import constraint_params
 
 from test_magics import arun_shut, attach, gen, ip  # noqa: F401  (fixtures)
 

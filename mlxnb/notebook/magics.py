@@ -28,6 +28,7 @@ from .. import _aio
 from . import cellparse as cp
 from . import connecting
 from .adaptermagic import adapter_names, expand_adapters
+from .cellrequests import constraint_params, speculation
 from .commands import Commands
 from .._text import one_line
 from .magicargs import _LOAD, _NO_ARGS, _int_or_word, _parse, _reserved, _sendable
@@ -269,8 +270,8 @@ class MLXNBMagics(Commands, Magics):
         if c.max_rows is not None and len(grid) > c.max_rows:
             raise cp._too_many(len(grid), c.max_rows)
 
-        common = dict(stop=tuple(stop), logprobs=lp, **cp.speculation(
-            a.speculate, a.num_draft, c.speculate, c.num_draft), **cp.constraint_params(
+        common = dict(stop=tuple(stop), logprobs=lp, **speculation(
+            a.speculate, a.num_draft, c.speculate, c.num_draft), **constraint_params(
             a.json_schema, a.regex, a.choice, a.grammar, self.shell.user_ns))
         eng = self._engine_for(a.model, quiet)
         _speculation_for(eng, a, common)
