@@ -412,21 +412,18 @@ def test_saved_state_keeps_a_bounded_text_and_marks_the_rows_it_cut():
             assert r.text.startswith(d["text"]) and d["cut"] == len(r.text) - len(d["text"]) > 0
             kept.add(len(d["text"]))
     assert len(kept) == 1 and kept.pop() > 1000  # one share for every long row
+    # a short run: every row whole, its dict as the row makes it
+    eng, short = _finished(20, lambda i: f"answer {i} " * 40)
+    w = GenerationWidget(eng, short)
+    assert w.rows == [rowwire.full(r) for r in short]
+    assert not any("cut" in d for d in w.rows)
 
 
 def test_a_few_very_long_rows_are_cut_to_the_row_limit():
-    eng, rows = _finished(3, lambda i: "x" * (textcap.ROW_TEXT_MAX + 10_000 * i))
+    eng, rows = _finished(3, lambda i: "x" * (textcap.ROW_TEXT_MAX + 10_000 * (i + 1)))
     w = GenerationWidget(eng, rows)
     assert [len(d["text"]) for d in w.rows] == [textcap.ROW_TEXT_MAX] * 3
-    assert [d["cut"] for d in w.rows] == [0 + 10_000 * i for i in range(3)][:0] or \
-        [d.get("cut") for d in w.rows] == [None, 10_000, 20_000]
-
-
-def test_a_short_run_is_saved_whole():
-    eng, rows = _finished(20, lambda i: f"answer {i} " * 40)
-    w = GenerationWidget(eng, rows)
-    assert w.rows == [rowwire.full(r) for r in rows]
-    assert not any("cut" in d for d in w.rows)
+    assert [d["cut"] for d in w.rows] == [10_000, 20_000, 30_000]
 
 
 def test_running_rows_stay_whole_in_the_traits_and_are_cut_once_finished(monkeypatch):
