@@ -13,6 +13,7 @@
       constrain.py        structured rows: the compiler (llguidance), checks before submitting
       constraint_params.py  constraint_results.py   their values; what a finished row says
       constraint_grammar.py  a constraint as llguidance's grammar text
+      constraint_probe.py    its first tokens walked: refused before any row takes it
       prompts.py  options.py  closing.py  protocol.py  _threads.py  _trace.py
     core/worker/          the MLX worker thread: the model, caches, every array
       batch.py            BatchExecutor.tick: join, launch, prefill, read back

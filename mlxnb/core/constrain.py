@@ -4,7 +4,8 @@ llguidance (Rust; a structured-output backend of vLLM and llama.cpp) compiles ea
 constraint into a matcher over the model's tokenizer. This module is the compiler
 (`Constraints`: one compile per constraint and lane, a copy per row, checks before
 submitting and of a finished row's text); constraint_params.py holds the keywords'
-values and their checks, constraint_results.py what a finished row says (`row.json`,
+values and their checks, constraint_probe.py the walk that refuses a constraint at
+its first tokens, constraint_results.py what a finished row says (`row.json`,
 DataFrame columns, the widget's parse status). The batch's masks, filled each step
 while the forward launches, are worker/masks.py's.
 """
@@ -19,9 +20,9 @@ from concurrent.futures import Future, TimeoutError as _Timeout
 from typing import Any, Dict, Optional, Tuple
 
 from .._log import log
-from .constraint_params import (_EMPTY, _FIX, _WHAT, _explain, _key, _short, kind_of,
-                                one_line)
-from .constraint_grammar import grammar as _grammar, parser_limits, wide_parts
+from .constraint_params import _FIX, _WHAT, _key, _short, kind_of, one_line
+from .constraint_grammar import grammar as _grammar, parser_limits
+from .constraint_probe import probe, probe_parts
 from .constraint_results import _CACHE, cut_short, incomplete, verdict
 
 
@@ -37,7 +38,6 @@ COMPILE_TIMEOUT_S = 5.0
 # (or ends them with `error` and the one-line reason). One wait per compile, shared
 # by every submit of that constraint meanwhile.
 SUBMIT_WAIT_S = 0.3
-_PROBE_TOKENS = 4  # tokens a fresh matcher is walked at validation (see _probe)
 
 
 _warming = threading.Lock()
@@ -250,9 +250,10 @@ class Constraints:
             timer.daemon = True
             timer.start()
             try:
-                self._probe(key[0], self._template(p).deep_copy())
+                eos = set(getattr(self._tokenizer, "eos_token_ids", None) or ())
+                probe(key[0], self._template(p).deep_copy(), self.lltokenizer(), eos)
                 if key[0] == "json_schema":
-                    self._probe_parts(p.json_schema)
+                    probe_parts(p.json_schema, self.lltokenizer(), eos)
             finally:
                 timer.cancel()
             if key[0] == "json_schema":  # its rows' full check needs it (above)
@@ -285,54 +286,6 @@ class Constraints:
         self._refused[key] = why
         while len(self._refused) > _CACHE:
             self._refused.popitem(last=False)
-
-    def _probe_parts(self, schema: dict) -> None:
-        """Probe each of a schema's widest objects as a schema of its own, for the
-        limit on alternatives that `_probe`'s one path passes by (constraint_grammar
-        `wide_parts`). Only that limit refuses the schema: a part may fail on its
-        own for reasons its place in the whole schema never meets."""
-        import llguidance as llg
-
-        for at, part in wide_parts(schema):
-            try:
-                m = llg.LLMatcher(self.lltokenizer(), _grammar("json_schema", part),
-                                  log_level=0, limits=parser_limits())
-                self._probe("json_schema", m, at)
-            except BaseException as e:  # a Rust panic too: the whole schema compiled
-                if isinstance(e, ValueError) and "llguidance's limit" in str(e):
-                    raise
-                log.debug("probing %s of a schema on its own failed", at, exc_info=True)
-
-    def _probe(self, kind: str, m, at: Optional[str] = None) -> None:
-        """Walk `m` (a fresh copy; of the part of a schema `at` a JSON pointer) a few
-        tokens, each the lowest-numbered one its mask allows: an empty language, and
-        llguidance's per-row limits (items in a parser row, items per token), show at
-        the first token or the next."""
-        import llguidance.numpy as lln
-        import numpy as np
-
-        V = self.lltokenizer().vocab_size
-        eos = set(getattr(self._tokenizer, "eos_token_ids", None) or ())
-        buf = self.bitmask(1)
-        for step in range(_PROBE_TOKENS):
-            if m.is_stopped():
-                return
-            lln.fill_next_token_bitmask(m, buf, 0)
-            if not m.is_error():
-                allowed = np.flatnonzero(
-                    np.unpackbits(buf.view(np.uint8), bitorder="little")[:V])
-                tok = next((int(t) for t in allowed if int(t) not in eos), None)
-                if tok is None:  # nothing, or only the end: accepting, or nothing at all
-                    if step == 0 and not m.is_accepting():
-                        raise ValueError(_EMPTY[kind])
-                    return
-                m.consume_token(tok)
-            if m.is_error():
-                err = m.get_error()
-                log.debug("%s failed its first tokens: %s", kind, err)
-                if step > 0 and "NoExtensionBias" in err:
-                    return  # a dead branch the probe walked into; other branches may live
-                raise ValueError(_explain(kind, err, at))
 
     def check(self, p, text: str) -> Optional[str]:
         """Why `text` does not satisfy `p`'s constraint, or None when it does. A
