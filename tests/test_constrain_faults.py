@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 from IPython.core.error import UsageError
 
+from mlxnb.core.constraint_grammar import wide_parts
 from mlxnb.core.constraint_params import normalize
 
 from test_constrain_edges import make, refused
@@ -23,7 +24,7 @@ BIG = 12345678901234567891  # past 2^53: a 64-bit float holds 123456789012345671
 @pytest.mark.parametrize("schema, where", [
     ({"const": BIG}, "`const` at /"),
     ({"type": "integer", "enum": [1, -(2 ** 53 + 1)]}, "`enum` at /"),
-    ({"type": "object", "properties": {"id": {"type": "integer", "minimum": 2 ** 60}}},
+    ({"type": "object", "properties": {"id": {"type": "integer", "minimum": 2 ** 60 + 1}}},
      "`minimum` at /properties/id"),
     ({"type": "array", "items": {"type": "integer", "exclusiveMaximum": -BIG}},
      "`exclusiveMaximum` at /items"),
@@ -40,7 +41,7 @@ def test_integers_past_2_53_that_the_mask_would_round_are_refused(tiny, arun, sc
     """llguidance reads a schema's numbers as 64-bit floats: such a row was masked to
     a neighbouring number, then called invalid by the exact check after."""
     msg = refused(tiny, arun, json_schema=schema)
-    assert "beyond 2^53" in msg and where in msg and "use a string" in msg, msg
+    assert "past 2^53" in msg and where in msg and "use a string" in msg, msg
 
 
 @pytest.mark.parametrize("schema", [
@@ -51,6 +52,10 @@ def test_integers_past_2_53_that_the_mask_would_round_are_refused(tiny, arun, sc
     {"type": "object", "properties": {"const": {"type": "integer"},
                                       "minimum": {"type": "integer"}}},
     {"type": "string", "maxLength": 5, "exclusiveMinimum": True},  # draft 4's boolean
+    {"const": 2 ** 60, "enum": [10 ** 18, -(2 ** 62)]},  # past 2^53, but a double holds them
+    # keywords the mask is not built from
+    {"type": "integer", "not": {"const": BIG}, "if": {"maximum": BIG}, "then": {}},
+    {"type": "integer", "x-db": {"maximum": BIG}, "$defs": {"unused": {"const": BIG}}},
 ])
 def test_schemas_without_such_integers_pass(schema):
     assert normalize({"json_schema": schema})["json_schema"] == schema
@@ -62,7 +67,7 @@ def test_refusing_a_big_integer_leaves_running_rows_alone(tiny, arun):
         running = eng.submit("x", chat=False, max_tokens=64, regex="[a-z]{64}")
         while not running.ntok:
             await asyncio.sleep(0.002)
-        with pytest.raises(ValueError, match="beyond 2"):
+        with pytest.raises(ValueError, match="past 2"):
             eng.submit("x", chat=False, max_tokens=8, json_schema={"const": BIG})
         await eng.wait()
         await eng.aclose()
@@ -143,6 +148,23 @@ def test_a_row_cut_inside_a_character_is_incomplete_with_or_without_a_stop(tiny,
     assert worker.constraint_error == loop.constraint_error
 
 
+@pytest.mark.parametrize("kw", [dict(regex="ab\ufffd"), dict(choices=["ok\ufffd", "no"])])
+def test_a_row_that_writes_a_replacement_character_and_ends_is_valid(tiny, arun, kw):
+    """U+FFFD as a character the constraint asks for, and the row ends by its grammar:
+    whole, with or without a stop string (only max_tokens cuts a character)."""
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("x", chat=False, max_tokens=16, **kw),
+                eng.submit("x", chat=False, max_tokens=16, stop=["zz"], **kw)]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+
+    for r in arun(main):
+        assert (r.finish_reason, r.valid) == ("stop", True), (r.text, r.constraint_error)
+        assert r.text.endswith("\ufffd")
+
+
 def _wide(n: int) -> dict:
     return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
 
@@ -182,3 +204,37 @@ def test_wide_objects_within_the_limit_or_unreached_run(tiny, arun, schema):
 
     for r in arun(main):
         assert r.finish_reason in ("stop", "length") and r.error is None, r.error
+
+
+_BASE = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("schema", [
+    # keywords the mask is not built from: checked after, or merged
+    dict(_BASE, **{"not": WIDE}),
+    dict(_BASE, **{"if": WIDE, "then": {"required": ["a"]}}),
+    dict(_BASE, **{"x-ui": WIDE}),
+    dict(_BASE, dependentSchemas={"a": WIDE}),
+    {"type": "array", "items": {"type": "integer"}, "contains": WIDE},
+    {"allOf": [{"$ref": "#/$defs/base"}, {"required": [f"p{i}" for i in range(600)]}],
+     "$defs": {"base": WIDE}},
+    # every property required: a sequence, no alternatives
+    {"type": "array", "items": dict(WIDE, required=list(WIDE["properties"]))},
+])
+def test_wide_objects_no_alternative_of_the_mask_reaches_are_not_probed(schema):
+    assert wide_parts(schema) == []
+
+
+def test_a_long_chain_of_refs_is_walked_without_the_stack():
+    n = 3000
+    defs = {f"D{i}": {"type": "object", "properties": {"next": {
+        "type": "array", "items": {"$ref": f"#/$defs/D{i + 1}"}}}} for i in range(n)}
+    defs[f"D{n}"] = dict(WIDE, **{"x-tail": {"const": 2 ** 53 + 1}})
+    schema = {"$ref": "#/$defs/D0", "$defs": defs}
+    assert [at for at, _ in wide_parts(schema)] == [f"/$defs/D{n}"]
+    assert normalize({"json_schema": schema})["json_schema"] == schema
+
+
+def test_an_object_reached_twice_is_probed_once():
+    schema = {"type": "object", "properties": {"big": WIDE, "again": {"$ref": "#/properties/big"}}}
+    assert [at for at, _ in wide_parts(schema)] == ["/properties/big"]

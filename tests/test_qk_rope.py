@@ -65,6 +65,28 @@ def test_attention_takes_the_kernel_checked_at_load(family, broken, monkeypatch,
         assert t == _mlx_lm_tokens(plain, i, 8)
 
 
+def test_other_threads_forwards_keep_mlx_lms_code(monkeypatch, arun):
+    """The kernel is for the engines' forwards on the worker: a forward of the same
+    model on another thread, the engine live, runs mlx-lm's norms and RoPE."""
+    calls = _stand_in(monkeypatch)
+    model = build("qwen3", seed=4)
+    ids = byte_tokenizer().encode("a prompt of some length")
+    want = _mlx_lm_tokens(build("qwen3", seed=4), ids, 6)
+
+    async def main():
+        eng = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        n = len(calls)
+        here = _mlx_lm_tokens(model, ids, 6)
+        seen = len(calls) - n
+        await eng.submit("x", max_tokens=4, chat=False)
+        ran = len(calls) - n - seen
+        await eng.aclose()
+        return here, seen, ran
+
+    here, seen, ran = arun(main)
+    assert (seen, here) == (0, want) and ran > 0
+
+
 def test_only_one_token_calls_with_the_gate_open_take_it(monkeypatch):
     calls = _stand_in(monkeypatch)
     model = build("lfm2")

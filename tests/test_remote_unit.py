@@ -776,6 +776,8 @@ HELLO = chat_chunks(["hello ", "world"], "stop")
     ("lines ended by a bare CR", sse(*HELLO, comments=["keepalive 1/2"]).replace(b"\n", b"\r")),
     ("events over several data lines, CRLF ended", over_lines(*HELLO, end="\r\n")),
     ("events over several data lines, CR ended", over_lines(*HELLO, end="\r")),
+    # not the spec's, but sent: consecutive events as the data lines of one
+    ("events ended by a single line end", sse(*HELLO).replace(b"\n\n", b"\n")),
 ])
 def test_event_stream_details_a_server_may_send(arun, name, body):
     class Drip(httpx.AsyncByteStream):  # a byte at a time: the mark and each CRLF split too

@@ -287,10 +287,10 @@ class Constraints:
         while len(self._refused) > _CACHE:
             self._refused.popitem(last=False)
 
-    def check(self, p, text: str) -> Optional[str]:
+    def check(self, p, text: str, reason=None) -> Optional[str]:
         """Why `text` does not satisfy `p`'s constraint, or None when it does. A
-        fresh matcher reads the text's bytes, so this holds for any ending: the
-        grammar's own, max_tokens, or a stop string that cut it. (Spelled by
+        fresh matcher reads the text's bytes, so this holds for any ending (`reason`):
+        the grammar's own, max_tokens, or a stop string that cut it. (Spelled by
         llguidance's greedy tokenizer, which has no special tokens: the tokenizer's
         own encode would read text such as "<eos>" as the special token.)"""
         m = self.compile(p, "check")  # its own lexer: no fill thread waits for it
@@ -299,13 +299,13 @@ class Constraints:
         llt = self.lltokenizer()
         # a character cut short is incomplete output, as the worker's matcher, which
         # read its bytes, says; its U+FFFD is not a character the model wrote
-        cut = cut_short(text)
+        cut = cut_short(text, reason)
         ids = llt.greedy_tokenize(text[:-1] if cut else text)
         n = m.try_consume_tokens(ids)
         if n < len(ids):
             at = len(llt.decode_str(ids[:n]))
             return f"breaks {_WHAT[kind_of(p)]} at character {at}: {_short(text[at:], 24)}"
-        return incomplete(p, text) if cut else verdict(p, m, text)
+        return incomplete(p, cut=True) if cut else verdict(p, m, text)
 
     def _template(self, p, lane: Any = 0):
         key = _key(p)

@@ -6,10 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from typing import Optional
-from urllib.parse import unquote
 
-from .constraint_params import _ANNOTATIONS, _DATA, _NAMED, without_annotations
+from .constraint_params import _DATA, _NAMED, local_ref, masked_nodes, without_annotations
 from .constraint_results import _VALUE
 
 
@@ -64,11 +62,11 @@ def parser_limits():
     return llg.LLParserLimits(verbose_errors=False)
 
 
-# An object of this many properties gets a probe of its own (constrain.py
-# `_probe_parts`): ~500 optional properties are over llguidance's 2,000 alternatives
-# in one parser row (each adds about 4), which the walk over a whole schema's first
-# tokens shows only if it enters that object, not when it sits in an anyOf branch, an
-# array's items or a later property. llguidance has no check of the whole grammar
+# An object of this many optional properties gets a probe of its own
+# (constraint_probe.py `probe_parts`): ~500 optional properties are over llguidance's
+# 2,000 alternatives in one parser row (each adds about 4), which the walk over a
+# whole schema's first tokens shows only if it enters that object, not when it sits
+# in an anyOf branch, an array's items or a later property. llguidance has no check of the whole grammar
 # for this limit: it counts a row's items only as it parses.
 WIDE_OBJECT = 200
 _MAX_PARTS = 8  # the widest; the compile's time bound covers their probes too
@@ -76,34 +74,20 @@ _ROOT = "__mlxnb_root"  # where a part's copy of its whole schema sits, under $d
 
 
 def wide_parts(schema: dict) -> list:
-    """[(JSON pointer, schema)] for the widest objects `schema` reaches (through
-    properties, items, anyOf, ... and local $refs) below its root, each a schema of
-    its own whose $refs reach the whole schema, held under its $defs."""
-    found, seen = [], set()
-
-    def walk(node, at: str, named: bool = False) -> None:
-        if isinstance(node, list):
-            for i, x in enumerate(node):
-                walk(x, f"{at}/{i}")
-            return
-        if not isinstance(node, dict):
-            return
-        if named:
-            for k, v in node.items():
-                walk(v, f"{at}/{k.replace('~', '~0').replace('/', '~1')}")
-            return
+    """[(JSON pointer, schema)] for the objects of the most optional properties (at
+    least WIDE_OBJECT) among the subschemas the mask is built from (`masked_nodes`),
+    below the root, each a schema of its own whose $refs reach the whole schema,
+    held under its $defs."""
+    found = []
+    for node, at in masked_nodes(schema):
         props = node.get("properties")
-        if at and isinstance(props, dict) and len(props) >= WIDE_OBJECT:
-            found.append((len(props), at, node))
-        ref = node.get("$ref")
-        if _local(ref) and ref not in seen:  # definitions count where they are used
-            seen.add(ref)
-            walk(_resolve(schema, ref), ref[1:])
-        for k, v in node.items():
-            if k not in _DATA and k not in _ANNOTATIONS and k not in ("$defs", "definitions"):
-                walk(v, f"{at}/{k}", k in _NAMED)
-
-    walk(schema, "")
+        if not at or not isinstance(props, dict) or len(props) < WIDE_OBJECT:
+            continue
+        req = node.get("required")
+        req = {r for r in req if isinstance(r, str)} if isinstance(req, list) else set()
+        optional = len(props.keys() - req)
+        if optional >= WIDE_OBJECT:
+            found.append((optional, at, node))
     if not found:
         return []
     found.sort(key=lambda f: -f[0])
@@ -118,28 +102,15 @@ def wide_parts(schema: dict) -> list:
     return out
 
 
-def _local(ref) -> bool:
-    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
-
-
-def _resolve(schema, ref: str) -> Optional[object]:
-    node = schema
-    for step in ref[2:].split("/") if ref != "#" else ():
-        step = unquote(step).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and step in node:
-            node = node[step]
-        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
-            node = node[int(step)]
-        else:
-            return None
-    return node
-
-
-def _rerooted(node):
-    """A copy of a schema (part) whose local $refs point into $defs/_ROOT."""
+def _rerooted(node, named: bool = False):
+    """A copy of a schema (part) whose local $refs point into $defs/_ROOT (`named`:
+    a map of names to schemas, whose keys are names, not keywords)."""
     if isinstance(node, list):
         return [_rerooted(x) for x in node]
     if not isinstance(node, dict):
         return node
-    return {k: (f"#/$defs/{_ROOT}{v[1:]}" if k == "$ref" and _local(v)
-                else v if k in _DATA else _rerooted(v)) for k, v in node.items()}
+    if named:
+        return {k: _rerooted(v) for k, v in node.items()}
+    return {k: (f"#/$defs/{_ROOT}{v[1:]}" if k == "$ref" and local_ref(v)
+                else v if k in _DATA else _rerooted(v, k in _NAMED))
+            for k, v in node.items()}

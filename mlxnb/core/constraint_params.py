@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any, Optional
+from urllib.parse import unquote
 
 from .._log import log
 KINDS = ("json_schema", "regex", "choices", "grammar")
@@ -74,67 +75,118 @@ def _schema_dict(js) -> dict:
     except (TypeError, ValueError) as e:
         raise ValueError(f"json_schema holds a value JSON cannot represent "
                          f"({one_line(e, 120)})") from None
-    big = _big_integer(js, "")
+    big = _big_integer(js)
     if big is not None:
         n, key, at = big
         raise ValueError(f"json_schema: integer {_short(n, 40)} in `{key}` at {at or '/'} "
-                         f"is beyond 2^53, which constrained generation rounds (llguidance "
-                         f"reads numbers as 64-bit floats); use a string instead (with a "
-                         f"pattern for a range)")
+                         f"is past 2^53 and not one a 64-bit float holds, which constrained "
+                         f"generation rounds (llguidance reads numbers as doubles); use a "
+                         f"string instead (with a pattern for a range)")
     return js
 
 
 # Keys whose numbers llguidance writes into the mask. It reads them as 64-bit floats,
-# so an integer past 2^53 becomes a neighbour: the mask then forces or bounds by a
-# number the schema does not hold, and the full check calls the row invalid.
-_EXACT = 2 ** 53
+# so an integer a double cannot hold (past 2^53, and not a multiple of a large enough
+# power of two) becomes a neighbour: the mask then forces or bounds by a number the
+# schema does not hold, and the full check calls the row invalid.
 _NUMBERS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                       "multipleOf"})
 
 
-def _big_integer(node, at: str, named: bool = False) -> Optional[tuple]:
-    """The first (integer, key, JSON pointer of its schema) in a schema where the
-    mask would round it: in `const` / `enum` (any depth of their data) or a numeric
-    bound, in any subschema. Data keys (default, ...) and annotations never reach
-    the mask. (Depth is bounded by MAX_SCHEMA_DEPTH, checked first.)"""
-    if isinstance(node, list):
-        for i, x in enumerate(node):
-            hit = _big_integer(x, f"{at}/{i}")
-            if hit is not None:
-                return hit
-        return None
-    if not isinstance(node, dict):
-        return None
-    for k, v in node.items():
-        if named:
-            hit = _big_integer(v, f"{at}/{k}")
-        elif k in ("const", "enum"):
-            n = _big_in_data(v)
-            hit = None if n is None else (n, k, at)
-        elif k in _NUMBERS:
-            hit = (v, k, at) if _is_big(v) else None
-        elif k in _DATA or k in _ANNOTATIONS:
-            hit = None
-        else:
-            hit = _big_integer(v, f"{at}/{k}", k in _NAMED)
-        if hit is not None:
-            return hit
+def _big_integer(schema: dict) -> Optional[tuple]:
+    """The first (integer, key, JSON pointer of its schema) that the mask would round:
+    in `const` / `enum` (any depth of their data) or a numeric bound, of a subschema
+    the mask is built from (`masked_nodes`)."""
+    for node, at in masked_nodes(schema):
+        for k in ("const", "enum"):
+            if k in node:
+                n = _rounded_in(node[k])
+                if n is not None:
+                    return n, k, at
+        for k in _NUMBERS:
+            if _rounded(node.get(k)):
+                return node[k], k, at
     return None
 
 
-def _is_big(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and abs(v) > _EXACT
+def _rounded(v) -> bool:
+    if not isinstance(v, int) or isinstance(v, bool):
+        return False
+    try:
+        return float(v) != v
+    except OverflowError:
+        return True
 
 
-def _big_in_data(v) -> Optional[int]:
-    if _is_big(v):
+def _rounded_in(v) -> Optional[int]:
+    """The first integer a double cannot hold in JSON data `v` (depth bounded by
+    MAX_SCHEMA_DEPTH, checked first)."""
+    if _rounded(v):
         return v
     items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
     for x in items:
-        n = _big_in_data(x)
+        n = _rounded_in(x)
         if n is not None:
             return n
     return None
+
+
+# The keywords whose subschemas llguidance builds into its grammar. The others it
+# checks leniently or not at all (not, if/then/else, contains, dependentSchemas,
+# vendor x- keys) or merges (allOf): what sits there is never a part of the mask.
+_MASKED_NAMED = ("properties", "patternProperties")
+_MASKED_ONE = ("additionalProperties", "additionalItems", "items")
+_MASKED_MANY = ("anyOf", "oneOf", "prefixItems", "items")
+
+
+def masked_nodes(schema: dict):
+    """(subschema, its JSON pointer) for the schema and every subschema the mask is
+    built from, each once; a local $ref's target counts where it sits. Iterative: a
+    long chain of $refs costs no stack."""
+    stack, seen, refs = [(schema, "")], set(), set()
+    while stack:
+        node, at = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node, at
+        for k in _MASKED_NAMED:
+            v = node.get(k)
+            if isinstance(v, dict):
+                stack += [(x, f"{at}/{k}/{pointer_step(n)}") for n, x in v.items()]
+        for k in _MASKED_ONE:
+            stack.append((node.get(k), f"{at}/{k}"))
+        for k in _MASKED_MANY:
+            v = node.get(k)
+            if isinstance(v, list):
+                stack += [(x, f"{at}/{k}/{i}") for i, x in enumerate(v)]
+        ref = node.get("$ref")
+        if local_ref(ref) and ref not in refs:  # (pushed last: walked first)
+            refs.add(ref)
+            stack.append((resolve(schema, ref), ref[1:]))
+
+
+def pointer_step(name: str) -> str:
+    """A property name as a step of a JSON pointer (RFC 6901)."""
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def local_ref(ref) -> bool:
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+
+
+def resolve(schema, ref: str) -> Optional[object]:
+    """What a local $ref points to in `schema` (None: nothing)."""
+    node = schema
+    for step in ref[2:].split("/") if ref != "#" else ():
+        step = unquote(step).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return None
+    return node
 
 
 def _deeper_than(v, limit: int) -> bool:

@@ -55,7 +55,12 @@ def probe_parts(schema: dict, lltok, eos: set) -> None:
     for reasons its place in the whole schema never meets."""
     import llguidance as llg
 
-    for at, part in wide_parts(schema):
+    try:
+        parts = wide_parts(schema)
+    except Exception:  # (only a look for one limit: the whole schema compiled)
+        log.debug("finding a schema's widest objects failed", exc_info=True)
+        return
+    for at, part in parts:
         try:
             m = llg.LLMatcher(lltok, _grammar("json_schema", part), log_level=0,
                               limits=parser_limits())

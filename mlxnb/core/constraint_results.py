@@ -16,17 +16,17 @@ _VALUE = "value"  # the capture holding a JSON row's whole value (see _grammar)
 _CACHE = 256  # compiled constraints kept per engine
 
 
-def verdict(p, m, text: Optional[str] = None) -> Optional[str]:
+def verdict(p, m, text: Optional[str] = None, cut: bool = False) -> Optional[str]:
     """Why the output a matcher `m` of `p` has read so far (all of it accepted, and
     `text` if given) is not yet whole or breaks what the mask left out, or None when
-    the constraint is met."""
+    the constraint is met; `cut`: max_tokens ended it inside a character."""
     if m.is_stopped() or m.is_accepting():
         if p.json_schema is not None:
             got = m.get_capture(_VALUE)
             got = text if got is None else got
             return None if got is None else full_check(p.json_schema, got)
         return None
-    return incomplete(p, text)
+    return incomplete(p, cut)
 
 
 # What a detokenizer shows for a character max_tokens cut short. The matcher reads
@@ -35,15 +35,16 @@ def verdict(p, m, text: Optional[str] = None) -> Optional[str]:
 _CUT = "\ufffd"
 
 
-def cut_short(text: Optional[str]) -> bool:
-    """Whether `text` ends in a character cut short (or, unknowable from the text
-    alone, in a U+FFFD the model wrote: read as cut short too)."""
-    return bool(text) and text.endswith(_CUT)
+def cut_short(text: Optional[str], reason) -> bool:
+    """Whether a row that ended for `reason` with `text` ends in a character cut
+    short: max_tokens ended it, and its text ends in U+FFFD (unknowable from the text
+    alone: a U+FFFD the model wrote reads as cut short too, then)."""
+    return reason == Finish.LENGTH and bool(text) and text.endswith(_CUT)
 
 
-def incomplete(p, text: Optional[str] = None) -> str:
+def incomplete(p, cut: bool = False) -> str:
     why = f"incomplete: {_WHAT[kind_of(p)]} needs more"
-    if cut_short(text):
+    if cut:
         why += " (max_tokens ended the row inside a character, shown as U+FFFD)"
     return why
 

@@ -226,6 +226,27 @@ def _logprobs(lp, chat: bool) -> Optional[list]:
     return out or None
 
 
+def event_objects(data: str) -> Optional[list]:
+    """The JSON values an event's (non-empty) data carries, None standing for
+    `[DONE]`, the stream's end; None if it is not JSON. One value as the spec reads
+    an event; or, when the whole is not JSON but each of its lines is, one per line:
+    a server that ends each event with a single line end sends consecutive events
+    as the data lines of one."""
+    if data == "[DONE]":
+        return [None]
+    try:
+        return [json.loads(data)]
+    except ValueError:
+        pass
+    lines = [x.strip() for x in data.split("\n") if x.strip()]
+    if len(lines) < 2:
+        return None
+    try:
+        return [None if x == "[DONE]" else json.loads(x) for x in lines]
+    except ValueError:
+        return None
+
+
 # -- the event stream ------------------------------------------------------------------
 # https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation
 BOM = b"\xef\xbb\xbf"

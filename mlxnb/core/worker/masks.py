@@ -49,9 +49,9 @@ from .tokens import ids
 # leaves only allowed tokens finite; so a refused draw means no allowed token kept a
 # finite logit. In a row with logits processors they are what did that.
 _REFUSED = "doesn't satisfy the grammar"
-_NOTHING_LEFT = ("the logits processors left no token the constraint allows: every token "
-                 "its {0} allows had logit -inf after them, so the row drew one the {0} "
-                 "forbids; have them keep some allowed token")
+_NOTHING_LEFT = ("the logits processors left no token the constraint allows (each had "
+                 "logit -inf or NaN after them), so the row drew a token it forbids; have "
+                 "them keep some allowed token")
 
 
 def default_fill_threads() -> int:
@@ -226,7 +226,7 @@ class MaskFiller:
         if m.is_error():
             err = m.get_error()
             if r.processors and _REFUSED in err:
-                return Ending(Finish.ERROR, _NOTHING_LEFT.format(kind_of(r.params)))
+                return Ending(Finish.ERROR, _NOTHING_LEFT)
             return Ending(Finish.ERROR, f"constraint failed: {one_line(err)}")
         if not m.is_stopped():
             return ending

@@ -10,7 +10,7 @@ import math
 from typing import List
 
 from .._trace import lap, pc
-from ..constraint_results import verdict
+from ..constraint_results import cut_short, verdict
 from ..messages import Emitted, Updates
 from ..states import Finish
 from .decoding import RowDecoder
@@ -94,8 +94,9 @@ class ReadBack:
         if r.matcher is not None and not r.params.stop and ending.reason != Finish.ERROR:
             # its matcher read exactly the tokens its text decodes from
             # (and its text: a value cut by max_tokens has no capture yet)
-            up.checked, up.constraint_error = True, verdict(r.params, r.matcher,
-                                                            r.detok.text)
+            text = r.detok.text
+            up.checked, up.constraint_error = True, verdict(
+                r.params, r.matcher, text, cut_short(text, ending.reason))
         self.drop.add(rid)
         if rid not in self.ids:
             self.rows.pop(rid, None)

@@ -287,8 +287,9 @@ class BatchModel:
         return 0, first
 
     def qk_ok(self) -> bool:
-        """May this forward take qk_rope.py's kernel? (held weakly, as recurrent_ok)"""
-        return self._qk_live[0]
+        """May this forward take qk_rope.py's kernel? This engine's own, on its worker
+        thread (as recurrent_ok; held weakly, too)."""
+        return self._qk_live[0] and threading.get_ident() == self._thread
 
     def _adopt_qk_rope(self) -> tuple:
         """(adopted, why not): on CUDA, attention layers whose one-token q/k norms and
