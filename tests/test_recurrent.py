@@ -424,3 +424,23 @@ def test_a_load_that_fails_midway_leaves_no_steps_ungated(monkeypatch, arun):
         _load(model, arun)
     assert recurrent.compiled_layers(model) == []  # plain code, not steps nobody gates
     del held
+
+
+def test_an_earlier_engines_status_says_a_later_one_set_the_layers_up_again(arun):
+    """Each load sets a model instance's layers up for its own settings, so an
+    earlier live engine's line names what it loaded, and says so."""
+    model = build("lfm2", seed=2)
+    note = "a later Engine on this model object has set its layers up again"
+
+    async def main():
+        first = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        alone = first.status()
+        second = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        lines = first.status(), second.status()
+        await first.aclose()
+        await second.aclose()
+        return alone, lines
+
+    alone, (first, second) = arun(main)
+    assert note not in alone and note in first and note not in second
+    assert "recurrent decode compiled" in first and "recurrent decode compiled" in second

@@ -154,6 +154,7 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
                 raise
         self.model, self.tokenizer = m, tok
         self.cache_kinds: str = facts.cache_kinds
+        self._paths = facts.paths
         self.layer_costs: List[tuple] = facts.layer_costs
         self.quantized_attention: bool = facts.quantized_attention
         self._prefix = facts.prefix_reuse
@@ -307,9 +308,12 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         chunk = self._report.prefill_chunk  # as the latest tick left it
         mode = "auto" if self.prefill_chunk is None else "fixed"
         adapters = self.adapter_status()
+        kinds = self.cache_kinds + (" (as loaded: a later Engine on this model object "
+                                    "has set its layers up again; its status says how "
+                                    "they decode)" if self._paths.superseded else "")
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
-                f"tokens/step ({mode}) | {self.cache_kinds} | prefix reuse "
+                f"tokens/step ({mode}) | {kinds} | prefix reuse "
                 f"{self._prefix} | speculation {self.speculation}{self._draft_status()}"
                 + (f" | {adapters}" if adapters else ""))
 

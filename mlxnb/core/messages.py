@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional
 
 from .rows import SamplingParams
@@ -90,6 +90,16 @@ class TickReport:
 
 
 @dataclass
+class LayerPaths:
+    """How a model instance's layers decode, as one engine's load set them up (its
+    status line says). A later Engine loading on the same instance sets them up
+    again for its own settings and marks the earlier record `superseded` (a plain
+    flag the worker sets and the loop reads)."""
+
+    superseded: bool = False
+
+
+@dataclass
 class LoadFacts:
     """What the worker measured as it set the model up (Engine keeps these)."""
 
@@ -98,6 +108,7 @@ class LoadFacts:
     quantized_attention: bool  # attention reads quantized KV without dequantizing
     prefix_reuse: str  # 'on', 'off', or 'off for these cache kinds'
     speculation: str = "lookup"  # what rows may speculate with, or 'off: why'
+    paths: LayerPaths = field(default_factory=LayerPaths)  # (see LayerPaths)
 
 
 @dataclass

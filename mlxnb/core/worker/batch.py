@@ -131,7 +131,7 @@ class BatchExecutor(ReadBack, Membership):
         draft = self.spec.draft  # a draft model's KV rides with each row (draft.py)
         costs = list(s.layer_costs) + (list(draft.kv_costs) if draft is not None else [])
         return LoadFacts(s.cache_kinds, costs, s.quantized_attention, prefix,
-                         self.spec.facts)
+                         self.spec.facts, s.paths)
 
     def report(self) -> TickReport:
         """What a tick would report, without taking a step."""

@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..._log import Laps
+from ..messages import LayerPaths
 from . import (caches, gated_delta, kv_attention, qk_rope, recurrent, rows_gemv,
                short_conv, wide_kernel, wideattn)
 from .fuse import fuse_projections
@@ -88,6 +89,11 @@ class BatchModel:
             qk_rope.release(model)
             raise
         recurrent.carry(model, others)
+        # (outside the module tree, as recurrent.register's record)
+        before = model.__dict__.get("_mlxnb_paths")
+        if before is not None:
+            before.superseded = True
+        self.paths = model.__dict__["_mlxnb_paths"] = LayerPaths()
         self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
                                            self.kv_attention_note)
         if caches.LeanBatchKVCache.dense_decode:
