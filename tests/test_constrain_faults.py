@@ -18,6 +18,18 @@ from test_magics import arun_shut, attach, gen, ip  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.usefixtures("patient_submits")  # (conftest.py)
 
+def through(tiny, arun, *submits):
+    """The rows of `submit("x", chat=False, **kw)` for each kw in `submits`, run to
+    their ends in one batch."""
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("x", chat=False, **kw) for kw in submits]
+        await eng.wait()
+        await eng.aclose()
+        return rows
+    return arun(main)
+
+
 BIG = 12345678901234567891  # past 2^53: a 64-bit float holds 12345678901234567168
 
 
@@ -101,17 +113,10 @@ def _ban_digits(tokens, logits):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_processor_that_bans_every_allowed_token_ends_its_row_saying_so(tiny, arun,
                                                                          temperature):
-    async def main():
-        eng = make(tiny)
-        kw = dict(chat=False, max_tokens=6, temperature=temperature, seed=1)
-        banned = eng.submit("x", regex="[0-9]{3}", logits_processors=[_ban_digits], **kw)
-        plain = eng.submit("x", regex="[0-9]{3}", **kw)
-        free = eng.submit("x", logits_processors=[_ban_digits], **kw)
-        await eng.wait()
-        await eng.aclose()
-        return banned, plain, free
-
-    banned, plain, free = arun(main)
+    kw = dict(max_tokens=6, temperature=temperature, seed=1)
+    banned, plain, free = through(
+        tiny, arun, dict(kw, regex="[0-9]{3}", logits_processors=[_ban_digits]),
+        dict(kw, regex="[0-9]{3}"), dict(kw, logits_processors=[_ban_digits]))
     assert banned.finish_reason == "error" and banned.valid is None
     assert "logits processors left no token the constraint allows" in banned.error, banned.error
     assert "constraint failed" not in banned.error and "\n" not in banned.error
@@ -132,15 +137,7 @@ def test_a_row_cut_inside_a_character_is_incomplete_with_or_without_a_stop(tiny,
                                                                             kw, text):
     """The row's text, checked on the worker (no stop string: its matcher) or on the
     loop (a stop string: a fresh matcher reads the text), gets one verdict."""
-    async def main():
-        eng = make(tiny)
-        rows = [eng.submit("x", chat=False, **kw),
-                eng.submit("x", chat=False, stop=["zz"], **kw)]
-        await eng.wait()
-        await eng.aclose()
-        return rows
-
-    worker, loop = arun(main)
+    worker, loop = through(tiny, arun, kw, dict(kw, stop=["zz"]))
     for r in (worker, loop):
         assert (r.finish_reason, r.text, r.valid) == ("length", text, False), (
             r.text, r.constraint_error)
@@ -152,15 +149,7 @@ def test_a_row_cut_inside_a_character_is_incomplete_with_or_without_a_stop(tiny,
 def test_a_row_that_writes_a_replacement_character_and_ends_is_valid(tiny, arun, kw):
     """U+FFFD as a character the constraint asks for, and the row ends by its grammar:
     whole, with or without a stop string (only max_tokens cuts a character)."""
-    async def main():
-        eng = make(tiny)
-        rows = [eng.submit("x", chat=False, max_tokens=16, **kw),
-                eng.submit("x", chat=False, max_tokens=16, stop=["zz"], **kw)]
-        await eng.wait()
-        await eng.aclose()
-        return rows
-
-    for r in arun(main):
+    for r in through(tiny, arun, dict(kw, max_tokens=16), dict(kw, max_tokens=16, stop=["zz"])):
         assert (r.finish_reason, r.valid) == ("stop", True), (r.text, r.constraint_error)
         assert r.text.endswith("\ufffd")
 
@@ -194,15 +183,8 @@ def test_a_wide_object_off_the_probes_path_is_refused_before_submitting(tiny, ar
     {"type": "integer", "$defs": {"unused": WIDE}},  # never reached
 ])
 def test_wide_objects_within_the_limit_or_unreached_run(tiny, arun, schema):
-    async def main():
-        eng = make(tiny)
-        rows = [eng.submit("x", chat=False, json_schema=schema, max_tokens=16, seed=s,
-                           temperature=1.0) for s in range(4)]
-        await eng.wait()
-        await eng.aclose()
-        return rows
-
-    for r in arun(main):
+    for r in through(tiny, arun, *[dict(json_schema=schema, max_tokens=16, seed=s,
+                                        temperature=1.0) for s in range(4)]):
         assert r.finish_reason in ("stop", "length") and r.error is None, r.error
 
 
