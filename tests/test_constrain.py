@@ -93,7 +93,7 @@ def test_64_mixed_rows_in_one_batch_every_stopped_row_is_valid(tiny, arun, lanes
         # the verdicts the worker read off each row's matcher, against a fresh
         # matcher reading the finished text
         assert [r.constraint_error for r in rows] == [
-            eng.constraints.check(r.params, r.text) for r in rows]
+            eng.constraints.check(r.params, r.text, r.finish_reason) for r in rows]
         await eng.aclose()
         return rows, steps
 

@@ -47,6 +47,14 @@ BIG = 12345678901234567891  # past 2^53: a 64-bit float holds 123456789012345671
     ({"type": "object", "properties": {"p": {"const": {"deep": [1, {"n": BIG}]}}}},
      "`const` at /properties/p"),
     ({"type": "integer", "exclusiveMinimum": 2 ** 53 + 1}, "`exclusiveMinimum` at /"),
+    # held by a double, but misread: past a signed 64-bit integer (-2^63 made
+    # llguidance fail hard), or an exclusive bound that one more does not move
+    ({"const": -(2 ** 63)}, "`const` at /"),
+    ({"enum": [1, 2 ** 63]}, "`enum` at /"),
+    ({"type": "integer", "minimum": 2 ** 63, "maximum": 2 ** 63}, "at /"),
+    ({"type": "integer", "exclusiveMinimum": 2 ** 60}, "`exclusiveMinimum` at /"),
+    # allOf's members are built into the mask too
+    ({"allOf": [{"type": "integer"}, {"const": 2 ** 53 + 1}]}, "`const` at /allOf/1"),
 ])
 def test_integers_past_2_53_that_the_mask_would_round_are_refused(tiny, arun, schema,
                                                                   where):
@@ -65,8 +73,10 @@ def test_integers_past_2_53_that_the_mask_would_round_are_refused(tiny, arun, sc
                                       "minimum": {"type": "integer"}}},
     {"type": "string", "maxLength": 5, "exclusiveMinimum": True},  # draft 4's boolean
     {"const": 2 ** 60, "enum": [10 ** 18, -(2 ** 62)]},  # past 2^53, but a double holds them
+    {"type": "integer", "minimum": 2 ** 60, "maximum": 2 ** 62},  # inclusive: exact
     # keywords the mask is not built from
     {"type": "integer", "not": {"const": BIG}, "if": {"maximum": BIG}, "then": {}},
+    {"type": "array", "items": {"type": "integer"}, "additionalItems": {"const": BIG}},
     {"type": "integer", "x-db": {"maximum": BIG}, "$defs": {"unused": {"const": BIG}}},
 ])
 def test_schemas_without_such_integers_pass(schema):
@@ -198,8 +208,11 @@ _BASE = {"type": "object", "properties": {"a": {"type": "integer"}}, "required":
     dict(_BASE, **{"x-ui": WIDE}),
     dict(_BASE, dependentSchemas={"a": WIDE}),
     {"type": "array", "items": {"type": "integer"}, "contains": WIDE},
+    {"type": "array", "items": {"type": "integer"}, "additionalItems": WIDE},
+    # what merges into a member or a $ref's target requires its properties
     {"allOf": [{"$ref": "#/$defs/base"}, {"required": [f"p{i}" for i in range(600)]}],
      "$defs": {"base": WIDE}},
+    {"type": "array", "items": {"required": [f"p{i}" for i in range(590)], "anyOf": [WIDE]}},
     # every property required: a sequence, no alternatives
     {"type": "array", "items": dict(WIDE, required=list(WIDE["properties"]))},
 ])
@@ -215,6 +228,15 @@ def test_a_long_chain_of_refs_is_walked_without_the_stack():
     schema = {"$ref": "#/$defs/D0", "$defs": defs}
     assert [at for at, _ in wide_parts(schema)] == [f"/$defs/D{n}"]
     assert normalize({"json_schema": schema})["json_schema"] == schema
+
+
+def test_a_wide_object_inside_an_all_of_is_probed():
+    """pydantic v1 writes a described field as `allOf: [{$ref}]`: llguidance builds
+    the members into the mask, so the wide definition is reached there."""
+    schema = {"type": "object", "properties": {"b": {
+        "allOf": [{"$ref": "#/definitions/wide"}], "description": "b"}},
+        "required": ["b"], "definitions": {"wide": WIDE}}
+    assert [at for at, _ in wide_parts(schema)] == ["/definitions/wide"]
 
 
 def test_an_object_reached_twice_is_probed_once():

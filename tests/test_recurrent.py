@@ -430,7 +430,7 @@ def test_an_earlier_engines_status_says_a_later_one_set_the_layers_up_again(arun
     """Each load sets a model instance's layers up for its own settings, so an
     earlier live engine's line names what it loaded, and says so."""
     model = build("lfm2", seed=2)
-    note = "a later Engine on this model object has set its layers up again"
+    note = "a later Engine load on this model object has set its layers up again"
 
     async def main():
         first = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
@@ -444,3 +444,24 @@ def test_an_earlier_engines_status_says_a_later_one_set_the_layers_up_again(arun
     alone, (first, second) = arun(main)
     assert note not in alone and note in first and note not in second
     assert "recurrent decode compiled" in first and "recurrent decode compiled" in second
+
+
+def test_a_later_load_that_fails_still_marks_the_earlier_status(monkeypatch, arun):
+    from mlxnb.core.worker.setup import BatchModel
+
+    model = build("lfm2", seed=2)
+
+    def boom(self):
+        raise RuntimeError("a load check failed")
+
+    async def main():
+        first = Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        monkeypatch.setattr(BatchModel, "_adopt_qk_rope", boom)
+        with pytest.raises(RuntimeError):
+            Engine((model, byte_tokenizer()), warmup=False, kv_budget=None)
+        line = first.status()
+        await first.aclose()
+        return line
+
+    assert "has set its layers up again since" in arun(main)
+    assert recurrent.compiled_layers(model) == []  # (the failed load left plain code)

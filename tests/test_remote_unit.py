@@ -840,6 +840,20 @@ def test_an_events_data_lines_are_joined_and_dispatched_at_the_blank_line():
         events(["data: " + "x" * 500] * 3, limit=1024)  # bounded, though each line is short
 
 
+def test_events_sent_without_blank_lines_are_dispatched_as_they_come():
+    """Not the spec's, but sent: each event ended by one line end. A data line after
+    one that is a whole JSON value dispatches it, so the stream still streams."""
+    sse_events = SSEEvents(1 << 20)
+    got = [sse_events.line(x) for x in ['data: {"a": 1}', 'data: {"b": [2]}', "data: [DONE]"]]
+    assert got == [None, ("data", '{"a": 1}'), ("data", '{"b": [2]}')]
+    assert sse_events.end() == ("data", "[DONE]")
+    # a true multi-line event never starts with a whole JSON value: joined as before
+    assert events(['data: {"a":', 'data: 1}', 'data: {"b": 2}', ""]) == \
+        [("data", '{"a":\n1}\n{"b": 2}')]
+    for _ in range(10_000):  # long streams stay within the event bound
+        sse_events.line('data: {"t": "x"}')
+
+
 def test_a_finish_reason_that_is_not_a_string_is_not_a_finish(arun):
     ev = chat_chunks(["a"])[:1] + [{"choices": [{"index": 0, "delta": {},
                                                  "finish_reason": ["stop"]}]}]

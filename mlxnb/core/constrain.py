@@ -297,8 +297,10 @@ class Constraints:
         if m is None:
             return None
         llt = self.lltokenizer()
-        # a character cut short is incomplete output, as the worker's matcher, which
-        # read its bytes, says; its U+FFFD is not a character the model wrote
+        # A character cut short is incomplete output, as the worker's matcher, which
+        # read its bytes, says: its U+FFFD is not what the model wrote. (The text
+        # cannot tell a U+FFFD the model wrote last before max_tokens: read as cut
+        # too, the likelier by far, e.g. under a regex such as [^\n]+.)
         cut = cut_short(text, reason)
         ids = llt.greedy_tokenize(text[:-1] if cut else text)
         n = m.try_consume_tokens(ids)

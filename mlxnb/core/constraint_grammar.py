@@ -7,7 +7,8 @@ import importlib.util
 import json
 import re
 
-from .constraint_params import _DATA, _NAMED, local_ref, masked_nodes, without_annotations
+from .constraint_params import (_DATA, _NAMED, _required, local_ref, masked_nodes,
+                                without_annotations)
 from .constraint_results import _VALUE
 
 
@@ -77,23 +78,23 @@ def wide_parts(schema: dict) -> list:
     """[(JSON pointer, schema)] for the objects of the most optional properties (at
     least WIDE_OBJECT) among the subschemas the mask is built from (`masked_nodes`),
     below the root, each a schema of its own whose $refs reach the whole schema,
-    held under its $defs."""
+    held under its $defs, and that requires what its context requires."""
     found = []
-    for node, at in masked_nodes(schema):
+    for node, at, ctx in masked_nodes(schema):
         props = node.get("properties")
         if not at or not isinstance(props, dict) or len(props) < WIDE_OBJECT:
             continue
-        req = node.get("required")
-        req = {r for r in req if isinstance(r, str)} if isinstance(req, list) else set()
-        optional = len(props.keys() - req)
-        if optional >= WIDE_OBJECT:
-            found.append((optional, at, node))
+        required = (_required(node) | ctx) & props.keys()
+        if len(props) - len(required) >= WIDE_OBJECT:
+            found.append((len(props) - len(required), at, node, required))
     if not found:
         return []
     found.sort(key=lambda f: -f[0])
     whole, out = _rerooted(schema), []
-    for _, at, node in found[:_MAX_PARTS]:
+    for _, at, node, required in found[:_MAX_PARTS]:
         part = _rerooted(node)
+        if required:  # as merged where it sits (masked_nodes)
+            part["required"] = sorted(required)
         defs = part.get("$defs")
         part["$defs"] = dict(defs if isinstance(defs, dict) else {}, **{_ROOT: whole})
         if "x-guidance" in schema:

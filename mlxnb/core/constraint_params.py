@@ -79,16 +79,15 @@ def _schema_dict(js) -> dict:
     if big is not None:
         n, key, at = big
         raise ValueError(f"json_schema: integer {_short(n, 40)} in `{key}` at {at or '/'} "
-                         f"is past 2^53 and not one a 64-bit float holds, which constrained "
-                         f"generation rounds (llguidance reads numbers as doubles); use a "
-                         f"string instead (with a pattern for a range)")
+                         f"is past 2^53 where constrained generation cannot hold it exactly "
+                         f"(llguidance reads numbers as doubles, bounds as 64-bit integers); "
+                         f"use a string instead (with a pattern for a range)")
     return js
 
 
-# Keys whose numbers llguidance writes into the mask. It reads them as 64-bit floats,
-# so an integer a double cannot hold (past 2^53, and not a multiple of a large enough
-# power of two) becomes a neighbour: the mask then forces or bounds by a number the
-# schema does not hold, and the full check calls the row invalid.
+# Keys whose numbers llguidance writes into the mask (`_rounded` says which integers
+# it misreads): the mask then forces or bounds by a number the schema does not hold,
+# and the full check calls the row invalid.
 _NUMBERS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                       "multipleOf"})
 
@@ -97,25 +96,28 @@ def _big_integer(schema: dict) -> Optional[tuple]:
     """The first (integer, key, JSON pointer of its schema) that the mask would round:
     in `const` / `enum` (any depth of their data) or a numeric bound, of a subschema
     the mask is built from (`masked_nodes`)."""
-    for node, at in masked_nodes(schema):
+    for node, at, _ in masked_nodes(schema):
         for k in ("const", "enum"):
             if k in node:
                 n = _rounded_in(node[k])
                 if n is not None:
                     return n, k, at
         for k in _NUMBERS:
-            if _rounded(node.get(k)):
+            if _rounded(node.get(k), k.startswith("exclusive")):
                 return node[k], k, at
     return None
 
 
-def _rounded(v) -> bool:
+def _rounded(v, exclusive: bool = False) -> bool:
+    """Would llguidance's mask misread integer `v`? A double rounds it; past a signed
+    64-bit integer it prints the rounded float or saturates (and at -2^63 it fails
+    hard); an exclusive bound past 2^53 is moved by one, which a double does not
+    change."""
     if not isinstance(v, int) or isinstance(v, bool):
         return False
-    try:
-        return float(v) != v
-    except OverflowError:
+    if not -2 ** 63 < v < 2 ** 63 or (exclusive and abs(v) >= 2 ** 53):
         return True
+    return float(v) != v
 
 
 def _rounded_in(v) -> Optional[int]:
@@ -132,38 +134,63 @@ def _rounded_in(v) -> Optional[int]:
 
 
 # The keywords whose subschemas llguidance builds into its grammar. The others it
-# checks leniently or not at all (not, if/then/else, contains, dependentSchemas,
-# vendor x- keys) or merges (allOf): what sits there is never a part of the mask.
+# checks after, leniently, or not at all (not, if/then/else, contains,
+# dependentSchemas, vendor x- keys): what sits there is never a part of the mask.
 _MASKED_NAMED = ("properties", "patternProperties")
-_MASKED_ONE = ("additionalProperties", "additionalItems", "items")
-_MASKED_MANY = ("anyOf", "oneOf", "prefixItems", "items")
+_MERGED = ("anyOf", "oneOf", "allOf")  # members llguidance merges their holder into
+
+
+def _required(node: dict) -> frozenset:
+    r = node.get("required")
+    return frozenset(x for x in r if isinstance(x, str)) if isinstance(r, list) else frozenset()
 
 
 def masked_nodes(schema: dict):
-    """(subschema, its JSON pointer) for the schema and every subschema the mask is
-    built from, each once; a local $ref's target counts where it sits. Iterative: a
-    long chain of $refs costs no stack."""
-    stack, seen, refs = [(schema, "")], set(), set()
+    """(subschema, its JSON pointer, the property names its context requires) for the
+    schema and every subschema the mask is built from, each once; a local $ref's
+    target counts where it sits. llguidance merges a node's siblings into its
+    anyOf / oneOf / allOf members and its $ref's target, so those get the node's
+    `required` (and its allOf members') as context. Arrays as llguidance reads them:
+    `items` as a list with `additionalItems` (drafts before 2020-12), else `items`
+    with `prefixItems`. Iterative: a long chain of $refs costs no stack."""
+    root_draft = str(schema.get("$schema", ""))
+    old = "draft-0" in root_draft or "2019-09" in root_draft
+    stack, seen, refs = [(schema, "", frozenset())], set(), set()
     while stack:
-        node, at = stack.pop()
+        node, at, ctx = stack.pop()
         if not isinstance(node, dict) or id(node) in seen:
             continue
         seen.add(id(node))
-        yield node, at
+        yield node, at, ctx
         for k in _MASKED_NAMED:
             v = node.get(k)
             if isinstance(v, dict):
-                stack += [(x, f"{at}/{k}/{pointer_step(n)}") for n, x in v.items()]
-        for k in _MASKED_ONE:
-            stack.append((node.get(k), f"{at}/{k}"))
-        for k in _MASKED_MANY:
+                stack += [(x, f"{at}/{k}/{pointer_step(n)}", frozenset())
+                          for n, x in v.items()]
+        stack.append((node.get("additionalProperties"), f"{at}/additionalProperties",
+                      frozenset()))
+        items = node.get("items")
+        if isinstance(items, list):
+            stack += [(x, f"{at}/items/{i}", frozenset()) for i, x in enumerate(items)]
+            stack.append((node.get("additionalItems"), f"{at}/additionalItems", frozenset()))
+        else:
+            stack.append((items, f"{at}/items", frozenset()))
+            prefix = node.get("prefixItems")
+            if isinstance(prefix, list) and "additionalItems" not in node and not old:
+                stack += [(x, f"{at}/prefixItems/{i}", frozenset())
+                          for i, x in enumerate(prefix)]
+        merged = ctx | _required(node)
+        for m in node.get("allOf") if isinstance(node.get("allOf"), list) else ():
+            if isinstance(m, dict):
+                merged |= _required(m)
+        for k in _MERGED:
             v = node.get(k)
             if isinstance(v, list):
-                stack += [(x, f"{at}/{k}/{i}") for i, x in enumerate(v)]
+                stack += [(x, f"{at}/{k}/{i}", merged) for i, x in enumerate(v)]
         ref = node.get("$ref")
         if local_ref(ref) and ref not in refs:  # (pushed last: walked first)
             refs.add(ref)
-            stack.append((resolve(schema, ref), ref[1:]))
+            stack.append((resolve(schema, ref), ref[1:], merged))
 
 
 def pointer_step(name: str) -> str:

@@ -308,9 +308,9 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         chunk = self._report.prefill_chunk  # as the latest tick left it
         mode = "auto" if self.prefill_chunk is None else "fixed"
         adapters = self.adapter_status()
-        kinds = self.cache_kinds + (" (as loaded: a later Engine on this model object "
-                                    "has set its layers up again; its status says how "
-                                    "they decode)" if self._paths.superseded else "")
+        kinds = self.cache_kinds + (" (as loaded: a later Engine load on this model "
+                                    "object has set its layers up again since)"
+                                    if self._paths.superseded else "")
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
                 f"tokens/step ({mode}) | {kinds} | prefix reuse "

@@ -34,7 +34,7 @@ import httpx
 
 from .._text import one_line
 from .bodies import read_capped, sse_events
-from .wire import ServerError, error_line, error_text, event_objects, status_error
+from .wire import ServerError, error_line, error_text, status_error
 
 # Statuses worth trying again: rate limits and a server (or its proxy) that is
 # starting, overloaded or restarting.
@@ -277,22 +277,22 @@ class Client:
                                 other.append(value)
                             continue
                         payload = value.strip()  # an event's data, its lines joined
+                        if payload == "[DONE]":
+                            return None
                         if not payload:  # an empty data field dispatches nothing
                             continue
-                        objs = event_objects(payload)
-                        if objs is None:  # (long: the engine scrubs the key, then cuts)
+                        try:
+                            obj = json.loads(payload)
+                        except ValueError:  # (long: the engine scrubs the key, then cuts)
                             raise ServerError("the server sent a stream event that is not "
-                                              f"JSON: {payload[:2000]!r}")
-                        for obj in objs:
-                            if obj is None:  # [DONE]
-                                return None
-                            try:
-                                output = on_data(obj)
-                            except EndStream:
-                                return None  # leaving the block drops the connection
-                            if output:
-                                started[0] = True
-                                last = self.last_output = loop.time()
+                                              f"JSON: {payload[:2000]!r}") from None
+                        try:
+                            output = on_data(obj)
+                        except EndStream:
+                            return None  # leaving the block drops the connection
+                        if output:
+                            started[0] = True
+                            last = self.last_output = loop.time()
                     if other and not started[0]:  # e.g. a JSON error, a sign-in page
                         raise ServerError("the server's answer is not an event stream: "
                                           + error_text("\n".join(other).encode(), 4000))

@@ -226,27 +226,6 @@ def _logprobs(lp, chat: bool) -> Optional[list]:
     return out or None
 
 
-def event_objects(data: str) -> Optional[list]:
-    """The JSON values an event's (non-empty) data carries, None standing for
-    `[DONE]`, the stream's end; None if it is not JSON. One value as the spec reads
-    an event; or, when the whole is not JSON but each of its lines is, one per line:
-    a server that ends each event with a single line end sends consecutive events
-    as the data lines of one."""
-    if data == "[DONE]":
-        return [None]
-    try:
-        return [json.loads(data)]
-    except ValueError:
-        pass
-    lines = [x.strip() for x in data.split("\n") if x.strip()]
-    if len(lines) < 2:
-        return None
-    try:
-        return [None if x == "[DONE]" else json.loads(x) for x in lines]
-    except ValueError:
-        return None
-
-
 # -- the event stream ------------------------------------------------------------------
 # https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation
 BOM = b"\xef\xbb\xbf"
@@ -322,6 +301,12 @@ class SSEEvents:
     progress), ("error", the value) for llama.cpp's `error: {json}` line (its own, not
     an SSE field), ("other", the line) for a line no event stream has, or None.
 
+    A server that ends each event with one line end, not two, sends consecutive
+    events as the data lines of one. So a data line that comes after a first one that
+    is a JSON value (or [DONE]) on its own dispatches that first: a JSON value never
+    goes on past a line end the spec reads, so a true multi-line event never starts
+    with one, and such a stream still streams.
+
     An event's data past `limit` characters raises ServerError: lines are bounded one
     by one, and data lines that never reach a blank line must not grow forever."""
 
@@ -338,6 +323,9 @@ class SSEEvents:
         field, colon, value = line.partition(":")
         value = value[1:] if value.startswith(" ") else value
         if field == "data":
+            if len(self._data) == 1 and _whole(self._data[0]):
+                out, self._data, self._size = ("data", self._data[0]), [value], len(value) + 1
+                return out
             self._size += len(value) + 1
             if self._size > self.limit:
                 raise ServerError(f"the server sent an event longer than "
@@ -358,7 +346,22 @@ class SSEEvents:
         return self._dispatch()
 
     def _dispatch(self) -> Optional[Tuple[str, str]]:
+        """The pending event's data (its lines joined), as the blank line sends it."""
         if not self._data:
             return None
         data, self._data, self._size = "\n".join(self._data), [], 0
         return "data", data
+
+
+def _whole(line: str) -> bool:
+    """Is one data line a whole event by itself: [DONE], or a JSON value?"""
+    text = line.strip()
+    if text == "[DONE]":
+        return True
+    if not text or text[0] not in "{[":  # (completion events are objects)
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -77,6 +77,12 @@ class BatchModel:
         # made it); every other live engine's gate is carried over, so it still
         # decides for its rows. A load that fails midway leaves no steps ungated.
         others = recurrent.register(model, self.recurrent_ok)
+        # the record an earlier engine's status reads (outside the module tree, as
+        # recurrent.register's): its layers change from here, whatever this load does
+        before = model.__dict__.get("_mlxnb_paths")
+        if before is not None:
+            before.superseded = True
+        self.paths = model.__dict__["_mlxnb_paths"] = LayerPaths()
         recurrent.uncompile(model)
         qk_rope.release(model)
         try:
@@ -89,11 +95,6 @@ class BatchModel:
             qk_rope.release(model)
             raise
         recurrent.carry(model, others)
-        # (outside the module tree, as recurrent.register's record)
-        before = model.__dict__.get("_mlxnb_paths")
-        if before is not None:
-            before.superseded = True
-        self.paths = model.__dict__["_mlxnb_paths"] = LayerPaths()
         self.cache_kinds = caches.describe(probe, kv_bits, self.kv_attention,
                                            self.kv_attention_note)
         if caches.LeanBatchKVCache.dense_decode:
