@@ -53,6 +53,9 @@ BIG = 12345678901234567891  # past 2^53: a 64-bit float holds 123456789012345671
     ({"enum": [1, 2 ** 63]}, "`enum` at /"),
     ({"type": "integer", "minimum": 2 ** 63, "maximum": 2 ** 63}, "at /"),
     ({"type": "integer", "exclusiveMinimum": 2 ** 60}, "`exclusiveMinimum` at /"),
+    # an integer's bounds written as floats are read as integers
+    ({"type": "integer", "minimum": 1e19}, "`minimum` at /"),
+    ({"type": ["integer", "null"], "exclusiveMinimum": 1e17}, "`exclusiveMinimum` at /"),
     # allOf's members are built into the mask too
     ({"allOf": [{"type": "integer"}, {"const": 2 ** 53 + 1}]}, "`const` at /allOf/1"),
 ])
@@ -74,6 +77,7 @@ def test_integers_past_2_53_that_the_mask_would_round_are_refused(tiny, arun, sc
     {"type": "string", "maxLength": 5, "exclusiveMinimum": True},  # draft 4's boolean
     {"const": 2 ** 60, "enum": [10 ** 18, -(2 ** 62)]},  # past 2^53, but a double holds them
     {"type": "integer", "minimum": 2 ** 60, "maximum": 2 ** 62},  # inclusive: exact
+    {"type": "number", "maximum": 1e300, "exclusiveMinimum": 1e20},  # floats, as read
     # keywords the mask is not built from
     {"type": "integer", "not": {"const": BIG}, "if": {"maximum": BIG}, "then": {}},
     {"type": "array", "items": {"type": "integer"}, "additionalItems": {"const": BIG}},
@@ -228,6 +232,30 @@ def test_a_long_chain_of_refs_is_walked_without_the_stack():
     schema = {"$ref": "#/$defs/D0", "$defs": defs}
     assert [at for at, _ in wide_parts(schema)] == [f"/$defs/D{n}"]
     assert normalize({"json_schema": schema})["json_schema"] == schema
+
+
+def test_a_definition_is_probed_in_the_context_that_leaves_it_widest():
+    """Reached first where its properties are all required, then where none are."""
+    schema = {"type": "object", "required": ["x", "y"], "$defs": {"w": WIDE}, "properties": {
+        "x": {"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/w"}]},
+        "y": {"allOf": [{"$ref": "#/$defs/w"}, {"required": list(WIDE["properties"])}]}}}
+    assert [at for at, _ in wide_parts(schema)] == ["/$defs/w"]
+
+
+@pytest.mark.parametrize("schema", [
+    # a member's property merged with another member's (llguidance intersects them)
+    {"type": "object", "required": ["x"], "properties": {"x": {"allOf": [
+        {"type": "object", "properties": {"q": WIDE}},
+        {"properties": {"q": {"required": list(WIDE["properties"])}}}]}}},
+    {"type": "object", "properties": {"q": WIDE},
+     "anyOf": [{"properties": {"q": {"required": list(WIDE["properties"])}}}]},
+    # a required name the wide branch cannot hold: it is never entered
+    {"required": ["p999"], "anyOf": [{"type": "integer"}, dict(
+        _wide(1000), additionalProperties=False, required=["nope"])]},
+])
+def test_wide_objects_merged_with_others_are_not_refused(tiny, arun, schema):
+    (r,) = through(tiny, arun, dict(json_schema=schema, max_tokens=8))
+    assert r.finish_reason in ("stop", "length"), r.error
 
 
 def test_a_wide_object_inside_an_all_of_is_probed():

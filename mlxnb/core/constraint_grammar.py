@@ -79,19 +79,19 @@ def wide_parts(schema: dict) -> list:
     least WIDE_OBJECT) among the subschemas the mask is built from (`masked_nodes`),
     below the root, each a schema of its own whose $refs reach the whole schema,
     held under its $defs, and that requires what its context requires."""
-    found = []
-    for node, at, ctx in masked_nodes(schema):
+    found = {}  # id(node) -> its widest reading
+    for node, at, ctx, alone in masked_nodes(schema):
         props = node.get("properties")
-        if not at or not isinstance(props, dict) or len(props) < WIDE_OBJECT:
+        if not at or not alone or not isinstance(props, dict) or len(props) < WIDE_OBJECT:
             continue
-        required = (_required(node) | ctx) & props.keys()
-        if len(props) - len(required) >= WIDE_OBJECT:
-            found.append((len(props) - len(required), at, node, required))
+        required = _required(node) | ctx
+        optional = len(props.keys() - required)
+        if optional >= WIDE_OBJECT and optional > found.get(id(node), (0,))[0]:
+            found[id(node)] = (optional, at, node, required)
     if not found:
         return []
-    found.sort(key=lambda f: -f[0])
     whole, out = _rerooted(schema), []
-    for _, at, node, required in found[:_MAX_PARTS]:
+    for _, at, node, required in sorted(found.values(), key=lambda f: -f[0])[:_MAX_PARTS]:
         part = _rerooted(node)
         if required:  # as merged where it sits (masked_nodes)
             part["required"] = sorted(required)

@@ -96,14 +96,19 @@ def _big_integer(schema: dict) -> Optional[tuple]:
     """The first (integer, key, JSON pointer of its schema) that the mask would round:
     in `const` / `enum` (any depth of their data) or a numeric bound, of a subschema
     the mask is built from (`masked_nodes`)."""
-    for node, at, _ in masked_nodes(schema):
+    for node, at, _, _ in masked_nodes(schema):
         for k in ("const", "enum"):
             if k in node:
                 n = _rounded_in(node[k])
                 if n is not None:
                     return n, k, at
+        t = node.get("type")
+        integer = "integer" in (t if isinstance(t, list) else [t])
         for k in _NUMBERS:
-            if _rounded(node.get(k), k.startswith("exclusive")):
+            v = node.get(k)
+            if integer and isinstance(v, float) and v.is_integer():
+                v = int(v)  # an integer's bound written 1e19: read as an integer too
+            if _rounded(v, k.startswith("exclusive")):
                 return node[k], k, at
     return None
 
@@ -145,52 +150,86 @@ def _required(node: dict) -> frozenset:
     return frozenset(x for x in r if isinstance(x, str)) if isinstance(r, list) else frozenset()
 
 
+_WALK_BUDGET = 200_000  # subschemas visited at most (a node is revisited per context)
+
+
+def _names(node) -> frozenset:
+    props = node.get("properties") if isinstance(node, dict) else None
+    return frozenset(props) if isinstance(props, dict) else frozenset()
+
+
 def masked_nodes(schema: dict):
-    """(subschema, its JSON pointer, the property names its context requires) for the
-    schema and every subschema the mask is built from, each once; a local $ref's
-    target counts where it sits. llguidance merges a node's siblings into its
-    anyOf / oneOf / allOf members and its $ref's target, so those get the node's
-    `required` (and its allOf members') as context. Arrays as llguidance reads them:
-    `items` as a list with `additionalItems` (drafts before 2020-12), else `items`
-    with `prefixItems`. Iterative: a long chain of $refs costs no stack."""
+    """(subschema, its JSON pointer, the property names its context requires, alone)
+    for the schema and every subschema the mask is built from; a local $ref's target
+    counts where it sits. llguidance merges a node into its anyOf / oneOf / allOf
+    members and its $ref's target, so those get the node's `required` (and its allOf
+    members') as context; and it intersects same-named properties across what it
+    merges, so a property another merged schema defines too is not `alone` (its
+    schema is not what the mask builds), nor is anything below it. A node reached
+    again in a context that requires no more (and no less alone) is not walked again.
+    Arrays as llguidance reads them: `items` as a list with `additionalItems`
+    (drafts before 2020-12), else `items` with `prefixItems`. Iterative: a long
+    chain of $refs costs no stack."""
     root_draft = str(schema.get("$schema", ""))
     old = "draft-0" in root_draft or "2019-09" in root_draft
-    stack, seen, refs = [(schema, "", frozenset())], set(), set()
-    while stack:
-        node, at, ctx = stack.pop()
-        if not isinstance(node, dict) or id(node) in seen:
+    stack = [(schema, "", frozenset(), frozenset(), True)]
+    seen: dict = {}  # id(node) -> [(ctx, alone)] walked
+    budget = _WALK_BUDGET
+    while stack and budget:
+        budget -= 1
+        node, at, ctx, shadow, alone = stack.pop()
+        if not isinstance(node, dict):
             continue
-        seen.add(id(node))
-        yield node, at, ctx
+        walked = seen.setdefault(id(node), [])
+        if any(c <= ctx and (a or not alone) for c, a in walked):
+            continue
+        walked.append((ctx, alone))
+        yield node, at, ctx, alone
+        all_of = [m for m in node.get("allOf") or () if isinstance(m, dict)] \
+            if isinstance(node.get("allOf"), list) else []
+        branches = [m for k in ("anyOf", "oneOf") if isinstance(node.get(k), list)
+                    for m in node[k] if isinstance(m, dict)]
+        own = _names(node)
+        group = [own] + [_names(m) for m in all_of]  # what merges with every member
+        anywhere = frozenset().union(*group)
+        # properties: another schema merged with this one defines them too
+        also = shadow | frozenset().union(*[_names(m) for m in all_of + branches])
         for k in _MASKED_NAMED:
             v = node.get(k)
             if isinstance(v, dict):
-                stack += [(x, f"{at}/{k}/{pointer_step(n)}", frozenset())
-                          for n, x in v.items()]
+                stack += [(x, f"{at}/{k}/{pointer_step(n)}", frozenset(), frozenset(),
+                           alone and n not in also) for n, x in v.items()]
         stack.append((node.get("additionalProperties"), f"{at}/additionalProperties",
-                      frozenset()))
+                      frozenset(), frozenset(), alone))
         items = node.get("items")
         if isinstance(items, list):
-            stack += [(x, f"{at}/items/{i}", frozenset()) for i, x in enumerate(items)]
-            stack.append((node.get("additionalItems"), f"{at}/additionalItems", frozenset()))
+            stack += [(x, f"{at}/items/{i}", frozenset(), frozenset(), alone)
+                      for i, x in enumerate(items)]
+            stack.append((node.get("additionalItems"), f"{at}/additionalItems",
+                          frozenset(), frozenset(), alone))
         else:
-            stack.append((items, f"{at}/items", frozenset()))
+            stack.append((items, f"{at}/items", frozenset(), frozenset(), alone))
             prefix = node.get("prefixItems")
             if isinstance(prefix, list) and "additionalItems" not in node and not old:
-                stack += [(x, f"{at}/prefixItems/{i}", frozenset())
+                stack += [(x, f"{at}/prefixItems/{i}", frozenset(), frozenset(), alone)
                           for i, x in enumerate(prefix)]
         merged = ctx | _required(node)
-        for m in node.get("allOf") if isinstance(node.get("allOf"), list) else ():
-            if isinstance(m, dict):
-                merged |= _required(m)
+        for m in all_of:
+            merged |= _required(m)
         for k in _MERGED:
             v = node.get(k)
-            if isinstance(v, list):
-                stack += [(x, f"{at}/{k}/{i}", merged) for i, x in enumerate(v)]
+            if not isinstance(v, list):
+                continue
+            for i, x in enumerate(v):
+                if k == "allOf":  # the others in the group, not its own
+                    others = [g for g, m in zip(group[1:], all_of) if m is not x]
+                    mine = shadow | own | frozenset().union(*others)
+                else:
+                    mine = shadow | anywhere
+                stack.append((x, f"{at}/{k}/{i}", merged, mine, alone))
         ref = node.get("$ref")
-        if local_ref(ref) and ref not in refs:  # (pushed last: walked first)
-            refs.add(ref)
-            stack.append((resolve(schema, ref), ref[1:], merged))
+        if local_ref(ref):  # (pushed last: walked first)
+            stack.append((resolve(schema, ref), ref[1:], merged, shadow | anywhere, alone))
 
 
 def pointer_step(name: str) -> str:

@@ -41,6 +41,13 @@ class BatchModel:
                 f"mlxnb cannot batch this model: its {', '.join(bad)} cache has no "
                 f"batched form (mlxnb batches KVCache, RotatingKVCache, ArraysCache, "
                 f"CacheList and quantized KV). Use mlx_lm.generate for it.")
+        # the record an earlier engine's status reads (outside the module tree, as
+        # recurrent.register's): its layers change from here (fused, re-compiled,
+        # kernels swapped), whatever this load does
+        before = model.__dict__.get("_mlxnb_paths")
+        if before is not None:
+            before.superseded = True
+        self.paths = model.__dict__["_mlxnb_paths"] = LayerPaths()
         laps = Laps("load")
         self.layer_costs = self._probe_costs()
         laps("cache probes")
@@ -77,12 +84,6 @@ class BatchModel:
         # made it); every other live engine's gate is carried over, so it still
         # decides for its rows. A load that fails midway leaves no steps ungated.
         others = recurrent.register(model, self.recurrent_ok)
-        # the record an earlier engine's status reads (outside the module tree, as
-        # recurrent.register's): its layers change from here, whatever this load does
-        before = model.__dict__.get("_mlxnb_paths")
-        if before is not None:
-            before.superseded = True
-        self.paths = model.__dict__["_mlxnb_paths"] = LayerPaths()
         recurrent.uncompile(model)
         qk_rope.release(model)
         try:
