@@ -150,6 +150,11 @@ def _required(node: dict) -> frozenset:
     return frozenset(x for x in r if isinstance(x, str)) if isinstance(r, list) else frozenset()
 
 
+# drafts whose `items` may be a list, with `additionalItems` (later: `prefixItems`)
+_ITEMS_AS_LIST = frozenset({"http://json-schema.org/draft-04/schema",
+                            "http://json-schema.org/draft-06/schema",
+                            "http://json-schema.org/draft-07/schema",
+                            "https://json-schema.org/draft/2019-09/schema"})
 _WALK_BUDGET = 200_000  # subschemas visited at most (a node is revisited per context)
 
 
@@ -170,8 +175,7 @@ def masked_nodes(schema: dict):
     Arrays as llguidance reads them: `items` as a list with `additionalItems`
     (drafts before 2020-12), else `items` with `prefixItems`. Iterative: a long
     chain of $refs costs no stack."""
-    root_draft = str(schema.get("$schema", ""))
-    old = "draft-0" in root_draft or "2019-09" in root_draft
+    old = str(schema.get("$schema", "")).rstrip("#") in _ITEMS_AS_LIST
     stack = [(schema, "", frozenset(), frozenset(), True)]
     seen: dict = {}  # id(node) -> [(ctx, alone)] walked
     budget = _WALK_BUDGET
