@@ -168,6 +168,16 @@ def test_a_row_that_writes_a_replacement_character_and_ends_is_valid(tiny, arun,
         assert r.text.endswith("\ufffd")
 
 
+def test_a_whole_replacement_character_at_max_tokens_is_read_as_written(tiny, arun):
+    """A row that max_tokens ends is checked on its tokens, as the worker's matcher
+    read them: a U+FFFD the model wrote whole is a character, with or without a stop
+    string (its text alone could not tell it from a cut one)."""
+    kw = dict(regex="(ab\ufffd)+", max_tokens=5)  # the byte model: 2 + 3 bytes
+    for r in through(tiny, arun, kw, dict(kw, stop=["zz"])):
+        assert (r.finish_reason, r.text, r.valid) == ("length", "ab\ufffd", True), (
+            r.constraint_error)
+
+
 def _wide(n: int) -> dict:
     return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
 

@@ -24,6 +24,7 @@ from .constraint_params import _FIX, _WHAT, _key, _short, kind_of, one_line
 from .constraint_grammar import grammar as _grammar, parser_limits
 from .constraint_probe import probe, probe_parts
 from .constraint_results import _CACHE, cut_short, incomplete, verdict
+from .states import Finish
 
 
 # Bounds on compiling a constraint. It runs on a thread of its own, never on the
@@ -287,21 +288,31 @@ class Constraints:
         while len(self._refused) > _CACHE:
             self._refused.popitem(last=False)
 
-    def check(self, p, text: str, reason=None) -> Optional[str]:
+    def check(self, p, text: str, reason=None, tokens=None) -> Optional[str]:
         """Why `text` does not satisfy `p`'s constraint, or None when it does. A
         fresh matcher reads the text's bytes, so this holds for any ending (`reason`):
         the grammar's own, max_tokens, or a stop string that cut it. (Spelled by
         llguidance's greedy tokenizer, which has no special tokens: the tokenizer's
-        own encode would read text such as "<eos>" as the special token.)"""
+        own encode would read text such as "<eos>" as the special token.) A row that
+        max_tokens ended is all of its `tokens`, when given: the matcher reads those,
+        as the worker's did, bytes of a character cut short included."""
         m = self.compile(p, "check")  # its own lexer: no fill thread waits for it
         if m is None:
             return None
         llt = self.lltokenizer()
+        cut = cut_short(text, reason)
+        if tokens and reason == Finish.LENGTH:
+            ids = list(tokens)
+            n = m.try_consume_tokens(ids)
+            if n < len(ids):
+                at = len(llt.decode_str(ids[:n]))
+                return (f"breaks {_WHAT[kind_of(p)]} at character {at}: "
+                        f"{_short(text[at:], 24)}")
+            return verdict(p, m, text, cut)
         # A character cut short is incomplete output, as the worker's matcher, which
         # read its bytes, says: its U+FFFD is not what the model wrote. (The text
-        # cannot tell a U+FFFD the model wrote last before max_tokens: read as cut
-        # too, the likelier by far, e.g. under a regex such as [^\n]+.)
-        cut = cut_short(text, reason)
+        # alone cannot tell a U+FFFD the model wrote last: read as cut too, the
+        # likelier by far, e.g. under a regex such as [^\n]+.)
         ids = llt.greedy_tokenize(text[:-1] if cut else text)
         n = m.try_consume_tokens(ids)
         if n < len(ids):

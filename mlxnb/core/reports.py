@@ -108,7 +108,8 @@ class Reports:
             row.constraint_error = constraint_error
         elif reason in (Finish.STOP, Finish.LENGTH) and kind_of(row.params) is not None:
             try:
-                row.constraint_error = self.constraints.check(row.params, row.text, reason)
+                row.constraint_error = self.constraints.check(row.params, row.text, reason,
+                                                              row.tokens)
             except Exception as e:  # the row's result stands; the check says it failed
                 row.constraint_error = f"could not be checked: {type(e).__name__}: {e}"
         row._finish(reason, error)
