@@ -7,7 +7,7 @@ import importlib.util
 import json
 import re
 
-from .constraint_params import (_DATA, _NAMED, _required, local_ref, masked_nodes,
+from .constraint_params import (_required, local_ref, masked_nodes, rewritten,
                                 without_annotations)
 from .constraint_results import _VALUE
 
@@ -103,15 +103,6 @@ def wide_parts(schema: dict) -> list:
     return out
 
 
-def _rerooted(node, named: bool = False):
-    """A copy of a schema (part) whose local $refs point into $defs/_ROOT (`named`:
-    a map of names to schemas, whose keys are names, not keywords)."""
-    if isinstance(node, list):
-        return [_rerooted(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    if named:
-        return {k: _rerooted(v) for k, v in node.items()}
-    return {k: (f"#/$defs/{_ROOT}{v[1:]}" if k == "$ref" and local_ref(v)
-                else v if k in _DATA else _rerooted(v, k in _NAMED))
-            for k, v in node.items()}
+def _rerooted(node):
+    """A copy of a schema (part) whose local $refs point into $defs/_ROOT."""
+    return rewritten(node, ref=lambda v: f"#/$defs/{_ROOT}{v[1:]}" if local_ref(v) else v)

@@ -372,17 +372,24 @@ _DATA = frozenset({"enum", "const", "default", "required", "dependentRequired",
                    "x-guidance"})  # values, not schemas
 
 
-def without_annotations(node, named: bool = False):
-    """A JSON schema (or with `named` a map of names to schemas) without annotation
-    keys, at any depth; values that are data (enum, const, default, ...) unchanged."""
+def rewritten(node, drop=frozenset(), ref=None, named: bool = False):
+    """A copy of a JSON schema (or with `named` a map of names to schemas), at any
+    depth, without the keys in `drop` and with each `$ref` as `ref` gives it; values
+    that are data (enum, const, default, ...) unchanged."""
     if isinstance(node, list):
-        return [without_annotations(x) for x in node]
+        return [rewritten(x, drop, ref) for x in node]
     if not isinstance(node, dict):
         return node
     if named:
-        return {k: without_annotations(v) for k, v in node.items()}
-    return {k: v if k in _DATA else without_annotations(v, k in _NAMED)
-            for k, v in node.items() if k not in _ANNOTATIONS}
+        return {k: rewritten(v, drop, ref) for k, v in node.items()}
+    return {k: (ref(v) if k == "$ref" and ref is not None else v if k in _DATA
+                else rewritten(v, drop, ref, k in _NAMED))
+            for k, v in node.items() if k not in drop}
+
+
+def without_annotations(node):
+    """A JSON schema without annotation keys, at any depth."""
+    return rewritten(node, drop=_ANNOTATIONS)
 
 
 # What a constraint that cannot run is told: why, and what to change.
