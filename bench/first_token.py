@@ -9,6 +9,7 @@ processes share one cache, so the first pays the compiles and the rest find them
 
   python -m bench first-token --shape default --fresh      # `make demo` on a new machine
   bash bench/gpu_run.sh first-token --shape smollm2 --fresh --runs 2
+  bash bench/gpu_run.sh first-token --shape qwen3_5-0.8b --fresh --runs 2   # a hybrid
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True) ->
         prompts = ["Tell me about cats.", "Write a haiku about rain.",
                    "What is two plus two?", "Name three rivers."]
     else:
-        model, tok, _ = common.build_model(shape, dtype)
+        if shape in common.SHAPES:
+            model, tok, _ = common.build_model(shape, dtype)
+        else:  # a hybrid shape (recurrent-state layers beside attention)
+            from .cache_kinds import build_hybrid
+            model, tok, _ = build_hybrid(shape, dtype, None)
         eng = mlxnb.Engine((model, tok), max_batch=32, kv_budget=None, warmup=warmup)
         prompts = [common.as_text([5 + i] * (20 + 7 * i)) for i in range(4)]
     out["engine_s"] = time.perf_counter() - t
@@ -85,7 +90,9 @@ def main(argv=None, prog=None):
     from . import common
 
     ap = common.parser(__doc__, prog)
-    ap.add_argument("--shape", default="default", choices=["default"] + list(common.SHAPES))
+    from .cache_kinds import SHAPES as HYBRIDS
+    ap.add_argument("--shape", default="default",
+                    choices=["default"] + list(common.SHAPES) + list(HYBRIDS))
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
     ap.add_argument("--fresh", action="store_true", help="an empty MLXNB_CACHE per process")
     ap.add_argument("--runs", type=int, default=2)
