@@ -29,6 +29,8 @@ import contextlib
 
 import mlx.core as mx
 
+from . import kernel_files
+
 __all__ = ["install", "tracing", "current", "fits_ab", "MODES"]
 
 MODES = ("gates", "kernel", "fast", "ops")
@@ -148,7 +150,7 @@ _NORM_CONSTS = {}
 def _kernel(from_ab: bool, norm: bool = False):
     if (from_ab, norm) not in _KERNEL:
         gates = ["a_in", "b_in", "A_log", "dt_bias"] if from_ab else ["g", "beta"]
-        _KERNEL[from_ab, norm] = mx.fast.cuda_kernel(
+        _KERNEL[from_ab, norm] = kernel_files.cuda_kernel(
             name="mlxnb_gated_delta_" + ("ab" if from_ab else "decode")
             + ("_norm" if norm else ""),
             input_names=["q", "k", "v", *gates, "state_in"] + (["norm"] if norm else []),

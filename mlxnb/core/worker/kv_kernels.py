@@ -29,7 +29,7 @@ from __future__ import annotations
 import struct
 from typing import Tuple
 
-import mlx.core as mx
+from . import kernel_files
 
 __all__ = ["quantized", "dense", "layout", "dense_lanes"]
 
@@ -296,7 +296,7 @@ def _kernel(kind: str, masked: bool):
     if k is None:
         names = (["queries", "kq", "ks", "kb", "vq", "vs", "vb"] if kind == "quantized"
                  else ["queries", "kd", "vd"]) + (["mask"] if masked else [])
-        k = _KERNELS[key] = mx.fast.cuda_kernel(
+        k = _KERNELS[key] = kernel_files.cuda_kernel(
             name=f"mlxnb_{kind}_decode_attention" + ("_masked" if masked else ""),
             input_names=names, output_names=["out"], source=_source(kind, masked),
             ensure_row_contiguous=False)

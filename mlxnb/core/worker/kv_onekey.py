@@ -6,8 +6,7 @@ attention than the unrolled kernel (bench/results/kv-attention-2026-12-02-h200.m
 
 from __future__ import annotations
 
-import mlx.core as mx
-
+from . import kernel_files
 from . import kv_kernels as kk
 
 __all__ = ["quantized"]
@@ -90,7 +89,7 @@ def _kernel(masked: bool):
     k = _KERNELS.get(masked)
     if k is None:
         names = ["queries", "kq", "ks", "kb", "vq", "vs", "vb"] + (["mask"] if masked else [])
-        k = _KERNELS[masked] = mx.fast.cuda_kernel(
+        k = _KERNELS[masked] = kernel_files.cuda_kernel(
             name="mlxnb_qkv_decode_attention" + ("_masked" if masked else ""),
             input_names=names, output_names=["out"],
             source=_SOURCE.replace("/*MASK*/", _MASK_LINE if masked else ""),

@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..._log import log
+from . import kernel_files
 
 __all__ = ["backend", "reference", "table", "self_check", "kernel_for", "status"]
 
@@ -119,7 +120,7 @@ def table(layout_blocks, parts, names) -> Tuple[mx.array, mx.array]:
 def _launch(kind: str, y2, bmat, tab, bounds, slot, scale, B: int, L: int, out: int):
     k = _KERNELS.get(kind)
     if k is None:
-        make = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
+        make = kernel_files.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
         k = _KERNELS[kind] = make(name="mlxnb_stacked_lowrank_update", input_names=_NAMES,
                                   output_names=["out"],
                                   source=_CUDA if kind == "cuda" else _METAL)

@@ -33,6 +33,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernel_files
 from .recurrent import Gated
 
 __all__ = ["adopt", "release", "norm_rope", "self_check", "wanted"]
@@ -111,7 +112,7 @@ _OFFSET = [None, None]  # the last int position and its array
 
 def _kernel():
     if not _KERNEL:
-        _KERNEL.append(mx.fast.cuda_kernel(
+        _KERNEL.append(kernel_files.cuda_kernel(
             name="mlxnb_qk_norm_rope", input_names=["q", "k", "qw", "kw", "offset", "consts"],
             output_names=["qo", "ko"], source=_BODY, ensure_row_contiguous=False))
     return _KERNEL[0]

@@ -56,6 +56,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernel_files
+
 __all__ = ["MAX_ROWS", "MAX_WORK", "enabled", "form", "gathered", "install", "check",
            "matmul", "mode", "RowsLinear", "verifying"]
 
@@ -157,7 +159,7 @@ def verifying():
 
 def _kernel():
     if not _KERNEL:
-        _KERNEL.append(mx.fast.cuda_kernel(
+        _KERNEL.append(kernel_files.cuda_kernel(
             name="mlxnb_rows_gemv", input_names=["x", "w"], output_names=["out"],
             source=_BODY, header=_HEADER))
     return _KERNEL[0]

@@ -28,7 +28,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import gated_delta
+from . import gated_delta, kernel_files
 
 __all__ = ["adopt", "release", "gated_step", "silu_step", "wanted", "SEEN"]
 
@@ -91,7 +91,7 @@ _KERNEL = {}
 
 def _kernel(gated: bool):
     if gated not in _KERNEL:
-        _KERNEL[gated] = mx.fast.cuda_kernel(
+        _KERNEL[gated] = kernel_files.cuda_kernel(
             name="mlxnb_short_conv_" + ("gated" if gated else "silu"),
             input_names=["bcx" if gated else "x", "state_in", "w"],
             output_names=["y", "state_out"],

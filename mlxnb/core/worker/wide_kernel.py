@@ -39,6 +39,7 @@ import os
 
 import mlx.core as mx
 
+from . import kernel_files
 from . import kv_kernels as kk
 
 __all__ = ["CAPACITIES", "MAX_POSITIONS", "capacity", "dense_wide", "source", "wanted"]
@@ -99,7 +100,7 @@ def source(masked: bool = False) -> str:
 
 def _kernel(masked: bool):
     if masked not in _KERNELS:
-        _KERNELS[masked] = mx.fast.cuda_kernel(
+        _KERNELS[masked] = kernel_files.cuda_kernel(
             name="mlxnb_dense_wide_attention" + ("_masked" if masked else ""),
             input_names=["queries", "kd", "vd"] + (["mask"] if masked else []),
             output_names=["out"], source=source(masked), ensure_row_contiguous=False)

@@ -1,0 +1,129 @@
+"""This package's CUDA kernels written where MLX reads compiled kernels
+(core/worker/kernel_files.py). The names and sources are MLX's, so the real checks
+run on a CUDA GPU: a file written under the name MLX reads, and read by a later
+process (a broken file there makes MLX fail, so it read exactly that name)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlxnb.core.worker import kernel_files as kf
+
+cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_std_hash_is_libstdcxx():
+    # std::hash<std::string>{} of these strings, printed by a g++ (libstdc++) build
+    assert kf.std_hash(b"") == 0x553e93901e462a6e
+    assert kf.std_hash(b"a") == 0x454ddee488c1ed6b
+    assert kf.std_hash(b"hello world") == 0x4d6686d362067ff9
+    assert kf.std_hash(b"0123456789abcdef0123") == 0xec4b61c29f6a1075
+
+
+class _In:
+    def __init__(self, dtype, ndim):
+        self.dtype, self.ndim = dtype, ndim
+
+
+def test_the_source_is_built_as_mlx_builds_it():
+    name, src = kf.generated(
+        "k", ["x", "s"], ["y"], "y[0] = x[x_strides[0]] + s[0] * N; // x_shape",
+        '#include "h.cuh"\n', [_In(mx.bfloat16, 2), _In(mx.float32, 0)], [mx.float16],
+        [("T", mx.bfloat16), ("N", 3), ("F", False)])
+    assert name == "custom_kernel_k_bfloat16_t_3_f"
+    assert src == (
+        '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+        '#include "h.cuh"\nnamespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n'
+        "__global__ void custom_kernel_k_bfloat16_t_3_f(\n"
+        "    const __nv_bfloat16* x,\n"
+        "    const __grid_constant__ Shape x_shape,\n"
+        "    const __grid_constant__ Strides x_strides,\n"
+        "    const float* s,\n"
+        "    __half* y) {\n"
+        "  using T = __nv_bfloat16;\n  constexpr int N = 3;\n  constexpr bool F = false;\n\n"
+        "y[0] = x[x_strides[0]] + s[0] * N; // x_shape\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def test_long_module_names_become_folders(tmp_path):
+    short = kf.module_file(tmp_path, "custom_kernel_k", "src")
+    assert short == tmp_path / f"custom_kernel_k_{kf.std_hash(b'src'):x}.ptx"
+    long = kf.module_file(tmp_path, "n" * 300, "src")
+    assert long.parent == tmp_path / ("n" * 245)
+    assert long.name == "n" * 55 + f"_{kf.std_hash(b'src'):x}.ptx"
+
+
+def test_a_library_without_the_headers_gives_none(tmp_path):
+    bogus = tmp_path / "libmlx.so"
+    bogus.write_bytes(b"not an elf file")
+    assert kf.device_headers(str(bogus)) == {}
+    lib = next(Path(mx.__file__).parent.glob("lib/libmlx*.so*"), None)
+    if lib is not None and not mx.cuda.is_available():  # the CPU build embeds none
+        assert kf.device_headers(str(lib)) == {}
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="the CPU and Metal path")
+def test_elsewhere_the_kernel_is_mlxs_own(monkeypatch):
+    made = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or "mlx's")
+    monkeypatch.setattr(kf, "_TOOLS", [])
+    assert kf.cuda_kernel(name="k", input_names=["x"], output_names=["y"],
+                          source="y[0] = x[0];") == "mlx's"
+    assert made and made[0]["name"] == "k"
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time
+    import mlx.core as mx
+    from mlxnb.core.worker import kernel_files as kf, short_conv as sc
+    x, st = mx.ones((2, 1, 64), mx.bfloat16), mx.ones((2, 3, 64), mx.bfloat16)
+    w = mx.ones((64, 4, 1), mx.bfloat16) / 8
+    t = time.perf_counter()
+    y, s2 = sc.silu_step(x, st, w)
+    mx.eval(y, s2)
+    print("FIRST", time.perf_counter() - t, float(y.astype(mx.float32).sum()))
+    if sys.argv[1] == "wait":  # until the writer has put the file in place
+        for _ in range(600):
+            time.sleep(0.1)
+            if not kf._PENDING and kf._TIMER and not kf._TIMER[0].is_alive():
+                break
+        name, src = kf.generated("mlxnb_short_conv_silu", ["x", "state_in", "w"],
+                                 ["y", "state_out"], sc._BODY.replace("INPUT_HERE", sc._SILU_IN)
+                                 .replace("OUTPUT_HERE", sc._SILU_OUT), sc._SILU_HEADER,
+                                 [x, st, w], [mx.bfloat16] * 2,
+                                 [("InT", mx.bfloat16), ("C", 64), ("L", 4)])
+        path = kf.module_file(kf._toolchain()["folder"], name, src)
+        for _ in range(600):
+            if path.exists():
+                break
+            time.sleep(0.1)
+        print("FILE", path)
+""")
+
+
+def _child(folder, arg):
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(folder),
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
+    return subprocess.run([sys.executable, "-c", _CHILD, arg], env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+@cuda
+def test_a_later_process_reads_the_kernel_the_first_one_wrote(tmp_path):
+    first = _child(tmp_path, "wait")
+    assert first.returncode == 0, first.stderr[-2000:]
+    path = Path(first.stdout.split("FILE ")[1].strip())
+    assert path.exists() and path.with_suffix(".txt").exists()
+    second = _child(tmp_path, "")
+    assert second.returncode == 0, second.stderr[-2000:]
+    a, b = (r.stdout.split("FIRST ")[1].split() for r in (first, second))
+    assert a[1] == b[1]  # the same sums
+    # a broken file under that name: MLX reads it (and fails), so the name is MLX's
+    path.write_bytes(b"broken")
+    third = _child(tmp_path, "")
+    assert third.returncode != 0 and "load" in third.stderr.lower(), third.stderr[-2000:]
