@@ -67,6 +67,37 @@ def test_a_library_without_the_headers_gives_none(tmp_path):
         assert kf.device_headers(str(lib)) == {}
 
 
+def test_each_new_build_is_noted_once(monkeypatch, tmp_path):
+    monkeypatch.setattr(kf, "_TOOLS", [dict(folder=str(tmp_path))])
+    monkeypatch.setattr(kf, "_PENDING", {})
+    monkeypatch.setattr(kf, "_TIMER", [])
+    monkeypatch.setattr(kf, "QUIET_S", 3600.0)
+    monkeypatch.setattr(kf, "CHECKED_CALLS", 6)
+    k = kf._Kernel(lambda **kw: "out", ("k", ["x"], ["y"], "y[0] = x[0];", ""))
+    x = mx.zeros((2,), mx.float32)
+    try:
+        def call(v, dtype=mx.float32):
+            return k(inputs=[x.astype(dtype)], template=[("F", v)], output_dtypes=[dtype],
+                     output_shapes=[(2,)], grid=(1, 1, 1), threadgroup=(1, 1, 1))
+
+        assert all(call(v) == "out" for v in (True, 1, True, 2))
+        # a True and a 1 are two kernels (custom_kernel_k_t, custom_kernel_k_1)
+        assert sorted(n for n, _ in kf._PENDING.values()) == [
+            "custom_kernel_k_1", "custom_kernel_k_2", "custom_kernel_k_t"]
+        # one already in the folder, or marked failed, is left to MLX
+        for dtype, mark in ((mx.float16, ".ptx"), (mx.bfloat16, ".failed")):
+            _, src = kf.generated("k", ["x"], ["y"], "y[0] = x[0];", "",
+                                  [x.astype(dtype)], [dtype], [("F", 3)])
+            kf.module_file(tmp_path, "custom_kernel_k_3", src).with_suffix(mark).touch()
+            call(3, dtype)
+        assert len(kf._PENDING) == 3
+        call(4)  # past CHECKED_CALLS: straight to MLX
+        assert len(kf._PENDING) == 3
+    finally:
+        for t in kf._TIMER:
+            t.cancel()
+
+
 @pytest.mark.skipif(mx.cuda.is_available(), reason="the CPU and Metal path")
 def test_elsewhere_the_kernel_is_mlxs_own(monkeypatch):
     made = []

@@ -163,14 +163,15 @@ def _note(k: _Kernel, kw) -> None:
         if not all(isinstance(a, mx.array) for a in inputs):
             return  # (MLX converts scalars; such calls are left to it)
         key = (tuple((_dtype(a.dtype), a.ndim > 0) for a in inputs),
-               tuple((n, v if isinstance(v, (bool, int)) else _dtype(v)) for n, v in template),
+               tuple((n, type(v).__name__, v if isinstance(v, int) else _dtype(v))
+                     for n, v in template),
                tuple(_dtype(d) for d in kw["output_dtypes"]))
         if key in k._seen:
             return
         k._seen.add(key)
         kname, src = generated(*k._spec[:5], inputs, kw["output_dtypes"], template)
         path = module_file(_toolchain()["folder"], kname, src)
-        if path.exists():
+        if path.exists() or path.with_suffix(".failed").exists():
             return
         with _LOCK:
             _PENDING[str(path)] = (kname, src)
@@ -210,12 +211,14 @@ def _toolchain():
         includes = [root / "include"]
         cccl = root / "include" / "cccl"
         includes += [cccl] if cccl.exists() else []
-        cuda = [root.parent / "nvidia" / d / "include" for d in ("cu13", "cuda_runtime")]
-        cuda += [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH")
-                 if os.environ.get(v)] + [Path("/usr/local/cuda/include")]
-        found = next((p for p in cuda if p.exists()), None)
+        # the CUDA headers: the runtime package beside MLX's, else the toolkit's
+        found = next((p for p in (root.parent / "nvidia" / d / "include"
+                                  for d in ("cu13", "cuda_runtime")) if p.exists()), None)
         if found is None:
-            return None
+            home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+            found = Path(home or "/usr/local/cuda") / "include"
+            if not found.exists():
+                return None
         _TOOLS[0] = dict(folder=str(ptx_dir()), libmlx=mlx_lib, nvrtc=nvrtc,
                          includes=[str(p) for p in includes + [found]],
                          cc=[int(info["compute_capability_major"]),
@@ -242,6 +245,7 @@ def _start_helper() -> None:
     tools = _toolchain()
     if not jobs or tools is None:
         return
+    job = None
     try:
         fd, job = tempfile.mkstemp(prefix="mlxnb-kernels-", suffix=".json")
         with os.fdopen(fd, "w") as f:
@@ -249,10 +253,12 @@ def _start_helper() -> None:
         subprocess.Popen([sys.executable, __file__, job], stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
-    except OSError:
+    except Exception:  # (this runs on a timer thread: nothing may escape)
         from ..._log import swallowed
 
         swallowed("starting the CUDA kernel writer")
+        if job is not None and os.path.exists(job):
+            os.unlink(job)
 
 
 # -- the helper process --------------------------------------------------------------
@@ -372,8 +378,11 @@ def _helper(job: str) -> None:
         module = path.relative_to(tools["folder"]).as_posix().replace("/", "")[:-4]
         try:
             _write(path, *_compile(lib, tools, headers, module, src, kname))
-        except Exception as e:
-            print(f"{kname}: {e}", file=sys.stderr)
+        except Exception as e:  # a mark, so later processes leave it to MLX at once
+            try:
+                path.with_suffix(".failed").write_text(f"{kname}: {e}\n")
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":
