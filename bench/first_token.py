@@ -96,6 +96,9 @@ def main(argv=None, prog=None):
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
     ap.add_argument("--fresh", action="store_true", help="an empty MLXNB_CACHE per process")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--between", type=float, default=0.0, metavar="S",
+                    help="seconds between runs (background compiles finish, as on a used "
+                    "machine)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="Engine(warmup=False): the first rows compile what they use")
     common.add_output_args(ap)
@@ -104,6 +107,8 @@ def main(argv=None, prog=None):
     shared = tempfile.mkdtemp(prefix="mlxnb-first-token-")
     rows = []
     for i in range(args.runs):
+        if i and args.between:
+            time.sleep(args.between)
         env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
         env["MLXNB_CACHE"] = tempfile.mkdtemp(prefix="mlxnb-fresh-") if args.fresh else shared
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)

@@ -371,10 +371,11 @@ def _helper(job: str) -> None:
     if "mlx/backend/cuda/device/utils.cuh" not in headers:
         return
     lib = ctypes.CDLL(tools["nvrtc"])
-    for path, kname, src in tools["jobs"]:
-        path = Path(path)
+
+    def one(job):
+        path, kname, src = Path(job[0]), job[1], job[2]
         if path.exists():
-            continue
+            return
         module = path.relative_to(tools["folder"]).as_posix().replace("/", "")[:-4]
         try:
             _write(path, *_compile(lib, tools, headers, module, src, kname))
@@ -383,6 +384,12 @@ def _helper(job: str) -> None:
                 path.with_suffix(".failed").write_text(f"{kname}: {e}\n")
             except OSError:
                 pass
+
+    # NVRTC compiles programs on several threads at once (ctypes lets go of the GIL)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) // 2))) as pool:
+        list(pool.map(one, tools["jobs"]))
 
 
 if __name__ == "__main__":
