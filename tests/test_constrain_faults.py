@@ -134,6 +134,8 @@ def test_a_processor_that_bans_every_allowed_token_ends_its_row_saying_so(tiny, 
     assert banned.finish_reason == "error" and banned.valid is None
     assert "logits processors left no token the constraint allows" in banned.error, banned.error
     assert "constraint failed" not in banned.error and "\n" not in banned.error
+    # the token its constraint refused is not in its text or its count
+    assert not banned.text and banned.ntok == 0, (banned.text, banned.ntok)
     # the batch's other rows go on as if it were not there
     assert (plain.finish_reason, plain.valid, plain.error) == ("stop", True, None)
     assert free.finish_reason == "length" and free.ntok == 6

@@ -57,12 +57,17 @@ class ReadBack:
         """Row r's tokens of one step read back, in order (the first `drafted` of
         them were drafts it accepted), until it ends; how many it read (the one
         that ended it included)."""
-        rows = self.rows
+        rows, m = self.rows, r.matcher
         for j, tok in enumerate(toks):
             self.taken += 1
-            ending = r.accept(tok, lps[j], emitted, self.eos, j < drafted)
-            if r.matcher is not None:
+            if m is not None:  # (a constrained row reads one token a step: no drafts)
                 self.masks.advance(inflight, rows)  # once per step
+                if m.is_error():  # it refused the token: the row ends before it
+                    r.flush(emitted)
+                    self._ended(r, self.masks.finish(r, None, self.eos, None), updates)
+                    return j + 1
+            ending = r.accept(tok, lps[j], emitted, self.eos, j < drafted)
+            if m is not None:
                 ending = self.masks.finish(
                     r, lambda t, e: r.accept(t, None, emitted, e), self.eos, ending)
             if ending is not None:
