@@ -8,17 +8,24 @@ bench/results/cold-start-2026-11-29-h200.md). mlxnb points it into the user's ca
 beside the converted models, unless the user chose a folder. Metal and the CPU backend ignore it.
 
 It must be set before MLX's first compile: MLX reads it once per process.
+
+A compiled kernel is machine code for one GPU architecture, and MLX names it by its
+source alone, so the folder is named by the GPUs' model (`ptx-nvidia-h200`, from the
+NVIDIA driver's /proc files): a cache in a home folder that hosts with different GPUs
+share would otherwise hand one GPU another's kernels, which fail to load.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
 
 ENV = "MLX_PTX_CACHE_DIR"
+GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU, each with `information`
 
 
 def _mlx_version() -> str:
@@ -29,7 +36,7 @@ def _mlx_version() -> str:
 
 
 def use_user_cache() -> None:
-    """Point MLX's kernel cache at `<mlxnb cache>/mlx-<version>/ptx` when neither the
+    """Point MLX's kernel cache at `<mlxnb cache>/mlx-<version>/ptx-<GPU model>` when neither the
     user nor an earlier import of mlx settled it. Idempotent; never raises."""
     if os.environ.get(ENV) or "mlx.core" in sys.modules:
         return
@@ -37,7 +44,20 @@ def use_user_cache() -> None:
 
     # MLX creates the folder on its first compile (and does without a cache if it
     # cannot), so nothing is written here on backends that never use it.
-    os.environ[ENV] = str(cache_root() / f"mlx-{_mlx_version()}" / "ptx")
+    os.environ[ENV] = str(cache_root() / f"mlx-{_mlx_version()}" / ("ptx" + _gpu_models()))
+
+
+def _gpu_models() -> str:
+    """'-nvidia-h200' (the sorted models of this host's NVIDIA GPUs, joined), or ''."""
+    models = set()
+    try:
+        for info in GPUS.glob("*/information"):
+            for line in info.read_text(errors="replace").splitlines():
+                if line.startswith("Model:"):
+                    models.add(re.sub(r"[^a-z0-9]+", "-", line[6:].lower()).strip("-"))
+    except OSError:
+        return ""
+    return "".join(f"-{m}" for m in sorted(models) if m)[:120]
 
 
 def ptx_dir() -> Path:
