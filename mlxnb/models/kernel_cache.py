@@ -36,8 +36,8 @@ def _mlx_version() -> str:
 
 
 def use_user_cache() -> None:
-    """Point MLX's kernel cache at `<mlxnb cache>/mlx-<version>/ptx-<GPU model>` when neither the
-    user nor an earlier import of mlx settled it. Idempotent; never raises."""
+    """Point MLX's kernel cache at `<mlxnb cache>/mlx-<version>/ptx-<GPU model>` when
+    neither the user nor an earlier import of mlx settled it. Idempotent; never raises."""
     if os.environ.get(ENV) or "mlx.core" in sys.modules:
         return
     from .gguf import cache_root
