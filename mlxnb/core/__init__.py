@@ -12,6 +12,7 @@
       states.py           row states and finish reasons
       constrain.py        structured rows: the compiler (llguidance), checks before submitting
       constraint_params.py  constraint_results.py   their values; what a finished row says
+      schema_walk.py      a JSON schema as llguidance reads it: masked parts, refs, copies
       constraint_grammar.py  a constraint as llguidance's grammar text
       constraint_probe.py    its first tokens walked: refused before any row takes it
       prompts.py  options.py  closing.py  protocol.py  _threads.py  _trace.py

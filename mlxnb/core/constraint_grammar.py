@@ -7,9 +7,9 @@ import importlib.util
 import json
 import re
 
-from .constraint_params import (_required, local_ref, masked_nodes, rewritten,
-                                without_annotations)
 from .constraint_results import _VALUE
+from .schema_walk import (_required, local_ref, masked_nodes, rewritten,
+                          without_annotations)
 
 
 # Whitespace inside JSON is fixed (", " and ": ", none elsewhere): with flexible
