@@ -195,6 +195,14 @@ WIDE = _wide(600)  # 2,407 alternatives in one parser row once a row enters it
     ({"type": "object", "properties": {"a": {"type": "integer"},
                                        "b": {"$ref": "#/definitions/wide"}},
       "required": ["a", "b"], "definitions": {"wide": WIDE}}, "/definitions/wide"),
+    # reached by a named anchor: `$anchor`, and a draft-07 `$id` of the form "#name"
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#wide"}},
+      "required": ["a", "b"], "$defs": {"w": dict(WIDE, **{"$anchor": "wide"})}},
+     "/$defs/w"),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+      "properties": {"a": {"type": "integer"}, "b": {"$ref": "#wide"}},
+      "required": ["a", "b"], "definitions": {"w": dict(WIDE, **{"$id": "#wide"})}},
+     "/definitions/w"),
 ])
 def test_a_wide_object_off_the_probes_path_is_refused_before_submitting(tiny, arun,
                                                                         schema, at):

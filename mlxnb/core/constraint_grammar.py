@@ -8,7 +8,7 @@ import json
 import re
 
 from .constraint_results import _VALUE
-from .schema_walk import (_required, local_ref, masked_nodes, rewritten,
+from .schema_walk import (_required, local_ref, masked_nodes, named_anchors, rewritten,
                           without_annotations)
 
 
@@ -90,9 +90,10 @@ def wide_parts(schema: dict) -> list:
             found[id(node)] = (optional, at, node, required)
     if not found:
         return []
-    whole, out = _rerooted(schema), []
+    anchors = named_anchors(schema)
+    whole, out = _rerooted(schema, anchors), []
     for _, at, node, required in sorted(found.values(), key=lambda f: -f[0])[:_MAX_PARTS]:
-        part = _rerooted(node)
+        part = _rerooted(node, anchors)
         if required:  # as merged where it sits (masked_nodes)
             part["required"] = sorted(required)
         defs = part.get("$defs")
@@ -103,6 +104,12 @@ def wide_parts(schema: dict) -> list:
     return out
 
 
-def _rerooted(node):
-    """A copy of a schema (part) whose local $refs point into $defs/_ROOT."""
-    return rewritten(node, ref=lambda v: f"#/$defs/{_ROOT}{v[1:]}" if local_ref(v) else v)
+def _rerooted(node, anchors: dict):
+    """A copy of a schema (part) whose local $refs, named anchors' included, point
+    into $defs/_ROOT by JSON pointer (so its named anchors go: a part and the whole
+    beside it would declare each twice)."""
+    def ref(v):
+        v = anchors.get(v, v)
+        return f"#/$defs/{_ROOT}{v[1:]}" if local_ref(v) else v
+
+    return rewritten(node, drop=frozenset({"$anchor", "$id#"}), ref=ref)

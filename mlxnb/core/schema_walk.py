@@ -46,6 +46,7 @@ def masked_nodes(schema: dict):
     (drafts before 2020-12), else `items` with `prefixItems`. Iterative: a long
     chain of $refs costs no stack."""
     old = str(schema.get("$schema", "")).rstrip("#") in _ITEMS_AS_LIST
+    anchors = named_anchors(schema)
     stack = [(schema, "", frozenset(), frozenset(), True)]
     seen: dict = {}  # id(node) -> [(ctx, alone)] walked
     budget = _WALK_BUDGET
@@ -101,7 +102,7 @@ def masked_nodes(schema: dict):
                 else:
                     mine = shadow | anywhere
                 stack.append((x, f"{at}/{k}/{i}", merged, mine, alone))
-        ref = node.get("$ref")
+        ref = anchors.get(node.get("$ref"), node.get("$ref"))
         if local_ref(ref):  # (pushed last: walked first)
             stack.append((resolve(schema, ref), ref[1:], merged, shadow | anywhere, alone))
 
@@ -109,6 +110,26 @@ def masked_nodes(schema: dict):
 def pointer_step(name: str) -> str:
     """A property name as a step of a JSON pointer (RFC 6901)."""
     return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def named_anchors(schema) -> dict:
+    """{"#name": the JSON pointer ref of its subschema} for the plain-name fragments a
+    $ref may use: `$anchor` (2019-09 on) and an `$id` of the form "#name" (drafts 06
+    and 07); the first of a name wins."""
+    found, stack, budget = {}, [(schema, "#")], _WALK_BUDGET
+    while stack and budget:
+        budget -= 1
+        node, at = stack.pop()
+        if isinstance(node, dict):
+            for key in ("$anchor", "$id"):
+                v = node.get(key)
+                if isinstance(v, str) and v and (key == "$anchor" or v.startswith("#")):
+                    found.setdefault("#" + v.lstrip("#"), at)
+            stack += [(v, f"{at}/{pointer_step(k)}") for k, v in node.items()
+                      if k not in _DATA and isinstance(v, (dict, list))]
+        elif isinstance(node, list):
+            stack += [(v, f"{at}/{i}") for i, v in enumerate(node) if isinstance(v, (dict, list))]
+    return {name: at for name, at in found.items() if not local_ref(name)}
 
 
 def local_ref(ref) -> bool:
@@ -144,8 +165,9 @@ _DATA = frozenset({"enum", "const", "default", "required", "dependentRequired",
 
 def rewritten(node, drop=frozenset(), ref=None, named: bool = False):
     """A copy of a JSON schema (or with `named` a map of names to schemas), at any
-    depth, without the keys in `drop` and with each `$ref` as `ref` gives it; values
-    that are data (enum, const, default, ...) unchanged."""
+    depth, without the keys in `drop` (with "$id#" in it, plain-name `$id`s too) and
+    with each `$ref` as `ref` gives it; values that are data (enum, const, default,
+    ...) unchanged."""
     if isinstance(node, list):
         return [rewritten(x, drop, ref) for x in node]
     if not isinstance(node, dict):
@@ -154,7 +176,8 @@ def rewritten(node, drop=frozenset(), ref=None, named: bool = False):
         return {k: rewritten(v, drop, ref) for k, v in node.items()}
     return {k: (ref(v) if k == "$ref" and ref is not None else v if k in _DATA
                 else rewritten(v, drop, ref, k in _NAMED))
-            for k, v in node.items() if k not in drop}
+            for k, v in node.items() if k not in drop
+            and not (k == "$id" and "$id#" in drop and str(v).startswith("#"))}
 
 
 def without_annotations(node):
