@@ -142,6 +142,30 @@ def test_a_processor_that_bans_every_allowed_token_ends_its_row_saying_so(tiny, 
     assert not any(c.isdigit() for c in free.text)
 
 
+@pytest.mark.parametrize("stop", [[], ["zz"]])
+def test_a_token_taken_before_the_next_mask_fails_stays_in_the_text(tiny, arun, monkeypatch,
+                                                                    stop):
+    """llguidance takes 'h', then fails on a limit computing the next mask (little
+    lexer fuel): the row ends `error` with 'h' in its text (not read as refused), and
+    text a stop string held back shows."""
+    import llguidance as llg
+
+    from mlxnb.core import constrain, constraint_grammar, constraint_probe
+
+    def low_fuel():
+        return llg.LLParserLimits(verbose_errors=False, step_lexer_fuel=800)
+
+    for mod in (constrain, constraint_grammar, constraint_probe):
+        monkeypatch.setattr(mod, "parser_limits", low_fuel)
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
+             "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa",
+             "quebec", "romeo", "sierra", "tango"]
+    (row,) = through(tiny, arun, dict(max_tokens=20, stop=stop,
+                                      regex=f"abcdefgh({'|'.join(words)})[0-9]{{2}}"))
+    assert row.finish_reason == "error" and "too many expressions" in row.error, row.error
+    assert (row.text, row.ntok) == ("abcdefgh", 8)
+
+
 @pytest.mark.parametrize("kw, text", [
     # "ab" then any non-ASCII character, which U+FFFD is: the loop's check read the
     # replacement character as that character, the worker's matcher the cut bytes

@@ -252,6 +252,12 @@ class MaskFiller:
             self._filler = None
 
 
+def refused(m) -> bool:
+    """Whether matcher `m` refused the last token fed to it (rather than failing on a
+    limit while it computed the next mask, after taking that token)."""
+    return m.is_error() and _REFUSED in m.get_error()
+
+
 def fill(share: list, buf) -> None:
     """Each (row, matcher, token index)'s next-token bitmask into that row of `buf`.
 

@@ -15,6 +15,7 @@ from ..messages import Emitted, Updates
 from ..states import Finish
 from .decoding import RowDecoder
 from .inflight import InFlight
+from .masks import refused
 from .wide import read_wide
 
 __all__ = ["ReadBack"]
@@ -62,7 +63,7 @@ class ReadBack:
             self.taken += 1
             if m is not None:  # (a constrained row reads one token a step: no drafts)
                 self.masks.advance(inflight, rows)  # once per step
-                if m.is_error():  # it refused the token: the row ends before it
+                if refused(m):  # the row ends before the token, which never shows
                     r.flush(emitted)
                     self._ended(r, self.masks.finish(r, None, self.eos, None), updates)
                     return j + 1
@@ -70,6 +71,8 @@ class ReadBack:
             if m is not None:
                 ending = self.masks.finish(
                     r, lambda t, e: r.accept(t, None, emitted, e), self.eos, ending)
+                if m.is_error():  # (its next mask failed): what it held shows
+                    r.flush(emitted)
             if ending is not None:
                 self._ended(r, ending, updates)
                 return j + 1
