@@ -169,12 +169,12 @@ def test_the_kernel_folder_is_named_by_the_gpus_model(tmp_path, monkeypatch):
     from mlxnb.models import kernel_cache
 
     monkeypatch.setattr(kernel_cache, "GPUS", tmp_path)
-    assert kernel_cache._gpu_models() == ""  # no NVIDIA driver: one folder, "ptx"
+    assert kernel_cache.gpu_models() == []  # no NVIDIA driver: one folder, "ptx"
     for i, model in enumerate(["NVIDIA H200", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"]):
         (tmp_path / f"0000:0{i}:00.0").mkdir()
         (tmp_path / f"0000:0{i}:00.0" / "information").write_text(
             f"Model: \t\t {model}\nIRQ:   \t\t 42\nGPU UUID: \t GPU-1\n")
-    assert kernel_cache._gpu_models() == "-nvidia-a100-sxm4-80gb-nvidia-h200"
+    assert kernel_cache.gpu_models() == ["nvidia-a100-sxm4-80gb", "nvidia-h200"]
 
 
 def test_model_kernel_pieces_run_and_mark_their_dtype_done(tmp_path, monkeypatch):

@@ -12,7 +12,9 @@ It must be set before MLX's first compile: MLX reads it once per process.
 A compiled kernel is machine code for one GPU architecture, and MLX names it by its
 source alone, so the folder is named by the GPUs' model (`ptx-nvidia-h200`, from the
 NVIDIA driver's /proc files): a cache in a home folder that hosts with different GPUs
-share would otherwise hand one GPU another's kernels, which fail to load.
+share would otherwise hand one GPU another's kernels, which fail to load. (A host
+with GPUs of several models shares one folder among them, as MLX's default does;
+this package writes no kernels of its own there, core/worker/kernel_files.py.)
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ def use_user_cache() -> None:
 
     # MLX creates the folder on its first compile (and does without a cache if it
     # cannot), so nothing is written here on backends that never use it.
-    os.environ[ENV] = str(cache_root() / f"mlx-{_mlx_version()}" / ("ptx" + _gpu_models()))
+    suffix = "".join(f"-{m}" for m in gpu_models())[:120]
+    os.environ[ENV] = str(cache_root() / f"mlx-{_mlx_version()}" / ("ptx" + suffix))
 
 
-def _gpu_models() -> str:
-    """'-nvidia-h200' (the sorted models of this host's NVIDIA GPUs, joined), or ''."""
+def gpu_models() -> list:
+    """The models of this host's NVIDIA GPUs, sorted, as names ('nvidia-h200'); []
+    where the driver's files cannot be read."""
     models = set()
     try:
         for info in GPUS.glob("*/information"):
@@ -56,8 +60,8 @@ def _gpu_models() -> str:
                 if line.startswith("Model:"):
                     models.add(re.sub(r"[^a-z0-9]+", "-", line[6:].lower()).strip("-"))
     except OSError:
-        return ""
-    return "".join(f"-{m}" for m in sorted(models) if m)[:120]
+        return []
+    return sorted(m for m in models if m)
 
 
 def ptx_dir() -> Path:

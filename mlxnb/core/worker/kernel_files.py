@@ -199,8 +199,10 @@ def _toolchain():
 
         if not mx.cuda.is_available() or os.environ.get("MLXNB_KERNEL_FILES") == "0":
             return None
-        from ...models.kernel_cache import ptx_dir
+        from ...models.kernel_cache import gpu_models, ptx_dir
 
+        if len(gpu_models()) > 1:  # one folder, GPUs of two architectures maybe
+            return None
         libs = _loaded_libraries()
         mlx_lib = next((p for p in libs if Path(p).name == "libmlx.so"), None)
         nvrtc = next((p for p in libs if Path(p).name.startswith("libnvrtc.so")), None)
