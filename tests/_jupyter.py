@@ -33,6 +33,19 @@ _SETTINGS = {
 }
 
 
+class Deadline:
+    """A test's time budget, counted from its creation."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s, self.start = budget_s, time.monotonic()
+
+    def spent(self) -> float:
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        return self.budget_s - self.spent()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

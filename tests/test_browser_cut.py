@@ -19,12 +19,11 @@ time; the server is always killed.
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import pytest
 
-from _jupyter import jupyter_lab
+from _jupyter import Deadline, jupyter_lab
 from test_browser_e2e import SAVE_WIDGET_STATE, _open, _saved, _sessions, chromium_page, needs_browser
 
 pytestmark = pytest.mark.browser
@@ -82,10 +81,8 @@ def test_a_saved_widget_marks_the_rows_whose_text_it_cut(tmp_path):
     needs_browser()
     from mlxnb.models.tiny import save_tiny_model
 
-    t_start = time.monotonic()
-
-    def left() -> float:
-        return BUDGET_S - (time.monotonic() - t_start)
+    clock = Deadline(BUDGET_S)
+    left = clock.left
 
     root = tmp_path / "root"
     root.mkdir()
@@ -167,4 +164,4 @@ def test_a_saved_widget_marks_the_rows_whose_text_it_cut(tmp_path):
             assert r["cutBox"]["w"] > 0 and r["cutBox"]["b"] >= r["innerBox"]["b"] - 20, r
             page.locator(".mlxnb-widget").first.screenshot(path=str(tmp_path / "cut.png"))
     assert not errors, "\n".join(errors)
-    print(f"took {time.monotonic() - t_start:.1f} s")
+    print(f"took {clock.spent():.1f} s")

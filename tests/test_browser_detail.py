@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.request
 
 import pytest
 
-from _jupyter import DARK_THEME, jupyter_lab
+from _jupyter import DARK_THEME, Deadline, jupyter_lab
 from test_browser_e2e import needs_browser, NB7_OWN_ERROR, _open, _saved, _sessions, chromium_page
 from test_browser_views import SAVE_WIDGET_STATE, _to_docs
 
@@ -172,10 +171,8 @@ def test_detail_views_live_and_from_a_saved_notebook(tmp_path, app):
     needs_browser(app)
     from mlxnb.models.tiny import save_tiny_model
 
-    t_start = time.monotonic()
-
-    def left() -> float:
-        return BUDGET_S - (time.monotonic() - t_start)
+    clock = Deadline(BUDGET_S)
+    left = clock.left
 
     root = tmp_path / "root"
     root.mkdir()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from _jupyter import DARK_THEME, REPO, jupyter_lab
+from _jupyter import DARK_THEME, REPO, Deadline, jupyter_lab
 
 pytestmark = pytest.mark.browser
 
@@ -221,10 +221,8 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
     needs_browser(app)
     from mlxnb.models.tiny import save_tiny_model
 
-    t_start = time.monotonic()
-
-    def left() -> float:
-        return BUDGET_S - (time.monotonic() - t_start)
+    clock = Deadline(BUDGET_S)
+    left = clock.left
 
     root = tmp_path / "root"
     root.mkdir()
@@ -245,7 +243,7 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
             page.on("pageerror", lambda e: (errors if live_phase[0] else later).append(
                 f"pageerror: {e}"))
             _open(page, base, token, app, left)
-            print(f"\n[{app}] kernel ready {time.monotonic() - t_start:.1f} s into the test")
+            print(f"\n[{app}] kernel ready {clock.spent():.1f} s into the test")
 
             page.locator(".lm-MenuBar-item", has_text="Run").first.click()
             # "Run All Cells" (the main menu's own command id, or the notebook's)
@@ -400,8 +398,8 @@ def test_widget_in_jupyterlab_and_notebook7(tmp_path, app):
             DOCS.mkdir(exist_ok=True)
             shutil.copy(png, dest)
     print(f"[{app}] screenshots: {sorted(str(p) for p in shots.values())}; "
-          f"test took {time.monotonic() - t_start:.1f} s")
-    assert time.monotonic() - t_start < BUDGET_S
+          f"test took {clock.spent():.1f} s")
+    assert clock.spent() < BUDGET_S
 
 
 SAVE_WIDGET_STATE = {"@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings":
@@ -426,10 +424,8 @@ def test_saved_widget_state_of_an_unfinished_run_reads_not_live(tmp_path):
 
     from mlxnb.models.tiny import save_tiny_model
 
-    t_start = time.monotonic()
-
-    def left() -> float:
-        return BUDGET_S - (time.monotonic() - t_start)
+    clock = Deadline(BUDGET_S)
+    left = clock.left
 
     root = tmp_path / "root"
     root.mkdir()
@@ -485,4 +481,4 @@ def test_saved_widget_state_of_an_unfinished_run_reads_not_live(tmp_path):
     dest = DOCS / "not-live.png"
     if not dest.exists() or os.environ.get("MLXNB_UPDATE_DOCS") == "1":
         shutil.copy(shot, dest)
-    print(f"took {time.monotonic() - t_start:.1f} s")
+    print(f"took {clock.spent():.1f} s")

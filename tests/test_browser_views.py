@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from _jupyter import DARK_THEME, jupyter_lab
+from _jupyter import DARK_THEME, Deadline, jupyter_lab
 from test_browser_e2e import needs_browser, DOCS, NB7_OWN_ERROR, _open, chromium_page
 
 pytestmark = pytest.mark.browser
@@ -96,10 +96,8 @@ def test_validity_running_rows_prompts_and_kernel_shutdown(tmp_path, app):
     needs_browser(app)
     from mlxnb.models.tiny import save_tiny_model
 
-    t_start = time.monotonic()
-
-    def left() -> float:
-        return BUDGET_S - (time.monotonic() - t_start)
+    clock = Deadline(BUDGET_S)
+    left = clock.left
 
     root = tmp_path / "root"
     root.mkdir()
@@ -208,7 +206,7 @@ def test_validity_running_rows_prompts_and_kernel_shutdown(tmp_path, app):
             _to_docs(tmp_path / "shutdown.png", f"kernel-shut-down{'-dark' if dark else ''}.png")
     errors = [e for e in errors if not (app == "notebook" and e == NB7_OWN_ERROR)]
     assert not errors, "\n".join(errors)
-    assert time.monotonic() - t_start < BUDGET_S
+    assert clock.spent() < BUDGET_S
 
 
 SAVE_WIDGET_STATE = {"@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings":
