@@ -34,7 +34,8 @@ import httpx
 
 from .._text import one_line
 from .bodies import read_capped, sse_events
-from .wire import ServerError, error_line, error_text, status_error
+from .wire import (REDIRECTS, ServerError, error_line, error_text, redirect_error,
+                   status_error)
 
 # Statuses worth trying again: rate limits and a server (or its proxy) that is
 # starting, overloaded or restarting.
@@ -262,6 +263,9 @@ class Client:
                         if resp.status_code in RETRY_STATUS and attempt < self.retries:
                             return self._delay(attempt, resp.headers.get("retry-after"),
                                                self.backoff_s)
+                        if resp.status_code in REDIRECTS:
+                            raise redirect_error(resp.status_code, self.scrub(
+                                resp.headers.get("location", "")), self.shown)
                         raise self.http_error(resp.status_code, data, body.get("model"))
                     other: List[str] = []  # lines no event stream has: what it is instead
                     async for kind, value in sse_events(resp, self.max_line):
@@ -358,6 +362,8 @@ class Client:
 
         async def get(url, **kw):
             async with c.stream("GET", url, **kw) as r:
+                if r.status_code in REDIRECTS:  # the body says nothing more
+                    return r.status_code, self.scrub(r.headers.get("location", ""))
                 return r.status_code, await read_capped(r, MAX_BODY)
 
         async with httpx.AsyncClient(headers=self._headers, timeout=self._timeout,
@@ -369,6 +375,8 @@ class Client:
                 raise
             except httpx.HTTPError:  # it answered, but not with a model list
                 status, body = None, b""
+            if status in REDIRECTS:
+                raise ValueError(str(redirect_error(status, body, self.shown)))
             if status in (401, 403):
                 raise ValueError(str(self.http_error(status, body, None)))
             if status == 200:

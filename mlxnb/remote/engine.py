@@ -78,7 +78,9 @@ class RemoteEngine(HeldRows, Listeners):
         self.load = load
         self.max_batch = max_concurrency
         self.sample_s = sample_s
-        self.loop = _aio.engine_loop(loop)
+        # None until the first submit when built on a plain thread (as the local
+        # Engine: `await asyncio.to_thread(mlxnb.connect, url)` binds the caller's loop)
+        self.loop = _aio.engine_loop(loop, required=False)
         self._t0 = time.perf_counter()
         self._ids = itertools.count()
         self._hold_rows()  # rows, submitted, finished (core/protocol.HeldRows)
@@ -130,6 +132,13 @@ class RemoteEngine(HeldRows, Listeners):
                              "process; a server speculates as it was started (use "
                              "`%mlxnb load` for mlxnb's own)")
         sp = sampling_params(params)
+        for what, text in [("stop string", s) for s in sp.stop if isinstance(s, str)] + [
+                ("adapter name", sp.adapter)]:
+            try:  # (httpx would fail to encode the request body)
+                text is None or text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"the {what} holds invalid unicode (lone surrogates); "
+                                 "clean the text before submitting") from None
         if sp.adapter is not None and self.models and sp.adapter not in self.models:
             # servers serve adapters by model name (vLLM --lora-modules NAME=PATH)
             raise ValueError(f"the server does not serve adapter {sp.adapter!r} by name; "
@@ -149,6 +158,8 @@ class RemoteEngine(HeldRows, Listeners):
 
     def submit_prepared(self, prompt, prepared, sp, tag=None, err=None) -> Row:
         self._check_open()
+        if self.loop is None:
+            self.loop = _aio.engine_loop()  # the running (or kernel's) loop, else refuse
         row = RemoteRow(self, next(self._ids), prompt, prepared, sp, tag)
         self._live[row.id] = row
         self._nsubmitted += 1
@@ -168,10 +179,17 @@ class RemoteEngine(HeldRows, Listeners):
                          "chat": bool(chat), "system": system or None})
 
     def _call_on_loop(self, fn, *args):
+        if self.loop is None:  # nothing submitted yet: no row is bound to a loop
+            fn(*args)
+            return
         _aio.call_soon(self.loop, fn, *args)  # subshell threads hop onto the loop
 
     def _enqueue(self, row):
-        if row.done or self._closed:
+        if row.done:
+            return
+        if self._closed:  # closed after its submit checked: it ends, not vanishes
+            self._notify("submit", row)
+            self._end(row, Finish.CANCELLED)
             return
         self._queue.append(row)
         self._notify("submit", row)
@@ -217,7 +235,8 @@ class RemoteEngine(HeldRows, Listeners):
             else:
                 self._end(row, Finish.ERROR, one_line(self.client.scrub(str(e)), 600))
         except Exception as e:  # a bug here must end this row only
-            self._end(row, Finish.ERROR, self.client.scrub(f"{type(e).__name__}: {e}"))
+            self._end(row, Finish.ERROR,
+                      one_line(self.client.scrub(f"{type(e).__name__}: {e}"), 600))
 
     def _streamed(self, row: RemoteRow):
         """A row's task is over: free its slot, start the next. A task cancelled before
@@ -347,10 +366,19 @@ class RemoteEngine(HeldRows, Listeners):
         await self.client.aclose()
 
     def close(self) -> None:
-        """Synchronous close: rows end 'cancelled' now; the pool closes on the loop."""
+        """Synchronous close, from any thread: no row is taken from now on; queued and
+        streaming rows end 'cancelled' on the loop (at once when called there), and
+        the pool closes there."""
         if self._closed:
             return
-        self._shut()
+        self._closed = True
+        try:  # asyncio objects belong to the loop's thread
+            if self.loop is None:
+                raise _aio.NoLoopError()
+            _aio.call_soon(self.loop, self._shut)
+        except _aio.NoLoopError:  # no loop, or one that will not run again: end here
+            self._shut()
+            return
         if self.loop.is_running():
             asyncio.run_coroutine_threadsafe(self.client.aclose(), self.loop)
 

@@ -36,7 +36,7 @@ def error_text(body: bytes, limit: int = 200) -> str:
     if isinstance(obj, dict):
         err = obj.get("error", obj)
         if isinstance(err, dict):
-            msg = err.get("message") or err.get("msg") or err.get("detail")
+            msg = _said(err)
             if msg is None and isinstance(obj.get("detail"), (str, list)):
                 msg = obj["detail"]
         elif err is not None:
@@ -44,6 +44,22 @@ def error_text(body: bytes, limit: int = 200) -> str:
     if msg is None:
         msg = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
     return one_line(msg, limit)
+
+
+def _said(err: dict):
+    """The words of an error object ({"message" | "msg" | "detail": ...}), else None."""
+    return err.get("message") or err.get("msg") or err.get("detail")
+
+
+REDIRECTS = (301, 302, 303, 307, 308)
+
+
+def redirect_error(status: int, location: Optional[str], shown: str) -> ServerError:
+    """A redirect is never followed (it would carry the API key to wherever it
+    points): the user connects to where it points instead."""
+    where = f"to {one_line(location, 200)}" if location else "elsewhere"
+    return ServerError(f"{shown} redirects {where} ({status}); connect to that address "
+                       "instead")
 
 
 def status_error(status: int, msg: str, model: Optional[str], shown: str) -> ServerError:
@@ -145,7 +161,8 @@ def parse_event(obj, chat: bool) -> Event:
         return ev
     err = obj.get("error")
     if err:
-        msg = err.get("message") if isinstance(err, dict) else err
+        msg = (_said(err) or json.dumps(err, separators=(",", ":"))) if isinstance(err, dict) \
+            else err
         # cut long, not at 200: the engine scrubs the API key out first (a cut could
         # leave part of it), then cuts
         raise ServerError(f"the server failed the request: {one_line(msg, 2000)}")
@@ -157,7 +174,7 @@ def parse_event(obj, chat: bool) -> Event:
         delta = (ch.get("delta") or {}) if chat else {}
         if not isinstance(delta, dict):
             delta = {}
-        text = (delta.get("content") if chat else ch.get("text")) or ""
+        text = _text(delta.get("content") if chat else ch.get("text"))
         # thinking and tool calls are tokens the server generated: they count as
         # output (a row thinking for minutes is not stuck), though not as its text
         thought = delta.get("reasoning_content") or delta.get("reasoning") or ""
@@ -172,6 +189,19 @@ def parse_event(obj, chat: bool) -> Event:
         if isinstance(ch.get("finish_reason"), str) and ch["finish_reason"]:
             ev.finish = ch["finish_reason"]
     return ev
+
+
+def _text(value) -> str:
+    """An event's output text: a string, or a list of {"type": "text", "text": ...}
+    content parts (OpenAI's content-part form); anything else is a malformed event."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        parts = [p.get("text") for p in value if p.get("type", "text") == "text"]
+        if all(isinstance(t, str) for t in parts):
+            return "".join(parts)
+    raise ServerError(f"the server sent a malformed event: its text is "
+                      f"{one_line(json.dumps(value, default=str), 120)}, not a string")
 
 
 def usage_counts(usage: dict) -> Tuple[Optional[int], Optional[int], int]:
@@ -209,17 +239,21 @@ def _logprobs(lp, chat: bool) -> Optional[list]:
     logprobs object; None when the event has none."""
     if not isinstance(lp, dict):
         return None
+
+    def listed(v):  # a field that is not a list is read as absent
+        return v if isinstance(v, list) else []
+
     out = []
     if chat:
-        for e in lp.get("content") or ():
+        for e in listed(lp.get("content")):
             if isinstance(e, dict) and "logprob" in e:
-                top = [(t.get("token"), t.get("logprob")) for t in e.get("top_logprobs") or ()
+                top = [(t.get("token"), t.get("logprob")) for t in listed(e.get("top_logprobs"))
                        if isinstance(t, dict)]
                 out.append({"token": e.get("token"), "logprob": e["logprob"], "top": top})
     else:
-        toks = lp.get("tokens") or []
-        vals = lp.get("token_logprobs") or []
-        tops = lp.get("top_logprobs") or []
+        toks = listed(lp.get("tokens"))
+        vals = listed(lp.get("token_logprobs"))
+        tops = listed(lp.get("top_logprobs"))
         for i, (t, v) in enumerate(zip(toks, vals)):
             top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
             out.append({"token": t, "logprob": v, "top": list(top.items())})
