@@ -106,6 +106,56 @@ def test_a_callable_raising_anything_ends_its_row_only(tiny, arun, exc, where):
     assert after.finish_reason == "length"  # the engine still serves
 
 
+@pytest.mark.parametrize("exc", [asyncio.CancelledError, SystemExit, GeneratorExit])
+def test_a_stop_callable_raising_anything_as_its_row_is_cancelled_ends_that_row_only(
+        tiny, arun, exc):
+    seen = []
+
+    def stop(text):  # raises only when shown the same text again: as its row ends
+        if seen and text == seen[-1]:
+            raise exc("from the user's callable")
+        seen.append(text)
+        return False
+
+    async def main():
+        eng = make(tiny)
+
+        async def cancelled_midway():
+            row = eng.submit("x", chat=False, max_tokens=300, stop=[stop])
+            while row.ntok < 3:
+                await asyncio.sleep(0.001)
+            row.cancel()
+            return row
+
+        task = asyncio.ensure_future(cancelled_midway())
+        await beside_a_bystander(eng, lambda: task)
+        after = await asyncio.wait_for(eng.submit("after", chat=False, max_tokens=3), 30)
+        await eng.aclose()
+        return task.result(), after
+
+    row, after = arun(main)
+    assert row.finish_reason == "cancelled" and 3 <= row.ntok < 300
+    assert after.finish_reason == "length"  # the engine still serves
+
+
+def test_a_close_during_an_aclose_lets_the_aclose_return_at_once(tiny, arun):
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit(f"row {i}", chat=False, max_tokens=2000) for i in range(3)]
+        while not all(r.state == "decode" for r in rows):
+            await asyncio.sleep(0.001)
+        closing = asyncio.ensure_future(eng.aclose())
+        while eng._idle is None:  # until it waits for the scheduler to go idle
+            await asyncio.sleep(0)
+        eng.close()
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(closing, 8)  # (its own bound is 10 s)
+        return rows, asyncio.get_running_loop().time() - t0
+
+    rows, waited = arun(main)
+    assert {r.finish_reason for r in rows} == {"cancelled"} and waited < 2
+
+
 def test_overlapping_closes_both_return_promptly(tiny, arun):
     """A second aclose() while the first waits for the scheduler must not leave the
     first waiting out its 10 s bound."""

@@ -257,6 +257,13 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
                 raise
 
     async def _serve(self):
+        try:
+            await self._serve_rows()
+        finally:  # a close waiting for the scheduler to go idle need wait no longer
+            if self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
+
+    async def _serve_rows(self):
         while not self._closed:
             ex = self._exec
             if ex is None:  # closed from another thread
@@ -280,11 +287,19 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
                     self._pool, ex.tick,
                     [Admit(r.id, r.prompt_ids, r.params) for r in admits], cancels,
                     self.streak_s, self._interrupt)
-            except Exception as e:  # the executor itself broke: fail what it held
+            except BaseException as e:  # the executor itself broke: fail what it held
+                # (a user callback's SystemExit or the like included; not an
+                # interrupt, nor this task being cancelled)
+                cancelling = getattr(asyncio.current_task(), "cancelling", None)  # 3.11+
+                if isinstance(e, KeyboardInterrupt) or (
+                        isinstance(e, asyncio.CancelledError)
+                        and (cancelling is None or cancelling())):
+                    raise
                 for rid in list(self.scheduler.active):
                     row = self._live.get(rid)
                     if row is not None:
-                        self._end(row, Finish.ERROR, f"engine step failed: {e}")
+                        self._end(row, Finish.ERROR,
+                                  f"engine step failed: {type(e).__name__}: {e}".rstrip(": "))
                 await self.loop.run_in_executor(self._pool, ex.close)
                 self._report = dataclasses.replace(self._report, busy=False)
                 continue

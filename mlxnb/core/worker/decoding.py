@@ -83,7 +83,9 @@ class RowDecoder:
         if self.params.stop:  # the detokenizer's held text may complete a stop string
             try:
                 hit = self._find_stop()
-            except Exception:  # the row ends here anyway; nothing to cut
+            except BaseException as e:  # the row ends here anyway; nothing to cut
+                if isinstance(e, KeyboardInterrupt):
+                    raise
                 hit = None
             if hit is not None:
                 self.text = self.text[:hit]
