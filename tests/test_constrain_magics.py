@@ -59,13 +59,23 @@ def test_each_flag_constrains_its_rows(ip, tiny, arun_shut):
     ("--choice gen", "gen is a generator"),
     ("--choice lables", "one option is no choice; give two or more, e.g. --choice yes,no, "
                         "or define lables as a list"),
-    ("--choice emptyset", "emptyset is empty"),
+    ("--choice emptyset", "emptyset holds no options; give it two or more"),
+    ("--choice one", "one holds 1 option; give it two or more"),
+    ("--choice frame", "frame is a DataFrame, not a collection of options"),
+    ("--choice scalar", "scalar is a ndarray, not a collection of options"),
+    ("--json-schema nan", "json_schema holds NaN or Infinity which JSON cannot represent"),
+    ("--json-schema inf", "json_schema holds NaN or Infinity which JSON cannot represent"),
 ])
 def test_bad_constraint_options_are_one_line_usage_errors(ip, tiny, arun_shut, line, words):
     async def main():
         eng = attach(tiny)
+        np, pd = pytest.importorskip("numpy"), pytest.importorskip("pandas")
         ip.user_ns.update(notstr=5, bad={"type": "frobnicate"}, nothing=None, word="yes",
-                          gen=(x for x in "ab"), emptyset=set())
+                          gen=(x for x in "ab"), emptyset=set(), one=["yes"],
+                          frame=pd.DataFrame({"label": ["pos", "neg"]}),
+                          scalar=np.array("yes"),
+                          nan={"type": "number", "enum": [float("nan"), 1.0]},
+                          inf={"type": "number", "maximum": float("inf")})
         with pytest.raises(UsageError) as ei:
             gen(ip, "--quiet --raw " + line, "a\nb")
         return ei.value, len(eng.rows)
@@ -97,6 +107,20 @@ def test_choice_takes_any_collection_and_a_bracketed_list():
                        (["[yes,no]"], ["yes", "no"]), (["(a,", "b)"], ["a", "b"]),
                        (["[x],[y]"], ["[x]", "[y]"])):  # options in brackets: as given
         assert constraint_params(None, None, toks, None, ns) == {"choices": want}, toks
+
+
+def test_choice_of_a_list_ipython_wrote_into_the_line_keeps_its_items(ip, tiny, arun_shut):
+    async def main():
+        attach(tiny)
+        ip.user_ns["cities"] = ["New York", "Paris, France", "it's \\ (here)"]
+        r = ip.run_cell("%%generate --quiet --raw --max-tokens 20 --choice {cities}\nWhere?")
+        run = r.result
+        await run
+        return run.rows[0]
+
+    row = arun_shut(main)
+    assert row.params.choices == ("New York", "Paris, France", "it's \\ (here)")
+    assert row.finish_reason == "stop" and row.text in row.params.choices
 
 
 def test_widget_marks_constrained_rows(ip, tiny, arun_shut):

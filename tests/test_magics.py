@@ -487,6 +487,12 @@ def test_unknown_model_is_a_usage_error(ip, models, arun_shut):
         assert magics.get_engine() is None
         with pytest.raises(UsageError, match="could not load model 'nope'"):
             gen(ip, "--model nope", "hi")
+        with pytest.raises(UsageError) as e:  # the draft failed, not the model
+            ip.run_line_magic("mlxnb", "load tiny --draft no/such-draft")
+        assert str(e.value) == (
+            "%mlxnb load: could not load draft model 'no/such-draft' (FileNotFoundError: "
+            "No such model: no/such-draft (long details)); give an mlx-lm hub id, a local "
+            "mlx-lm directory, or layers:N")
 
     arun_shut(main)
 

@@ -546,6 +546,7 @@ def ip(monkeypatch):
     ("connect http://h:1 --max-concurrency 0", "--max-concurrency must be a positive"),
     ("connect http://h:1 --max-concurrency x", "is not an integer"),
     ("connect http://h:1 --api-key-env MLXNB_NO_SUCH_VAR", "'MLXNB_NO_SUCH_VAR' is not set"),
+    ("connect http://h:1 --api-key-env '\ud800'", "is not a valid environment variable name"),
     ("connect h:1", "is not an http(s) address"),
     ("connect http://h:99999/v1", "no valid host and port (ports are 1-65535)"),
     ("connect http://h:abc/v1", "no valid host and port"),

@@ -67,15 +67,17 @@ def _schema_dict(js) -> dict:
         raise ValueError(f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep (or "
                          "holds itself); flatten it, with $defs and $ref for recursive parts")
     try:  # a deep, JSON-only copy: later edits to the user's dict change nothing here
-        text = json.dumps(js, ensure_ascii=False)
+        text = json.dumps(js, ensure_ascii=False, allow_nan=False)
         text.encode("utf-8")
         js = json.loads(text)
     except UnicodeEncodeError as e:
         raise ValueError(f"json_schema holds a string that is not valid Unicode "
                          f"({_bad_char(e)}); remove that character") from None
     except (TypeError, ValueError) as e:
-        raise ValueError(f"json_schema holds a value JSON cannot represent "
-                         f"({one_line(e, 120)})") from None
+        what = ("NaN or Infinity" if "Out of range float" in str(e) else
+                f"a value ({one_line(e, 120)})")
+        raise ValueError(f"json_schema holds {what} which JSON cannot represent; write it "
+                         "as JSON values (finite numbers, strings, lists, dicts)") from None
     big = _big_integer(js)
     if big is not None:
         n, key, at = big

@@ -43,7 +43,7 @@ from .protocol import HeldRows, Listeners
 from .rows import PREFILL, Row, StepRecord
 from . import rowtrace
 from ._threads import LOAD_TIMEOUT_S, load_bounded, mlx_worker
-from .._text import fmt_bytes, parse_bytes
+from .._text import fmt_bytes, one_line, parse_bytes
 from .scheduler import Scheduler
 from .worker.warmup import warm_up
 
@@ -128,7 +128,13 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
             draft = draft_model
             if isinstance(draft, str) and not draft.strip().startswith("layers:"):
                 progress.stage(f"loading draft {draft}")
-                draft = load_bounded(draft, load_timeout)
+                try:
+                    draft = load_bounded(draft, load_timeout)
+                except Exception as e:  # said of the draft, not of the model
+                    raise ValueError(
+                        f"could not load draft model {draft!r} ({type(e).__name__}: "
+                        f"{one_line(e, 200)}); give an mlx-lm hub id, a local mlx-lm "
+                        "directory, or layers:N") from None
             on_worker = self._on_worker
             # Validation and checks of finished texts run here; the worker compiles
             # matchers. (Constraints holds no MLX arrays and locks its own state.)

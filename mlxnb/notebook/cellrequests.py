@@ -5,6 +5,7 @@ keywords. Pure, like cellparse.py: a user's mistake is a one-line UsageError."""
 
 from __future__ import annotations
 
+import ast
 from typing import Any, Dict, List, Optional
 
 from IPython.core.error import UsageError
@@ -82,6 +83,19 @@ def constraint_params(json_schema: Optional[str], regex: Optional[str], choice: 
     return {}
 
 
+def _collection(v) -> bool:
+    """A sized, re-iterable, one-dimensional collection of options (an iterator would
+    be used up by the first cell; a DataFrame iterates over its column names)."""
+    if not hasattr(v, "__iter__") or not hasattr(v, "__len__"):
+        return False
+    if getattr(v, "ndim", 1) != 1:  # numpy arrays, DataFrames
+        return False
+    try:
+        return iter(v) is not v
+    except TypeError:
+        return False
+
+
 def _choices(choice: Any, ns: dict) -> List[str]:
     """``--choice a,b,c``, ``--choice [a, b]`` (a list as IPython writes ``{labels}``)
     or ``--choice LABELS``, a notebook variable holding any collection of options."""
@@ -89,20 +103,29 @@ def _choices(choice: Any, ns: dict) -> List[str]:
     name = toks[0] if len(toks) == 1 and toks[0].isidentifier() else None
     if name is not None and name in ns:
         v = ns[name]
-        if isinstance(v, (str, bytes, dict)) or not hasattr(v, "__iter__") or \
-                iter(v) is v:  # an iterator would be used up by the first cell
+        if isinstance(v, (str, bytes, dict)) or not _collection(v):
             raise UsageError(f"--choice {name}: {name} is a {type(v).__name__}, not a "
                              f"collection of options; give it a list, e.g. "
                              f"{name} = ['yes', 'no'], or write --choice yes,no")
         if isinstance(v, (set, frozenset)):
             v = sorted(v, key=str)  # the order is saved with the row
         items = [str(x) for x in v]  # every item as given; the engine refuses blank ones
-        if not items:
-            raise UsageError(f"--choice {name}: {name} is empty; give it the options")
+        if len(items) < 2:
+            raise UsageError(f"--choice {name}: {name} holds {len(items) or 'no'} "
+                             f"option{'s' * (not items)}; give it two or more")
         return items
     whole = " ".join(toks)
-    if whole[:1] + whole[-1:] in ("[]", "()") and not any(b in whole[1:-1] for b in "[]()"):
-        toks = [whole[1:-1]]  # one list, bracketed as IPython writes {labels}
+    if whole[:1] + whole[-1:] in ("[]", "()"):  # a list as IPython writes {labels}
+        try:  # its items as given, commas inside them included
+            listed = ast.literal_eval(whole)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            listed = None
+        if isinstance(listed, (list, tuple)) and all(isinstance(x, str) for x in listed):
+            toks = [x for x in listed if x.strip()]
+            if len(toks) >= 2:
+                return toks
+        elif not any(b in whole[1:-1] for b in "[]()"):
+            toks = [whole[1:-1]]
     items = [x.strip() for t in toks for x in t.split(",")]
     items = [x for x in items if x]
     if not items:

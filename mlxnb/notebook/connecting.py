@@ -152,7 +152,12 @@ def command(rest: str) -> None:
                          f"seconds (e.g. --timeout 60); got {a.timeout}")
     key = None
     if a.api_key_env is not None:  # the key itself never appears in a cell
-        key = os.environ.get(a.api_key_env)
+        try:
+            key = os.environ.get(a.api_key_env)
+        except (UnicodeEncodeError, ValueError):  # (a NUL, a lone surrogate)
+            raise UsageError(f"%mlxnb connect: --api-key-env {a.api_key_env!r} is not a "
+                             "valid environment variable name; give the name of the "
+                             "variable holding the key") from None
         if not key:
             raise UsageError(f"%mlxnb connect: the environment variable {a.api_key_env!r} "
                              "is not set or empty; set it to the API key before starting "

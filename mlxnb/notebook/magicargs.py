@@ -5,7 +5,9 @@ messages ipykernel can send). The cell body and option values are cellparse.py's
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
+import re
 import shlex
 
 from IPython.core.error import UsageError
@@ -16,9 +18,36 @@ from . import cellparse as cp
 
 def _split(line: str) -> list:
     try:
-        return shlex.split(_keep_backslashes(line or ""))
+        return shlex.split(_keep_backslashes(_quoted_choices(line or "")))
     except ValueError as e:
         raise UsageError(f"could not read the options ({e}); close your quotes") from None
+
+
+_CHOICE_LIST = re.compile(r"--choice\s+([\[(])")
+
+
+def _quoted_choices(line: str) -> str:
+    """``--choice {labels}``: IPython writes the list's repr into the line, whose
+    quotes the split would drop (``['New York', 'Paris, France']`` would read as three
+    options); a list of strings written there goes on as one quoted token instead."""
+    out, at = [], 0
+    for m in _CHOICE_LIST.finditer(line):
+        start = m.start(1)
+        if start < at:
+            continue
+        close = "]" if m.group(1) == "[" else ")"
+        end = line.find(close, start)
+        while end >= 0:
+            try:
+                v = ast.literal_eval(line[start:end + 1])
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                end = line.find(close, end + 1)
+                continue
+            if isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
+                out += [line[at:start], shlex.quote(repr(list(v)))]
+                at = end + 1
+            break
+    return "".join(out) + line[at:]
 
 
 def _keep_backslashes(line: str) -> str:
