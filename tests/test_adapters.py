@@ -443,6 +443,34 @@ def test_removing_every_adapter_frees_their_memory(adapters, formulation):
     assert aset.nbytes == 0
 
 
+def test_one_engine_at_a_time_serves_adapters_on_a_model_object(adapters, refs, arun):
+    # the hooks sit on the shared modules and read one engine's selection
+    async def main():
+        model = base_model()
+        e1, e2 = (mlxnb.Engine(model, warmup=False, kv_budget=None) for _ in range(2))
+        busy = "this model object already serves adapters in another Engine"
+        e1.load_adapter("rl", adapters["rl"])
+        with pytest.raises(ValueError, match=busy):
+            e2.load_adapter("rd", adapters["rd"])
+        got = [await e1.submit(PROMPTS[0], chat=False, max_tokens=N, adapter="rl"),
+               await e2.submit(PROMPTS[0], chat=False, max_tokens=N)]
+        e1.unload_adapter("rl")  # none left: the model is free
+        e2.load_adapter("rd", adapters["rd"])
+        with pytest.raises(ValueError, match=busy):
+            e1.load_adapter("rl", adapters["rl"])
+        got.append(await e2.submit(PROMPTS[1], chat=False, max_tokens=N, adapter="rd"))
+        await e2.aclose()  # a closed engine leaves the model as it was
+        e1.load_adapter("tl", adapters["tl"])
+        got += [await e1.submit(PROMPTS[2], chat=False, max_tokens=N, adapter="tl"),
+                await e1.submit(PROMPTS[2], chat=False, max_tokens=N)]
+        await e1.aclose()
+        return got
+
+    got = arun(main)
+    want = [("rl", 0), (None, 0), ("rd", 1), ("tl", 2), (None, 2)]
+    assert [r.tokens for r in got] == [refs(a, PROMPTS[i], False) for a, i in want]
+
+
 def test_unloading_one_keeps_the_others_exact(adapters, refs, formulation, arun):
     # the stacks are rebuilt without the middle slot; the rest keep their weights
     async def main():

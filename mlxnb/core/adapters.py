@@ -124,7 +124,8 @@ class Adapters:
         users = sum(1 for r in self._live.values() if r.params.adapter == name)
         if users:
             raise ValueError(f"adapter {name!r} is in use by {users} unfinished row(s); "
-                             "await or cancel them, then unload it")
+                             "await them (cancelled ones too: a cancel takes effect "
+                             "on the event loop), then unload it")
         ex = self._exec
         self._on_worker(ex.remove_adapter, name)
         del self._adapters[name]

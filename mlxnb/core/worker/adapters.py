@@ -16,6 +16,7 @@ The executor brackets every forward with `using(selection)`: the wrappers read
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
@@ -34,6 +35,14 @@ FORMULATIONS = ("stacked", "gather")
 # them to compare formulations; cast, fold None: on with the stacked formulation;
 # kernel None: lowrank_kernels' update where its self-check passes, False: never)
 DEFAULTS = dict(formulation="stacked", share=True, cast=None, fold=None, kernel=None)
+
+
+_SERVING = "_mlxnb_adapters"  # the model's attribute: the AdapterSet whose hooks it holds
+
+
+def _serving(model) -> Optional["AdapterSet"]:
+    ref = model.__dict__.get(_SERVING)
+    return ref() if ref is not None else None
 
 
 def _resolve(model, path: str):
@@ -103,7 +112,14 @@ class AdapterSet:
     # -- membership ------------------------------------------------------------------
     def check(self, files) -> None:
         """ValueError (one line) unless every layer `files` adapts is a linear of this
-        model with matching shapes."""
+        model with matching shapes, and no other engine serves adapters on it."""
+        other = _serving(self.model)
+        if other is not None and other is not self:
+            # The hooks sit on the shared modules and read one engine's selection:
+            # two engines' adapters there would each change the other's rows.
+            raise ValueError("this model object already serves adapters in another "
+                             "Engine; give each Engine with adapters its own copy of the "
+                             "model (load it again), or close the other Engine first")
         for path, d in files.layers.items():
             hit = _resolve(self.model, path)
             if hit is None:
@@ -139,6 +155,12 @@ class AdapterSet:
             self._rebuild()
             raise
         return self.nbytes
+
+    def close(self) -> None:
+        """Take every adapter's hooks off the model: it is as it was before any."""
+        self.adapters.clear()
+        self._rebuild()
+        self._keys.clear()
 
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
@@ -189,6 +211,10 @@ class AdapterSet:
                 d["lora_a"] = d["lora_b"] = None
                 d.pop("m", None)
         self._built_names = names
+        if self.units:
+            object.__setattr__(self.model, _SERVING, weakref.ref(self))
+        elif _serving(self.model) is self:
+            object.__delattr__(self.model, _SERVING)
         self.update_path = (", ".join(sorted(paths)) if paths else
                             "ops (no folded linear)")
         self.nbytes = total

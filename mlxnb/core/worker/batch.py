@@ -366,4 +366,5 @@ class BatchExecutor(ReadBack, Membership):
         if self.prefix is not None:
             self.prefix.clear()
         if clear_cache:
+            self.adapters.close()  # the model may serve another engine's adapters next
             mx.clear_cache()
