@@ -471,6 +471,45 @@ def test_one_engine_at_a_time_serves_adapters_on_a_model_object(adapters, refs, 
     assert [r.tokens for r in got] == [refs(a, PROMPTS[i], False) for a, i in want]
 
 
+def test_an_engine_dropped_without_close_leaves_the_model_to_the_next(adapters, refs, arun):
+    async def main():
+        model = base_model()
+        first = mlxnb.Engine(model, warmup=False, kv_budget=None)
+        first.load_adapter("rl", adapters["rl"])
+        del first  # never closed: its hooks stay on the model until the next load
+        eng = mlxnb.Engine(model, warmup=False, kv_budget=None)
+        eng.load_adapter("rd", adapters["rd"])
+        got = [await eng.submit(PROMPTS[0], chat=False, max_tokens=N, adapter="rd"),
+               await eng.submit(PROMPTS[0], chat=False, max_tokens=N)]
+        await eng.aclose()
+        return got
+
+    rd, base = arun(main)
+    assert rd.tokens == refs("rd", PROMPTS[0], False)
+    assert base.tokens == refs(None, PROMPTS[0], False)
+
+
+def test_adapters_keep_serving_after_a_failed_step(adapters, refs, arun):
+    async def main():
+        eng = engine()
+        eng.load_adapter("rl", adapters["rl"])
+        ex, real = eng._exec, eng._exec.tick
+
+        def fails_once(*a):
+            ex.tick = real
+            raise RuntimeError("the device reported an error")
+
+        ex.tick = fails_once
+        failed = await eng.submit(PROMPTS[1], chat=False, max_tokens=N, adapter="rl")
+        after = await eng.submit(PROMPTS[1], chat=False, max_tokens=N, adapter="rl")
+        await eng.aclose()
+        return failed, after
+
+    failed, after = arun(main)
+    assert failed.finish_reason == "error" and "the device reported an error" in failed.error
+    assert after.tokens == refs("rl", PROMPTS[1], False)
+
+
 def test_unloading_one_keeps_the_others_exact(adapters, refs, formulation, arun):
     # the stacks are rebuilt without the middle slot; the rest keep their weights
     async def main():

@@ -123,6 +123,29 @@ def test_choice_of_a_list_ipython_wrote_into_the_line_keeps_its_items(ip, tiny, 
     assert row.finish_reason == "stop" and row.text in row.params.choices
 
 
+def test_a_choice_list_in_the_line_is_read_as_written_and_nowhere_else():
+    import time
+
+    from mlxnb.notebook.magicargs import _split
+
+    ns = {}
+    for line, want in (("--choice ['Paris, France', 3]", ["Paris, France", "3"]),
+                       ("--choice=('a b', 'c,d')", ["a b", "c,d"])):
+        toks = _split(line)
+        assert constraint_params(None, None, toks[1:] or [toks[0].split("=", 1)[1]],
+                                 None, ns) == {"choices": want}, line
+    with pytest.raises(UsageError, match="a list of 1 option; give two or more"):
+        constraint_params(None, None, _split("--choice ['Paris, France']")[1:], None, ns)
+    # inside another option's quoted value it is that option's text, untouched
+    assert _split('--system "like --choice [\'a\', \'b\'] does" --stop "--choice [\'x\']"') \
+        == ["--system", "like --choice ['a', 'b'] does", "--stop", "--choice ['x']"]
+    t0 = time.perf_counter()  # one pass: long or unclosed brackets cost little
+    for line in ("--choice [" + "[1]," * 4000, "--choice [ " * 800 + "]" * 800,
+                 "--choice [1," * 2000 + "]"):
+        _split(line)
+    assert time.perf_counter() - t0 < 2
+
+
 def test_widget_marks_constrained_rows(ip, tiny, arun_shut):
     async def main():
         attach(tiny)

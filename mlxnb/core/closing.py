@@ -54,7 +54,7 @@ class Closing:
         ex = self._shut()
         if ex is not None:
             try:
-                await self.loop.run_in_executor(self._pool, ex.close)
+                await self.loop.run_in_executor(self._pool, ex.shut)
                 # The worker drops its reference to a finished job only after its
                 # result is delivered: one more job makes sure that it has, so the
                 # model is free when this returns (fused layers hold reference
@@ -74,7 +74,7 @@ class Closing:
         ex = self._shut()
         if ex is not None:
             try:  # after any tick in flight: the worker runs one thing at a time
-                self._pool.submit(ex.close)
+                self._pool.submit(ex.shut)
                 self._pool.submit(release_heap)
             except RuntimeError:  # interpreter shutdown already stopped the worker
                 pass

@@ -47,6 +47,24 @@ from .._text import fmt_bytes, one_line, parse_bytes
 from .scheduler import Scheduler
 from .worker.warmup import warm_up
 
+@dataclasses.dataclass
+class _Failed:
+    """A tick that raised, handed back as its value: whatever it raised (a user
+    callback's SystemExit included) fails the rows it held, as any error does,
+    while only asyncio's own exceptions come out of the await."""
+
+    error: BaseException
+
+
+def _failure_as_value(fn, *args):
+    try:
+        return fn(*args)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        return _Failed(e)
+
+
 def _admitted(rows: List[Row], now: float, waited_for) -> None:
     for row in rows:
         row.state, row.t_admit = PREFILL, now
@@ -290,17 +308,13 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
             self._interrupt.clear()
             try:
                 report = await self.loop.run_in_executor(
-                    self._pool, ex.tick,
+                    self._pool, _failure_as_value, ex.tick,
                     [Admit(r.id, r.prompt_ids, r.params) for r in admits], cancels,
                     self.streak_s, self._interrupt)
-            except BaseException as e:  # the executor itself broke: fail what it held
-                # (a user callback's SystemExit or the like included; not an
-                # interrupt, nor this task being cancelled)
-                cancelling = getattr(asyncio.current_task(), "cancelling", None)  # 3.11+
-                if isinstance(e, KeyboardInterrupt) or (
-                        isinstance(e, asyncio.CancelledError)
-                        and (cancelling is None or cancelling())):
-                    raise
+            except Exception as e:  # the worker pool itself broke
+                report = _Failed(e)
+            if isinstance(report, _Failed):  # fail what the executor held
+                e = report.error
                 for rid in list(self.scheduler.active):
                     row = self._live.get(rid)
                     if row is not None:

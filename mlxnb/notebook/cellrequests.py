@@ -120,11 +120,13 @@ def _choices(choice: Any, ns: dict) -> List[str]:
             listed = ast.literal_eval(whole)
         except (ValueError, SyntaxError, MemoryError, RecursionError):
             listed = None
-        if isinstance(listed, (list, tuple)) and all(isinstance(x, str) for x in listed):
-            toks = [x for x in listed if x.strip()]
-            if len(toks) >= 2:
-                return toks
-        elif not any(b in whole[1:-1] for b in "[]()"):
+        if isinstance(listed, (list, tuple)):  # its items, never split at commas
+            items = [str(x) for x in listed]
+            if len(items) < 2:
+                raise UsageError(f"--choice {whole}: a list of {len(items) or 'no'} "
+                                 f"option{'s' * (not items)}; give two or more")
+            return items
+        if not any(b in whole[1:-1] for b in "[]()"):
             toks = [whole[1:-1]]
     items = [x.strip() for t in toks for x in t.split(",")]
     items = [x for x in items if x]

@@ -23,31 +23,69 @@ def _split(line: str) -> list:
         raise UsageError(f"could not read the options ({e}); close your quotes") from None
 
 
-_CHOICE_LIST = re.compile(r"--choice\s+([\[(])")
-
-
 def _quoted_choices(line: str) -> str:
     """``--choice {labels}``: IPython writes the list's repr into the line, whose
     quotes the split would drop (``['New York', 'Paris, France']`` would read as three
-    options); a list of strings written there goes on as one quoted token instead."""
-    out, at = [], 0
-    for m in _CHOICE_LIST.finditer(line):
-        start = m.start(1)
-        if start < at:
+    options); a list or tuple literal written there (outside quotes) goes on as one
+    quoted token holding its repr instead. One pass over the line."""
+    out, at, i, quote, n = [], 0, 0, None, len(line)
+    while i < n:
+        ch = line[i]
+        if quote is not None:
+            if ch == "\\" and quote == '"':
+                i += 1
+            elif ch == quote:
+                quote = None
+            i += 1
             continue
-        close = "]" if m.group(1) == "[" else ")"
-        end = line.find(close, start)
-        while end >= 0:
-            try:
-                v = ast.literal_eval(line[start:end + 1])
-            except (ValueError, SyntaxError, MemoryError, RecursionError):
-                end = line.find(close, end + 1)
+        if ch == "\\":  # (escapes the next character, as the split reads it)
+            i += 2
+            continue
+        if ch in "'\"":
+            quote = ch
+        elif line.startswith("--choice", i) and (i == 0 or line[i - 1].isspace()):
+            j = i + 8
+            while j < n and (line[j].isspace() or (line[j] == "=" and j == i + 8)):
+                j += 1
+            if j < n and line[j] in "[(":
+                end = _literal_end(line, j)
+                if end is None:  # nothing after it closes: no literal further on either
+                    break
+                try:
+                    v = ast.literal_eval(line[j:end])
+                except (ValueError, SyntaxError, MemoryError, RecursionError):
+                    v = None
+                if isinstance(v, (list, tuple)):
+                    out.append(line[at:j])
+                    out.append(shlex.quote(repr(list(v))))
+                    at = end
+                i = end  # (each part of the line is scanned once)
                 continue
-            if isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
-                out += [line[at:start], shlex.quote(repr(list(v)))]
-                at = end + 1
-            break
+        i += 1
     return "".join(out) + line[at:]
+
+
+def _literal_end(line: str, j: int):
+    """The end of the bracketed Python literal starting at line[j] ('[' or '('),
+    string literals in it skipped; None where it does not close."""
+    depth, quote, i = 0, None, j
+    while i < len(line):
+        ch = line[i]
+        if quote is not None:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
 
 
 def _keep_backslashes(line: str) -> str:

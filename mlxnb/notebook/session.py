@@ -184,5 +184,7 @@ async def wait():
             except Exception:
                 swallowed("widget sync", w.sync_now)
 
+    if eng.loop is None:  # nothing was ever submitted to it
+        return None
     await _aio.awaitable_on(eng.loop, on_loop)  # a subshell's loop hops over
     return None

@@ -16,6 +16,7 @@ The executor brackets every forward with `using(selection)`: the wrappers read
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from typing import Dict, List, Optional, Sequence
 
@@ -41,8 +42,7 @@ _SERVING = "_mlxnb_adapters"  # the model's attribute: the AdapterSet whose hook
 
 
 def _serving(model) -> Optional["AdapterSet"]:
-    ref = model.__dict__.get(_SERVING)
-    return ref() if ref is not None else None
+    return model.__dict__.get(_SERVING)
 
 
 def _resolve(model, path: str):
@@ -75,7 +75,7 @@ class AdapterSet:
 
     def __init__(self, model, formulation: Optional[str] = None,
                  share: Optional[bool] = None, cast: Optional[bool] = None,
-                 fold: Optional[bool] = None, kernel: Optional[bool] = None):
+                 fold: Optional[bool] = None, kernel: Optional[bool] = None, owner=None):
         formulation = DEFAULTS["formulation"] if formulation is None else formulation
         share = DEFAULTS["share"] if share is None else share
         cast = DEFAULTS["cast"] if cast is None else cast
@@ -87,6 +87,7 @@ class AdapterSet:
         cast = formulation == "stacked" if cast is None else cast
         fold = formulation == "stacked" if fold is None else fold
         self.model = model
+        self._owner = weakref.ref(owner) if owner is not None else None  # (see owned)
         self.formulation, self.cast = formulation, cast
         self.share = share and formulation == "stacked"
         self.fold = fold and formulation == "stacked"
@@ -114,12 +115,16 @@ class AdapterSet:
         """ValueError (one line) unless every layer `files` adapts is a linear of this
         model with matching shapes, and no other engine serves adapters on it."""
         other = _serving(self.model)
-        if other is not None and other is not self:
+        if other is not None and other is not self and other.owned():
+            gc.collect()  # an engine dropped without close() may only await collection
+        if other is not None and other is not self and other.owned():
             # The hooks sit on the shared modules and read one engine's selection:
             # two engines' adapters there would each change the other's rows.
             raise ValueError("this model object already serves adapters in another "
                              "Engine; give each Engine with adapters its own copy of the "
                              "model (load it again), or close the other Engine first")
+        if other is not None and other is not self:  # its engine is gone: its hooks go
+            other.close()
         for path, d in files.layers.items():
             hit = _resolve(self.model, path)
             if hit is None:
@@ -155,6 +160,12 @@ class AdapterSet:
             self._rebuild()
             raise
         return self.nbytes
+
+    def owned(self) -> bool:
+        """Is the engine whose adapters these are still there? (An engine dropped
+        without close() leaves its hooks on the model; the next engine to load an
+        adapter on it takes them off.)"""
+        return self._owner is None or self._owner() is not None
 
     def close(self) -> None:
         """Take every adapter's hooks off the model: it is as it was before any."""
@@ -212,7 +223,7 @@ class AdapterSet:
                 d.pop("m", None)
         self._built_names = names
         if self.units:
-            object.__setattr__(self.model, _SERVING, weakref.ref(self))
+            object.__setattr__(self.model, _SERVING, self)
         elif _serving(self.model) is self:
             object.__delattr__(self.model, _SERVING)
         self.update_path = (", ".join(sorted(paths)) if paths else

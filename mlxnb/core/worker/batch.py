@@ -77,7 +77,7 @@ class BatchExecutor(ReadBack, Membership):
         self.prefix = PrefixStore(prefix_bytes, self.make_cache) if (
             prefix_bytes and self.setup.prefix_reusable) else None
         self.shapes = ShapeMemory()
-        self.adapters = AdapterSet(model)  # LoRA/DoRA rows (adapters.py)
+        self.adapters = AdapterSet(model, owner=self)  # LoRA/DoRA rows (adapters.py)
         # compiled recurrent decode steps hold base weights (recurrent.py)
         self.setup.decode_gate = lambda: self.adapters.sel is None
         self.policy = PrefillPolicy(prefill_chunk)
@@ -366,5 +366,10 @@ class BatchExecutor(ReadBack, Membership):
         if self.prefix is not None:
             self.prefix.clear()
         if clear_cache:
-            self.adapters.close()  # the model may serve another engine's adapters next
             mx.clear_cache()
+
+    def shut(self):
+        """The engine's last close: also take its adapters' hooks off the model (which
+        may serve another engine's adapters next)."""
+        self.close()
+        self.adapters.close()
