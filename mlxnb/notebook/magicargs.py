@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
-import re
 import shlex
 
 from IPython.core.error import UsageError
