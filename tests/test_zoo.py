@@ -10,7 +10,7 @@ until this table says so. `python -m tests.zoo --table` prints the README's tabl
 
 import pytest
 
-from zoo import KV_WIDE, build, families, run_parity  # tests/ is on sys.path (pytest)
+from zoo import KV_WIDE, build, engine, families, reference_tokens, run_parity  # tests/ is on sys.path (pytest)
 
 pytestmark = pytest.mark.integration  # ~140 engines: about a minute on 2 cores
 
@@ -84,3 +84,32 @@ def test_tables_name_only_real_families():
     assert set(REFUSED) <= known and set(BROKEN) <= known
     assert not set(REFUSED) & set(BROKEN)
     assert set(KV_REFUSED) | {f for f, _ in KV_BROKEN} <= set(KV_FAMILIES)
+
+
+# One-token prompts run no prefill forward, so their recurrent states start empty:
+# padded-prefill families (Qwen3.5, Falcon-H1) and unpadded ones (Mamba, Jamba).
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1", "mamba", "jamba"])
+def test_one_token_prompts_join_a_recurrent_batch_exactly(family):
+    import asyncio
+
+    m = build(family)
+    if not m.ok:
+        pytest.skip(m.reason)
+
+    async def main():
+        eng = engine(m.model)
+        try:
+            first = [eng.submit(p, chat=False, max_tokens=8) for p in ("a", "b", "cd")]
+            await asyncio.gather(*first)
+            running = eng.submit("The quick brown fox", chat=False, max_tokens=24)
+            while running.state != "decode":
+                await asyncio.sleep(0.0005)
+            joined = [eng.submit(p, chat=False, max_tokens=8) for p in ("x", "y")]
+            return await asyncio.gather(*first, running, *joined)
+        finally:
+            await eng.aclose()
+
+    rows = asyncio.run(main())
+    for r in rows:
+        assert r.finish_reason == "length", (r.prompt, r.error)
+        assert r.tokens == reference_tokens(m.model, r.prompt, len(r.tokens)), r.prompt

@@ -61,6 +61,21 @@ def make_row_cache(model, kv_bits: Optional[int] = None, kv_group_size: int = 64
     return [q(c) for c in cache]
 
 
+def sized_states(a: list, b: list, na: int, nb: int) -> None:
+    """Before a's layers extend() by b's (na and nb rows): give a recurrent layer
+    that holds no state on one side (a group of one-token prompts runs no prefill
+    forward) zeros for its rows, shaped as the other side's. mlx-lm's extend sizes
+    the zeros it fills in by batch_size, which an ArraysCache without state or
+    padding reports as 1."""
+    for x, y in zip(_leaves(a), _leaves(b)):
+        if not isinstance(x, ArraysCache):
+            continue
+        for side, other, n in ((x, y, na), (y, x, nb)):
+            if all(s is None for s in side.cache) and any(s is not None for s in other.cache):
+                side.cache = [None if s is None else mx.zeros((n,) + s.shape[1:], s.dtype)
+                              for s in other.cache]
+
+
 def _leaves(cache: list) -> list:
     out = []
     for c in cache:

@@ -13,7 +13,7 @@ from .._trace import timed
 from ..constraint_params import kind_of
 from ..messages import Updates
 from ..states import RowState
-from .caches import aligned_views, left_padded
+from .caches import aligned_views, left_padded, sized_states
 from .decoding import RowDecoder
 from .tokens import ids
 
@@ -67,6 +67,7 @@ class Membership:
             if self.caches is None:
                 self.caches = cache
             else:
+                sized_states(self.caches, cache, self.y.shape[0], len(admits))
                 for c, n in zip(self.caches, cache):
                     c.extend(n)
             last = ids([a.ids[-1] for a in admits])
