@@ -30,7 +30,8 @@ def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
     bf16 was the same with and without padding).
 
     Left padding outside the noise, or a padded batch that fails, refuses the model
-    (ValueError). Right padding outside it returns False: mlx-lm's recurrent layers
+    (ValueError). Right padding beyond the batch-shape noise plus the dtype's
+    rounding (1e-4 of the logit scale in float32, 0.005 in 16 bits) returns False: mlx-lm's recurrent layers
     mostly mask padded steps out of their state (`ArraysCache.lengths`), but some
     let them in, and those rows must prefill unpadded."""
     ids = (list(ids) * 14)[:14] if ids else list(range(2, 16))
@@ -68,12 +69,17 @@ def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
         raise ValueError(f"mlxnb cannot batch this model: a padded batch fails in its "
                          f"forward ({type(e).__name__}: {' '.join(str(e).split())[:160]})."
                          f" Use mlx_lm.generate for it.") from None
-    noise = 4 * _diff(pair, alone) + 0.005 * max(1.0, alone.abs().max().item())
+    scale, shape_noise = max(1.0, alone.abs().max().item()), 4 * _diff(pair, alone)
+    noise = shape_noise + 0.005 * scale
     if _diff(beside, alone) > noise:
         raise ValueError("mlxnb cannot batch this model: a row's output changes when "
                          "it shares a batch with longer rows (left padding reaches its "
                          "attention or positions). Use mlx_lm.generate for it.")
-    return _diff(padded, alone) <= noise
+    # A wrong "safe" here changes a row's tokens, a wrong "unsafe" only prefills
+    # it alone: the floor is the dtype's rounding, not the refusal's (float32 leaks
+    # of 4e-3 went under that one)
+    floor = 1e-4 if alone.dtype == mx.float32 else 0.005
+    return _diff(padded, alone) <= shape_noise + floor * scale
 
 
 def decode_steps_agree(model, ids: List[int], switch: list) -> str:
