@@ -345,3 +345,19 @@ def test_submits_are_refused_once_aclose_has_begun(tiny, arun):
         return row
 
     assert arun(main).finish_reason == "cancelled"
+
+
+def test_a_row_that_cannot_fit_ends_at_once_counting_its_prompt(tiny, arun):
+    async def main():
+        eng = make(tiny, kv_budget="64KB")
+        ctx = eng.submit("y" * 300, chat=False, max_tokens=10 ** 9)
+        budget = eng.submit("z" * 3000, chat=False, max_tokens=8)
+        ids = eng.encode("y" * 300, chat=False), eng.encode("z" * 3000, chat=False)
+        rows = await asyncio.gather(ctx, budget)
+        await eng.aclose()
+        return rows, ids
+
+    rows, ids = arun(main)
+    assert [r.finish_reason for r in rows] == ["error", "error"]
+    assert "context" in rows[0].error and "kv_budget" in rows[1].error
+    assert [r.prompt_tokens for r in rows] == [len(i) for i in ids]

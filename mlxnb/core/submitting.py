@@ -61,12 +61,14 @@ class Submitting:
             raise ValueError("the prompt encodes to no tokens (the tokenizer drops all of "
                              "its characters); write some text to generate from")
         ctx = self.context_length
-        if ctx and len(ids) + sp.max_tokens > ctx:
-            raise WontFit(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "
-                          f"exceeds the model's context of {ctx}; shorten one of them")
-        msg = self.scheduler.never_fits(len(ids), sp.max_tokens)
+        msg = (f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds the "
+               f"model's context of {ctx}; shorten one of them"
+               if ctx and len(ids) + sp.max_tokens > ctx else
+               self.scheduler.never_fits(len(ids), sp.max_tokens))
         if msg:
-            raise WontFit(msg)
+            e = WontFit(msg)
+            e.ids = ids  # (the ended row still counts its prompt's tokens)
+            raise e
         return ids
 
     def submit(self, prompt: str, *, chat: bool = True, system: Optional[str] = None,
@@ -81,7 +83,7 @@ class Submitting:
             ids, sp = self.prepare(prompt, chat=chat, system=system, **params)
             err = None
         except WontFit as e:
-            err, ids, sp = str(e), [], e.params
+            err, ids, sp = str(e), getattr(e, "ids", []), e.params
         return self.submit_prepared(prompt, ids, sp, tag, err)
 
     def submit_prepared(self, prompt, ids, sp, tag=None, err=None) -> Row:
