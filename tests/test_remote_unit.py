@@ -655,6 +655,8 @@ def test_wire_events_and_finish_reasons():
     assert wire.finish("length") == ("length", None)
     assert wire.finish("tool_calls") == ("stop", None)
     assert wire.finish("abort")[0] == "error"
+    assert wire.finish("content_filter") == (
+        "error", "the server's content filter stopped this row (the text before it is kept)")
     assert "without a finish reason" in wire.finish(None)[1]
     with pytest.raises(ServerError, match="the server failed the request: out of memory"):
         wire.parse_event({"error": {"message": "out of\nmemory", "code": 500}}, chat=False)

@@ -101,8 +101,7 @@ def error_line(text: str) -> str:
 
 # the server's finish_reason -> ours (anything else it may say counts as "stop")
 FINISH = {"stop": Finish.STOP, "eos": Finish.STOP, "length": Finish.LENGTH,
-          "tool_calls": Finish.STOP, "function_call": Finish.STOP,
-          "content_filter": Finish.STOP}
+          "tool_calls": Finish.STOP, "function_call": Finish.STOP}
 
 
 @dataclass(frozen=True)
@@ -231,6 +230,9 @@ def finish(server_reason: Optional[str]) -> Tuple[str, Optional[str]]:
         return Finish.ERROR, "the server aborted the request"
     if server_reason == "error":  # vLLM's word for a request that failed
         return Finish.ERROR, "the server reported an error for this request"
+    if server_reason == "content_filter":  # cut short: not a complete answer
+        return Finish.ERROR, ("the server's content filter stopped this row (the text "
+                              "before it is kept)")
     return FINISH.get(server_reason, Finish.STOP), None
 
 
