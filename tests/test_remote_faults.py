@@ -127,9 +127,12 @@ def test_text_that_cannot_be_sent_is_refused_at_submit(arun, kw):
      'the server failed the request: {"code":500,"type":"InternalServerError"}'),
     ({"detail": "worker died"}, "the server failed the request: worker died"),
     ("plain words", "the server failed the request: plain words"),
+    (None, "the server failed the request: prompt too long"),  # sent bare: see below
 ])
 def test_an_error_event_says_what_the_server_said(arun, error, want):
-    ev = chat_chunks(["a"])[:1] + [{"error": error}]
+    ev = chat_chunks(["a"])[:1] + [{"error": error} if error is not None else {
+        "object": "error", "message": "prompt too long", "type": "BadRequestError",
+        "param": None, "code": 400}]
     r = one_row(arun, Server(lambda req, n: httpx.Response(200, content=sse(*ev))))
     assert r.finish_reason == "error" and r.error == want and r.text == "a"
 

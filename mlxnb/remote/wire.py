@@ -159,6 +159,8 @@ def parse_event(obj, chat: bool) -> Event:
     if not isinstance(obj, dict):
         return ev
     err = obj.get("error")
+    if not err and obj.get("object") == "error":  # vLLM's ErrorResponse, sent bare
+        err = obj
     if err:
         msg = (_said(err) or json.dumps(err, separators=(",", ":"))) if isinstance(err, dict) \
             else err
