@@ -94,6 +94,20 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
     loop.call_soon_threadsafe(fn, *args)
 
 
+def call_soon_or_here(loop: Optional[asyncio.AbstractEventLoop], fn: Callable) -> bool:
+    """fn() on `loop`'s thread (as call_soon), or here at once where no loop can run
+    it (none bound, closed, not running): a close must end its rows either way.
+    True when it went to the loop."""
+    try:
+        if loop is None:
+            raise NoLoopError()
+        call_soon(loop, fn)
+        return True
+    except NoLoopError:
+        fn()
+        return False
+
+
 def awaitable_on(loop: asyncio.AbstractEventLoop, make_awaitable: Callable):
     """An awaitable for `make_awaitable()` run on `loop`, awaitable from whatever loop
     is running (a subshell's loop hops over to `loop`)."""

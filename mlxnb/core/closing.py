@@ -84,12 +84,7 @@ class Closing:
         returns the executor for the caller to close on the worker."""
         self._closed = True
         self._interrupt.set()
-        try:  # asyncio objects belong to the loop's thread
-            if self.loop is None:
-                raise _aio.NoLoopError()
-            _aio.call_soon(self.loop, self._end_all)
-        except _aio.NoLoopError:  # no loop, or one that will not run again: end here
-            self._end_all()
+        _aio.call_soon_or_here(self.loop, self._end_all)  # (asyncio objects: the loop's)
         ex, self._exec = self._exec, None
         self.model = self.tokenizer = None
         return ex

@@ -372,14 +372,8 @@ class RemoteEngine(HeldRows, Listeners):
         if self._closed:
             return
         self._closed = True
-        try:  # asyncio objects belong to the loop's thread
-            if self.loop is None:
-                raise _aio.NoLoopError()
-            _aio.call_soon(self.loop, self._shut)
-        except _aio.NoLoopError:  # no loop, or one that will not run again: end here
-            self._shut()
-            return
-        if self.loop.is_running():
+        # asyncio objects belong to the loop's thread
+        if _aio.call_soon_or_here(self.loop, self._shut) and self.loop.is_running():
             asyncio.run_coroutine_threadsafe(self.client.aclose(), self.loop)
 
     def _shut(self):
