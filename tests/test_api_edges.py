@@ -81,7 +81,10 @@ def test_a_row_whose_processor_cannot_be_copied_ends_and_reports(tiny, arun):
     assert "logits_processors" not in res.params and res.params["max_tokens"] == 6
 
 
-@pytest.mark.parametrize("exc", [asyncio.CancelledError, SystemExit, GeneratorExit])
+# (a KeyboardInterrupt too: signals reach the main thread only, so one raised on the
+# worker is the callback's own)
+@pytest.mark.parametrize("exc", [asyncio.CancelledError, SystemExit, GeneratorExit,
+                                 KeyboardInterrupt])
 @pytest.mark.parametrize("where", ["stop", "processor"])
 def test_a_callable_raising_anything_ends_its_row_only(tiny, arun, exc, where):
     def stop(text):
@@ -106,7 +109,8 @@ def test_a_callable_raising_anything_ends_its_row_only(tiny, arun, exc, where):
     assert after.finish_reason == "length"  # the engine still serves
 
 
-@pytest.mark.parametrize("exc", [asyncio.CancelledError, SystemExit, GeneratorExit])
+@pytest.mark.parametrize("exc", [asyncio.CancelledError, SystemExit, GeneratorExit,
+                                 KeyboardInterrupt])
 def test_a_stop_callable_raising_anything_as_its_row_is_cancelled_ends_that_row_only(
         tiny, arun, exc):
     seen = []

@@ -59,10 +59,8 @@ class _Failed:
 def _failure_as_value(fn, *args):
     try:
         return fn(*args)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:
-        return _Failed(e)
+    except BaseException as e:  # (signals reach the main thread only: on the worker a
+        return _Failed(e)       # KeyboardInterrupt is some callback's own raise)
 
 
 def _admitted(rows: List[Row], now: float, waited_for) -> None:
@@ -320,7 +318,10 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
                     if row is not None:
                         self._end(row, Finish.ERROR,
                                   f"engine step failed: {type(e).__name__}: {e}".rstrip(": "))
-                await self.loop.run_in_executor(self._pool, ex.close)
+                try:
+                    await self.loop.run_in_executor(self._pool, ex.close)
+                except Exception:  # the pool is gone (interpreter shutdown): here
+                    ex.close()
                 self._report = dataclasses.replace(self._report, busy=False)
                 continue
             self._report = report

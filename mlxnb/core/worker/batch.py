@@ -322,9 +322,9 @@ class BatchExecutor(ReadBack, Membership):
                                 f"{getattr(p, '__qualname__', type(p).__name__)} returned "
                                 f"{type(li).__name__} of shape {getattr(li, 'shape', None)}, "
                                 f"expected logits of shape {tuple(logits[i:i + 1].shape)}")
-                except BaseException as e:  # (sys.exit() or a CancelledError too)
-                    if isinstance(e, KeyboardInterrupt):
-                        raise
+                except BaseException as e:  # (sys.exit(), a CancelledError too; and a
+                    # KeyboardInterrupt: signals reach the main thread only, so on the
+                    # worker it is the callback's own raise)
                     self.drop.add(r.id)
                     updates.end(r.id, Finish.ERROR,
                                 f"logits processor failed: {type(e).__name__}: {e}")

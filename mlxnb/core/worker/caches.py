@@ -74,6 +74,14 @@ def sized_states(a: list, b: list, na: int, nb: int) -> None:
             if all(s is None for s in side.cache) and any(s is not None for s in other.cache):
                 side.cache = [None if s is None else mx.zeros((n,) + s.shape[1:], s.dtype)
                               for s in other.cache]
+        # A state that grows with the tokens seen up to a bound (LongCat's n-gram
+        # context, [B, min(seen, n - 1)]): the shorter side's missing history is
+        # token 0 on the left, as the model's own shift fills it
+        for i, (s, t) in enumerate(zip(x.cache, y.cache)):
+            if s is None or t is None or s.ndim != 2 or s.shape[1] == t.shape[1]:
+                continue
+            w = max(s.shape[1], t.shape[1])
+            x.cache[i], y.cache[i] = (mx.pad(u, [(0, 0), (w - u.shape[1], 0)]) for u in (s, t))
 
 
 def _leaves(cache: list) -> list:

@@ -63,8 +63,7 @@ class RowDecoder:
         try:
             hit = self._find_stop()
         except BaseException as e:  # a stop callback's failure ends its row only
-            if isinstance(e, KeyboardInterrupt):
-                raise
+            # (a KeyboardInterrupt too: on the worker thread it is the callback's own)
             emitted.append(Emitted(self.id, tok, "", lp, drafted))
             return Ending(Finish.ERROR, one_line(f"stop callback failed: {type(e).__name__}: {e}", 300))
         if hit is not None:
@@ -83,9 +82,7 @@ class RowDecoder:
         if self.params.stop:  # the detokenizer's held text may complete a stop string
             try:
                 hit = self._find_stop()
-            except BaseException as e:  # the row ends here anyway; nothing to cut
-                if isinstance(e, KeyboardInterrupt):
-                    raise
+            except BaseException:  # the row ends here anyway; nothing to cut
                 hit = None
             if hit is not None:
                 self.text = self.text[:hit]
