@@ -365,3 +365,21 @@ def test_a_row_that_cannot_fit_ends_at_once_counting_its_prompt(tiny, arun):
     assert [r.finish_reason for r in rows] == ["error", "error"]
     assert "context" in rows[0].error and "kv_budget" in rows[1].error
     assert [r.prompt_tokens for r in rows] == [len(i) for i in ids]
+
+
+def test_an_error_text_holding_a_lone_surrogate_is_escaped(tiny, arun):
+    import json
+
+    def bad(tokens, logits):
+        raise ValueError("bad \ud800 value")
+
+    async def main():
+        eng = make(tiny)
+        row = eng.submit("x", chat=False, max_tokens=3, logits_processors=[bad])
+        await row
+        await eng.aclose()
+        return row
+
+    row = arun(main)
+    assert row.error == "logits processor failed: ValueError: bad \\ud800 value"
+    json.dumps({"error": row.error}, ensure_ascii=False).encode("utf-8")  # as sent

@@ -234,3 +234,65 @@ def test_a_token_view_spells_each_tokens_share_of_the_text(tiny, arun):
     assert "".join(it["s"] for it in whole["items"]) == row.text
     assert [it["s"] for it in tail["items"]] == [it["s"] for it in whole["items"]][7:]
     assert "" in [it["s"] for it in whole["items"]]  # a byte that completes nothing
+
+
+def test_the_rest_of_a_token_view_from_any_token_is_the_whole_views_rest(tiny, arun):
+    # what a live view asks for as a row grows: it starts inside characters too
+    texts = ["a😀😀😀b", "👨\u200d👩\u200d👧 ok", "中文字符测试"]
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        rows = [eng.submit("x", chat=False, max_tokens=60, choices=[t])
+                for t in texts]
+        await asyncio.gather(*rows)
+        views = [[details.token_view(r, eng.tokenizer, s) for s in range(len(r.tokens) + 1)]
+                 for r in rows]
+        await eng.aclose()
+        return rows, views
+
+    rows, views = arun(main)
+    for text, row, per_start in zip(texts, rows, views):
+        assert row.text == text
+        whole = [it["s"] for it in per_start[0]["items"]]
+        assert "".join(whole) == text
+        for s, v in enumerate(per_start):
+            assert [it["s"] for it in v["items"]] == whole[s:], (text, s)
+
+
+def test_a_token_view_shows_no_number_for_a_logprob_without_one(tiny, arun):
+    import json
+
+    def nan(tokens, logits):
+        return logits * float("nan")
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        row = eng.submit("x", chat=False, max_tokens=3, logprobs=3,
+                         logits_processors=[nan])
+        await row
+        view = details.token_view(row, eng.tokenizer)
+        await eng.aclose()
+        return row, view
+
+    row, view = arun(main)
+    assert row.logprobs and all(not (lp["logprob"] == lp["logprob"]) for lp in row.logprobs)
+    assert [it["p"] for it in view["items"]] == [None] * len(row.tokens)
+    assert all(a["p"] is None for it in view["items"] for a in it["top"])
+    json.dumps(view, allow_nan=False)  # what the kernel's strict JSON sends
+
+
+def test_a_servers_row_shows_its_tokens_from_its_logprobs():
+    from types import SimpleNamespace
+
+    from mlxnb.core.rows import SamplingParams
+
+    lps = [{"token": "H", "logprob": -0.5, "top": [("H", -0.5), ("Y", -1.2)]},
+           {"token": "i", "logprob": -0.1, "top": [("i", -0.1)]}]
+    row = SimpleNamespace(tokens=[], logprobs=lps, params=SamplingParams(logprobs=2))
+    view = details.token_view(row, None)
+    assert [(it["i"], it["id"], it["s"]) for it in view["items"]] == [(0, None, "H"),
+                                                                     (1, None, "i")]
+    assert view["items"][0]["top"] == [{"id": None, "p": 0.60653, "s": "H"},
+                                       {"id": None, "p": 0.30119, "s": "Y"}]
+    assert view["probs"] and view["more"] == 0
+    assert [it["s"] for it in details.token_view(row, None, 1)["items"]] == ["i"]

@@ -289,6 +289,8 @@ class Row:
         """Record the end: the last fields, the awaited result, the callbacks."""
         if self.done:
             return
+        if error is not None:  # (a callback's own words: JSON, a widget, a file take it)
+            error = error.encode("utf-8", "backslashreplace").decode("utf-8")
         self.state, self.finish_reason, self.error = DONE, reason, error
         self.t_done = time.perf_counter() - self._t0
         if not self._future.done():

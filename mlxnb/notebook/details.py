@@ -57,13 +57,32 @@ def _piece(tok, tid: int, cache: dict) -> str:
     return s
 
 
+def _char_start(tokenizer, toks: list, start: int) -> int:
+    """A token index at or before `start` where a character begins (the tokens from
+    it do not decode to a cut character first): a scan from there holds nothing
+    over. Up to 16 tokens back, else 0."""
+    for j in range(start, max(0, start - 16), -1):
+        try:
+            if not tokenizer.decode(toks[j:j + 4]).startswith("\ufffd"):
+                return j
+        except Exception:
+            return 0
+    return 0
+
+
+def _p(lp):
+    """A probability from a logprob; None where there is none to show (-inf, NaN)."""
+    return _r(math.exp(lp), 5) if isinstance(lp, (int, float)) and math.isfinite(lp) \
+        else None
+
+
 def _pieces(tokenizer, toks: list, start: int) -> dict:
     """Token index -> the text it adds to the row, for tokens from `start` on: each
     token decoded after the one before it (so a SentencePiece word keeps its leading
     space), and a character split over tokens (the bytes of an emoji) shown on the
     token that completes it, the others adding "". Joined, the pieces are the text."""
     out, held = {}, 0  # tokens not shown yet: they end in an incomplete character
-    for i in range(max(0, start - 4), len(toks)):
+    for i in range(_char_start(tokenizer, toks, start), len(toks)):
         k = max(0, i - held - 1)  # one shown token of context before them
         try:
             whole = tokenizer.decode(toks[k:i + 1])
@@ -100,23 +119,33 @@ def token_view(row, tokenizer, start: int = 0) -> dict:
     drafts = set(getattr(row, "drafted", None) or ())
     cache: dict = {}
     pieces = _pieces(tokenizer, toks, start) if tokenizer is not None else {}
+    # a server's row has no token ids: its logprobs name each token by its text
+    texts = [] if toks or lps is None else [
+        rec.get("token") if isinstance(rec, dict) and isinstance(rec.get("token"), str)
+        else "" for rec in lps[:MAX_TOKENS]]
+    n = len(toks) or len(texts)
     items = []
-    for i in range(min(start, len(toks)), len(toks)):
-        tid = toks[i]
-        it = {"i": i, "id": int(tid)}
-        if tokenizer is not None:
+    for i in range(min(start, n), n):
+        if texts:
+            it = {"i": i, "id": None, "s": texts[i]}
+        else:
+            it = {"i": i, "id": int(toks[i])}
+        if tokenizer is not None and not texts:
             it["s"] = pieces.get(i)
             if it["s"] is None:
-                it["s"] = _piece(tokenizer, int(tid), cache)
+                it["s"] = _piece(tokenizer, int(toks[i]), cache)
         if lps is not None and i < len(lps) and lps[i] is not None:
             rec = lps[i]
             lp = rec.get("logprob")
-            it["p"] = None if lp is None or lp == -math.inf else _r(math.exp(lp), 5)
+            it["p"] = _p(lp)
             alts = []
             for aid, alp in rec.get("top", [])[:10]:
-                alt = {"id": int(aid), "p": _r(math.exp(alp), 5)}
-                if tokenizer is not None:
-                    alt["s"] = _piece(tokenizer, int(aid), cache)
+                if isinstance(aid, str):  # a server's alternative: its text, no id
+                    alt = {"id": None, "p": _p(alp), "s": aid}
+                else:
+                    alt = {"id": int(aid), "p": _p(alp)}
+                    if tokenizer is not None:
+                        alt["s"] = _piece(tokenizer, int(aid), cache)
                 alts.append(alt)
             it["top"] = alts
             if rec.get("allowed") is not None:  # a structured row: tokens its constraint allowed
@@ -124,8 +153,8 @@ def token_view(row, tokenizer, start: int = 0) -> dict:
         if i in drafts:
             it["draft"] = True
         items.append(it)
-    return {"items": items, "start": min(start, len(toks)),
-            "more": max(0, len(row.tokens) - len(toks)),
+    total = len(lps) if texts else len(row.tokens)
+    return {"items": items, "start": min(start, n), "more": max(0, total - n),
             "probs": lps is not None, "sampling": sampling(row)}
 
 
