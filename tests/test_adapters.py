@@ -4,6 +4,7 @@ DoRA, on a float and a 4-bit model, alone and mixed with other adapters and base
 rows in one batch (one row joining mid-run); adapters trained with mlx_lm.lora too."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -307,10 +308,15 @@ def test_a_queued_row_the_budget_left_by_an_adapter_cannot_hold_ends_saying_so(a
     async def main():
         eng = engine(kv_budget="4MB", max_batch=1)
         try:
-            need = eng.scheduler.row_bytes(40, 64)
+            need = eng.scheduler.row_bytes(40, 1024)
             eng.kv_budget = eng.scheduler.kv_budget = need + 2048  # just one such row
-            running = eng.submit("r" * 30, chat=False, max_tokens=64)
-            queued = eng.submit("q" * 39, chat=False, max_tokens=64)
+
+            def slow(tokens, logits):  # a small row that runs while the adapter loads
+                time.sleep(0.02)
+                return logits
+
+            running = eng.submit("r", chat=False, max_tokens=64, logits_processors=[slow])
+            queued = eng.submit("q" * 39, chat=False, max_tokens=1024)
             while running.state != "decode":
                 await asyncio.sleep(0.001)
             eng.load_adapter("rd", adapters["rd"])  # takes more than the 2 kB spare
@@ -508,6 +514,36 @@ def test_adapters_keep_serving_after_a_failed_step(adapters, refs, arun):
     failed, after = arun(main)
     assert failed.finish_reason == "error" and "the device reported an error" in failed.error
     assert after.tokens == refs("rl", PROMPTS[1], False)
+
+
+def test_an_adapter_that_would_push_running_rows_past_the_budget_is_refused(adapters,
+                                                                           arun):
+    probe = engine()
+    nb = probe.load_adapter("rl", adapters["rl"]) and probe.adapter_bytes
+    probe.close()
+
+    async def main():
+        sizing = engine()
+        need = sizing.scheduler.row_bytes(len(sizing.encode("row 0", chat=False)), 1500)
+        sizing.close()
+        assert nb // 2 < 2 * need  # (the adapter alone fits; with the rows it would not)
+        eng = engine(kv_budget=2 * need + nb // 2)
+        rows = [eng.submit(f"row {i}", chat=False, max_tokens=1500) for i in range(2)]
+        while not all(r.state == "decode" for r in rows):
+            await asyncio.sleep(0.001)
+        with pytest.raises(ValueError, match="and the running rows' KV .* would pass the "
+                                             "kv_budget .*; load it when fewer rows run"):
+            eng.load_adapter("rl", adapters["rl"])
+        held = eng.adapter_bytes, eng.scheduler.kv_budget == eng.kv_budget
+        eng.cancel(rows)
+        await asyncio.gather(*rows)
+        eng.load_adapter("rl", adapters["rl"])  # with the rows gone it fits
+        await eng.aclose()
+        return held, rows
+
+    (held_bytes, whole_budget), rows = arun(main)
+    assert held_bytes == 0 and whole_budget  # the refused load took nothing
+    assert [r.finish_reason for r in rows] == ["cancelled"] * 2
 
 
 def test_unloading_one_keeps_the_others_exact(adapters, refs, formulation, arun):

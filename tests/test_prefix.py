@@ -277,3 +277,21 @@ def test_supports_full_attention_kv_only(tiny, tiny_swa, q_model):
     assert not PrefixStore.supports([KVCache(), ArraysCache(2)])
     assert not PrefixStore.supports([KVCache(), RotatingKVCache(16)])
     assert not PrefixStore.supports([CacheList(KVCache(), KVCache())])
+
+
+def test_status_shows_what_the_prefix_store_holds_beside_the_budget(tiny, arun):
+    import mlxnb
+
+    async def main():
+        eng = mlxnb.Engine(tiny, kv_budget="4MB", prefix_cache="1MB", warmup=False)
+        before = eng.status()
+        await eng.submit("a shared prompt prefix, long enough to keep " * 4, chat=False,
+                         max_tokens=2)
+        after = eng.status()
+        await eng.aclose()
+        return before, after
+
+    before, after = arun(main)
+    assert "holding" not in before
+    held = after.split("prefix reuse on (holding ", 1)[1].split(")", 1)[0]
+    assert held.endswith(" of 1.0 MB") and not held.startswith("0 B"), after

@@ -107,6 +107,15 @@ class Adapters:
             self._on_worker(ex.remove_adapter, name)
             raise ValueError(f"adapters would take {fmt_bytes(nbytes)} of the kv_budget "
                              f"of {fmt_bytes(self.kv_budget)} once stacked; raise kv_budget")
+        running = (self.scheduler.projected_peak(list(self.scheduler.active.values()))
+                   if self.kv_budget is not None else 0)
+        if running and nbytes + running > self.kv_budget:
+            # the room is the running rows' already: they would pass the budget
+            self._on_worker(ex.remove_adapter, name)
+            raise ValueError(f"adapters ({fmt_bytes(nbytes)}) and the running rows' KV "
+                             f"(up to {fmt_bytes(running)}) would pass the kv_budget of "
+                             f"{fmt_bytes(self.kv_budget)}; load it when fewer rows run, "
+                             "or raise kv_budget")
         self._adapter_update = self._on_worker(lambda: ex.adapters.update_path)
         info = AdapterInfo(name, files.path, files.kind, files.rank, files.scale,
                            len(files.layers), files.nbytes)

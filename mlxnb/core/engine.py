@@ -74,7 +74,9 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
 
     `model`: "default" (bundled SmolLM2-135M-Instruct), an mlx-lm hub id, a local
     mlx-lm directory, or a `(model, tokenizer)` pair. `kv_budget`: bytes or "2GB" or
-    None (no limit). `prefill_chunk`: prompt tokens prefilled per step beside running
+    None (no limit). `prefix_cache`: bytes of prompt KV kept for rows that share a
+    prefix, a cap of its own beside `kv_budget` (None: no reuse; `status()` shows
+    what it holds). `prefill_chunk`: prompt tokens prefilled per step beside running
     rows (their stall is bounded by one chunk); None adapts it to the device, about
     50 ms of prefill per step (512..8192 tokens). Construction blocks while the model
     loads (at most `load_timeout` seconds, None: no limit; an interrupt stops the
@@ -132,6 +134,7 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         self._t0 = time.perf_counter()
         self._pool = mlx_worker()
         prefix_bytes = parse_bytes(prefix_cache, "prefix_cache") or 0 if prefix_cache else 0
+        self._prefix_cap = prefix_bytes
         self.model_name = model if isinstance(model, str) else getattr(
             model[0], "model_type", type(model[0]).__name__)
         with progress.loading(self.model_name):
@@ -350,8 +353,12 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
                 f"tokens/step ({mode}) | {kinds} | prefix reuse "
-                f"{self._prefix} | speculation {self.speculation}{self._draft_status()}"
+                f"{self._prefix}{self._prefix_held()} | speculation {self.speculation}{self._draft_status()}"
                 + (f" | {adapters}" if adapters else ""))
+
+    def _prefix_held(self) -> str:
+        held = self._report.prefix_bytes
+        return f" (holding {fmt_bytes(held)} of {fmt_bytes(self._prefix_cap)})" if held else ""
 
     def _draft_status(self) -> str:
         if self.draft_model is None:

@@ -87,6 +87,7 @@ class TickReport:
     steps: List[StepStat]
     busy: bool  # more work pending on the worker: tick again without new input
     prefill_chunk: int  # prompt tokens per step beside decoding rows, as it stands
+    prefix_bytes: int = 0  # held by the prompt-prefix store (its own cap, not kv_budget)
 
 
 @dataclass

@@ -170,7 +170,8 @@ class BatchExecutor(ReadBack, Membership):
             tr("n.prefill_tokens", first.prefill_tokens)
             tr("n.emitted", len(emitted))
             tr("tick", pc() - t0)
-        return TickReport(updates.by_row, emitted, steps, self.busy, self.policy.current)
+        return TickReport(updates.by_row, emitted, steps, self.busy, self.policy.current,
+                          self.prefix.nbytes if self.prefix is not None else 0)
 
     def _step(self, updates: Updates, emitted: List[Emitted]):
         """One decode step with what rides along: (its StepStat, whether a decode was
