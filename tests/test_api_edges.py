@@ -383,3 +383,33 @@ def test_an_error_text_holding_a_lone_surrogate_is_escaped(tiny, arun):
     row = arun(main)
     assert row.error == "logits processor failed: ValueError: bad \\ud800 value"
     json.dumps({"error": row.error}, ensure_ascii=False).encode("utf-8")  # as sent
+
+
+@pytest.mark.parametrize("model", [None, 3, ("only one",), "pair".split()[0:0]])
+def test_a_model_that_is_no_name_path_or_pair_is_refused_in_one_line(model):
+    with pytest.raises(ValueError, match=r"^model takes a name, a path or a \(model, "
+                                         r"tokenizer\) pair; got"):
+        Engine(model, warmup=False)
+
+
+def test_a_loaded_model_alone_is_refused_saying_to_pass_its_tokenizer(tiny):
+    with pytest.raises(ValueError, match=r"a loaded model alone has no tokenizer: pass "
+                                         r"\(model, tokenizer\)"):
+        Engine(tiny[0], warmup=False)
+
+
+def test_a_path_object_loads_like_its_string(tmp_path):
+    from mlxnb.models.tiny import save_tiny_model
+
+    eng = Engine(save_tiny_model(tmp_path / "tiny"), warmup=False)
+    try:
+        assert eng.model_name.endswith("tiny")
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kw,name", [(dict(kv_bits=4.0), "kv_bits"),
+                                     (dict(kv_bits=4, kv_group_size=64.0), "kv_group_size")])
+def test_kv_sizes_given_as_floats_are_refused_before_loading(kw, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be one of .*, got .*\.0$"):
+        Engine("never-loaded/model", warmup=False, **kw)

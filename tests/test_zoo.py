@@ -141,3 +141,24 @@ def test_a_model_leaking_a_little_right_padding_prefills_its_rows_unpadded():
 
     for r in asyncio.run(main()):
         assert r.tokens == reference_tokens(m.model, r.prompt, 16), r.prompt
+
+
+# bit counts that do not divide 32 pack D * bits / 32 words a token
+@pytest.mark.parametrize("head_dim,bits,group", [(128, 6, 64), (96, 5, 32), (256, 3, 64)])
+def test_kv_bits_that_do_not_divide_a_word_batch_exactly(head_dim, bits, group):
+    import asyncio
+
+    m = build("llama", head_dim=head_dim)
+
+    async def main():
+        eng = engine(m.model, kv_bits=bits, kv_group_size=group)
+        try:
+            return await asyncio.gather(*[eng.submit(p, chat=False, max_tokens=8)
+                                          for p in ("Hi there", "a longer prompt here")])
+        finally:
+            await eng.aclose()
+
+    for r in asyncio.run(main()):
+        assert r.finish_reason == "length", r.error
+        assert r.tokens == reference_tokens(m.model, r.prompt, 8, kv_bits=bits,
+                                            kv_group_size=group), r.prompt

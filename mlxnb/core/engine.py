@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import os
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -118,6 +119,13 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
                  load_timeout: Optional[float] = LOAD_TIMEOUT_S,
                  streak_s: float = 0.050, fill_threads: Optional[int] = None, loop=None,
                  speculate: Optional[str] = None, draft_model=None):
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        if not isinstance(model, str) and not (isinstance(model, (tuple, list))
+                                               and len(model) == 2):
+            raise ValueError(f"model takes a name, a path or a (model, tokenizer) pair; got "
+                             f"{type(model).__name__} (a loaded model alone has no "
+                             "tokenizer: pass (model, tokenizer))")
         check_options(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_bits=kv_bits,
                       kv_group_size=kv_group_size, load_timeout=load_timeout,
                       streak_s=streak_s, fill_threads=fill_threads, speculate=speculate,

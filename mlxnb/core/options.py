@@ -4,7 +4,7 @@ one line that names the argument and what it takes."""
 from __future__ import annotations
 
 import asyncio
-from numbers import Real
+from numbers import Integral, Real
 
 from .._text import one_line
 from .worker.caches import KV_BITS, KV_GROUP_SIZES
@@ -12,6 +12,10 @@ from .worker.caches import KV_BITS, KV_GROUP_SIZES
 
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _integral(v) -> bool:  # (4.0 == 4, but MLX's quantize takes ints only)
+    return isinstance(v, Integral) and not isinstance(v, bool)
 
 
 def _seconds(v) -> bool:
@@ -27,9 +31,10 @@ def check_options(*, max_batch, prefill_chunk, kv_bits, kv_group_size, load_time
         ("prefill_chunk", prefill_chunk,
          prefill_chunk is None or _positive_int(prefill_chunk),
          "a positive integer or None (auto)"),
-        ("kv_bits", kv_bits, kv_bits is None or kv_bits in KV_BITS,
+        ("kv_bits", kv_bits, kv_bits is None or (_integral(kv_bits) and kv_bits in KV_BITS),
          f"one of {', '.join(map(str, KV_BITS))} or None (full-precision KV)"),
-        ("kv_group_size", kv_group_size, kv_group_size in KV_GROUP_SIZES,
+        ("kv_group_size", kv_group_size,
+         _integral(kv_group_size) and kv_group_size in KV_GROUP_SIZES,
          f"one of {', '.join(map(str, KV_GROUP_SIZES))}"),
         ("load_timeout", load_timeout,
          load_timeout is None or (_seconds(load_timeout) and load_timeout > 0),

@@ -90,9 +90,8 @@ class BatchQuantizedKVCache(_Quantized):
             new = round_up(n, self.step)
 
             def grow(old, x):
-                per_int = 32 // self.q_bits
-                D = x.shape[-1]
-                fresh = (mx.zeros((B, H, new, D // per_int), mx.uint32),
+                D = x.shape[-1]  # packed: D * bits / 32 words (bits need not divide 32)
+                fresh = (mx.zeros((B, H, new, D * self.q_bits // 32), mx.uint32),
                          mx.zeros((B, H, new, D // self.q_group), x.dtype),
                          mx.zeros((B, H, new, D // self.q_group), x.dtype))
                 if old is None:
