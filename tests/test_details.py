@@ -259,6 +259,18 @@ def test_the_rest_of_a_token_view_from_any_token_is_the_whole_views_rest(tiny, a
             assert [it["s"] for it in v["items"]] == whole[s:], (text, s)
 
 
+@pytest.mark.parametrize("raw", [b"ab\x80cd", "ab\ufffdcd".encode(), b"\x80a"])
+def test_the_rest_of_a_token_view_keeps_a_replacement_character_before_it(raw):
+    from mlxnb.models.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    toks = list(raw)  # byte b is token b
+    whole = details._pieces(tok, toks, 0)
+    assert "".join(whole[i] for i in sorted(whole)) == raw.decode("utf-8", "replace")
+    for s in range(len(toks)):
+        assert details._pieces(tok, toks, s) == {i: p for i, p in whole.items() if i >= s}
+
+
 def test_a_token_view_shows_no_number_for_a_logprob_without_one(tiny, arun):
     import json
 

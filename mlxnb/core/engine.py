@@ -123,9 +123,11 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
             model = os.fspath(model)
         if not isinstance(model, str) and not (isinstance(model, (tuple, list))
                                                and len(model) == 2):
+            got = (f"a {type(model).__name__} of {len(model)}"
+                   if isinstance(model, (tuple, list)) else type(model).__name__)
             raise ValueError(f"model takes a name, a path or a (model, tokenizer) pair; got "
-                             f"{type(model).__name__} (a loaded model alone has no "
-                             "tokenizer: pass (model, tokenizer))")
+                             f"{got} (a loaded model alone has no tokenizer: pass "
+                             "(model, tokenizer))")
         check_options(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_bits=kv_bits,
                       kv_group_size=kv_group_size, load_timeout=load_timeout,
                       streak_s=streak_s, fill_threads=fill_threads, speculate=speculate,

@@ -58,12 +58,12 @@ def _piece(tok, tid: int, cache: dict) -> str:
 
 
 def _char_start(tokenizer, toks: list, start: int) -> int:
-    """A token index at or before `start` where a character begins (the tokens from
-    it do not decode to a cut character first): a scan from there holds nothing
-    over. Up to 16 tokens back, else 0."""
+    """A token index at or before `start` where the whole view's scan holds nothing
+    over (the tokens before it do not end in a cut character): a scan from there
+    gives the same pieces. Up to 16 tokens back, else 0."""
     for j in range(start, max(0, start - 16), -1):
         try:
-            if not tokenizer.decode(toks[j:j + 4]).startswith("\ufffd"):
+            if not tokenizer.decode(toks[max(0, j - 4):j]).endswith("\ufffd"):
                 return j
         except Exception:
             return 0
