@@ -48,6 +48,7 @@ from .._text import fmt_bytes, one_line, parse_bytes
 from .scheduler import Scheduler
 from .worker.warmup import warm_up
 
+
 @dataclasses.dataclass
 class _Failed:
     """A tick that raised, handed back as its value: whatever it raised (a user
@@ -363,7 +364,8 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
                 f"tokens/step ({mode}) | {kinds} | prefix reuse "
-                f"{self._prefix}{self._prefix_held()} | speculation {self.speculation}{self._draft_status()}"
+                f"{self._prefix}{self._prefix_held()} | speculation "
+                f"{self.speculation}{self._draft_status()}"
                 + (f" | {adapters}" if adapters else ""))
 
     def _prefix_held(self) -> str:

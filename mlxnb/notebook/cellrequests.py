@@ -83,6 +83,10 @@ def constraint_params(json_schema: Optional[str], regex: Optional[str], choice: 
     return {}
 
 
+def _count(items) -> str:
+    return f"{len(items) or 'no'} option{'s' * (not items)}"
+
+
 def _collection(v) -> bool:
     """A sized, re-iterable, one-dimensional collection of options (an iterator would
     be used up by the first cell; a DataFrame iterates over its column names)."""
@@ -111,8 +115,8 @@ def _choices(choice: Any, ns: dict) -> List[str]:
             v = sorted(v, key=str)  # the order is saved with the row
         items = [str(x) for x in v]  # every item as given; the engine refuses blank ones
         if len(items) < 2:
-            raise UsageError(f"--choice {name}: {name} holds {len(items) or 'no'} "
-                             f"option{'s' * (not items)}; give it two or more")
+            raise UsageError(f"--choice {name}: {name} holds {_count(items)}; give it "
+                             "two or more")
         return items
     whole = " ".join(toks)
     if whole[:1] + whole[-1:] in ("[]", "()"):  # a list as IPython writes {labels}
@@ -123,8 +127,8 @@ def _choices(choice: Any, ns: dict) -> List[str]:
         if isinstance(listed, (list, tuple)):  # its items, never split at commas
             items = [str(x) for x in listed]
             if len(items) < 2:
-                raise UsageError(f"--choice {whole}: a list of {len(items) or 'no'} "
-                                 f"option{'s' * (not items)}; give two or more")
+                raise UsageError(f"--choice {whole}: a list of {_count(items)}; give two "
+                                 "or more")
             return items
         if not any(b in whole[1:-1] for b in "[]()"):
             toks = [whole[1:-1]]

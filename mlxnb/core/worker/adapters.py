@@ -115,16 +115,17 @@ class AdapterSet:
         """ValueError (one line) unless every layer `files` adapts is a linear of this
         model with matching shapes, and no other engine serves adapters on it."""
         other = _serving(self.model)
-        if other is not None and other is not self and other.owned():
-            gc.collect()  # an engine dropped without close() may only await collection
-        if other is not None and other is not self and other.owned():
-            # The hooks sit on the shared modules and read one engine's selection:
-            # two engines' adapters there would each change the other's rows.
-            raise ValueError("this model object already serves adapters in another "
-                             "Engine; give each Engine with adapters its own copy of the "
-                             "model (load it again), or close the other Engine first")
-        if other is not None and other is not self:  # its engine is gone: its hooks go
-            other.close()
+        if other is not None and other is not self:
+            if other.owned():
+                gc.collect()  # an engine dropped without close() may only await collection
+            if other.owned():
+                # The hooks sit on the shared modules and read one engine's selection:
+                # two engines' adapters there would each change the other's rows.
+                raise ValueError("this model object already serves adapters in another "
+                                 "Engine; give each Engine with adapters its own copy of "
+                                 "the model (load it again), or close the other Engine "
+                                 "first")
+            other.close()  # its engine is gone: its hooks go
         for path, d in files.layers.items():
             hit = _resolve(self.model, path)
             if hit is None:
