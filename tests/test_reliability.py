@@ -236,6 +236,70 @@ def test_sliding_window_reported_kv_within_budget(tiny_swa, arun):
     assert peak <= budget, f"peak KV {peak} > budget {budget} (sliding window)"
 
 
+def test_decoding_sliding_rows_are_charged_their_window(tiny_swa, arun):
+    """Once decoding, a sliding-window row holds its window: a prefilled group is cut
+    to it before it joins, so the decoding rows are not padded to a prefill chunk.
+    A budget of two prefilling rows then runs more rows at once, reported KV stays
+    within it as long rows join mid-decode, and every row decodes as it does alone."""
+    prompts = [f"{i} " + "y" * 300 for i in range(6)]
+
+    async def main():
+        solo_eng = make(tiny_swa, prefill_chunk=64)
+        solo = [(await alone(solo_eng, p, max_tokens=40)).tokens for p in prompts]
+        costs = solo_eng.kv_bytes_for(343), solo_eng.kv_bytes_for(343, prefilling=False)
+        await solo_eng.aclose()
+        eng = make(tiny_swa, kv_budget=2 * costs[0], prefill_chunk=64)
+        run = eng.generate(prompts, max_tokens=40, chat=False)
+        most = 0
+        while not run.done:
+            most = max(most, eng.running)
+            await asyncio.sleep(0.001)
+        res = await run
+        await eng.aclose()
+        return solo, costs, eng, res, most
+
+    solo, (pre, dec), eng, res, most = arun(main)
+    assert 4 * dec < pre, (pre, dec)  # window + verification room, not + a chunk
+    assert [r.tokens for r in res] == solo
+    assert most >= 3, most  # charged as prefilling for life, two would run
+    peak = max(s.kv_bytes for s in eng.steps)
+    assert peak <= 2 * pre, f"peak KV {peak} > budget {2 * pre} (sliding window)"
+
+
+def test_a_joining_group_does_not_pad_decoding_windows_to_its_chunk(tiny_swa, arun,
+                                                                    monkeypatch):
+    """A join pads both sides to the longer one: a group fresh from a 128-token chunk
+    would make every decoding row's window hold window - 1 + 128 positions until the
+    next write trims it (a memory spike of chunk/window per join: 17x on Gemma-3)."""
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
+    from mlxnb.core.worker.setup import DECODE_WINDOW_SLACK
+
+    held = []
+    extend = BatchRotatingKVCache.extend
+
+    def spy(self, other):
+        extend(self, other)
+        held.append((self.keys.shape[2], self.max_size))
+
+    monkeypatch.setattr(BatchRotatingKVCache, "extend", spy)
+
+    async def main():
+        eng = make(tiny_swa, prefill_chunk=128)
+        first = eng.submit("a short first row", chat=False, max_tokens=60)
+        while not first.tokens:
+            await asyncio.sleep(0.001)
+        late = await alone(eng, "z" * 230, max_tokens=4)
+        await first
+        await eng.aclose()
+        return late
+
+    late = arun(main)
+    assert late.finish_reason in ("stop", "length")
+    assert held, "no group joined a decode batch"
+    assert all(n <= w + DECODE_WINDOW_SLACK for n, w in held), held
+
+
 # -- cancellation at every step ----------------------------------------------------------
 
 

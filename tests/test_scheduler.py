@@ -13,23 +13,28 @@ def row(rid, prompt, max_tokens, generated=0):
                            params=SimpleNamespace(max_tokens=max_tokens))
 
 
-def per_token(n):
+def per_token(n, prefilling=True):
     return 10 * n
 
 
 def reference_peak(rows, bytes_for):
     """Step the batch one token at a time: it is left-padded, so every row still in it
     occupies the batch's width, which starts at the longest row and grows by one per
-    step; a row leaves after writing its last token."""
+    step; a row leaves after writing its last token. A row without tokens yet is
+    charged as prefilling for as long as it stays."""
     if not rows:
         return 0
     width = max(r.prompt_tokens + len(r.tokens) for r in rows)
-    left = [max(0, r.params.max_tokens - len(r.tokens)) for r in rows]
-    peak = len(rows) * bytes_for(width)
-    while any(n > 0 for n in left):
+    left = [(max(0, r.params.max_tokens - len(r.tokens)), not r.tokens) for r in rows]
+
+    def held():
+        return sum(bytes_for(width, pre) for _, pre in left)
+
+    peak = held()
+    while any(n > 0 for n, _ in left):
         width += 1
-        left = [n - 1 for n in left if n > 0]
-        peak = max(peak, len(left) * bytes_for(width))
+        left = [(n - 1, pre) for n, pre in left if n > 0]
+        peak = max(peak, held())
     return peak
 
 
@@ -43,10 +48,13 @@ rows_st = st.lists(
     st.tuples(st.integers(1, 300), st.integers(1, 300), st.integers(0, 320)),
     min_size=1, max_size=8)
 bytes_for_st = st.one_of(
-    st.tuples(st.integers(1, 1000), st.integers(0, 5000)).map(
-        lambda ab: (lambda n: ab[0] * n + ab[1])),
+    st.tuples(st.integers(1, 1000), st.integers(0, 5000), st.integers(0, 3000)).map(
+        lambda abc: (lambda n, pre=True: abc[0] * n + abc[1] + abc[2] * pre)),
     # caches grow in whole blocks: a step function of the length
-    st.integers(1, 300).map(lambda blk: (lambda n: 4096 * -(-n // blk))),
+    st.integers(1, 300).map(lambda blk: (lambda n, pre=True: 4096 * -(-n // blk))),
+    # a sliding window: capped at the window, plus a prefill chunk while prefilling
+    st.tuples(st.integers(1, 400), st.integers(1, 600)).map(
+        lambda wc: (lambda n, pre=True: 8 * min(n + 512, wc[0] + (wc[1] if pre else 64)))),
 )
 
 

@@ -227,13 +227,14 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         """fn(*args) as one job on the shared MLX thread, between other engines' ticks."""
         return self._pool.submit(fn, *args).result()
 
-    def kv_bytes_for(self, length: int) -> int:
+    def kv_bytes_for(self, length: int, prefilling: bool = True) -> int:
         """Most KV bytes one row can hold at `length` tokens (what admission under
-        kv_budget counts). `cache_kinds` names the model's layer caches as batched,
+        kv_budget counts); `prefilling`: before its first token, when a sliding
+        window also holds a prefill chunk. `cache_kinds` names the model's layer caches as batched,
         e.g. '24 recurrent-state + 8 attention layers, KV 4-bit'; `layer_costs` has
         each layer's (bytes per token, window or 0, fixed bytes), a draft model's
         layers after the model's (any row may hold draft KV)."""
-        return row_kv_bytes(self.layer_costs, self.prefill_chunk, length)
+        return row_kv_bytes(self.layer_costs, self.prefill_chunk, length, prefilling)
 
     def worker_state(self) -> Optional[WorkerState]:
         """What the MLX worker holds for this engine now (None once closed); waits

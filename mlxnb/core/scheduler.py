@@ -3,9 +3,11 @@
 Admission is strict FIFO under two limits: `max_batch` rows in flight, and a KV byte
 budget checked against the *projected peak* of the running set. The batch cache is
 left-padded (every row occupies the batch's full length), so the projection is
-    peak = max over t of  |rows still alive at t| * bytes(L_now + t)
+    peak = max over t of  sum over rows still alive at t of bytes(L_now + t)
 where L_now is the longest row now and t runs over the steps at which rows finish.
-That is what the real allocation can reach, so reported KV never exceeds the budget.
+A row without a token yet is charged as prefilling (a sliding window then also
+holds a prefill chunk), one with tokens as decoding. That is what the real
+allocation can reach, so reported KV never exceeds the budget.
 """
 
 from __future__ import annotations
@@ -21,16 +23,22 @@ def _length(row) -> int:
     return row.prompt_tokens + len(row.tokens)
 
 
+def _prefilling(row) -> bool:
+    """Before its first token a row is prefilled; after it, it only decodes."""
+    return not row.tokens
+
+
 def _remaining(row) -> int:
     return max(0, row.params.max_tokens - len(row.tokens))
 
 
 class Scheduler:
     def __init__(self, max_batch: int, kv_budget: Optional[int],
-                 bytes_for: Callable[[int], int]):
+                 bytes_for: Callable[[int, bool], int]):
         self.max_batch = max_batch
         self.kv_budget = kv_budget
-        self.bytes_for = bytes_for  # bytes one row's cache holds at a given length
+        # bytes one row's cache holds at a given length, prefilling or decoding
+        self.bytes_for = bytes_for
         self.queue: Deque = deque()
         self.active: Dict[int, object] = {}  # row id -> admitted Row
         # Why rows wait: how often admission stopped at a full batch or at the KV
@@ -59,10 +67,14 @@ class Scheduler:
             return 0
         base = max(_length(r) for r in rows)
         peak = 0
-        alive = len(rows)
-        for rem in sorted(_remaining(r) for r in rows):
-            peak = max(peak, alive * self.bytes_for(base + rem))
-            alive -= 1
+        alive = [0, 0]  # rows still alive: decoding, prefilling
+        for r in rows:
+            alive[_prefilling(r)] += 1
+        for rem, pre in sorted((_remaining(r), _prefilling(r)) for r in rows):
+            n = base + rem
+            peak = max(peak, alive[0] * self.bytes_for(n, False)
+                       + alive[1] * self.bytes_for(n, True))
+            alive[pre] -= 1
         return peak
 
     # -- bookkeeping -------------------------------------------------------------

@@ -15,6 +15,8 @@ from ..messages import Updates
 from ..states import RowState
 from .caches import aligned_views, left_padded, sized_states
 from .decoding import RowDecoder
+from .rollback import leaves
+from .windows import fit_windows
 from .tokens import ids
 
 __all__ = ["Membership"]
@@ -64,6 +66,7 @@ class Membership:
         # must still find their rows to end them (else they sit in 'prefill').
         for piece in self.prefill.joining():
             cache, admits = piece.cache, piece.admits
+            fit_windows(leaves(cache))
             if self.caches is None:
                 self.caches = cache
             else:

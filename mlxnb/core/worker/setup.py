@@ -314,24 +314,31 @@ class BatchModel:
             return False, why
         return True, ""
 
-    def kv_bytes_for(self, length: int) -> int:
+    def kv_bytes_for(self, length: int, prefilling: bool = True) -> int:
         """Most bytes a row's caches can allocate while it holds `length` tokens."""
-        return row_kv_bytes(self.layer_costs, self.prefill_chunk, length)
+        return row_kv_bytes(self.layer_costs, self.prefill_chunk, length, prefilling)
+
+
+# A decoding row's sliding window holds at most its window plus a verification's
+# extra positions (num_draft <= 16, so 17 new tokens on window - 1 kept ones).
+DECODE_WINDOW_SLACK = 64
 
 
 def row_kv_bytes(layer_costs: List[tuple], prefill_chunk: Optional[int],
-                 length: int) -> int:
+                 length: int, prefilling: bool = True) -> int:
     """Most bytes a row's caches can allocate while it holds `length` tokens, from
-    the per-layer (bytes per token, window or 0, fixed bytes) a probe measured.
+    the per-layer (bytes per token, window or 0, fixed bytes) a probe measured;
+    `prefilling`: while its prompt is still being prefilled (and before).
     Plain arithmetic: the loop's scheduler asks it for every admission."""
     # Caches grow in 255/256-token steps from wherever they stand; merges,
     # prefix hits, batch filters and chunks that change size from tick to tick
     # (the idle budget follows a measured rate) leave them at unaligned sizes.
     # A growth that trims to the used length leaves < 256 spare slots, one that
     # doesn't keeps those and adds < 256 more, so n tokens take < n + 512 slots.
-    # A sliding window holds window - 1 + chunk tokens while prefilling; a
+    # A sliding window holds window - 1 + chunk tokens while prefilling and is cut
+    # to its window when its rows join the decode batch (windows.fit_windows); a
     # recurrent state is the same size at any length.
     alloc = max(length, 1) + 512
-    win = max(prefill_chunk or 0, IDLE_PREFILL, AUTO_MAX)
+    win = max(prefill_chunk or 0, IDLE_PREFILL, AUTO_MAX) if prefilling else DECODE_WINDOW_SLACK
     return sum(fixed + per_tok * (min(alloc, w + win) if w else alloc)
                for per_tok, w, fixed in layer_costs)

@@ -20,9 +20,28 @@ cuDNN (`use_cudnn_for_decoding`), which builds a graph per batch size.
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache
 
-__all__ = ["AlignedWindow", "LeanBatchRotatingKVCache", "PrefillOneWide"]
+__all__ = ["AlignedWindow", "LeanBatchRotatingKVCache", "PrefillOneWide", "fit_windows"]
+
+
+def fit_windows(leaves: list) -> None:
+    """Cut a prefilled group's sliding windows to their window before the group joins
+    the decode batch. A prefill chunk leaves window - 1 + chunk positions (its queries
+    each needed a full window); the next one-token write would trim them to the
+    window (mlx-lm's `_update_in_place`), but a join first pads every row of the
+    batch to the longer side, so decoding rows would hold the chunk too. Copied, so
+    the chunk's buffer is freed, not kept alive under a view."""
+    for c in leaves:
+        if (isinstance(c, BatchRotatingKVCache) and c.keys is not None
+                and c.keys.shape[2] > c.max_size):
+            c._temporal_order()
+            n = c.keys.shape[2] - c.max_size
+            c.keys = mx.contiguous(c.keys[..., n:, :])
+            c.values = mx.contiguous(c.values[..., n:, :])
+            c._idx = c.max_size
+            c.left_padding = c.left_padding - n
 
 
 class PrefillOneWide:
