@@ -85,6 +85,34 @@ def test_greedy_parity_with_sliding_window_target(tiny_swa, arun):
     assert sum(r.draft_accepted for r in spec) > 0
 
 
+def test_reported_kv_counts_the_draft_models_cache(target, arun):
+    """A draft of the target's own size holds as much KV as the target: the memory
+    chart and the budget's reports count both."""
+    async def main():
+        eng = Engine(target, kv_budget=None, warmup=False, draft_model=tiny_model(layers=4))
+        plain = await _tokens(eng, PROMPTS, True)
+        n = len(eng.steps)
+        spec = await _tokens(eng, PROMPTS, True, speculate="draft")
+        await eng.aclose()
+        return eng.steps[:n], eng.steps[n:], spec
+
+    plain, spec, rows = arun(main)
+    assert sum(r.draft_proposed for r in rows) > 0
+    assert max(s.kv_bytes for s in spec) >= 1.5 * max(s.kv_bytes for s in plain)
+    for s in spec:
+        assert sum(s.row_kv_bytes.values()) <= s.kv_bytes
+
+
+def test_first_layers_that_cannot_run_alone_are_refused_in_one_line():
+    """A hybrid whose first full-attention layer is past N indexes it from outside
+    the layer list: the cut-down draft fails its first forward."""
+    m = tiny_model(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError) as e:
+        Engine(m, kv_budget=None, warmup=False, draft_model="layers:1")
+    msg = str(e.value)
+    assert "layers:1" in msg and "another N" in msg and "\n" not in msg, msg
+
+
 def test_a_seeded_sampled_row_is_the_same_alone_and_in_any_batch(target, arun):
     kw = dict(temperature=0.8, top_p=0.95, seed=7, speculate="draft")
 

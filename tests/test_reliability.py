@@ -249,21 +249,29 @@ def test_decoding_sliding_rows_are_charged_their_window(tiny_swa, arun):
         costs = solo_eng.kv_bytes_for(343), solo_eng.kv_bytes_for(343, prefilling=False)
         await solo_eng.aclose()
         eng = make(tiny_swa, kv_budget=2 * costs[0], prefill_chunk=64)
-        run = eng.generate(prompts, max_tokens=40, chat=False)
-        most = 0
-        while not run.done:
-            most = max(most, eng.running)
-            await asyncio.sleep(0.001)
-        res = await run
+        res = await eng.generate(prompts, max_tokens=40, chat=False)
         await eng.aclose()
-        return solo, costs, eng, res, most
+        return solo, costs, eng, res
 
-    solo, (pre, dec), eng, res, most = arun(main)
+    solo, (pre, dec), eng, res = arun(main)
     assert 4 * dec < pre, (pre, dec)  # window + verification room, not + a chunk
     assert [r.tokens for r in res] == solo
-    assert most >= 3, most  # charged as prefilling for life, two would run
+    most = max(s.batch_size for s in eng.steps)
+    assert most >= 3, most  # charged as prefilling for life, two would decode at once
     peak = max(s.kv_bytes for s in eng.steps)
     assert peak <= 2 * pre, f"peak KV {peak} > budget {2 * pre} (sliding window)"
+
+
+def test_the_decode_window_slack_covers_the_widest_verification():
+    """A decoding row's window is charged window + DECODE_WINDOW_SLACK positions; a
+    verification holds window - 1 + (drafts + 1)."""
+    from mlxnb._text import RANGES
+    from mlxnb.core.worker.draft import MAX_K
+    from mlxnb.core.worker.setup import DECODE_WINDOW_SLACK
+    from mlxnb.core.worker.specpolicy import MAX_DRAFT
+
+    widest = max(k for k in range(1000) if RANGES["num_draft"][0](k))
+    assert max(widest, MAX_DRAFT, MAX_K) + 1 <= DECODE_WINDOW_SLACK
 
 
 def test_a_joining_group_does_not_pad_decoding_windows_to_its_chunk(tiny_swa, arun,

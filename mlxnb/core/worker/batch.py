@@ -341,6 +341,9 @@ class BatchExecutor(ReadBack, Membership):
         total = 0
         if self.caches is not None and self.ids:
             batch = sum(c.nbytes for c in self.caches)
+            draft = self.spec.draft  # its KV is held for rows of the decode batch
+            if draft is not None and draft.caches is not None:
+                batch += sum(c.nbytes for c in draft.caches)
             total += batch
             share = batch // len(self.ids)
         for g in self.prefill.groups():

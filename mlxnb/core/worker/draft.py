@@ -116,8 +116,14 @@ class DraftSource:
         # what a row's draft cache holds per token, read off a 1-token forward: the
         # engine's kv_budget counts it for every row (any row may draft), so
         # admission leaves room for the draft batch's KV as for the target's
-        model(ids([[0]]), cache=probe)
-        mx.eval([c.state for c in probe])
+        try:  # a layers:N draft of a family that indexes layers from outside the list
+            model(ids([[0]]), cache=probe)  # (a hybrid's first full-attention layer)
+            mx.eval([c.state for c in probe])
+        except Exception as e:
+            raise ValueError(f"the draft model {name} does not run on its own "
+                             f"({type(e).__name__}: {e}); pass another draft model"
+                             + (" or another N" if name.startswith("layers:") else "")
+                             ) from None
         self.kv_costs = layer_costs(probe)
         self.ids: List[int] = []  # row ids, draft batch order
         self.rows: Dict[int, DraftRow] = {}
