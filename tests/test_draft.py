@@ -90,7 +90,7 @@ def test_reported_kv_counts_the_draft_models_cache(target, arun):
     chart and the budget's reports count both."""
     async def main():
         eng = Engine(target, kv_budget=None, warmup=False, draft_model=tiny_model(layers=4))
-        plain = await _tokens(eng, PROMPTS, True)
+        await _tokens(eng, PROMPTS, True)
         n = len(eng.steps)
         spec = await _tokens(eng, PROMPTS, True, speculate="draft")
         await eng.aclose()
