@@ -398,6 +398,19 @@ def test_a_loaded_model_alone_is_refused_saying_to_pass_its_tokenizer(tiny):
         Engine(tiny[0], warmup=False)
 
 
+def test_mlx_lms_model_tokenizer_config_triple_is_taken(tiny, arun):
+    async def main():
+        eng = Engine((tiny[0], tiny[1], {"model_type": "llama"}), warmup=False,
+                     draft_model=(tiny[0], tiny[1], {}))
+        row = await eng.submit("x", chat=False, max_tokens=3, speculate="draft")
+        await eng.aclose()
+        return row
+
+    assert arun(main).finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match=r"a tuple of 3"):
+        Engine((tiny[0], tiny[1], "not a config"), warmup=False)
+
+
 def test_a_path_object_loads_like_its_string(tmp_path):
     from mlxnb.models.tiny import save_tiny_model
 

@@ -71,11 +71,19 @@ def _admitted(rows: List[Row], now: float, waited_for) -> None:
         rowtrace.note_admitted(row, waited_for(row))
 
 
+def _pair(model):
+    """mlx_lm.load(..., return_config=True)'s (model, tokenizer, config) as the pair."""
+    if isinstance(model, (tuple, list)) and len(model) == 3 and isinstance(model[2], dict):
+        return tuple(model[:2])
+    return model
+
+
 class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
     """Continuous-batching generation on one MLX model.
 
     `model`: "default" (bundled SmolLM2-135M-Instruct), an mlx-lm hub id, a local
-    mlx-lm directory, or a `(model, tokenizer)` pair. `kv_budget`: bytes or "2GB" or
+    mlx-lm directory, or a `(model, tokenizer)` pair (a `(model, tokenizer, config)`
+    triple from `mlx_lm.load(..., return_config=True)` too). `kv_budget`: bytes or "2GB" or
     None (no limit). `prefix_cache`: bytes of prompt KV kept for rows that share a
     prefix, a cap of its own beside `kv_budget` (None: no reuse; `status()` shows
     what it holds). `prefill_chunk`: prompt tokens prefilled per step beside running
@@ -122,6 +130,7 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
                  speculate: Optional[str] = None, draft_model=None):
         if isinstance(model, os.PathLike):
             model = os.fspath(model)
+        model, draft_model = _pair(model), _pair(draft_model)
         if not isinstance(model, str) and not (isinstance(model, (tuple, list))
                                                and len(model) == 2):
             got = (f"a {type(model).__name__} of {len(model)}"
