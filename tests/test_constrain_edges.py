@@ -68,6 +68,9 @@ OPTIONAL_600 = {"type": "object",
 @pytest.mark.parametrize("kw, words", [
     # a RecursionError before
     (dict(json_schema=nested(2000)), "nests more than 100 levels"),
+    # the same as a JSON string: Python's parser recursed past its limit first
+    (dict(json_schema='{"type": "array", "items": ' * 2000 + "{}" + "}" * 2000),
+     "nests more than 100 levels"),
     # llguidance's messages start with a position ("1(8): ..."): they came out empty
     (dict(grammar="start: ??? nope"), "grammar is invalid: Expected value"),
     (dict(choices=["ok", "a\ud800"]), "choice 2 of 2 holds a character that is not valid"),

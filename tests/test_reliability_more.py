@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -497,6 +498,55 @@ def test_save_writes_through_links_and_devices_and_refuses_what_it_cannot(tiny, 
             run.save(bad)
         assert "\n" not in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "pipe", "real.jsonl"]
+
+
+def test_to_dict_of_a_row_whose_stop_function_holds_a_lock(tiny, arun):
+    class StopOnX:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __call__(self, text):
+            return "x" in text
+
+    async def main():
+        eng = make(tiny)
+        res = await eng.submit("hello", chat=False, max_tokens=4, stop=[StopOnX()],
+                               logprobs=1)
+        await eng.aclose()
+        return res
+
+    res = arun(main)
+    d = res.to_dict()
+    assert d["text"] == res.text and d["params"]["stop"] == res.params["stop"]
+    d["logprobs"][0]["token"] = "changed"  # a copy: the result stays as it was
+    assert res.logprobs[0]["token"] != "changed"
+
+
+def test_save_keeps_a_files_permissions_takes_long_names_and_home_and_says_what_is_wrong(
+        tiny, arun, tmp_path, monkeypatch):
+    async def main():
+        eng = make(tiny)
+        row = eng.submit("a", chat=False, max_tokens=3)
+        await row
+        await eng.aclose()
+        return row
+
+    run = Run([arun(main)])
+    private = tmp_path / "private.jsonl"
+    private.write_text("old\n", encoding="utf-8")
+    private.chmod(0o600)
+    run.save(private)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600 and private.read_text() != "old\n"
+    longest = tmp_path / ("x" * 245 + ".jsonl")  # 251 characters: a valid name
+    assert run.save(longest) == longest and longest.read_text()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert run.save("~/home.jsonl") == tmp_path / "home.jsonl"
+    assert (tmp_path / "home.jsonl").read_text()
+    for bad, says in ((tmp_path / "missing" / "run.jsonl", "does not exist; create it"),
+                      (None, "needs a file name"), (123, "needs a file name")):
+        with pytest.raises(ValueError, match=says) as e:
+            run.save(bad)
+        assert "\n" not in str(e.value) and ".tmp" not in str(e.value)
 
 
 # ------------------------------------------------------------- special files

@@ -17,6 +17,8 @@ KINDS = ("json_schema", "regex", "choices", "grammar")
 # serde_json (under llguidance) stops at 128 levels; Python's json at ~1,000 with a
 # RecursionError. Real schemas nest a few levels, with $defs for anything recursive.
 MAX_SCHEMA_DEPTH = 100
+_TOO_DEEP = (f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep (or holds "
+             "itself); flatten it, with $defs and $ref for recursive parts")
 
 
 def _short(v: Any, n: int = 60) -> str:
@@ -60,12 +62,13 @@ def _schema_dict(js) -> dict:
         except ValueError as e:
             raise ValueError(f"json_schema is a string but not valid JSON ({e}); pass a "
                              "dict, a JSON string or a pydantic model class") from None
+        except RecursionError:  # Python's parser recurses per level
+            raise ValueError(_TOO_DEEP) from None
     if not isinstance(js, dict):
         raise ValueError(f"json_schema takes a dict, a JSON string or a pydantic model "
                          f"class; got {_short(js)}")
     if _deeper_than(js, MAX_SCHEMA_DEPTH):
-        raise ValueError(f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels deep (or "
-                         "holds itself); flatten it, with $defs and $ref for recursive parts")
+        raise ValueError(_TOO_DEEP)
     try:  # a deep, JSON-only copy: later edits to the user's dict change nothing here
         text = json.dumps(js, ensure_ascii=False, allow_nan=False)
         text.encode("utf-8")

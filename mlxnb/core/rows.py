@@ -8,10 +8,11 @@ readers on the loop -- the widget, the magics -- never see a half-updated row.
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import numbers
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, List, Optional
 
 from .._aio import awaitable_on, call_soon
@@ -134,7 +135,12 @@ class RowResult:
     draft_accepted: int = 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict; `params` copied shallowly (a stop function may hold
+        what cannot be copied, such as a lock)."""
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+             if f.name != "params"}
+        d["params"] = dict(self.params)
+        return d
 
 
 class Row:

@@ -13,6 +13,7 @@ from pathlib import Path, PurePath
 from typing import List
 
 from .._aio import awaitable_on
+from .._text import one_line
 from .constraint_results import record_fields as constraint_fields
 from .rows import Row, RowResult
 from .rowtrace import durations
@@ -127,7 +128,8 @@ class Run:
         infinities are written as null; a stop function as "<callable its_name>". Rows
         still running are written as they stand (their state says so). numpy numbers and arrays, dates and
         paths in sweep values are written as JSON numbers, lists and strings."""
-        given, path = Path(path), _save_target(path)
+        target = _save_target(path)
+        given, path = Path(os.path.expanduser(path)), target
         lines = []
         for r, rec in zip(self.rows, self.records()):
             params = r.params.as_dict()
@@ -155,12 +157,20 @@ class Run:
             with open(path, "w", encoding="utf-8") as f:
                 f.writelines(lines)
             return given
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        # a short name: the file's own may already be at the file system's limit
+        tmp = path.with_name(f".mlxnb-save.{secrets.token_hex(4)}.tmp")
         try:
-            with open(tmp, "x", encoding="utf-8") as f:  # the usual permissions
+            try:
+                f = open(tmp, "x", encoding="utf-8")  # the usual permissions
+            except OSError as e:
+                raise OSError(e.errno, f"cannot save to {str(given)!r} ({e.strerror}); "
+                                       f"save to a file in a folder you can write") from None
+            with f:
                 f.writelines(lines)
                 f.flush()
                 os.fsync(f.fileno())
+            if path.exists():  # a file replaced keeps its permissions
+                os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
             os.replace(tmp, path)
         except BaseException:
             try:
@@ -215,9 +225,10 @@ def _json_default(o):
 def _save_target(path) -> Path:
     """The file `Run.save` writes: links resolved; a path it cannot write atomically,
     or that would block (a FIFO with no reader), refused in one line."""
-    if not str(path).strip():
-        raise ValueError("run.save needs a file name, e.g. run.save('run.jsonl')")
-    target = Path(os.path.realpath(path))
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise ValueError(f"run.save needs a file name, e.g. run.save('run.jsonl'); got "
+                         f"{one_line(repr(path), 60)}")
+    target = Path(os.path.realpath(os.path.expanduser(path)))
     if target.is_dir():
         raise ValueError(f"{str(path)!r} is a directory; give a file name in it, "
                          f"e.g. {str(Path(path) / 'run.jsonl')!r}")
@@ -225,4 +236,7 @@ def _save_target(path) -> Path:
         mode = target.stat().st_mode
         if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
             raise ValueError(f"{str(path)!r} is a FIFO or socket; save to a regular file")
+    elif not target.parent.is_dir():
+        raise ValueError(f"the folder {str(target.parent)!r} does not exist; create it "
+                         f"first (os.makedirs) or save elsewhere")
     return target
