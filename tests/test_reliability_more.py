@@ -522,6 +522,34 @@ def test_to_dict_of_a_row_whose_stop_function_holds_a_lock(tiny, arun):
     assert res.logprobs[0]["token"] != "changed"
 
 
+def test_a_tag_never_overwrites_the_runs_own_columns_and_any_tag_saves(tiny, arun,
+                                                                        tmp_path):
+    tags = [{"text": "MY LABEL", "finish_reason": "x", "params": 1, "mine": 2},
+            {(1, 2): "tuple key", "grid": {(0.2, 1): "cell"}}, "a plain label"]
+
+    async def main():
+        eng = make(tiny)
+        rows = [eng.submit("hello", chat=False, max_tokens=3, tag=t) for t in tags]
+        for r in rows:
+            await r
+        await eng.aclose()
+        return rows
+
+    rows = arun(main)
+    run = Run(rows)
+    recs = run.records()
+    assert recs[0]["text"] == rows[0].text and recs[0]["finish_reason"] == "length"
+    assert (recs[0]["tag_text"], recs[0]["tag_finish_reason"], recs[0]["mine"]) == (
+        "MY LABEL", "x", 2)
+    assert recs[2]["tag"] == "a plain label"
+    saved = [json.loads(ln) for ln in
+             run.save(tmp_path / "t.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert saved[0]["text"] == rows[0].text and saved[0]["tag_params"] == 1
+    assert isinstance(saved[0]["params"], dict)
+    assert saved[1]["(1, 2)"] == "tuple key" and saved[1]["grid"] == {"(0.2, 1)": "cell"}
+    assert saved[2]["tag"] == "a plain label"
+
+
 def test_save_keeps_a_files_permissions_takes_long_names_and_home_and_says_what_is_wrong(
         tiny, arun, tmp_path, monkeypatch):
     async def main():

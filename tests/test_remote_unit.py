@@ -687,6 +687,10 @@ def test_a_reasoning_models_thinking_counts_as_output_and_is_kept_apart(arun):
     r = arun(main)
     assert (r.finish_reason, r.text, r.error, r.ntok) == ("stop", "The answer.", None, 31)
     assert r.reasoning.startswith("t0 t1 t2 ")
+    # kept in every lasting form: the result, the records and a saved run
+    from mlxnb.core.run import Run
+
+    assert r.result().reasoning == r.reasoning == Run([r]).records()[0]["reasoning"]
 
 
 def test_the_thinking_is_on_the_row(arun):

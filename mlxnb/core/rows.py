@@ -133,6 +133,7 @@ class RowResult:
     constraint_error: Optional[str] = None  # why not, when it does not
     draft_proposed: int = 0  # speculation: drafts verified, and accepted
     draft_accepted: int = 0
+    reasoning: Optional[str] = None  # a server's reasoning model: what it thought first
 
     def to_dict(self) -> dict:
         """The fields as a dict; `params` copied shallowly (a stop function may hold
@@ -253,6 +254,7 @@ class Row:
             json=self.json, json_error=self.json_error, valid=self.valid,
             constraint_error=self.constraint_error,
             draft_proposed=self.draft_proposed, draft_accepted=self.draft_accepted,
+            reasoning=getattr(self, "reasoning", "") or None,
         )
 
     def __await__(self):

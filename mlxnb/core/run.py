@@ -26,9 +26,17 @@ RECORD_COLUMNS = frozenset({
     "row", "prompt", "text", "finish_reason", "state", "prompt_tokens", "cached_tokens",
     "tokens", "ttft_s", "tok_s", "error", "queue_s", "prefill_s", "decode_s",
     "draft_proposed", "draft_accepted", "adapter", "constraint", "valid", "json_error",
-    "json"})
+    "json", "reasoning", "tag"})
 SAVED_COLUMNS = frozenset({"params", "token_ids", "logprobs", "model", "adapter_path",
                            "chat", "system"})
+
+
+def _tag_column(name):
+    """A tag's column: its own name, or tag_<name> where the run writes that one."""
+    if name in RECORD_COLUMNS or name in SAVED_COLUMNS or (
+            isinstance(name, str) and name.startswith("json.")):
+        return f"tag_{name}"
+    return name
 
 
 class Run:
@@ -100,8 +108,12 @@ class Run:
                 "error": r.error, **durations(r),
                 "draft_proposed": r.draft_proposed, "draft_accepted": r.draft_accepted,
             }
+            if getattr(r, "reasoning", ""):  # a server's reasoning model
+                rec["reasoning"] = r.reasoning
             if isinstance(r.tag, dict):
-                rec.update(r.tag)
+                rec.update((_tag_column(k), v) for k, v in r.tag.items())
+            elif r.tag is not None:
+                rec["tag"] = r.tag
             adapter = getattr(r.params, "adapter", None)
             if adapter is not None or "adapters" in self.meta:
                 rec["adapter"] = adapter or "base"
@@ -142,6 +154,7 @@ class Run:
             rec.update({k: self.meta[k] for k in ("chat", "system") if k in self.meta})
             if params.get("adapter") is not None:
                 rec["adapter_path"] = self.meta.get("adapters", {}).get(params["adapter"])
+            rec = _str_keys(rec)  # JSON keys are strings (a sweep may key by tuples)
             try:  # strict JSON: other tools (jq, JavaScript) refuse NaN and Infinity
                 line = json.dumps(rec, ensure_ascii=False, default=_json_default,
                                   allow_nan=False)
@@ -188,6 +201,17 @@ class Run:
         s = ", ".join(f"{v} {k}" for k, v in states.items())
         name = f" {self.name!r}" if self.name else ""
         return f"<Run{name}: {len(self.rows)} rows ({s})>"
+
+
+def _str_keys(o):
+    """`o` with every dict key JSON cannot write (a tuple, a number type of numpy's)
+    as its str()."""
+    if isinstance(o, dict):
+        return {(k if isinstance(k, (str, int, float, bool)) or k is None else str(k)):
+                _str_keys(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_str_keys(v) for v in o]
+    return o
 
 
 def _finite(o):
