@@ -500,6 +500,25 @@ def test_save_writes_through_links_and_devices_and_refuses_what_it_cannot(tiny, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "pipe", "real.jsonl"]
 
 
+def test_a_finished_run_and_row_await_from_a_later_event_loop(tiny):
+    """A script's second asyncio.run awaits what its first finished (and whose loop,
+    the engine's, is closed now): the results are all there."""
+    async def first():
+        eng = make(tiny)
+        run = eng.generate(["hello", "abc"], max_tokens=4, chat=False)
+        await run
+        await eng.aclose()
+        return run
+
+    run = asyncio.run(first())
+
+    async def again():
+        return await run, await run.rows[1]
+
+    results, row = asyncio.run(again())
+    assert [r.text for r in results] == run.texts and row.text == run.rows[1].text
+
+
 def test_to_dict_of_a_row_whose_stop_function_holds_a_lock(tiny, arun):
     class StopOnX:
         def __init__(self):

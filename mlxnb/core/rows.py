@@ -144,6 +144,10 @@ class RowResult:
         return d
 
 
+async def _result_of(fut):
+    return fut.result()
+
+
 class Row:
     """A prompt in flight. Await it for a `RowResult`; read its live fields any time.
 
@@ -260,6 +264,8 @@ class Row:
     def __await__(self):
         # Shielded: a cancelled awaiting cell must not cancel the row itself.
         fut = self._future
+        if fut.done():  # its result, from any loop (the engine's may be closed by now)
+            return _result_of(fut).__await__()
         return awaitable_on(fut.get_loop(), lambda: asyncio.shield(fut)).__await__()
 
     def add_done_callback(self, fn: Callable[["Row"], None]) -> None:
@@ -299,8 +305,10 @@ class Row:
             return
         if error is not None:  # (a callback's own words: JSON, a widget, a file take it)
             error = error.encode("utf-8", "backslashreplace").decode("utf-8")
-        self.state, self.finish_reason, self.error = DONE, reason, error
+        # the state last: a reader on another thread that sees a done row sees its end
+        self.finish_reason, self.error = reason, error
         self.t_done = time.perf_counter() - self._t0
+        self.state = DONE
         if not self._future.done():
             try:
                 self._future.set_result(self.result())

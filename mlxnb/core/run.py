@@ -64,12 +64,14 @@ class Run:
         return self.rows[i]
 
     def __await__(self):
-        if not self.rows:
+        if not self.rows or (self.done and self.widget is None):
+            # nothing left to wait for: no hop to the engine's loop (a script's later
+            # asyncio.run awaits a run its first one finished, that loop closed)
             return self._wait().__await__()
         return awaitable_on(self.rows[0]._future.get_loop(), self._wait).__await__()
 
     async def _wait(self) -> List[RowResult]:
-        if self.rows:
+        if not self.done:
             await asyncio.shield(asyncio.gather(*(r._future for r in self.rows)))
         if self.widget is not None:
             # Saved notebooks keep only trait state: make it complete before the
