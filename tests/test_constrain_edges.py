@@ -278,7 +278,21 @@ def test_a_row_that_breaks_an_unenforced_key_is_not_valid_and_says_which(tiny, a
     for r in arun(main):  # checked on the worker, and on the loop (a stop-string row)
         assert (r.finish_reason, r.text, r.valid) == ("stop", "[1, 1]", False)
         assert "uniqueItems" in r.constraint_error and "\n" not in r.constraint_error
+        assert "checked after generating" in r.constraint_error
         assert r.json is None and "uniqueItems" in r.json_error
+
+
+def test_the_check_after_reads_decimal_multiples_exactly_and_blames_the_right_side():
+    """0.3 is a multiple of 0.1 as written (not in binary floating point); a break of
+    a key the mask enforces is not called a key checked only after generating."""
+    from mlxnb.core.constraint_results import full_check
+
+    tenths = {"type": "number", "multipleOf": 0.1, "minimum": 0, "maximum": 1}
+    assert full_check(tenths, "0.3") is None and full_check(tenths, "0.7") is None
+    assert "multipleOf" in full_check(tenths, "0.35")
+    assert full_check({"type": "integer", "multipleOf": 3}, "7") is not None
+    why = full_check({"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}, "0")
+    assert "exclusiveMinimum" in why and "a key the mask enforces" in why
 
 
 @pytest.mark.parametrize("schema", [

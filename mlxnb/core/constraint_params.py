@@ -246,8 +246,10 @@ def one_line(msg, n: int = 300) -> str:
 
 # What a constraint that cannot run is told: why, and what to change.
 _EMPTY = {
-    "json_schema": "no JSON value satisfies json_schema (a $ref loop with no way out, or "
-                   "keys that contradict each other); fix the schema",
+    "json_schema": "no JSON value satisfies json_schema as the mask compiles it (a $ref "
+                   "loop with no way out, keys that contradict each other, or a decimal "
+                   "multipleOf between bounds); fix the schema (for a decimal multipleOf: "
+                   "scale it to an integer, or give a pattern)",
     "regex": "regex matches no text at all; fix the pattern",
     "choices": "choices admit no text; give at least one non-empty choice",
     "grammar": "grammar derives no text (does every alternative of a rule recurse "
