@@ -193,6 +193,10 @@ def test_a_stop_string_that_cuts_a_constrained_row_leaves_it_not_valid(tiny, aru
     assert whole.result().valid is True and cut.result().valid is False
     assert whole.result().constraint_error is None
     assert cut.result().constraint_error == cut.constraint_error is not None
+    from mlxnb.core.run import Run  # and in the records a saved run writes
+
+    recs = Run([cut, whole]).records()
+    assert [r["constraint_error"] for r in recs] == [cut.constraint_error, None]
 
 
 def test_check_names_where_a_text_breaks_its_constraint(tiny):

@@ -154,12 +154,13 @@ def _parse(row) -> Tuple[Any, Optional[str]]:
 
 def record_fields(row) -> dict:
     """Columns a constrained row adds to `Run.records()`: `constraint`, `valid`
-    (its output satisfies the constraint), `json_error` and `json.<field>` per
-    top-level field of a JSON object."""
+    (its output satisfies the constraint), `constraint_error` (why not),
+    `json_error` and `json.<field>` per top-level field of a JSON object."""
     kind = kind_of(row.params)
     if kind is None:
         return {}
-    out = {"constraint": kind, "valid": row.valid}
+    out = {"constraint": kind, "valid": row.valid,
+           "constraint_error": row.constraint_error}
     if kind == "json_schema":
         value, err = parse_json(row)
         out["json_error"] = err
@@ -168,6 +169,8 @@ def record_fields(row) -> dict:
         elif value is not None:
             out["json"] = value
     return out
+
+
 _SHORT = {"json_schema": "json", "regex": "regex", "choices": "choice", "grammar": "grammar"}
 
 

@@ -25,7 +25,8 @@ from .rowtrace import durations
 RECORD_COLUMNS = frozenset({
     "row", "prompt", "text", "finish_reason", "state", "prompt_tokens", "cached_tokens",
     "tokens", "ttft_s", "tok_s", "error", "queue_s", "prefill_s", "decode_s",
-    "draft_proposed", "draft_accepted", "adapter", "constraint", "valid", "json_error",
+    "draft_proposed", "draft_accepted", "adapter", "constraint", "valid",
+    "constraint_error", "json_error",
     "json", "reasoning", "tag"})
 SAVED_COLUMNS = frozenset({"params", "token_ids", "logprobs", "model", "adapter_path",
                            "chat", "system"})
