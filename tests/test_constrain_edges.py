@@ -293,6 +293,17 @@ def test_the_check_after_reads_decimal_multiples_exactly_and_blames_the_right_si
     assert full_check({"type": "integer", "multipleOf": 3}, "7") is not None
     why = full_check({"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}, "0")
     assert "exclusiveMinimum" in why and "a key the mask enforces" in why
+    # integers of any size stay exact (a 28-digit decimal quotient rounds to whole)
+    assert "multipleOf" in full_check({"type": "integer", "multipleOf": 2}, str(10**29 + 1))
+    assert full_check({"type": "integer", "multipleOf": 2}, str(10**29)) is None
+    # a failure inside an after-only key names its innermost keyword: still after-only
+    then = {"if": {"required": ["a"]}, "then": {"required": ["b"]}}
+    assert "checked after generating" in full_check(then, '{"a": 1}')
+    names = {"propertyNames": {"maxLength": 2}}
+    assert "checked after generating" in full_check(names, '{"abcd": 1}')
+    # ...but a property called "then" is no keyword
+    prop = {"type": "object", "properties": {"then": {"type": "integer"}}}
+    assert "a key the mask enforces" in full_check(prop, '{"then": "x"}')
 
 
 @pytest.mark.parametrize("schema", [

@@ -567,6 +567,12 @@ def test_a_tag_never_overwrites_the_runs_own_columns_and_any_tag_saves(tiny, aru
     assert isinstance(saved[0]["params"], dict)
     assert saved[1]["(1, 2)"] == "tuple key" and saved[1]["grid"] == {"(0.2, 1)": "cell"}
     assert saved[2]["tag"] == "a plain label"
+    # a tag that says what the run writes itself is said once (an adapter sweep's)
+    rows[0].tag = {"adapter": "base"}
+    rows[1].tag = {"adapter": "other"}
+    recs = Run(rows[:2], meta={"adapters": {}}).records()
+    assert recs[0]["adapter"] == "base" and "tag_adapter" not in recs[0]
+    assert (recs[1]["adapter"], recs[1]["tag_adapter"]) == ("base", "other")
 
 
 def test_save_keeps_a_files_permissions_takes_long_names_and_home_and_says_what_is_wrong(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-from decimal import Decimal
+from fractions import Fraction
 from collections import OrderedDict
 from typing import Any, Optional, Tuple
 
@@ -86,10 +86,12 @@ def full_check(schema: dict, text) -> Optional[str]:
     if err is None:
         return None
     at = "/" + "/".join(str(x) for x in err.absolute_path)
-    how = ("a key checked after generating, not enforced while generating"
-           if err.validator in AFTER_ONLY else
-           "a key the mask enforces, which let this value through: known for exclusive "
-           "bounds on ranges narrower than 1")
+    if _after_only(err.absolute_schema_path):
+        how = "a key checked after generating, not enforced while generating"
+    else:
+        how = "a key the mask enforces, which let this value through"
+        if err.validator in ("exclusiveMinimum", "exclusiveMaximum"):
+            how += " (known for exclusive bounds on ranges narrower than 1)"
     return f"breaks its schema's {err.validator} at {at}: {one_line(err.message, 120)} ({how})"
 
 
@@ -101,22 +103,43 @@ AFTER_ONLY = frozenset({
     "propertyNames", "unevaluatedProperties", "unevaluatedItems", "format"})
 
 
+# Schema keywords whose next path element is a name (a property's, a definition's),
+# not a keyword
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                    "dependentSchemas", "dependencies"})
+
+
+def _after_only(schema_path) -> bool:
+    """Whether a failure at `schema_path` lies under a key the mask cannot enforce
+    (jsonschema names the innermost keyword: `required` inside `then`, say)."""
+    named = False
+    for k in schema_path:
+        if named or not isinstance(k, str):
+            named = False
+            continue
+        if k in AFTER_ONLY:
+            return True
+        named = k in _NAMED
+    return False
+
+
 def _exact_multiples(cls):
-    """`cls` whose multipleOf is exact on the numbers as written: 0.3 is a multiple of
-    0.1 (in binary floating point, jsonschema's default, it is not)."""
+    """`cls` whose multipleOf is exact on the parsed numbers' shortest decimal forms:
+    0.3 is a multiple of 0.1 (in binary floating point, jsonschema's default, it is
+    not), and integers of any size stay exact."""
     import jsonschema
 
     base = cls.VALIDATORS.get("multipleOf")
+    if base is None:  # draft 3 has divisibleBy instead
+        return cls
 
     def multiple_of(validator, factor, instance, schema):
-        if not validator.is_type(instance, "number") or isinstance(instance, bool):
+        if not validator.is_type(instance, "number"):
             return
         try:
-            q = Decimal(repr(instance)) / Decimal(repr(factor))
-            exact = q == q.to_integral_value()
-        except (ArithmeticError, ValueError, TypeError):
-            if base is not None:
-                yield from base(validator, factor, instance, schema)
+            exact = (Fraction(repr(instance)) / Fraction(repr(factor))).denominator == 1
+        except (ArithmeticError, ValueError, TypeError):  # inf, nan, a zero factor
+            yield from base(validator, factor, instance, schema)
             return
         if not exact:
             yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {factor!r}")

@@ -32,6 +32,9 @@ SAVED_COLUMNS = frozenset({"params", "token_ids", "logprobs", "model", "adapter_
                            "chat", "system"})
 
 
+_ABSENT = object()
+
+
 def _tag_column(name):
     """A tag's column: its own name, or tag_<name> where the run writes that one."""
     if name in RECORD_COLUMNS or name in SAVED_COLUMNS or (
@@ -113,14 +116,17 @@ class Run:
             }
             if getattr(r, "reasoning", ""):  # a server's reasoning model
                 rec["reasoning"] = r.reasoning
-            if isinstance(r.tag, dict):
-                rec.update((_tag_column(k), v) for k, v in r.tag.items())
-            elif r.tag is not None:
-                rec["tag"] = r.tag
             adapter = getattr(r.params, "adapter", None)
             if adapter is not None or "adapters" in self.meta:
                 rec["adapter"] = adapter or "base"
             rec.update(constraint_fields(r))
+            if isinstance(r.tag, dict):
+                for k, v in r.tag.items():
+                    col = _tag_column(k)
+                    if col == k or rec.get(k, _ABSENT) != v:  # (the same value: said once)
+                        rec[col] = v
+            elif r.tag is not None:
+                rec["tag"] = r.tag
             out.append(rec)
         return out
 
@@ -186,7 +192,10 @@ class Run:
                 f.flush()
                 os.fsync(f.fileno())
             if path.exists():  # a file replaced keeps its permissions
-                os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+                try:
+                    os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+                except OSError:  # a file system without modes (vfat, some network mounts)
+                    pass
             os.replace(tmp, path)
         except BaseException:
             try:
