@@ -472,8 +472,7 @@ def test_records_and_saved_lines_use_only_the_columns_sweeps_must_avoid(tiny, ar
     assert "constraint" in run.records()[1] and saved[0]["mine"] == 1
 
 
-def test_save_writes_through_links_and_devices_and_refuses_what_it_cannot(tiny, arun,
-                                                                           tmp_path):
+def _one_row_run(tiny, arun) -> Run:
     async def main():
         eng = make(tiny)
         row = eng.submit("a", chat=False, max_tokens=3)
@@ -481,7 +480,12 @@ def test_save_writes_through_links_and_devices_and_refuses_what_it_cannot(tiny, 
         await eng.aclose()
         return row
 
-    run = Run([arun(main)])
+    return Run([arun(main)])
+
+
+def test_save_writes_through_links_and_devices_and_refuses_what_it_cannot(tiny, arun,
+                                                                           tmp_path):
+    run = _one_row_run(tiny, arun)
     real = tmp_path / "real.jsonl"
     real.write_text("old\n", encoding="utf-8")
     link = tmp_path / "link.jsonl"
@@ -549,14 +553,12 @@ def test_a_tag_never_overwrites_the_runs_own_columns_and_any_tag_saves(tiny, aru
     async def main():
         eng = make(tiny)
         rows = [eng.submit("hello", chat=False, max_tokens=3, tag=t) for t in tags]
-        for r in rows:
-            await r
+        await eng.wait()
         await eng.aclose()
-        return rows
+        return Run(rows)
 
-    rows = arun(main)
-    run = Run(rows)
-    recs = run.records()
+    run = arun(main)
+    rows, recs = run.rows, run.records()
     assert recs[0]["text"] == rows[0].text and recs[0]["finish_reason"] == "length"
     assert (recs[0]["tag_text"], recs[0]["tag_finish_reason"], recs[0]["mine"]) == (
         "MY LABEL", "x", 2)
@@ -577,14 +579,7 @@ def test_a_tag_never_overwrites_the_runs_own_columns_and_any_tag_saves(tiny, aru
 
 def test_save_keeps_a_files_permissions_takes_long_names_and_home_and_says_what_is_wrong(
         tiny, arun, tmp_path, monkeypatch):
-    async def main():
-        eng = make(tiny)
-        row = eng.submit("a", chat=False, max_tokens=3)
-        await row
-        await eng.aclose()
-        return row
-
-    run = Run([arun(main)])
+    run = _one_row_run(tiny, arun)
     private = tmp_path / "private.jsonl"
     private.write_text("old\n", encoding="utf-8")
     private.chmod(0o600)
