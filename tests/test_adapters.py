@@ -445,7 +445,9 @@ def test_removing_every_adapter_frees_their_memory(adapters, formulation):
     for n in ("rl", "rd", "tl"):
         aset.remove(n)
     gc.collect()
-    assert mx.get_active_memory() == before
+    # at most what it was: the process's other arrays (a former test's, collected
+    # late) can only have gone meanwhile
+    assert mx.get_active_memory() <= before
     assert aset.nbytes == 0
 
 

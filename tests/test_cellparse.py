@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
@@ -215,6 +215,9 @@ _text = st.lists(st.sampled_from(list("ab {}[]!:.-_0 \n\t\ré") + [
 
 @settings(max_examples=400, deadline=None)
 @given(_text)
+@example("\n---\n{:{\n}}")  # a format spec holding a line break, in the error
+@example("{a0[\n]}")
+@example("{x:\n>4}")
 def test_fuzz_body_and_interpolation(body):
     ns = {"x": 1, "xs": ["p", "q"], "a": "A", "b": [], "a0": {"k": 1}}
     try:

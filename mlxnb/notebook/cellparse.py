@@ -82,8 +82,13 @@ def _fields(template: str, where: str) -> List[Tuple[str, Optional[str], Optiona
         raise UsageError(f"{where}: {e}; write {{{{ and }}}} for literal braces") from None
 
 
+def _shown(field: str) -> str:
+    """A field as an error message shows it: in braces, on one line."""
+    return "{" + field.encode("unicode_escape").decode("ascii") + "}"
+
+
 def _lookup(field_name: str, ns: dict, where: str) -> Any:
-    shown = "{" + field_name.encode("unicode_escape").decode("ascii") + "}"  # one line
+    shown = _shown(field_name)
     try:
         first, rest = formatter_field_name_split(field_name)
     except ValueError as e:
@@ -104,7 +109,7 @@ def _lookup(field_name: str, ns: dict, where: str) -> Any:
         return obj
     except Exception as e:  # user data: any lookup error is a usage error
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UsageError(f"{where}: could not evaluate {{{field_name}}}: "
+        raise UsageError(f"{where}: could not evaluate {shown}: "
                          f"{type(e).__name__}: {msg}") from None
 
 
@@ -115,7 +120,7 @@ def _render(value: Any, conversion: Optional[str], spec: str, field_name: str, w
         return _FMT.format_field(value, spec or "")
     except Exception as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UsageError(f"{where}: could not format {{{field_name}}}: {msg}") from None
+        raise UsageError(f"{where}: could not format {_shown(field_name)}: {msg}") from None
 
 
 def _plan(template: str, ns: dict, where: str):
@@ -127,8 +132,8 @@ def _plan(template: str, ns: dict, where: str):
         if fname is None:
             continue
         if spec and ("{" in spec or "}" in spec):
-            raise UsageError(f"{where}: nested braces in {{{fname}:{spec}}} are not "
-                             "supported; write {{ and }} for literal braces")
+            raise UsageError(f"{where}: nested braces in {_shown(fname + ':' + spec)} are "
+                             "not supported; write {{ and }} for literal braces")
         if fname not in values:
             values[fname] = _lookup(fname, ns, where)
         v = values[fname]
