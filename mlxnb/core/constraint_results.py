@@ -4,6 +4,7 @@ its DataFrame columns and the widget's parse status."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from fractions import Fraction
@@ -123,6 +124,7 @@ def _after_only(schema_path) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=None)  # one class per draft, not one per schema
 def _exact_multiples(cls):
     """`cls` whose multipleOf is exact on the parsed numbers' shortest decimal forms:
     0.3 is a multiple of 0.1 (in binary floating point, jsonschema's default, it is

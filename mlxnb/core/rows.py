@@ -161,6 +161,8 @@ class Row:
     fields only.
     """
 
+    reasoning = ""  # what a reasoning model thought first (a server's rows set it)
+
     def __init__(self, row_id: int, prompt: str, prompt_ids: List[int],
                  params: SamplingParams, tag: Any = None, *, future: asyncio.Future,
                  t0: float, canceller: Optional[Callable] = None):
@@ -258,7 +260,7 @@ class Row:
             json=self.json, json_error=self.json_error, valid=self.valid,
             constraint_error=self.constraint_error,
             draft_proposed=self.draft_proposed, draft_accepted=self.draft_accepted,
-            reasoning=getattr(self, "reasoning", "") or None,
+            reasoning=self.reasoning or None,
         )
 
     def __await__(self):

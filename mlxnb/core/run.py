@@ -114,7 +114,7 @@ class Run:
                 "error": r.error, **durations(r),
                 "draft_proposed": r.draft_proposed, "draft_accepted": r.draft_accepted,
             }
-            if getattr(r, "reasoning", ""):  # a server's reasoning model
+            if r.reasoning:  # a server's reasoning model
                 rec["reasoning"] = r.reasoning
             adapter = getattr(r.params, "adapter", None)
             if adapter is not None or "adapters" in self.meta:

@@ -26,7 +26,6 @@ class RemoteRow(Row):
                          t0=engine._t0, canceller=weakref.WeakMethod(engine.cancel))
         self.request = request
         self._ntok = 0
-        self.reasoning = ""
         self._prompt_n = 0
         self._t_last: Optional[float] = None
         self._server_finish: Optional[str] = None
