@@ -67,7 +67,7 @@ def sized_states(a: list, b: list, na: int, nb: int) -> None:
     forward) zeros for its rows, shaped as the other side's. mlx-lm's extend sizes
     the zeros it fills in by batch_size, which an ArraysCache without state or
     padding reports as 1."""
-    for x, y in zip(_leaves(a), _leaves(b)):
+    for x, y in zip(leaves(a), leaves(b)):
         if not isinstance(x, ArraysCache):
             continue
         for side, other, n in ((x, y, na), (y, x, nb)):
@@ -84,10 +84,11 @@ def sized_states(a: list, b: list, na: int, nb: int) -> None:
             x.cache[i], y.cache[i] = (mx.pad(u, [(0, 0), (w - u.shape[1], 0)]) for u in (s, t))
 
 
-def _leaves(cache: list) -> list:
+def leaves(cache: list) -> list:
+    """A model's per-layer caches with every CacheList opened (its parts, in order)."""
     out = []
     for c in cache:
-        out.extend(_leaves(c.caches) if type(c) is CacheList else [c])
+        out.extend(leaves(c.caches) if type(c) is CacheList else [c])
     return out
 
 
@@ -96,7 +97,7 @@ _BATCHABLE = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)  # (+ bel
 
 def unsupported(cache: list) -> List[str]:
     """Names of the cache kinds in `cache` that cannot batch."""
-    return sorted({type(c).__name__ for c in _leaves(cache) if type(c) not in _BATCHABLE})
+    return sorted({type(c).__name__ for c in leaves(cache) if type(c) not in _BATCHABLE})
 
 
 class LayerCost(NamedTuple):
@@ -110,7 +111,7 @@ def layer_costs(cache: list) -> List[LayerCost]:
     grow per token (up to the window of a sliding layer), recurrent layers hold a
     fixed state per row."""
     out = []
-    for c in _leaves(cache):
+    for c in leaves(cache):
         if type(c) is ArraysCache:
             out.append(LayerCost(0, None, c.nbytes))
             continue
@@ -127,7 +128,7 @@ def describe(cache: list, kv_bits: Optional[int] = None, attention="quantized",
     dequantized, when a check said so)."""
     counts = {}
     for c in cache:
-        kinds = sorted({_KIND[type(x)] for x in _leaves([c]) if type(x) in _KIND})
+        kinds = sorted({_KIND[type(x)] for x in leaves([c]) if type(x) in _KIND})
         name = " & ".join(kinds) or type(c).__name__
         if isinstance(c, RotatingKVCache):
             name = f"sliding-window ({c.max_size})"
@@ -141,7 +142,7 @@ def describe(cache: list, kv_bits: Optional[int] = None, attention="quantized",
         elif attention in ("dequantized", False):
             text += " (dequantized for attention on this device"
             text += f": {why})" if why else ")"
-        if any(type(x) is RotatingKVCache for x in _leaves(cache)):
+        if any(type(x) is RotatingKVCache for x in leaves(cache)):
             text += " (windows that keep their first tokens stay full precision)"
     return text
 

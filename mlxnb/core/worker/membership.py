@@ -13,9 +13,8 @@ from .._trace import timed
 from ..constraint_params import kind_of
 from ..messages import Updates
 from ..states import RowState
-from .caches import aligned_views, left_padded, sized_states
+from .caches import aligned_views, leaves, left_padded, sized_states
 from .decoding import RowDecoder
-from .rollback import leaves
 from .windows import fit_windows
 from .tokens import ids
 

@@ -30,20 +30,13 @@ from __future__ import annotations
 from typing import List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList
+from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache
 
-from .caches import LeanBatchKVCache
+from .caches import LeanBatchKVCache, leaves
 from .quantized_kv import BatchQuantizedKVCache
 from .roll import RowRoll, roll_cache
 
-__all__ = ["before_verify", "leaves", "roll_lazy", "rollback", "unsupported_reason"]
-
-
-def leaves(caches) -> list:
-    out = []
-    for c in caches:
-        out.extend(leaves(c.caches) if type(c) is CacheList else [c])
-    return out
+__all__ = ["before_verify", "roll_lazy", "rollback", "unsupported_reason"]
 
 
 def unsupported_reason(row_cache: list) -> Optional[str]:

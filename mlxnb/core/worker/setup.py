@@ -261,7 +261,7 @@ class BatchModel:
         op, else mlx-lm's ops: the first whose compiled steps match the plain ones,
         tried first with the short convs inside (LFM2's, the gated delta-net's) as
         short_conv.py's kernels."""
-        if not any(type(c) is ArraysCache for c in caches._leaves(probe)):
+        if not any(type(c) is ArraysCache for c in caches.leaves(probe)):
             return 0, ""
         # the host time saved is measured on CPU; on a GPU the gain is not yet measured,
         # so it can be turned off without touching code

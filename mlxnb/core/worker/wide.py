@@ -27,9 +27,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .._trace import lap, pc
-from .caches import LeanBatchKVCache, aligned_views
+from .caches import LeanBatchKVCache, aligned_views, leaves
 from .inflight import InFlight
-from .rollback import leaves, roll_lazy
+from .rollback import roll_lazy
 from .verify import accept_drafts
 from .wideattn import wide_attention
 
