@@ -215,9 +215,9 @@ def main(argv=None, prog=None):
     ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="default", choices=list(common.SHAPES) + ["default"])
     ap.add_argument("--dtype", default="float32", choices=common.DTYPES)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--adapters", type=int, default=4)
-    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch", type=common.count, default=32)
+    ap.add_argument("--adapters", type=common.count, default=4)
+    ap.add_argument("--rank", type=common.count, default=16)
     ap.add_argument("--scale", type=float, default=20.0)
     ap.add_argument("--lowrank", default="stacked", choices=["stacked", "gather"],
                     help="the low-rank update: every adapter's A/B side by side, masked "
@@ -233,11 +233,11 @@ def main(argv=None, prog=None):
                          "with one addmm (default: on)")
     ap.add_argument("--adapter-dtype", default="float32",
                     help="the adapters' weights (mlx_lm.lora trains float32)")
-    ap.add_argument("--prompt", type=int, default=32, help="prompt length (tokens)")
-    ap.add_argument("--new", type=int, default=48, help="new tokens per row")
-    ap.add_argument("--warm-new", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--forward-steps", type=int, default=10,
+    ap.add_argument("--prompt", type=common.count, default=32, help="prompt length (tokens)")
+    ap.add_argument("--new", type=common.count, default=48, help="new tokens per row")
+    ap.add_argument("--warm-new", type=common.count, default=8)
+    ap.add_argument("--repeat", type=common.count, default=3)
+    ap.add_argument("--forward-steps", type=common.count, default=10,
                     help="pairs of decode forwards in the forward-only comparison (0: skip)")
     ap.add_argument("--update", default="auto", choices=["auto", "ops", "ab"],
                     help="stacked, folded: the update kernel where its self-check passes "

@@ -226,11 +226,11 @@ def main(argv=None, prog=None):
                     help="tiny (random weights, saved to a temp dir), default (the bundled "
                          "SmolLM2), or a path / Hugging Face id")
     ap.add_argument("--app", default="lab", choices=["lab", "notebook"])
-    ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=4000,
+    ap.add_argument("--rows", type=common.count, default=32)
+    ap.add_argument("--max-tokens", type=common.count, default=4000,
                     help="per row; enough that the rows outlast the samples (prompt + this "
                          "within the model's context: 4096 for the tiny model)")
-    ap.add_argument("--samples", type=int, default=40)
+    ap.add_argument("--samples", type=common.count, default=40)
     ap.add_argument("--gap-ms", type=int, default=100, help="pause between samples")
     common.add_output_args(ap)
     a = ap.parse_args(argv)

@@ -302,8 +302,7 @@ async def kv_part(args, rng):
         lines.append(f"kv_bits={bits}: {n} rows admitted under {args.kv_budget} "
                      f"({per_row / 2**20:.1f} MiB per row)")
         log("  " + lines[-1])
-    sizes = [int(b) for b in args.kv_batch.split(",")] if args.kv_batch else [
-        max(1, cap[0]["rows"])]
+    sizes = args.kv_batch or [max(1, cap[0]["rows"])]
     base = cap[0]["rows"]
     out = [f"## Quantized KV: {name} shape, context {ctx} tokens ({prompt} prompt + {new} "
            f"new), kv_budget {args.kv_budget}, group size 64", "",
@@ -365,25 +364,25 @@ async def _kv_rounds(engines, sizes, args, rng, vocab, prompt, new, bits_list, f
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = common.parser(__doc__, prog)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batch", default="1,8,32,128")
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--warm-new", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", default=list(SHAPES), type=common.names(list(SHAPES)))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--batch", default=[1, 8, 32, 128], type=common.counts)
+    ap.add_argument("--prompt", type=common.count, default=64)
+    ap.add_argument("--new", type=common.count, default=128)
+    ap.add_argument("--warm-new", type=common.count, default=16)
+    ap.add_argument("--rounds", type=common.count, default=3)
     ap.add_argument("--no-decode", action="store_true", help="skip the hybrid decode part")
-    ap.add_argument("--variants", default="", type=lambda v: [x for x in v.split(",") if x],
+    ap.add_argument("--variants", default=[], type=common.names(list(VARIANTS)),
                     help="engine variants as more methods of the same rounds: "
                          + ", ".join(f"{k} ({w})" for k, (_, _, w) in VARIANTS.items()))
     ap.add_argument("--gathered", action="store_true",
                     help="the same as --variants engineg")
     ap.add_argument("--no-kv", action="store_true", help="skip the quantized-KV part")
-    ap.add_argument("--kv-budget", default="1GB")
-    ap.add_argument("--kv-context", type=int, default=2048)
-    ap.add_argument("--kv-new", type=int, default=64)
-    ap.add_argument("--kv-submit", type=int, default=256, help="rows submitted at once")
-    ap.add_argument("--kv-batch", default="",
+    ap.add_argument("--kv-budget", default="1GB", type=common.size)
+    ap.add_argument("--kv-context", type=common.count, default=2048)
+    ap.add_argument("--kv-new", type=common.count, default=64)
+    ap.add_argument("--kv-submit", type=common.count, default=256, help="rows submitted at once")
+    ap.add_argument("--kv-batch", default=None, type=common.counts,
                     help="batch sizes of the kv decode runs, e.g. 8,32,128 (default: the "
                          "rows full precision admits)")
     ap.add_argument("--profile", type=int, default=0, metavar="B",
@@ -400,17 +399,18 @@ def main(argv=None, prog=None):
                          "engine's gated delta rule as one node each, as on a GPU")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
-    if set(args.variants) - set(VARIANTS):
-        ap.error(f"--variants takes {', '.join(VARIANTS)}")
+    if args.profile < 0:
+        ap.error("argument --profile: takes a batch size, or 0 for no profile")
     if args.quick:
-        args.dtype, args.batch, args.prompt, args.new = "float32", "1,4", 16, 16
-        args.warm_new, args.rounds = 4, 2
-        args.kv_budget, args.kv_context, args.kv_new, args.kv_submit = "4MB", 512, 16, 64
+        common.quick(ap, args, argv, dtype="float32", batch=[1, 4], prompt=16, new=16,
+                     warm_new=4, rounds=2, kv_budget="4MB", kv_context=512, kv_new=16,
+                     kv_submit=64)
+    if args.kv_new >= args.kv_context:
+        ap.error("argument --kv-new: takes fewer tokens than --kv-context (the prompt is "
+                 "the rest)")
     args.size = "quick" if args.quick else "proxy" if args.proxy else None
     if args.proxy:
         args.dtype = "float32"
-    args.shapes = args.shapes.split(",")
-    args.batch = [int(b) for b in args.batch.split(",")]
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# cache-kinds  {report.env}")
     rng = np.random.default_rng(1234)

@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import List
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -375,10 +376,88 @@ def env_info() -> dict:
 
 def parser(doc: str, prog=None) -> argparse.ArgumentParser:
     """A benchmark's parser: its module docstring's first line as the description,
-    the rest as the epilog, laid out as written."""
+    the rest as the epilog, laid out as written. Options are spelled whole (no
+    abbreviations), so `quick` can tell which ones the command line gave."""
     return argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog=doc.split("\n", 1)[1])
+                                   epilog=doc.split("\n", 1)[1], allow_abbrev=False)
+
+
+# argparse types: a bad value ends the run in one line (`error: argument --batch: ...`)
+# before anything is built or measured
+def count(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, got {text!r}")
+    return n
+
+
+def counts(text: str) -> List[int]:
+    """Whole numbers >= 1, comma-separated: 1,8,32."""
+    try:
+        return [count(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"takes whole numbers >= 1, comma-separated (as 1,8,32), got {text!r}") from None
+
+
+def size(text: str) -> str:
+    """A memory size as Engine(kv_budget=...) reads it: 1GB, 512MB."""
+    from mlxnb._text import parse_bytes
+
+    try:
+        if parse_bytes(text) is None:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a size such as 1GB or 512MB, got {text!r}")
+    return text
+
+
+def names(options):
+    """A type: names from `options`, comma-separated."""
+    def parse(text: str) -> List[str]:
+        out = text.split(",")
+        bad = [x for x in out if x not in options]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"{', '.join(map(repr, bad))} is not one of {', '.join(options)}")
+        return out
+    return parse
+
+
+def quick(ap: argparse.ArgumentParser, args, argv, **values) -> None:
+    """--quick's sizes, for each option the command line did not give: a smoke run
+    that still measures what was asked, and a results file whose command is true."""
+    given = {a.dest for a in ap._actions for o in a.option_strings
+             if any(x == o or x.startswith(o + "=") for x in argv)}
+    for k, v in values.items():
+        if k not in given:
+            setattr(args, k, v)
+
+
+def _out_dir(text: str) -> Path:
+    d = Path(text).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot make folder {text!r} ({e.strerror}); "
+                                         "name a folder you can write to")
+    if not os.access(d, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}; "
+                                         "name a folder you can write to")
+    return d
+
+
+def _hardware(text: str) -> str:
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", text):
+        raise argparse.ArgumentTypeError(
+            f"takes lower-case letters, digits and dashes (as h200 or 2026-12-04-h200), "
+            f"got {text!r}")
+    return text
 
 
 def add_output_args(ap: argparse.ArgumentParser) -> None:
@@ -386,10 +465,12 @@ def add_output_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--save", action="store_true",
                    help="write bench/results/<result>-<date>-<hardware>.md (a new run "
                         "that day overwrites it; git keeps the history)")
-    g.add_argument("--out", metavar="DIR",
-                   help="write <result>-<date>-<hardware>.md and .json into DIR instead")
-    g.add_argument("--hardware", help="the file name's hardware part (default: detected; "
-                   "one that starts with a date replaces the date too)")
+    g.add_argument("--out", metavar="DIR", type=_out_dir,
+                   help="write <result>-<date>-<hardware>.md (and, where the benchmark "
+                        "keeps them, its numbers as .json) into DIR instead")
+    g.add_argument("--hardware", type=_hardware,
+                   help="the file name's hardware part (default: detected; one that "
+                        "starts with a date replaces the date too)")
 
 
 class Report:

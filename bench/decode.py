@@ -35,6 +35,7 @@ hooks, Engine(streak_s=0)), beside the raw loop's split.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import os
@@ -235,18 +236,39 @@ def render(results):
     return "\n".join(L) + "\n"
 
 
+METHODS = ("raw", "rawb", "bg", "engine") + DIAGNOSTIC + tuple(VARIANTS)
+
+
+def _plan(text: str):
+    """--plan's `shape:dtype:B1,B2` entries, space-separated."""
+    out = []
+    for item in text.split():
+        parts = item.split(":")
+        if (len(parts) != 3 or parts[0] not in list(common.SHAPES) + ["default"]
+                or parts[1] not in common.DTYPES):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not shape:dtype:B1,B2 (as smollm2:bfloat16:1,8; shapes "
+                f"{', '.join(common.SHAPES)}, default; dtypes {', '.join(common.DTYPES)})")
+        out.append((parts[0], parts[1], common.counts(parts[2])))
+    if not out:
+        raise argparse.ArgumentTypeError("takes at least one shape:dtype:B1,B2 entry")
+    return out
+
+
 def parse_args(argv, prog):
     ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="smollm2", choices=list(common.SHAPES) + ["default"])
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
-    ap.add_argument("--batch", default="1,8,32,128")
-    ap.add_argument("--plan", help="space-separated shape:dtype:B1,B2 entries (instead of "
-                                   "the three above)")
-    ap.add_argument("--prompt", type=int, default=64, help="prompt length (tokens)")
-    ap.add_argument("--new", type=int, default=128, help="new tokens per row")
-    ap.add_argument("--warm-new", type=int, default=16, help="new tokens in warm-up runs")
-    ap.add_argument("--methods", default="raw,rawb,bg,engine")
-    ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds per B")
+    ap.add_argument("--batch", default=[1, 8, 32, 128], type=common.counts)
+    ap.add_argument("--plan", type=_plan, help="space-separated shape:dtype:B1,B2 entries "
+                                               "(instead of the three above)")
+    ap.add_argument("--prompt", type=common.count, default=64, help="prompt length (tokens)")
+    ap.add_argument("--new", type=common.count, default=128, help="new tokens per row")
+    ap.add_argument("--warm-new", type=common.count, default=16,
+                    help="new tokens in warm-up runs")
+    ap.add_argument("--methods", default=["raw", "rawb", "bg", "engine"],
+                    type=common.names(METHODS))
+    ap.add_argument("--repeat", type=common.count, default=1, help="interleaved rounds per B")
     ap.add_argument("--no-long", action="store_true", help="skip the engine's eng-long run")
     ap.add_argument("--no-fuse", action="store_true", help="Engine(fuse=False)")
     ap.add_argument("--no-warmup", action="store_true", help="Engine(warmup=False)")
@@ -258,10 +280,11 @@ def parse_args(argv, prog):
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny shape, seconds")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
+    if args.profile < 0:
+        ap.error("argument --profile: takes a batch size, or 0 for no profile")
     if args.quick:
-        args.plan, args.shape, args.dtype, args.batch = None, "tiny", "float32", "1,4"
-        args.prompt, args.new, args.warm_new = 16, 16, 4
-        args.profile = args.profile or 4
+        common.quick(ap, args, argv, shape="tiny", dtype="float32", batch=[1, 4],
+                     prompt=16, new=16, warm_new=4, profile=args.profile or 4)
     return args
 
 
@@ -273,10 +296,8 @@ def main(argv=None, prog=None):
 
 
 async def amain(args, argv):
-    methods = args.methods.split(",")
-    plan = ([(s, d, [int(b) for b in bs.split(",")])
-             for s, d, bs in (item.split(":") for item in args.plan.split())]
-            if args.plan else [(args.shape, args.dtype, [int(b) for b in args.batch.split(",")])])
+    methods = args.methods
+    plan = args.plan or [(args.shape, args.dtype, args.batch)]
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# decode  {report.env}")
     results = dict(args=vars(args), rows=[], profile=None)

@@ -95,7 +95,7 @@ def main(argv=None, prog=None):
                     choices=["default"] + list(common.SHAPES) + list(HYBRIDS))
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
     ap.add_argument("--fresh", action="store_true", help="an empty MLXNB_CACHE per process")
-    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--runs", type=common.count, default=2)
     ap.add_argument("--between", type=float, default=0.0, metavar="S",
                     help="seconds between runs (background compiles finish, as on a used "
                     "machine)")

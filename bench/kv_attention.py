@@ -99,9 +99,10 @@ def one(shape, B, S, bits_list, gs, dtype, iters, rounds, masked):
 
 
 def table(rows, bits_list, args):
-    head = ["shape", "B", "mask", "bf16 us", "dense us", "dense/bf16", "max err dense"]
+    full = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
+    head = ["shape", "B", "mask", f"{full} us", "dense us", f"dense/{full}", "max err dense"]
     for b in bits_list:
-        head += [f"deq{b} us", f"fused{b} us", f"fused{b}/bf16", f"max err {b}"]
+        head += [f"deq{b} us", f"fused{b} us", f"fused{b}/{full}", f"max err {b}"]
     out = [f"## One layer's decode attention, context {args.context}, group {args.group}, "
            f"{args.dtype} (us per call, median of {args.rounds} x {args.iters} calls)", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -127,35 +128,34 @@ def table(rows, bits_list, args):
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = common.parser(__doc__, prog)
-    ap.add_argument("--shapes", default="llama1b,qwen3_5")
-    ap.add_argument("--batch", default="8,32,128")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--bits", default="4,8")
-    ap.add_argument("--group", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--iters", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--shapes", default=["llama1b", "qwen3_5"], type=common.names(list(SHAPES)))
+    ap.add_argument("--batch", default=[8, 32, 128], type=common.counts)
+    ap.add_argument("--context", type=common.count, default=2048)
+    ap.add_argument("--bits", default=["4", "8"], type=common.names(["4", "8"]))
+    ap.add_argument("--group", type=int, default=64, choices=[32, 64, 128])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--iters", type=common.count, default=16)
+    ap.add_argument("--rounds", type=common.count, default=7)
     ap.add_argument("--no-mask", action="store_true", help="skip the left-padded cases")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, seconds")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
-        args.batch, args.context, args.iters, args.rounds = "2", 64, 2, 2
-        args.dtype = "float32"
-    bits_list = [int(b) for b in args.bits.split(",")]
+        common.quick(ap, args, argv, batch=[2], context=64, iters=2, rounds=2, dtype="float32")
+    bits_list = [int(b) for b in args.bits]
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# kv-attention  {report.env}  cuda kernel: {ka.cuda_backend()}")
     dtype = getattr(mx, args.dtype)
     rows = []
-    for shape in args.shapes.split(","):
-        for B in [int(b) for b in args.batch.split(",")]:
+    for shape in args.shapes:
+        for B in args.batch:
             for masked in (False,) if args.no_mask else (False, True):
                 rows.append(one(shape, B, args.context, bits_list, args.group, dtype,
                                 args.iters, args.rounds, masked))
                 log("  " + str({k: (round(v, 1) if isinstance(v, float) else v)
                                 for k, v in rows[-1].items()}))
     calls = [(*SHAPES[s], dtype, dtype, SHAPES[s][2] ** -0.5, args.group, b)
-             for s in args.shapes.split(",") for b in bits_list]
+             for s in args.shapes for b in bits_list]
     verdict = ka.self_check(calls)
     kernel = ka._QUANT[0].__name__
     dense = ka.self_check_dense([c[:5] + (c[5],) for c in calls])

@@ -225,14 +225,14 @@ def main(argv=None, prog=None):
     ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="smollm2", choices=list(common.SHAPES) + ["default"])
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--waves", type=int, default=8)
+    ap.add_argument("--rows", type=common.count, default=64)
+    ap.add_argument("--waves", type=common.count, default=8)
     ap.add_argument("--gap", type=float, default=0.2, help="seconds between waves")
-    ap.add_argument("--min", type=int, default=16, help="shortest prompt (tokens)")
-    ap.add_argument("--max", type=int, default=512, help="longest prompt (tokens)")
-    ap.add_argument("--new", type=int, default=128, help="new tokens per row")
-    ap.add_argument("--max-batch", type=int, help="default: --rows")
-    ap.add_argument("--passes", type=int, default=2,
+    ap.add_argument("--min", type=common.count, default=16, help="shortest prompt (tokens)")
+    ap.add_argument("--max", type=common.count, default=512, help="longest prompt (tokens)")
+    ap.add_argument("--new", type=common.count, default=128, help="new tokens per row")
+    ap.add_argument("--max-batch", type=common.count, help="default: --rows")
+    ap.add_argument("--passes", type=common.count, default=2,
                     help="alternate engine, BG this many times; the last of each counts")
     ap.add_argument("--no-bg", action="store_true", help="engine passes only")
     ap.add_argument("--bg-first", action="store_true", help="alternate BG, engine, ...")
@@ -247,9 +247,12 @@ def main(argv=None, prog=None):
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
-        args.shape, args.dtype, args.new = "tiny", "float32", 16
-        args.rows, args.waves, args.gap, args.min, args.max = 8, 4, 0.05, 8, 64
-        args.profile = True
+        common.quick(ap, args, argv, shape="tiny", dtype="float32", new=16, rows=8, waves=4,
+                     gap=0.05, min=8, max=64, profile=True)
+    if args.min > args.max:
+        ap.error("argument --min: takes a prompt length no longer than --max")
+    if args.waves > args.rows:
+        ap.error("argument --waves: takes at most --rows waves (each wave holds a row)")
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# mixed  {report.env}")
     model, tok, vocab = common.build_model(args.shape, args.dtype)

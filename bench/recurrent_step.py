@@ -118,22 +118,24 @@ def rule_rows(B, args):
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = common.parser(__doc__, prog)
-    ap.add_argument("--shapes", default="qwen3_5-0.8b,lfm2-1.2b")
-    ap.add_argument("--batch", default="8,32,128")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shapes", default=["qwen3_5-0.8b", "lfm2-1.2b"],
+                    type=common.names(["qwen3_5-0.8b", "lfm2-1.2b"]))
+    ap.add_argument("--batch", default=[8, 32, 128], type=common.counts)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--iters", type=common.count, default=20)
+    ap.add_argument("--rounds", type=common.count, default=5)
     ap.add_argument("--quick", action="store_true", help="smoke run: toy width, seconds")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     args.size = None
     if args.quick:
-        args.size, args.dtype, args.batch, args.iters, args.rounds = "quick", "float32", "2", 2, 2
+        args.size = "quick"
+        common.quick(ap, args, argv, dtype="float32", batch=[2], iters=2, rounds=2)
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# recurrent-step  {report.env}")
     rows, rules = [], []
-    for B in [int(b) for b in args.batch.split(",")]:
-        for name in args.shapes.split(","):
+    for B in args.batch:
+        for name in args.shapes:
             rows += layer_rows(name, B, args)
             log("  " + str(rows[-1]))
         rules += rule_rows(B, args)

@@ -4,8 +4,9 @@
 Both send the same request bodies (streaming chat completions, greedy, the same
 max_tokens) with the same number of requests open at once, and count tokens the same
 way (the server's usage count). Aggregate tok/s = completion tokens / wall time from
-the first request to the last row's end. Passes alternate plain, mlxnb, plain, ...
-so machine drift hits both; the table gives each pass and the median ratio, and the
+the first request to the last row's end. After an untimed pass of each, passes run
+in pairs whose order alternates (plain, mlxnb; mlxnb, plain; ...) so machine drift
+and warm state hit both alike; the table gives each pass and the median ratio, and the
 client process's CPU time per token (the overhead itself, which the server's speed
 does not blur; the client's connection pool and the server share the machine).
 
@@ -140,10 +141,10 @@ def main(argv=None, prog=None):
     ap.add_argument("--url", help="an OpenAI-compatible server already running")
     ap.add_argument("--model", default="tiny",
                     help="tiny (random weights, built here), default, or an mlx-lm dir")
-    ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--passes", type=int, default=5, help="pairs of passes (plain, mlxnb)")
+    ap.add_argument("--rows", type=common.count, default=256)
+    ap.add_argument("--max-tokens", type=common.count, default=64)
+    ap.add_argument("--concurrency", type=common.count, default=32)
+    ap.add_argument("--passes", type=common.count, default=5, help="pairs of passes (plain, mlxnb)")
     common.add_output_args(ap)
     a = ap.parse_args(argv)
     report = common.Report(NAME, RESULT, TITLE, a, argv)
@@ -166,10 +167,13 @@ def main(argv=None, prog=None):
             url = stack.enter_context(server(d, a.concurrency))
             model = None
         args = (url, model, a.rows, a.max_tokens, a.concurrency)
-        asyncio.run(plain(url, model, min(a.rows, a.concurrency), 8, a.concurrency))  # warm-up
+        # warm-up, both clients: the server's first requests, and each client's imports
+        # and first connection, land in no timed pass
+        for fn in (plain, through_mlxnb):
+            asyncio.run(fn(url, model, min(a.rows, a.concurrency), 8, a.concurrency))
         res = {"plain": [], "mlxnb": []}
-        for _ in range(a.passes):
-            for name, fn in (("plain", plain), ("mlxnb", through_mlxnb)):
+        for i in range(a.passes):  # in an order that alternates: neither always goes first
+            for name, fn in common.in_turn([("plain", plain), ("mlxnb", through_mlxnb)], i):
                 c0 = time.process_time()
                 n, wall = asyncio.run(fn(*args))
                 cpu = time.process_time() - c0

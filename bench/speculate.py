@@ -5,7 +5,8 @@ bench/prompts_speculate.py: copy-heavy (extraction, fix the typos, summarise and
 quote, reformat) where the answer copies long spans of the prompt, and free-form
 (stories, explanations, lists) where it copies little. Per set and batch size B
 (--batch, default 1,8): the same rows, B at a time, each wave with speculate=None and
-then speculate="lookup" (a busy host's drift hits both alike), --repeat rounds. Outputs are
+with speculate="lookup", in an order that alternates wave by wave (a busy host's drift
+hits both alike), --repeat rounds, after one untimed wave of each at that B. Outputs are
 token-identical (greedy), so both runs decode the same tokens.
 
   decode tok/s   tokens read back in decode-only steps (no prefill beside them) /
@@ -37,7 +38,6 @@ only after the ones before it; independence assumed); est. speedup = tokens/step
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 
@@ -55,15 +55,16 @@ async def _wave(eng, prompts, n, spec):
     return rows, res, pc() - t0
 
 
-async def _paired(eng, prompts, B, n):
-    """All prompts, B at a time, each wave run without speculation and then with
-    it (so a busy host's drift hits both alike): per setting, decode tok/s,
+async def _paired(eng, prompts, B, n, rnd=0):
+    """All prompts, B at a time, each wave run without speculation and with it, in an
+    order that alternates wave by wave and round by round (so a busy host's drift
+    and the first meeting of a shape hit both alike): per setting, decode tok/s,
     proposed and accepted drafts, tokens per step, token lists."""
     sp = eng._exec.spec
     acc = {s: dict(prop=0, acc=0, steps=[], toks=[], errors=[], wide=0, sync=0)
            for s in (None, "lookup")}
     for i in range(0, len(prompts), B):
-        for spec in (None, "lookup"):
+        for spec in common.in_turn([None, "lookup"], rnd + i // B):
             a = acc[spec]
             before, wide0, sync0 = len(eng.steps), sp.wide, sp.sync
             rows, res, _ = await _wave(eng, prompts[i:i + B], n, spec)
@@ -108,14 +109,14 @@ def _policy(sp, B, steps, wide, sync) -> str:
 
 
 def main(argv=None, prog=None):
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
-    ap.add_argument("--new", type=int, default=128, help="max tokens per row")
-    ap.add_argument("--repeat", type=int, default=2, help="rounds (best of each)")
-    ap.add_argument("--sets", default="copy,free")
-    ap.add_argument("--layer-skip", metavar="L,L", default=None,
+    ap.add_argument("--batch", default=[1, 8], type=common.counts,
+                    help="batch sizes (default 1,8)")
+    ap.add_argument("--new", type=common.count, default=128, help="max tokens per row")
+    ap.add_argument("--repeat", type=common.count, default=2, help="rounds (best of each)")
+    ap.add_argument("--sets", default=["copy", "free"], type=common.names(["copy", "free"]))
+    ap.add_argument("--layer-skip", metavar="L,L", default=None, type=common.counts,
                     help="measure layer-skip and random drafts offline instead")
     ap.add_argument("--quick", action="store_true",
                     help="tiny random-weight model, few tokens: a smoke run")
@@ -131,7 +132,8 @@ def main(argv=None, prog=None):
     if args.quick:
         from mlxnb.models.tiny import tiny_model
 
-        model, args.new, args.repeat, args.batch = tiny_model(), 24, 1, "1,4"
+        model = tiny_model()
+        common.quick(ap, args, argv, new=24, repeat=1, batch=[1, 4])
     else:
         model = args.model
     # speculating by default: on CUDA the engine then compiles the verification
@@ -141,24 +143,25 @@ def main(argv=None, prog=None):
     sets = {"copy": COPY, "free": FREE}
     if args.layer_skip:
         return layer_skip(eng, sets, args, argv)
-    batches = [int(b) for b in args.batch.split(",")]
+    batches = args.batch
     report = common.Report(NAME, RESULT, TITLE, args, argv or [])
     lines = ["| prompts | B | off tok/s | lookup tok/s | speedup | per round | accept | "
              "tok/step | pipelined | same tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     data, policy = [], ["", f"Engine: {eng.cache_kinds}", "",
                         "What the policy saw (lookup runs):", ""]
     log(policy[1])
-    for name in args.sets.split(","):
+    for name in args.sets:
         prompts = sets[name]
         for B in batches:
+            eng_run(eng, prompts[:B], B, args.new)  # untimed: both settings meet B first
             rounds = []
-            for _ in range(args.repeat):
-                off, on = eng_run(eng, prompts, B, args.new)
+            for rnd in range(args.repeat):
+                off, on = eng_run(eng, prompts, B, args.new, rnd)
                 rounds.append((off, on))
             best_off = max(r[0]["tok_s"] for r in rounds)
             best_on = max(r[1]["tok_s"] for r in rounds)
-            ratios = [r[1]["tok_s"] / r[0]["tok_s"] for r in rounds]
-            ratio = statistics.median(ratios)
+            ratios = [r[1]["tok_s"] / r[0]["tok_s"] for r in rounds if r[0]["tok_s"]]
+            ratio = statistics.median(ratios) if ratios else float("nan")
             on = rounds[-1][1]
             rate = on["accepted"] / on["proposed"] if on["proposed"] else 0.0
             same = all(r[0]["toks"] == r[1]["toks"] for r in rounds)
@@ -188,8 +191,8 @@ def main(argv=None, prog=None):
     return 0
 
 
-def eng_run(eng, prompts, B, n):
-    return eng_loop().run_until_complete(_paired(eng, prompts, B, n))
+def eng_run(eng, prompts, B, n, rnd=0):
+    return eng_loop().run_until_complete(_paired(eng, prompts, B, n, rnd))
 
 
 _LOOP = None
@@ -308,7 +311,7 @@ def layer_skip(eng, sets, args, argv):
             starts.append(len(ids) - 1)
         check = _agreement(eng.model, seqs, starts)  # the target against itself
         cands = [(f"first {L} of {n_layers} layers", L, eng.model)
-                 for L in map(int, args.layer_skip.split(","))]
+                 for L in args.layer_skip]
         cands.append(("random 2-layer model", None, rnd))
         for label, L, m in cands:
             q = _agreement(m, seqs, starts, L)

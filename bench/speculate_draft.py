@@ -3,8 +3,9 @@
 The real default model (or --model) is the target, greedy, chat prompts: half
 copy-heavy, half free-form (bench/prompts_speculate.py). Each draft in --draft gets
 an engine of its own (`Engine(model, draft_model=...)`); per batch size B the same
-rows run B at a time without speculation and then with speculate="draft",
-alternating --repeat rounds. Greedy outputs are token-identical, so both runs decode
+rows run B at a time without speculation and with speculate="draft", in an order
+that alternates wave by wave, --repeat rounds after one untimed pair of waves at
+that B. Greedy outputs are token-identical, so both runs decode
 the same tokens.
 
 Drafts: `layers:N` (the target's own first N layers with its norm and head:
@@ -25,7 +26,6 @@ off and cost at most a few probes), or a model name/path sharing the tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 from . import common
@@ -60,14 +60,24 @@ async def _wave(eng, prompts, n, spec):
                 accepted=sum(r.draft_accepted for r in res), toks=[r.tokens for r in res])
 
 
-async def _pairs(eng, prompts, B, n):
-    """Each wave of B rows without speculation and at once with it (the machine's
-    load drifts: a pair shares it): [(off, on)] per wave."""
+async def _pairs(eng, prompts, B, n, rnd=0):
+    """Each wave of B rows without speculation and at once with it, in an order that
+    alternates wave by wave and round by round (the machine's load drifts: a pair
+    shares it, and neither always goes first): [(off, on)] per wave."""
     out = []
     for i in range(0, len(prompts), B):
         ps = prompts[i:i + B]
-        out.append((await _wave(eng, ps, n, None), await _wave(eng, ps, n, "draft")))
+        got = {spec: await _wave(eng, ps, n, spec)
+               for spec in common.in_turn([None, "draft"], rnd + i // B)}
+        out.append((got[None], got["draft"]))
     return out
+
+
+def _ratio(pairs, key) -> float:
+    """The median over wave pairs of on / off (robust to the load drifting between
+    pairs); NaN where no pair measured both."""
+    rs = [_sum([on])[key] / _sum([off])[key] for off, on in pairs if _sum([off])[key]]
+    return statistics.median(rs) if rs else float("nan")
 
 
 def _sum(waves) -> dict:
@@ -81,6 +91,10 @@ def _sum(waves) -> dict:
                 proposed=t["proposed"], accepted=t["accepted"])
 
 
+def _x(r: float) -> str:
+    return "-" if r != r else f"{r:.2f}x"
+
+
 def _draft(spec: str, quick: bool):
     if spec == "random":
         from mlxnb.models.tiny import tiny_model
@@ -90,17 +104,17 @@ def _draft(spec: str, quick: bool):
 
 
 def main(argv=None, prog=None):
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__, prog)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--draft", default="layers:8,random",
+    ap.add_argument("--draft", default=["layers:8", "random"], type=lambda t: t.split(","),
                     help="drafts, comma-separated: layers:N, random, or a model")
-    ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
-    ap.add_argument("--new", type=int, default=96, help="max tokens per row")
-    ap.add_argument("--rows", type=int, default=8,
+    ap.add_argument("--batch", default=[1, 8], type=common.counts,
+                    help="batch sizes (default 1,8)")
+    ap.add_argument("--new", type=common.count, default=96, help="max tokens per row")
+    ap.add_argument("--rows", type=common.count, default=8,
                     help="prompts per batch size (half copy-heavy, half free-form; "
                          "B=1 runs half as many)")
-    ap.add_argument("--repeat", type=int, default=2, help="rounds over the prompts")
+    ap.add_argument("--repeat", type=common.count, default=2, help="rounds over the prompts")
     ap.add_argument("--quick", action="store_true",
                     help="tiny random-weight model, few tokens: a smoke run")
     common.add_output_args(ap)
@@ -110,7 +124,8 @@ def main(argv=None, prog=None):
     if args.quick:
         from mlxnb.models.tiny import tiny_model
 
-        model, args.new, args.batch = tiny_model(layers=4), 24, "1,4"
+        model = tiny_model(layers=4)
+        common.quick(ap, args, argv, new=24, batch=[1, 4], draft=["layers:2", "random"])
     else:
         model = args.model
     half = max(args.rows // 2, 1)
@@ -119,22 +134,20 @@ def main(argv=None, prog=None):
     lines = ["| draft | B | off tok/s | draft tok/s | speedup | in-run | wall speedup | "
              "accept | tok/step | drafting | same tokens |", "|---|" * 1 + "---|" * 10]
     data = []
-    for spec in args.draft.split(","):
+    for spec in args.draft:
         t0 = pc()
         eng = mlxnb.Engine(model, kv_budget=None, prefix_cache=None,
                            draft_model=_draft(spec, args.quick))
         log(f"engine with draft {spec}: {pc() - t0:.1f} s")
-        for B in (int(b) for b in args.batch.split(",")):
+        for B in args.batch:
             ps = prompts if B > 1 else prompts[:max(len(prompts) // 2, 1)]
+            # untimed: both settings meet this B's shapes first
+            eng_loop().run_until_complete(_pairs(eng, ps[:B], B, args.new))
             pairs = []
-            for _ in range(args.repeat):
-                pairs += eng_loop().run_until_complete(_pairs(eng, ps, B, args.new))
+            for rnd in range(args.repeat):
+                pairs += eng_loop().run_until_complete(_pairs(eng, ps, B, args.new, rnd))
             off, on = _sum([p[0] for p in pairs]), _sum([p[1] for p in pairs])
-            # per wave pair, then the median: robust to the load drifting between pairs
-            ratio = statistics.median(_sum([p[1]])["tok_s"] / _sum([p[0]])["tok_s"]
-                                      for p in pairs)
-            wall = statistics.median(_sum([p[1]])["wall_tok_s"] / _sum([p[0]])["wall_tok_s"]
-                                     for p in pairs)
+            ratio, wall = _ratio(pairs, "tok_s"), _ratio(pairs, "wall_tok_s")
             best_off, best_on = off["tok_s"], on["tok_s"]
             rate = on["accepted"] / on["proposed"] if on["proposed"] else 0.0
             same = all(p[0]["toks"] == p[1]["toks"] for p in pairs)
@@ -146,8 +159,8 @@ def main(argv=None, prog=None):
             data.append(dict(draft=spec, B=B, off=best_off, on=best_on, speedup=ratio,
                              wall=wall, accept=rate, tok_per_step=on["tok_per_step"],
                              drafting=on["drafting"], same=same, in_run=in_run))
-            line = (f"| {spec} | {B} | {best_off:.1f} | {best_on:.1f} | {ratio:.2f}x | "
-                    f"{in_run:.2f}x | {wall:.2f}x | {rate:.0%} of {on['proposed']} | "
+            line = (f"| {spec} | {B} | {best_off:.1f} | {best_on:.1f} | {_x(ratio)} | "
+                    f"{_x(in_run)} | {_x(wall)} | {rate:.0%} of {on['proposed']} | "
                     f"{on['tok_per_step']:.2f} | {on['drafting']:.0%} | {same} |")
             lines.append(line)
             log(line)

@@ -264,11 +264,11 @@ def mask_time(tok, B: int, steps: int, V: int) -> dict:
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = common.parser(__doc__, prog)
-    ap.add_argument("--batch", type=int, default=32, help="decode batch size B")
-    ap.add_argument("--new", type=int, default=128, help="max tokens per row")
-    ap.add_argument("--repeat", type=int, default=2, help="free/constrained rounds")
-    ap.add_argument("--mask-batches", default="32,128")
-    ap.add_argument("--mask-steps", type=int, default=50)
+    ap.add_argument("--batch", type=common.count, default=32, help="decode batch size B")
+    ap.add_argument("--new", type=common.count, default=128, help="max tokens per row")
+    ap.add_argument("--repeat", type=common.count, default=2, help="free/constrained rounds")
+    ap.add_argument("--mask-batches", default=[32, 128], type=common.counts)
+    ap.add_argument("--mask-steps", type=common.count, default=50)
     ap.add_argument("--shape", default="smollm2", choices=["tiny", "smollm2", "llama1b"])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--tokenizer", default="default",
@@ -278,7 +278,7 @@ def main(argv=None, prog=None):
                     help="host ms per decode step by part (Engine.trace) for each pass")
     ap.add_argument("--mix", default="json+regex", choices=list(MIXES),
                     help="the constrained rows' constraints, in turn")
-    ap.add_argument("--fill-threads", default=None,
+    ap.add_argument("--fill-threads", default=None, type=common.counts,
                     help="comma list of Engine(fill_threads=N) to compare (default: the "
                          "engine's own, a quarter of the CPUs, 1 to 4)")
     ap.add_argument("--json", help="also write the numbers here")
@@ -298,7 +298,7 @@ def main(argv=None, prog=None):
     out = dict(device=str(mx.default_device()), tokenizer=what, vocab=V)
     if not args.skip_decode:
         model = common.build_model(args.shape, args.dtype, vocab=V)[0]
-        counts = ([int(n) for n in args.fill_threads.split(",")] if args.fill_threads
+        counts = (args.fill_threads if args.fill_threads
                   else [None])  # None: the engine's own count
         out["decode"] = []
         for n in counts:
@@ -322,7 +322,7 @@ def main(argv=None, prog=None):
              f"{'apply mean':>10} {'p50':>7} {'p90':>7}"]
     log("\n".join(text[-3:]))
     out["mask"] = []
-    for B in (int(b) for b in args.mask_batches.split(",")):
+    for B in args.mask_batches:
         m = mask_time(tok, B, args.mask_steps, V)
         out["mask"].append(m)
         f, c, a = m["fill_ms"], m["consume_ms"], m["apply_ms"]

@@ -42,19 +42,19 @@ def main(argv=None, prog=None):
     ap = common.parser(__doc__, prog)
     ap.add_argument("--shape", default="smollm2", choices=list(common.SHAPES))
     ap.add_argument("--dtype", default="bfloat16", choices=common.DTYPES)
-    ap.add_argument("--batch", default="8,32")
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--batch", default=[8, 32], type=common.counts)
+    ap.add_argument("--new", type=common.count, default=64)
+    ap.add_argument("--repeat", type=common.count, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny shape, seconds")
     common.add_output_args(ap)
     a = ap.parse_args(argv)
     if a.quick:
-        a.shape, a.dtype, a.batch, a.new, a.repeat = "tiny", "float32", "8", 32, 1
+        common.quick(ap, a, argv, shape="tiny", dtype="float32", batch=[8], new=32, repeat=1)
     report = common.Report(NAME, RESULT, TITLE, a, argv)
     model, tok, vocab = common.build_model(a.shape, a.dtype)
     rng = np.random.default_rng(0)
     lines = []
-    for B in [int(b) for b in a.batch.split(",")]:
+    for B in a.batch:
         prompts = common.make_prompts(rng, B, 32, vocab)
         best = {}
         for _ in range(a.repeat):

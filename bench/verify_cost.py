@@ -28,6 +28,7 @@ forward's matmuls, which this measures apart from the engine:
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -217,17 +218,31 @@ def render(mms, fw, rb, args) -> str:
     return "\n".join(L)
 
 
+def _dims(text: str):
+    """--dims: d x f matmul shapes, comma-separated (576x1536,2048x8192)."""
+    try:
+        out = [tuple(common.count(v) for v in p.split("x")) for p in text.split(",")]
+        if all(len(d) == 2 for d in out):
+            return out
+    except argparse.ArgumentTypeError:
+        pass
+    raise argparse.ArgumentTypeError(f"takes d x f shapes, comma-separated (as 576x1536), "
+                                     f"got {text!r}")
+
+
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = common.parser(__doc__, prog)
     ap.add_argument("--model", default="default", help="'default' or a bench shape")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--rows", default="1,2,3,5,8,16", help="matmul rows M")
-    ap.add_argument("--chain", type=int, default=200)
-    ap.add_argument("--dims", default="576x1536", help="matmul shapes d x f, comma-separated")
-    ap.add_argument("--widths", default="1,2,5,8")
-    ap.add_argument("--prompt", type=int, default=100)
-    ap.add_argument("--calls", type=int, default=15)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--rows", default=[1, 2, 3, 5, 8, 16], type=common.counts,
+                    help="matmul rows M")
+    ap.add_argument("--chain", type=common.count, default=200)
+    ap.add_argument("--dims", default=[(576, 1536)], type=_dims,
+                    help="matmul shapes d x f, comma-separated")
+    ap.add_argument("--widths", default=[1, 2, 5, 8], type=common.counts)
+    ap.add_argument("--prompt", type=common.count, default=100)
+    ap.add_argument("--calls", type=common.count, default=15)
     ap.add_argument("--skip", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8, help="rows of the rollback (0: none)")
     ap.add_argument("--no-rows-kernel", action="store_true",
@@ -236,15 +251,20 @@ def main(argv=None, prog=None):
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.dtype, args.rows, args.chain = "tiny", "float32", "1,2", 8
-        args.widths, args.calls, args.skip, args.prompt = "1,3", 4, 1, 16
-        args.batch = 3
+        common.quick(ap, args, argv, model="tiny", dtype="float32", rows=[1, 2], chain=8,
+                     widths=[1, 3], calls=4, skip=1, prompt=16, batch=3)
+    if not 0 <= args.skip < args.calls:
+        ap.error("argument --skip: takes 0 or more calls, fewer than --calls")
+    if args.batch < 0:
+        ap.error("argument --batch: takes a batch size, or 0 for no rollback")
+    if args.model not in ["default"] + list(common.SHAPES):
+        ap.error(f"argument --model: takes default or one of {', '.join(common.SHAPES)}")
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# verify-cost  {report.env}")
     dtype = getattr(mx, args.dtype)
     KERNEL[0] = not args.no_rows_kernel
-    ms = [int(m) for m in args.rows.split(",")]
-    dims = [tuple(int(v) for v in p.split("x")) for p in args.dims.split(",")]
+    ms = args.rows
+    dims = args.dims
     mm = [((d, f), matmul_rows(ms, args.chain, dtype, d, f)) for d, f in dims]
     if args.model == "default":
         from mlxnb.models.loading import load_model
@@ -253,7 +273,7 @@ def main(argv=None, prog=None):
         model.set_dtype(dtype)
     else:
         model = common.build_model(args.model, args.dtype)[0]
-    fw = forward_widths(model, [int(w) for w in args.widths.split(",")], args.prompt,
+    fw = forward_widths(model, args.widths, args.prompt,
                         args.calls, args.skip)
     rb = rollback_cost(model, args.batch, args.prompt, args.calls) if args.batch else None
     text = render(mm, fw, rb, args)
