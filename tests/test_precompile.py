@@ -244,3 +244,26 @@ def test_a_compile_outlives_the_engine_that_started_it(tiny, arun, tmp_path, mon
         p.close()
     assert sampling._gumbel_argmax is sampling._gumbel_argmax_fused
     assert (cache / f"mlxnb-sampling-{tiny[0].args.vocab_size}.done").exists()
+
+
+def test_a_wrapped_model_compiles_for_its_logit_width(monkeypatch):
+    """Qwen3.5 keeps its vocabulary size in `args.text_config`: the sampling kernels
+    are compiled for the logits the model gives, not for an empty vocabulary."""
+    from bench.cache_kinds import build_hybrid
+
+    model, tok, vocab = build_hybrid("qwen3_5-0.8b", "float32", "quick")
+    assert getattr(model.args, "vocab_size", None) is None
+    assert precompile.logit_width(model) == vocab == model(mx.array([[3, 4]])).shape[-1]
+    seen = []
+    monkeypatch.setattr(precompile, "for_vocab", lambda v: seen.append(v) or
+                        precompile.Precompiler(v))
+    from mlxnb.core.worker.batch import BatchExecutor
+
+    BatchExecutor(model, tok).close()
+    assert seen == [vocab]
+
+
+def test_no_compiler_starts_for_an_unknown_vocabulary(monkeypatch):
+    monkeypatch.setattr(precompile, "wanted", lambda: True)
+    monkeypatch.setattr(precompile, "spawn", lambda *a: pytest.fail("spawned"))
+    assert not precompile.Precompiler(0).start()

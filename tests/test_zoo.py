@@ -162,3 +162,17 @@ def test_kv_bits_that_do_not_divide_a_word_batch_exactly(head_dim, bits, group):
         assert r.finish_reason == "length", r.error
         assert r.tokens == reference_tokens(m.model, r.prompt, 8, kv_bits=bits,
                                             kv_group_size=group), r.prompt
+
+
+@pytest.mark.parametrize("family", families())
+def test_the_sampling_kernels_are_compiled_for_the_models_logit_width(family):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxnb.core.worker.precompile import logit_width
+
+    m = build(family)
+    if not m.ok:
+        pytest.skip(m.reason)
+    logits = m.model(mx.array([[72, 105]]), cache=make_prompt_cache(m.model))
+    assert logit_width(m.model) == logits.shape[-1]

@@ -59,8 +59,7 @@ class BatchExecutor(ReadBack, Membership):
         # compiles them once): the sampler's in the background, the model's first
         # ones before the load probes below need them (kernels_ahead.py)
         laps = Laps("load")
-        self.precompiler = precompile.for_vocab(
-            getattr(getattr(model, "args", None), "vocab_size", 0))
+        self.precompiler = precompile.for_vocab(precompile.logit_width(model))
         self.precompiler.start()  # (or goes on with the compile another engine began)
         ahead = ModelKernels(model_dtype(model))
         if ahead.start():

@@ -80,7 +80,8 @@ class Precompiler:
         if self.procs:
             return True
         cache = ptx_dir()
-        if not wanted() or (cache / _DONE.format(vocab=self.vocab)).exists():
+        if (self.vocab < 1 or not wanted()
+                or (cache / _DONE.format(vocab=self.vocab)).exists()):
             return False
         self.pieces = list(PIECES)
         self.private, self.procs = spawn(__name__, self.pieces, str(self.vocab), "sampling")
@@ -148,6 +149,30 @@ class Precompiler:
 
 
 _SHARED: Dict[int, Precompiler] = {}
+
+
+def logit_width(model) -> int:
+    """How many logits the model gives per position (0: cannot tell): its output
+    layer's rows, else its token embedding's (a tied head), else what its config says,
+    else any embedding's rows.
+    Wrapped models (Qwen3.5, Mistral 3, Gemma 3n, ...) keep the size in a
+    `text_config`, not on `model.args`."""
+    mods = dict(model.named_modules())
+    for end in ("lm_head", "embed_tokens"):
+        for name, m in mods.items():
+            w = getattr(m, "weight", None) if name.rsplit(".", 1)[-1] == end else None
+            if isinstance(w, mx.array) and w.ndim == 2:
+                return int(w.shape[0])
+    args = getattr(model, "args", None)
+    for a in (args, getattr(args, "text_config", None)):
+        v = a.get("vocab_size") if isinstance(a, dict) else getattr(a, "vocab_size", None)
+        if isinstance(v, int) and v > 0:
+            return v
+    for m in mods.values():  # any other token embedding (Phixtral's `wte`)
+        w = getattr(m, "weight", None)
+        if "Embedding" in type(m).__name__ and isinstance(w, mx.array) and w.ndim == 2:
+            return int(w.shape[0])
+    return 0
 
 
 def for_vocab(vocab: int) -> Precompiler:
