@@ -62,7 +62,8 @@ async def demo(args) -> int:
         print()
     rows = list(first) + list(second)
     for r in rows:
-        print(f"\n[{r.id}] {r.prompt}\n    {r.text.strip()}")
+        text = "\n    ".join(r.text.strip().splitlines())  # every line under its prompt
+        print(f"\n[{r.id}] {r.prompt}\n    {text}")
         tok_s = f"{r.tok_s:.1f}" if r.tok_s else "-"
         print(f"    -- {r.finish_reason}, {r.ntok} tokens, ttft {r.ttft_s:.2f}s, "
               f"{tok_s} tok/s, prompt {r.prompt_tokens} ({r.cached_tokens} cached)")

@@ -550,6 +550,9 @@ def test_a_load_applies_the_config_defaults_it_did_not_have(ip, models, arun_shu
         assert new is not eng and (new.max_batch, new.kv_budget) == (4, 1 << 30)
         ip.run_line_magic("mlxnb", "load tiny")
         assert "already loaded" in capsys.readouterr().out and magics.get_engine() is new
+        with pytest.raises(UsageError, match="as a size"):  # refused: nothing reloads
+            ip.run_line_magic("mlxnb", "load tiny --kv-budget lots")
+        assert "again" not in capsys.readouterr().out and magics.get_engine() is new
 
     arun_shut(main)
 

@@ -916,3 +916,15 @@ def test_a_rollback_keeps_each_rows_tokens_in_order_and_the_room_to_grow(lazy):
         assert (k[b, :, lo:end, :] == kept[None, :, None]).all(), k[b, 0, :end, 0]
         assert (v[b, :, lo:end, :] == kept[None, :, None] + 0.5).all()
     assert k.shape[2] > n and (k[:, :, n:, :] == -1.0).all()
+
+
+@pytest.mark.parametrize("default,says", [(None, "speculation off by default, rows may ask "
+                                                 "lookup"),
+                                          ("lookup", "speculation lookup by default, rows "
+                                                     "may ask lookup")])
+def test_status_says_whether_rows_speculate_by_default(tiny, default, says):
+    eng = Engine(tiny, kv_budget=None, warmup=False, speculate=default)
+    try:
+        assert says in eng.status()
+    finally:
+        eng.close()

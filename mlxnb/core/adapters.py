@@ -128,8 +128,7 @@ class Adapters:
         cancel them first), so no row changes adapter midway."""
         self._check_open()
         if name not in self._adapters:
-            raise ValueError(f"no adapter named {name!r} is loaded "
-                             f"({self._loaded_names()})")
+            raise ValueError(f"no adapter named {name!r} is loaded{self._loaded_names()}")
         users = sum(1 for r in self._live.values() if r.params.adapter == name)
         if users:
             raise ValueError(f"adapter {name!r} is in use by {users} unfinished row(s); "
@@ -167,13 +166,13 @@ class Adapters:
                         if self._adapter_bytes else why)
 
     def _loaded_names(self) -> str:
-        return ("loaded: " + ", ".join(self._adapters)) if self._adapters else \
-            "none is loaded; load one with load_adapter(name, path)"
+        """' (loaded: a, b)', or '' when none is."""
+        return f" (loaded: {', '.join(self._adapters)})" if self._adapters else ""
 
     def _check_adapter(self, adapter: Optional[str]) -> None:
         if adapter is not None and adapter not in self._adapters:
-            raise ValueError(f"no adapter named {one_line(repr(adapter), 60)} is loaded "
-                             f"({self._loaded_names()}); load it with "
+            raise ValueError(f"no adapter named {one_line(repr(adapter), 60)} is loaded"
+                             f"{self._loaded_names()}; load it with "
                              "load_adapter(name, path) or %mlxnb adapter load NAME PATH")
 
     def adapter_status(self) -> str:

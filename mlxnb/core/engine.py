@@ -374,9 +374,17 @@ class Engine(Submitting, HeldRows, Listeners, Closing, Adapters, Reports):
         return (f"model {self.model_name} | running {self.running}, queued {self.queued}, "
                 f"done {done} | KV {fmt_bytes(kv)} / {budget} | prefill {chunk} "
                 f"tokens/step ({mode}) | {kinds} | prefix reuse "
-                f"{self._prefix}{self._prefix_held()} | speculation "
-                f"{self.speculation}{self._draft_status()}"
+                f"{self._prefix}{self._prefix_held()} | {self._speculation_status()}"
                 + (f" | {adapters}" if adapters else ""))
+
+    def _speculation_status(self) -> str:
+        """What rows get by default, and what they may ask for ('lookup[/draft NAME]')
+        or why none can."""
+        if self.speculation.startswith("off"):
+            return f"speculation {self.speculation}"
+        default = "off" if self.speculate is None else self.speculate
+        return (f"speculation {default} by default, rows may ask {self.speculation}"
+                f"{self._draft_status()}")
 
     def _prefix_held(self) -> str:
         held = self._report.prefix_bytes

@@ -158,11 +158,10 @@ class MLXNBMagics(Commands, Magics):
         if loaded:
             print(f"mlxnb: {spec!r} is already loaded")
             return None
+        self._load(spec, settings)  # (a failed load raises, keeping the old engine)
         if local and had is not None and _same_model(eng, spec):
             changed = ", ".join(f"{k}={v!r}" for k, v in settings.items() if had.get(k) != v)
-            print(f"mlxnb: loading {spec!r} again for its new settings: {changed}")
-        self._load(spec, settings)
-        # (a failed load keeps the old engine)
+            print(f"mlxnb: loaded {spec!r} again for its new settings: {changed}")
         if eng is not None:
             _close(eng)
         return None

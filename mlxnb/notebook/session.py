@@ -40,8 +40,8 @@ class MLXNB(Configurable):
                         help="Prompt tokens prefilled per step beside running rows; "
                         "None = auto (about 50 ms of prefill per step).").tag(config=True)
     kv_bits = Int(None, allow_none=True,
-                  help="Quantize the KV cache to this many bits (4 or 8; None = full "
-                  "precision).").tag(config=True)
+                  help="Quantize the KV cache to this many bits (2, 3, 4, 5, 6 or 8; "
+                  "4 and 8 are the measured ones; None = full precision).").tag(config=True)
     kv_group_size = Int(64, help="Head dims per quantization group of the KV cache "
                         "(32, 64 or 128).").tag(config=True)
     max_tokens = Int(64, min=1, help="Default --max-tokens.").tag(config=True)
