@@ -10,6 +10,11 @@ processes share one cache, so the first pays the compiles and the rest find them
   python -m bench first-token --shape default --fresh      # `make demo` on a new machine
   bash bench/gpu_run.sh first-token --shape smollm2 --fresh --runs 2
   bash bench/gpu_run.sh first-token --shape qwen3_5-0.8b --fresh --runs 2   # a hybrid
+
+On CUDA each load part's line also says how many compiled kernels MLX's folder holds
+after it, and the .json lists their names: `--size quick` (a hybrid's layer pattern
+at toy width) beside a full-size run shows whether those names depend on the width,
+that is, whether a toy model in a helper process could compile them ahead.
 """
 
 from __future__ import annotations
@@ -27,7 +32,20 @@ KINDS = (("greedy", {}), ("sampled", {"temperature": 0.8}),
          ("top_p", {"temperature": 0.8, "top_p": 0.9}))
 
 
-async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True) -> dict:
+def _kernel_dir():
+    from mlxnb.models.kernel_cache import ptx_dir
+
+    return ptx_dir()
+
+
+def _kernel_files() -> list:
+    """The compiled kernels in MLX's kernel folder (CUDA; none elsewhere)."""
+    d = _kernel_dir()
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*.ptx")) if d.is_dir() else []
+
+
+async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True,
+                 size=None) -> dict:
     """`t_start`: the wall-clock time the parent started this process."""
     import logging
 
@@ -40,6 +58,8 @@ async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True) ->
         def emit(self, record):
             msg = record.getMessage()
             if "kernel" in msg or msg.startswith("load: "):  # (not other chatter)
+                if msg.startswith("load: ") and _kernel_dir().is_dir():  # (CUDA)
+                    msg += f" [{len(_kernel_files())} kernel files]"  # after this part
                 events.append((round(time.time() - t_start, 1), msg))
 
     logger = logging.getLogger("mlxnb")
@@ -56,7 +76,7 @@ async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True) ->
             model, tok, _ = common.build_model(shape, dtype)
         else:  # a hybrid shape (recurrent-state layers beside attention)
             from .cache_kinds import build_hybrid
-            model, tok, _ = build_hybrid(shape, dtype, None)
+            model, tok, _ = build_hybrid(shape, dtype, size)
         eng = mlxnb.Engine((model, tok), max_batch=32, kv_budget=None, warmup=warmup)
         prompts = [common.as_text([5 + i] * (20 + 7 * i)) for i in range(4)]
     out["engine_s"] = time.perf_counter() - t
@@ -77,6 +97,7 @@ async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True) ->
     eng.close()
     out = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
     out["events"] = [f"{t} s: {m}" for t, m in events]
+    out["kernel_files"] = _kernel_files()  # (the .json: compare shapes and sizes)
     return out
 
 
@@ -84,7 +105,10 @@ def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
         t_start = float(argv[3])
-        res = asyncio.run(_child(argv[1], argv[2], t_start, warmup=argv[4:] != ["--no-warmup"]))
+        flags = argv[4:]
+        size = next((f.split("=", 1)[1] for f in flags if f.startswith("--size=")), None)
+        res = asyncio.run(_child(argv[1], argv[2], t_start, warmup="--no-warmup" not in flags,
+                                 size=size))
         print("RESULT " + json.dumps(res))
         return 0
     from . import common
@@ -101,8 +125,13 @@ def main(argv=None, prog=None):
                     "machine)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="Engine(warmup=False): the first rows compile what they use")
+    ap.add_argument("--size", choices=["quick", "proxy"],
+                    help="a hybrid shape's layer pattern at toy width (cache-kinds' sizes): "
+                         "do its kernels' names, and so a compile ahead, depend on width?")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
+    if args.size and args.shape not in HYBRIDS:
+        ap.error(f"argument --size: takes a hybrid shape ({', '.join(HYBRIDS)})")
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     shared = tempfile.mkdtemp(prefix="mlxnb-first-token-")
     rows = []
@@ -114,7 +143,8 @@ def main(argv=None, prog=None):
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         cmd = [sys.executable, "-m", "bench", NAME, "--child", args.shape, args.dtype]
         # the child measures from this moment (wall clock): its interpreter start counts
-        extra = ["--no-warmup"] if args.no_warmup else []
+        extra = (["--no-warmup"] if args.no_warmup else []) + (
+            [f"--size={args.size}"] if args.size else [])
         r = subprocess.run(cmd + [repr(time.time())] + extra, env=env,
                            capture_output=True, text=True, cwd=str(common.ROOT))
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
@@ -124,13 +154,15 @@ def main(argv=None, prog=None):
         res = json.loads(line[0][7:])
         res["run"] = i
         rows.append(res)
-        common.log(json.dumps(res))
+        common.log(json.dumps({k: v for k, v in res.items() if k != "kernel_files"})
+                   + f" ({len(res.get('kernel_files') or [])} kernel files)")
     keys = ["run", "engine_s", "warmup_s", "ready_since_start_s", "first_token_since_start_s"] + [
         f"{k}_first_token_s" for k, _ in KINDS]
     table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     table += ["| " + " | ".join(str(r.get(k)) for k in keys) + " |" for r in rows]
     what = "each process with an empty MLXNB_CACHE" if args.fresh else "processes sharing one cache"
     what += ", Engine(warmup=False)" if args.no_warmup else ""
+    what += f", at cache-kinds' {args.size} width" if args.size else ""
     # what the engine logged about its load's parts and its compiles, on one clock
     events = [f"- run {r['run']}:\n" + "\n".join(f"  - {e}" for e in r.get("events") or
                                                   ["none"]) for r in rows]

@@ -33,6 +33,7 @@ BAD = [
     ("verify-cost", ["--dims", "576by1536"], "--dims: takes d x f shapes"),
     ("verify-cost", ["--skip", "20"], "--skip"),
     ("first-token", ["--runs", "0"], "--runs"),
+    ("first-token", ["--shape", "llama1b", "--size", "quick"], "--size: takes a hybrid shape"),
     ("decode", ["--quick", "--hardware", "My H200!"], "--hardware: takes lower-case"),
     ("decode", ["--quick", "--out", "/proc/no/such/folder"], "--out: cannot make folder"),
 ]
