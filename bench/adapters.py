@@ -237,7 +237,7 @@ def main(argv=None, prog=None):
     ap.add_argument("--new", type=common.count, default=48, help="new tokens per row")
     ap.add_argument("--warm-new", type=common.count, default=8)
     ap.add_argument("--repeat", type=common.count, default=3)
-    ap.add_argument("--forward-steps", type=common.count, default=10,
+    ap.add_argument("--forward-steps", type=common.whole, default=10,
                     help="pairs of decode forwards in the forward-only comparison (0: skip)")
     ap.add_argument("--update", default="auto", choices=["auto", "ops", "ab"],
                     help="stacked, folded: the update kernel where its self-check passes "

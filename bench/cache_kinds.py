@@ -402,12 +402,14 @@ def main(argv=None, prog=None):
     if args.profile < 0:
         ap.error("argument --profile: takes a batch size, or 0 for no profile")
     if args.quick:
-        common.quick(ap, args, argv, dtype="float32", batch=[1, 4], prompt=16, new=16,
-                     warm_new=4, rounds=2, kv_budget="4MB", kv_context=512, kv_new=16,
-                     kv_submit=64)
+        given = common.quick(ap, args, argv, dtype="float32", batch=[1, 4], prompt=16, new=16,
+                             warm_new=4, rounds=2, kv_budget="4MB", kv_context=512,
+                             kv_new=16, kv_submit=64)
+        if "kv_new" not in given:  # quick's sizes fit the ones given
+            args.kv_new = max(1, min(args.kv_new, args.kv_context - 1))
     if args.kv_new >= args.kv_context:
-        ap.error("argument --kv-new: takes fewer tokens than --kv-context (the prompt is "
-                 "the rest)")
+        ap.error(f"argument --kv-new: takes fewer tokens than --kv-context "
+                 f"({args.kv_context}: the prompt is the rest); got {args.kv_new}")
     args.size = "quick" if args.quick else "proxy" if args.proxy else None
     if args.proxy:
         args.dtype = "float32"

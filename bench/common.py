@@ -396,6 +396,17 @@ def count(text: str) -> int:
     return n
 
 
+def whole(text: str) -> int:
+    """A whole number >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 0, got {text!r}")
+    return n
+
+
 def counts(text: str) -> List[int]:
     """Whole numbers >= 1, comma-separated: 1,8,32."""
     try:
@@ -429,14 +440,16 @@ def names(options):
     return parse
 
 
-def quick(ap: argparse.ArgumentParser, args, argv, **values) -> None:
+def quick(ap: argparse.ArgumentParser, args, argv, **values) -> set:
     """--quick's sizes, for each option the command line did not give: a smoke run
-    that still measures what was asked, and a results file whose command is true."""
+    that still measures what was asked, and a results file whose command is true.
+    Returns the options given (a caller fits its other quick sizes to them)."""
     given = {a.dest for a in ap._actions for o in a.option_strings
              if any(x == o or x.startswith(o + "=") for x in argv)}
     for k, v in values.items():
         if k not in given:
             setattr(args, k, v)
+    return given
 
 
 def _out_dir(text: str) -> Path:

@@ -247,12 +247,18 @@ def main(argv=None, prog=None):
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
-        common.quick(ap, args, argv, shape="tiny", dtype="float32", new=16, rows=8, waves=4,
-                     gap=0.05, min=8, max=64, profile=True)
+        given = common.quick(ap, args, argv, shape="tiny", dtype="float32", new=16, rows=8,
+                             waves=4, gap=0.05, min=8, max=64, profile=True)
+        if "waves" not in given:  # quick's sizes fit the ones given
+            args.waves = min(args.waves, args.rows)
+        if "min" not in given:
+            args.min = min(args.min, args.max)
     if args.min > args.max:
-        ap.error("argument --min: takes a prompt length no longer than --max")
+        ap.error(f"argument --min: takes a prompt length no longer than --max ({args.max}), "
+                 f"got {args.min}")
     if args.waves > args.rows:
-        ap.error("argument --waves: takes at most --rows waves (each wave holds a row)")
+        ap.error(f"argument --waves: takes at most --rows ({args.rows}) waves, each wave "
+                 f"holding a row; got {args.waves}")
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# mixed  {report.env}")
     model, tok, vocab = common.build_model(args.shape, args.dtype)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import sys
 
 from . import common
 from .common import log, pc
@@ -109,6 +110,7 @@ def _policy(sp, B, steps, wide, sync) -> str:
 
 
 def main(argv=None, prog=None):
+    argv = sys.argv[1:] if argv is None else argv
     ap = common.parser(__doc__, prog)
     ap.add_argument("--model", default="default")
     ap.add_argument("--batch", default=[1, 8], type=common.counts,

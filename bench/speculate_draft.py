@@ -27,6 +27,7 @@ off and cost at most a few probes), or a model name/path sharing the tokenizer.
 from __future__ import annotations
 
 import statistics
+import sys
 
 from . import common
 from .common import log, pc
@@ -104,6 +105,7 @@ def _draft(spec: str, quick: bool):
 
 
 def main(argv=None, prog=None):
+    argv = sys.argv[1:] if argv is None else argv
     ap = common.parser(__doc__, prog)
     ap.add_argument("--model", default="default")
     ap.add_argument("--draft", default=["layers:8", "random"], type=lambda t: t.split(","),

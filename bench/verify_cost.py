@@ -158,8 +158,8 @@ def rollback_cost(model, B, prompt, calls):
     batch cache, every layer's keys and values evaluated."""
     from mlx_lm.models.cache import dynamic_roll
 
-    from mlxnb.core.worker.caches import merge_lean
-    from mlxnb.core.worker.rollback import leaves, rollback
+    from mlxnb.core.worker.caches import leaves, merge_lean
+    from mlxnb.core.worker.rollback import rollback
 
     rows = []
     for b in range(B):  # rows of different lengths: left padding, as a batch has
@@ -251,10 +251,16 @@ def main(argv=None, prog=None):
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
-        common.quick(ap, args, argv, model="tiny", dtype="float32", rows=[1, 2], chain=8,
-                     widths=[1, 3], calls=4, skip=1, prompt=16, batch=3)
+        given = common.quick(ap, args, argv, model="tiny", dtype="float32", rows=[1, 2],
+                             chain=8, widths=[1, 3], calls=4, skip=1, prompt=16, batch=3)
+        if "skip" not in given:  # quick's sizes fit the ones given
+            args.skip = min(args.skip, args.calls - 1)
+    if args.calls < 2:
+        ap.error(f"argument --calls: takes 2 or more (the rollback's first is a warm-up), "
+                 f"got {args.calls}")
     if not 0 <= args.skip < args.calls:
-        ap.error("argument --skip: takes 0 or more calls, fewer than --calls")
+        ap.error(f"argument --skip: takes 0 or more calls, fewer than --calls ({args.calls}); "
+                 f"got {args.skip}")
     if args.batch < 0:
         ap.error("argument --batch: takes a batch size, or 0 for no rollback")
     if args.model not in ["default"] + list(common.SHAPES):

@@ -30,12 +30,13 @@ def ip():
 
 @pytest.fixture
 def models(monkeypatch, tiny):
-    """`Engine("tiny")` loads the tiny model; any other name fails like a bad hub id."""
+    """`Engine("tiny")` (or "tiny2", another name for it) loads the tiny model; any other
+    name fails like a bad hub id."""
     calls = []
 
     def load_model(name):
         calls.append(name)
-        if name == "tiny":
+        if name in ("tiny", "tiny2"):
             return tiny
         raise FileNotFoundError(f"No such model: {name}\n(long details)")
 
@@ -553,6 +554,8 @@ def test_a_load_applies_the_config_defaults_it_did_not_have(ip, models, arun_shu
         with pytest.raises(UsageError, match="as a size"):  # refused: nothing reloads
             ip.run_line_magic("mlxnb", "load tiny --kv-budget lots")
         assert "again" not in capsys.readouterr().out and magics.get_engine() is new
+        ip.run_line_magic("mlxnb", "load tiny2")  # another model is not "again"
+        assert "again" not in capsys.readouterr().out and magics.get_engine() is not new
 
     arun_shut(main)
 

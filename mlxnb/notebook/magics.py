@@ -158,8 +158,10 @@ class MLXNBMagics(Commands, Magics):
         if loaded:
             print(f"mlxnb: {spec!r} is already loaded")
             return None
+        again = local and had is not None and _same_model(eng, spec)  # (before the load
+        # names the new model)
         self._load(spec, settings)  # (a failed load raises, keeping the old engine)
-        if local and had is not None and _same_model(eng, spec):
+        if again:
             changed = ", ".join(f"{k}={v!r}" for k, v in settings.items() if had.get(k) != v)
             print(f"mlxnb: loaded {spec!r} again for its new settings: {changed}")
         if eng is not None:
