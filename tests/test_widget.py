@@ -604,6 +604,9 @@ def test_results_html_is_bounded_and_escaped():
     plain = results.bundle(grid, "m", "run")["text/plain"]
     assert "[3] done: length \u00b7 temp=0.9 sample=0 \u00b7 5 tok" in plain
     assert "seed=" not in plain and "prompt_index" not in plain
+    plain_row = R(4, "t")  # a dashboard's row from a cell without a sweep
+    plain = results.bundle(grid + [plain_row], "m", "dashboard")["text/plain"]
+    assert "[5] done: length \u00b7 5 tok" in plain and "None" not in plain
     # errors count within the total too
     failed = [R(i, "w" * 500) for i in range(1024)]
     for r in failed:

@@ -65,7 +65,8 @@ def _varying(rows) -> list:
 
 def _settings(r, keys) -> str:
     tag = r.tag if isinstance(getattr(r, "tag", None), dict) else {}
-    return one_line(" ".join(f"{k}={tag.get(k)}" for k in keys), 120) if keys else ""
+    # (a dashboard's rows come from many cells: a row says only the settings it has)
+    return one_line(" ".join(f"{k}={tag[k]}" for k in keys if k in tag), 120) if keys else ""
 
 
 def _stats(r) -> list:
