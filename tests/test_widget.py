@@ -743,3 +743,38 @@ def test_a_run_widget_ends_at_the_step_its_last_row_ended_in():
     last = max(s.step for s in eng.steps if run[1].id in s.ended)
     assert eng.steps[-1].step > last + 50
     assert w.steps["s"][-1] == last
+
+
+def test_saved_results_keep_showing_rows_whose_handles_are_gone(tiny, arun):
+    """A widget holds finished rows weakly; once the user's handles are gone, its saved
+    results still show them as they ended, and go on updating for the other rows."""
+    import gc
+
+    from mlxnb import Engine
+    from mlxnb.notebook import results
+    from mlxnb.notebook.rowtable import RowTable
+
+    async def main():
+        eng = Engine(tiny, kv_budget=None, warmup=False)
+        try:
+            rows = [eng.submit("a", max_tokens=4, tag={"x": 1}),
+                    eng.submit("b", max_tokens=4, tag={"x": 2}, regex="[ab]+")]
+            for r in rows:
+                await r
+            table = RowTable(rows, keep=results.snapshot)
+            table.full(rowwire.full)  # recorded: from now on held weakly
+            before = results.bundle(table.shown(), "m", "run")
+            del rows, r
+            gc.collect()
+            assert table.values() == []  # gone ...
+            assert results.bundle(table.shown(), "m", "run") == before  # ... and shown
+            assert "regex: valid" in before["text/plain"]
+            later = eng.submit("c", max_tokens=2)
+            table[later.id] = later
+            await later
+            after = results.bundle(table.shown(), "m", "run")["text/plain"]
+            assert "3/3 rows done" in after and "prompt: a" in after
+        finally:
+            await eng.aclose()
+
+    arun(main)

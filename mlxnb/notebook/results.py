@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import html
 import time
+from types import SimpleNamespace
 
 from .._text import one_line
 from ..core.constraint_results import widget_fields as constraint_fields
@@ -25,6 +26,22 @@ from ..core.states import RowState
 TOTAL_CHARS = 200_000  # all rows' text together, in one rendering
 ROW_CHARS = 8_000  # most text of one row (fewer when many rows share the budget)
 PROMPT_CHARS = 160
+
+
+# what a rendering reads of a row (and constraint_results.widget_fields of a structured one)
+_SHOWN = ("id", "done", "state", "finish_reason", "error", "ntok", "prefill_done", "prompt",
+          "prompt_tokens", "t_admit", "t_done", "tag", "text", "tok_s", "ttft_s", "params",
+          "constraint_error")
+
+
+def snapshot(row) -> SimpleNamespace:
+    """What a rendering reads of a finished row, kept once the row itself is gone (a
+    widget holds finished rows weakly, rowtable.py): the saved results go on showing
+    it as it ended, without its tokens or logprobs."""
+    constraint_fields(row)  # a JSON row's text parsed once, into the copy below
+    snap = SimpleNamespace(**{k: getattr(row, k, None) for k in _SHOWN})
+    snap._parsed_json = getattr(row, "_parsed_json", None)
+    return snap
 
 
 def _clip(s: str, n: int) -> str:

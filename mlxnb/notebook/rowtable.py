@@ -4,8 +4,9 @@ ipywidgets keeps every open widget alive for good (its comm may serve a view tha
 reopened later), so a widget that held its rows would keep every row of every cell of
 a long session. A `RowTable` holds a row while it runs; once a finished row's last
 state is recorded (`full`), it keeps that dict (what the synced traits and a
-reopened view need) and only a weak reference to the row, which then lives as long
-as the user's own handles (a `Run`, a variable).
+reopened view need), what the saved results read of it (`shown`), and only a weak
+reference to the row, which then lives as long as the user's own handles (a `Run`, a
+variable).
 """
 
 from __future__ import annotations
@@ -17,16 +18,20 @@ __all__ = ["RowTable", "newest"]
 
 
 class _Recorded:
-    """A finished row whose last state is recorded: the dict, and the row while it lives."""
+    """A finished row whose last state is recorded: the dict, what a rendering reads
+    of it, and the row while it lives."""
 
-    __slots__ = ("ref", "full")
+    __slots__ = ("ref", "full", "shown")
 
-    def __init__(self, row, full: dict):
-        self.ref, self.full = weakref.ref(row), full
+    def __init__(self, row, full: dict, shown):
+        self.ref, self.full, self.shown = weakref.ref(row), full, shown
 
 
 class RowTable:
-    def __init__(self, rows=()):
+    def __init__(self, rows=(), keep: Callable[[object], object] = lambda row: row):
+        """`keep(row)`: what a rendering (`shown`) needs of a finished row once it is
+        gone, made as it is recorded."""
+        self._keep = keep
         self._at: Dict[int, object] = {}  # id -> Row (held) or _Recorded
         for r in rows:
             self._at[r.id] = r
@@ -75,10 +80,14 @@ class RowTable:
     def items(self) -> List[tuple]:
         return [(rid, r) for rid in self._at if (r := self.get(rid)) is not None]
 
-    @property
-    def lost(self) -> bool:
-        """Whether some recorded rows are gone (`values()` misses them)."""
-        return any(isinstance(e, _Recorded) and e.ref() is None for e in self._at.values())
+    def shown(self) -> List:
+        """Every row in order for a rendering: the row while it lives, else what `keep`
+        made of it."""
+        out = []
+        for e in self._at.values():
+            row = e.ref() if isinstance(e, _Recorded) else e
+            out.append(e.shown if row is None else row)
+        return out
 
     def full(self, make: Callable[[object], dict]) -> List[dict]:
         """Every row's full dict, in order: `make(row)` for a row that lives, the
@@ -94,7 +103,7 @@ class RowTable:
             if isinstance(e, _Recorded):
                 e.full = d
             elif row.done:
-                self._at[rid] = _Recorded(row, d)
+                self._at[rid] = _Recorded(row, d, self._keep(row))
             out.append(d)
         return out
 

@@ -87,7 +87,8 @@ class GenerationWidget(anywidget.AnyWidget):
         self._period = 1.0 / flush_hz
         self._trait_interval = 3.0 if self.dashboard else 1.0
         src = newest(engine.rows, max_rows) if self.dashboard else list(rows)
-        self._rows = RowTable(src)  # display order; finished rows held weakly (rowtable.py)
+        # display order; finished rows held weakly (rowtable.py)
+        self._rows = RowTable(src, keep=results.snapshot)
         self._live = set(self._rows)  # rows not yet reported as done
         # rows whose finish has not come: a widget's steps run from its first row's
         # admission to the step its last row ended in, whenever the flushes fall (the
@@ -355,7 +356,7 @@ class GenerationWidget(anywidget.AnyWidget):
     def results_bundle(self) -> dict:
         """text/plain + text/html of every row as it stands (results.py)."""
         h = self.engine
-        return results.bundle(self._rows.values(), rowwire.short_model_name(
+        return results.bundle(self._rows.shown(), rowwire.short_model_name(
             str(getattr(h, "model_name", "") or "")), self.title)
 
     def _repr_mimebundle_(self, **kwargs):
@@ -384,7 +385,7 @@ class GenerationWidget(anywidget.AnyWidget):
         self._results_shown = True
 
     def _update_results(self) -> None:
-        if not self._results_shown or self._rows.lost:  # the last rendering stays whole
+        if not self._results_shown:
             return
         try:
             from IPython.display import update_display
