@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import html
 import time
-from types import SimpleNamespace
 
 from .._text import one_line
 from ..core.constraint_results import widget_fields as constraint_fields
@@ -28,20 +27,32 @@ ROW_CHARS = 8_000  # most text of one row (fewer when many rows share the budget
 PROMPT_CHARS = 160
 
 
-# what a rendering reads of a row (and constraint_results.widget_fields of a structured one)
-_SHOWN = ("id", "done", "state", "finish_reason", "error", "ntok", "prefill_done", "prompt",
-          "prompt_tokens", "t_admit", "t_done", "tag", "text", "tok_s", "ttft_s", "params",
-          "constraint_error")
+class Ended:
+    """A finished row whose handle is gone, for a rendering, made from what its widget
+    recorded (`rowwire.full`'s dict, and the row's tag where it holds settings,
+    `kept_tag`): the saved results go on showing it as it ended, and a long session
+    keeps nothing more per row than the widget already does."""
+
+    __slots__ = ("id", "done", "state", "finish_reason", "error", "ntok", "prefill_done",
+                 "prompt", "prompt_tokens", "t_admit", "t_done", "tag", "text", "tok_s",
+                 "ttft_s", "adapter", "con")
+
+    def __init__(self, d: dict, tag):
+        self.id, self.done, self.state, self.text = d["id"], True, d["state"], d["text"]
+        self.finish_reason, self.error, self.ntok = d["finish"], d["error"], d["ntok"]
+        self.prompt, self.prompt_tokens = d["prompt"], d["prompt_tokens"]
+        self.prefill_done = self.prompt_tokens
+        self.t_admit, self.t_done, self.tok_s, self.ttft_s = (
+            d["t_admit"], d["t_done"], d["tok_s"], d["ttft"])
+        self.tag, self.adapter = tag, d.get("adapter")
+        self.con = {k: d[k] for k in ("con", "parse") if k in d}
 
 
-def snapshot(row) -> SimpleNamespace:
-    """What a rendering reads of a finished row, kept once the row itself is gone (a
-    widget holds finished rows weakly, rowtable.py): the saved results go on showing
-    it as it ended, without its tokens or logprobs."""
-    constraint_fields(row)  # a JSON row's text parsed once, into the copy below
-    snap = SimpleNamespace(**{k: getattr(row, k, None) for k in _SHOWN})
-    snap._parsed_json = getattr(row, "_parsed_json", None)
-    return snap
+def kept_tag(row):
+    """What a finished row keeps for its saved rendering besides the widget's record:
+    its tag, where it holds settings that may tell rows apart (else nothing)."""
+    tag = getattr(row, "tag", None)
+    return tag if isinstance(tag, dict) and set(tag) - {"prompt_index"} else None
 
 
 def _clip(s: str, n: int) -> str:
@@ -59,10 +70,14 @@ def state_label(r) -> str:
     return "unfinished ({})".format({RowState.DECODE: "decoding"}.get(r.state, r.state))
 
 
+def _con(r) -> dict:
+    return r.con if isinstance(r, Ended) else constraint_fields(r)
+
+
 def verdict(r) -> str:
     """A structured row's constraint and whether its output meets it ("json: valid",
     "json: invalid: not valid JSON: ... (cut by max_tokens: ...)"), "" otherwise."""
-    con = constraint_fields(r)
+    con = _con(r)
     if not con:
         return ""
     if con["parse"] == "pending":
@@ -88,7 +103,8 @@ def _settings(r, keys) -> str:
 
 def _stats(r) -> list:
     out = [f"{r.ntok} tok"]
-    adapter = getattr(getattr(r, "params", None), "adapter", None)
+    adapter = r.adapter if isinstance(r, Ended) else getattr(
+        getattr(r, "params", None), "adapter", None)
     if adapter is not None:
         out.insert(0, f"adapter {adapter}")
     if r.tok_s is not None:
@@ -188,7 +204,7 @@ def to_html(rows, model: str = "", title: str = "", now: float | None = None) ->
         v, put = verdict(r), _settings(r, keys)
         meta = f"[{i}] {state_label(r)} \u00b7 " + (f"{v} \u00b7 " if v else "") \
             + (f"{put} \u00b7 " if put else "") + " \u00b7 ".join(_stats(r))
-        con = constraint_fields(r)
+        con = _con(r)
         valid = f' data-valid="{int(con["parse"] == "ok")}"' if v and con["parse"] != "pending" else ""
         out.append(f'<div class="mlxnb-results-row" data-state="{state}"{valid}>'
                    f'<div style="{_META}"><b>{_E(meta)}</b> \u00b7 '

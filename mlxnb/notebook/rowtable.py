@@ -28,10 +28,11 @@ class _Recorded:
 
 
 class RowTable:
-    def __init__(self, rows=(), keep: Callable[[object], object] = lambda row: row):
-        """`keep(row)`: what a rendering (`shown`) needs of a finished row once it is
-        gone, made as it is recorded."""
-        self._keep = keep
+    def __init__(self, rows=(), keep: Callable[[object], object] = lambda row: None,
+                 show: Callable[[dict, object], object] = lambda full, kept: full):
+        """For a rendering (`shown`) of a finished row once it is gone: `keep(row)` is
+        kept as the row is recorded, `show(full, kept)` stands in for the row."""
+        self._keep, self._show = keep, show
         self._at: Dict[int, object] = {}  # id -> Row (held) or _Recorded
         for r in rows:
             self._at[r.id] = r
@@ -81,12 +82,12 @@ class RowTable:
         return [(rid, r) for rid in self._at if (r := self.get(rid)) is not None]
 
     def shown(self) -> List:
-        """Every row in order for a rendering: the row while it lives, else what `keep`
-        made of it."""
+        """Every row in order for a rendering: the row while it lives, else `show` of
+        its record."""
         out = []
         for e in self._at.values():
             row = e.ref() if isinstance(e, _Recorded) else e
-            out.append(e.shown if row is None else row)
+            out.append(self._show(e.full, e.shown) if row is None else row)
         return out
 
     def full(self, make: Callable[[object], dict]) -> List[dict]:

@@ -88,7 +88,7 @@ class GenerationWidget(anywidget.AnyWidget):
         self._trait_interval = 3.0 if self.dashboard else 1.0
         src = newest(engine.rows, max_rows) if self.dashboard else list(rows)
         # display order; finished rows held weakly (rowtable.py)
-        self._rows = RowTable(src, keep=results.snapshot)
+        self._rows = RowTable(src, keep=results.kept_tag, show=results.Ended)
         self._live = set(self._rows)  # rows not yet reported as done
         # rows whose finish has not come: a widget's steps run from its first row's
         # admission to the step its last row ended in, whenever the flushes fall (the
