@@ -385,26 +385,24 @@ def parser(doc: str, prog=None) -> argparse.ArgumentParser:
 
 # argparse types: a bad value ends the run in one line (`error: argument --batch: ...`)
 # before anything is built or measured
-def count(text: str) -> int:
-    """A whole number >= 1."""
+def _whole_number(text: str, least: int) -> int:
     try:
         n = int(text)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, got {text!r}")
+        n = least - 1
+    if n < least:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= {least}, got {text!r}")
     return n
+
+
+def count(text: str) -> int:
+    """A whole number >= 1."""
+    return _whole_number(text, 1)
 
 
 def whole(text: str) -> int:
     """A whole number >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"takes a whole number >= 0, got {text!r}")
-    return n
+    return _whole_number(text, 0)
 
 
 def counts(text: str) -> List[int]:

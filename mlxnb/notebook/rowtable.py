@@ -4,8 +4,8 @@ ipywidgets keeps every open widget alive for good (its comm may serve a view tha
 reopened later), so a widget that held its rows would keep every row of every cell of
 a long session. A `RowTable` holds a row while it runs; once a finished row's last
 state is recorded (`full`), it keeps that dict (what the synced traits and a
-reopened view need), what the saved results read of it (`shown`), and only a weak
-reference to the row, which then lives as long as the user's own handles (a `Run`, a
+reopened view need), what `keep` keeps of it for a rendering of it once it is gone
+(`shown`), and only a weak reference to the row, which then lives as long as the user's own handles (a `Run`, a
 variable).
 """
 
@@ -18,13 +18,13 @@ __all__ = ["RowTable", "newest"]
 
 
 class _Recorded:
-    """A finished row whose last state is recorded: the dict, what a rendering reads
-    of it, and the row while it lives."""
+    """A finished row whose last state is recorded: the dict, what `keep` kept of it,
+    and the row while it lives."""
 
-    __slots__ = ("ref", "full", "shown")
+    __slots__ = ("ref", "full", "kept")
 
-    def __init__(self, row, full: dict, shown):
-        self.ref, self.full, self.shown = weakref.ref(row), full, shown
+    def __init__(self, row, full: dict, kept):
+        self.ref, self.full, self.kept = weakref.ref(row), full, kept
 
 
 class RowTable:
@@ -87,7 +87,7 @@ class RowTable:
         out = []
         for e in self._at.values():
             row = e.ref() if isinstance(e, _Recorded) else e
-            out.append(self._show(e.full, e.shown) if row is None else row)
+            out.append(self._show(e.full, e.kept) if row is None else row)
         return out
 
     def full(self, make: Callable[[object], dict]) -> List[dict]:
