@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,10 +39,17 @@ def _kernel_dir():
     return ptx_dir()
 
 
-def _kernel_files() -> list:
-    """The compiled kernels in MLX's kernel folder (CUDA; none elsewhere)."""
+def _kernel_files(since=None) -> list:
+    """The compiled kernels in MLX's kernel folder (CUDA; none elsewhere); with
+    `since` (a wall-clock time), each as [name, seconds after it when written],
+    in the order they were written: a process compiles one after another, so the
+    gaps are each kernel's compile time."""
     d = _kernel_dir()
-    return sorted(str(p.relative_to(d)) for p in d.rglob("*.ptx")) if d.is_dir() else []
+    files = list(d.rglob("*.ptx")) if d.is_dir() else []
+    if since is None:
+        return sorted(str(p.relative_to(d)) for p in files)
+    timed = sorted((p.stat().st_mtime - since, str(p.relative_to(d))) for p in files)
+    return [[name, round(t, 2)] for t, name in timed]
 
 
 async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True,
@@ -53,13 +61,21 @@ async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True,
     from . import common
 
     events = []  # (seconds since start, what): background compiles and first tokens
+    by_part = {}  # load part -> the kernels that appeared during it (CUDA)
+
+    def part_done(part: str) -> int:
+        names = _kernel_files()
+        seen = {n for new in by_part.values() for n in new}
+        by_part[part] = [n for n in names if n not in seen]
+        return len(names)
 
     class Events(logging.Handler):
         def emit(self, record):
             msg = record.getMessage()
             if "kernel" in msg or msg.startswith("load: "):  # (not other chatter)
                 if msg.startswith("load: ") and _kernel_dir().is_dir():  # (CUDA)
-                    msg += f" [{len(_kernel_files())} kernel files]"  # after this part
+                    part = re.sub(r" [0-9.]+ s$", "", msg[len("load: "):])
+                    msg += f" [{part_done(part)} kernel files]"  # after this part
                 events.append((round(time.time() - t_start, 1), msg))
 
     logger = logging.getLogger("mlxnb")
@@ -83,6 +99,7 @@ async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True,
     out["warmup_s"] = eng.warmup_s
     out["ready_since_start_s"] = time.time() - t_start
     events.append((round(out["ready_since_start_s"], 1), "engine ready"))
+    part_done("warm-up")
     for name, kw in KINDS:
         t = time.perf_counter()
         run = eng.generate(prompts, chat=False, max_tokens=4, **kw)
@@ -95,9 +112,12 @@ async def _child(shape: str, dtype: str, t_start: float, warmup: bool = True,
         while not run.done:
             await asyncio.sleep(0.01)
     eng.close()
+    part_done("first rows")
     out = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
     out["events"] = [f"{t} s: {m}" for t, m in events]
-    out["kernel_files"] = _kernel_files()  # (the .json: compare shapes and sizes)
+    # (the .json: compare shapes and sizes; see which part compiles what, and how long)
+    out["kernel_files"] = _kernel_files(t_start)
+    out["kernels_by_part"] = by_part
     return out
 
 
@@ -154,7 +174,7 @@ def main(argv=None, prog=None):
         res = json.loads(line[0][7:])
         res["run"] = i
         rows.append(res)
-        common.log(json.dumps({k: v for k, v in res.items() if k != "kernel_files"})
+        common.log(json.dumps({k: v for k, v in res.items() if k not in ("kernel_files", "kernels_by_part")})
                    + f" ({len(res.get('kernel_files') or [])} kernel files)")
     keys = ["run", "engine_s", "warmup_s", "ready_since_start_s", "first_token_since_start_s"] + [
         f"{k}_first_token_s" for k, _ in KINDS]
