@@ -37,7 +37,7 @@ from .prefill import Prefill
 from .prefill_policy import PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
 from .readback import ReadBack
-from .kernels_ahead import ModelKernels, model_dtype
+from .kernels_ahead import ModelKernels
 from . import precompile
 from .sampling import BatchSampler
 from .setup import BatchModel
@@ -61,7 +61,7 @@ class BatchExecutor(ReadBack, Membership):
         laps = Laps("load")
         self.precompiler = precompile.for_vocab(precompile.logit_width(model))
         self.precompiler.start()  # (or goes on with the compile another engine began)
-        ahead = ModelKernels(model_dtype(model))
+        ahead = ModelKernels.for_model(model, tokenizer)
         if ahead.start():
             ahead.wait()
         laps("kernels compiled ahead")

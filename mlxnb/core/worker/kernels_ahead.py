@@ -19,6 +19,11 @@ check that first runs them (on a fresh H200 host 3-4 s for two decode attention
 kernels, 11-12 s for the verification attention's eight:
 bench/results/first-token-2026-12-03-h200.md).
 
+Beside these pieces, the compiled-function calls that calls_ahead.py's survey of the
+load's forwards found (a hybrid model's recurrent layers: mlx-lm's gated delta rule,
+MLX's activations) run in processes of their own, a JSON list of calls in place of a
+piece's name.
+
 `start` runs one process per piece (each importing mlx alone: about a second) into
 a private folder; `wait` moves what they wrote into MLX's folder, where the engine's
 probes then find every kernel compiled: the wall time is the slowest piece instead of
@@ -29,21 +34,24 @@ engine compiles whatever it does not find.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..._log import log, swallowed
 from ...models.kernel_cache import ptx_dir
+from . import calls_ahead
 from .compilers import move_kernels, piece_folder, spawn, wanted
 
 PIECES = ("gather", "rows", "roll", "swiglu")
 _DONE = "mlxnb-model-kernels-{dtype}-{piece}.done"
+_CALL_DONE = "mlxnb-model-call-{key}.done"
 
 
 def model_dtype(model) -> Optional[str]:
@@ -59,22 +67,39 @@ def model_dtype(model) -> Optional[str]:
 class ModelKernels:
     """Compiles the pieces above for one dtype; `wait` before the model's first use."""
 
-    def __init__(self, dtype: Optional[str]):
+    def __init__(self, dtype: Optional[str], forwards: Sequence[Callable] = ()):
+        """`forwards`: the load's forwards, as builders (loadchecks.load_forwards), whose
+        compiled calls are compiled too."""
         self.dtype = dtype
+        self.forwards = list(forwards)
         self.wanted = list(PIECES)
         self.pieces: List[str] = []
         self.procs: List[subprocess.Popen] = []
         self.private: Optional[Path] = None
         self.started_at = 0.0
 
+    @classmethod
+    def for_model(cls, model, tokenizer) -> "ModelKernels":
+        """The pieces for the model's dtype and the calls of the load's forwards."""
+        from .caches import make_row_cache  # (imports mlx-lm: not in the compilers)
+        from .loadchecks import load_forwards, probe_ids
+
+        return cls(model_dtype(model), load_forwards(
+            model, lambda: make_row_cache(model), probe_ids(tokenizer)))
+
     def _done(self, piece: str) -> Path:
+        if piece.startswith("["):
+            return ptx_dir() / _CALL_DONE.format(key=calls_ahead.key(json.loads(piece)))
         return ptx_dir() / _DONE.format(dtype=self.dtype, piece=piece)
 
     def missing(self) -> List[str]:
         """The wanted pieces not compiled before for this dtype, where this backend
-        keeps compiled kernels (else none)."""
+        keeps compiled kernels (else none); the survey's calls join them here."""
         if self.dtype is None or not wanted():
             return []
+        if self.forwards:
+            self.wanted += [json.dumps(g) for g in calls_ahead.survey(self.forwards)]
+            self.forwards = []
         return [p for p in self.wanted if not self._done(p).exists()]
 
     @property
@@ -112,7 +137,7 @@ class ModelKernels:
                 done.append(piece)
             else:
                 err = (p.stderr.read() or b"").decode(errors="replace").strip().splitlines()
-                log.info("model-kernel compiler %s exited %s: %s", piece, p.returncode,
+                log.info("model-kernel compiler %s exited %s: %s", piece[:80], p.returncode,
                          err[-1] if err else "")
         try:
             moved = sum(move_kernels(piece_folder(self.private, i), ptx_dir())
@@ -156,6 +181,9 @@ def _compile(piece: str, dtype: str) -> None:
     from .tokens import ids
 
     dt = getattr(mx, dtype)
+    if piece.startswith("["):  # recorded calls of a compiled function
+        calls_ahead.replay(json.loads(piece))
+        return
     if piece == "gather":  # the embedding lookup [B, L] and a cache's row filter
         w = mx.zeros((16, 8), dt)
         out = [w[ids([[1, 2, 3]])], mx.zeros((3, 2, 5, 4), dt)[ids([2, 0])]]

@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from .caches import aligned_views, empty_batch
-from .tokens import ids as tokens_of
+from .tokens import TOKEN, ids as tokens_of
 
 
 def _diff(a, b) -> float:
@@ -34,6 +34,30 @@ def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
     rounding (1e-4 of the logit scale in float32, 0.005 in 16 bits) returns False: mlx-lm's recurrent layers
     mostly mask padded steps out of their state (`ArraysCache.lengths`), but some
     let them in, and those rows must prefill unpadded."""
+    try:
+        alone, pair, beside, padded = padding_graphs(model, make_cache, ids)
+        mx.eval(alone, pair, beside, padded)
+    except Exception as e:
+        raise ValueError(f"mlxnb cannot batch this model: a padded batch fails in its "
+                         f"forward ({type(e).__name__}: {' '.join(str(e).split())[:160]})."
+                         f" Use mlx_lm.generate for it.") from None
+    scale, shape_noise = max(1.0, alone.abs().max().item()), 4 * _diff(pair, alone)
+    noise = shape_noise + 0.005 * scale
+    if _diff(beside, alone) > noise:
+        raise ValueError("mlxnb cannot batch this model: a row's output changes when "
+                         "it shares a batch with longer rows (left padding reaches its "
+                         "attention or positions). Use mlx_lm.generate for it.")
+    # A wrong "safe" here changes a row's tokens, a wrong "unsafe" only prefills
+    # it alone: the floor is the dtype's rounding, not the refusal's (float32 leaks
+    # of 4e-3 went under that one)
+    floor = 1e-4 if alone.dtype == mx.float32 else 0.005
+    return _diff(padded, alone) <= shape_noise + floor * scale
+
+
+def padding_graphs(model, make_cache, ids: List[int]) -> tuple:
+    """`padding_stays_out`'s four first-decode logits, built and not evaluated:
+    (alone, beside a row of the same length, beside a longer row it joined,
+    right-padded in a prefill group with it)."""
     ids = (list(ids) * 14)[:14] if ids else list(range(2, 16))
     short, longer, other = ids[:3], ids[3:14], ids[4:7]
 
@@ -56,30 +80,37 @@ def padding_stays_out(model, make_cache, ids: List[int]) -> bool:
     def step(cache, n):
         return model(tokens_of([ids[:1]] * n), cache=cache)[0, -1]
 
+    alone = step(aligned_views(prefill([short])), 1)
+    pair = step(aligned_views(prefill([short, other])), 2)
+    joined = prefill([short])
+    for c, o in zip(joined, prefill([longer])):
+        c.extend(o)
+    beside = step(joined, 2)
+    return alone, pair, beside, step(prefill([short, longer]), 2)
+
+
+def probe_ids(tokenizer) -> List[int]:
+    """Token ids of ordinary text, for probe forwards (any ids if the tokenizer
+    cannot encode it)."""
     try:
-        alone = step(aligned_views(prefill([short])), 1)
-        pair = step(aligned_views(prefill([short, other])), 2)
-        joined = prefill([short])
-        for c, o in zip(joined, prefill([longer])):
-            c.extend(o)
-        beside = step(joined, 2)
-        padded = step(prefill([short, longer]), 2)
-        mx.eval(alone, pair, beside, padded)
-    except Exception as e:
-        raise ValueError(f"mlxnb cannot batch this model: a padded batch fails in its "
-                         f"forward ({type(e).__name__}: {' '.join(str(e).split())[:160]})."
-                         f" Use mlx_lm.generate for it.") from None
-    scale, shape_noise = max(1.0, alone.abs().max().item()), 4 * _diff(pair, alone)
-    noise = shape_noise + 0.005 * scale
-    if _diff(beside, alone) > noise:
-        raise ValueError("mlxnb cannot batch this model: a row's output changes when "
-                         "it shares a batch with longer rows (left padding reaches its "
-                         "attention or positions). Use mlx_lm.generate for it.")
-    # A wrong "safe" here changes a row's tokens, a wrong "unsafe" only prefills
-    # it alone: the floor is the dtype's rounding, not the refusal's (float32 leaks
-    # of 4e-3 went under that one)
-    floor = 1e-4 if alone.dtype == mx.float32 else 0.005
-    return _diff(padded, alone) <= shape_noise + floor * scale
+        return [int(t) for t in tokenizer.encode(
+            "The quick brown fox jumps over the lazy dog, again and again.")]
+    except Exception:
+        return []
+
+
+def probe_forwards(model, cache) -> None:
+    """The load's first forwards (setup.py's cache probes): a token, a chunk, a
+    decode step, into `cache`; not evaluated."""
+    for n in (1, 5, 1):
+        model(mx.zeros((1, n), TOKEN), cache=cache)
+
+
+def load_forwards(model, make_cache, ids: List[int]) -> list:
+    """The load's forwards (probes, padded batches) as builders, for calls_ahead.py's
+    survey of what they compile."""
+    return [lambda: probe_forwards(model, make_cache()),
+            lambda: padding_graphs(model, make_cache, ids)]
 
 
 def decode_steps_agree(model, ids: List[int], switch: list) -> str:

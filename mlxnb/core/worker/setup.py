@@ -18,7 +18,7 @@ from . import (caches, gated_delta, kv_attention, qk_rope, recurrent, rows_gemv,
                short_conv, wide_kernel, wideattn)
 from .fuse import fuse_projections
 from .caches import empty_batch
-from .loadchecks import decode_steps_agree, padding_stays_out
+from .loadchecks import decode_steps_agree, padding_stays_out, probe_forwards, probe_ids
 from .prefill_policy import AUTO_MAX, IDLE_PREFILL
 from .prefix import PrefixStore
 from .tokens import TOKEN, ids as tokens_of
@@ -55,7 +55,7 @@ class BatchModel:
         self.fused = fuse_projections(model, lambda: model(
             tokens_of([[0]]), cache=self.make_cache())) if fuse else 0
         laps("fused projections")
-        self.pad_safe = padding_stays_out(model, self.make_cache, self.probe_ids())
+        self.pad_safe = padding_stays_out(model, self.make_cache, probe_ids(self.tokenizer))
         laps("padding check")
         # rows_gemv.py: a few rows through a linear as one GEMV (CUDA), each row's bits
         # as alone; after the padding probe, whose noise floor is a batch change's
@@ -124,15 +124,6 @@ class BatchModel:
         # and recurrent states would need a snapshot at the prefix boundary instead
         self.prefix_reusable = PrefixStore.supports(probe)
 
-    def probe_ids(self) -> List[int]:
-        """Token ids of ordinary text, for probe forwards (any ids if the tokenizer
-        cannot encode it)."""
-        try:
-            return [int(t) for t in self.tokenizer.encode(
-                "The quick brown fox jumps over the lazy dog, again and again.")]
-        except Exception:
-            return []
-
     def make_cache(self) -> list:
         """A fresh single-row cache of this engine's kinds (KV quantized if asked)."""
         return caches.make_row_cache(self.model, self.kv_bits, self.kv_group_size,
@@ -154,8 +145,7 @@ class BatchModel:
           otherwise    dequantized (the same bytes held; more moved per step)"""
         def run():
             cache = self.make_cache()
-            for n in (1, 5, 1):
-                self.model(mx.zeros((1, n), TOKEN), cache=cache)
+            probe_forwards(self.model, cache)
             mx.eval([c.state for c in cache])
             return cache
 
@@ -284,7 +274,7 @@ class BatchModel:
                                             convs)
             if not n:
                 return 0, ""
-            why = decode_steps_agree(self.model, self.probe_ids(), live)
+            why = decode_steps_agree(self.model, probe_ids(self.tokenizer), live)
             if not why:
                 used = gated_delta.SEEN[0] > seen
                 self.recurrence = mode if used else ""
@@ -308,7 +298,7 @@ class BatchModel:
         if not qk_rope.adopt(self.model, self.qk_ok):
             return False, ""
         why = (qk_rope.self_check(self.model)
-               or decode_steps_agree(self.model, self.probe_ids(), self._qk_live))
+               or decode_steps_agree(self.model, probe_ids(self.tokenizer), self._qk_live))
         if why:
             qk_rope.release(self.model)
             return False, why

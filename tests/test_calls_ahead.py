@@ -1,0 +1,131 @@
+"""calls_ahead.py: the load's compiled-function calls, found in forwards that are never
+evaluated and replayed in helper processes (on the CPU, which keeps no kernels, the
+replays run and write nothing)."""
+
+import json
+import subprocess
+import sys
+import types
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlxnb.core.worker import calls_ahead, kernels_ahead
+from mlxnb.core.worker.caches import make_row_cache
+from mlxnb.core.worker.loadchecks import load_forwards
+from zoo import build  # tests/ is on sys.path (pytest)
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return build("qwen3_5").model
+
+
+def survey(model):
+    return calls_ahead.survey(load_forwards(model, lambda: make_row_cache(model),
+                                            list(range(3, 20))))
+
+
+def names(groups):
+    return sorted((g[0]["module"], g[0]["name"]) for g in groups)
+
+
+def test_a_hybrids_load_forwards_reach_its_gated_delta_rule(hybrid):
+    groups = survey(hybrid)
+    found = names(groups)
+    for fn in ("compute_g", "_gated_delta_step_ops"):
+        assert ("mlx_lm.models.gated_delta", fn) in found
+    # the step with and without the padding mask: two groups, two sets of kernels
+    steps = [g for g in groups if g[0]["name"] == "_gated_delta_step_ops"]
+    masks = sorted(json.dumps(g[0]["args"][-1] if len(g[0]["args"]) > 6 else
+                              g[0]["kwargs"].get("mask")) for g in steps)
+    assert len(steps) == 2 and any('"bool"' in m for m in masks), masks
+    # each group's calls differ only in sizes
+    for g in groups:
+        assert len({json.dumps(calls_ahead._what(c, calls_ahead._dtypes)) for c in g}) == 1
+
+
+def test_the_survey_puts_every_function_back(hybrid):
+    before = [(m, a, f) for m, a, f in calls_ahead._bindings()]
+    assert any(f is nn.silu for _, _, f in before)
+    survey(hybrid)
+    after = calls_ahead._bindings()
+    assert [(m, a) for m, a, _ in before] == [(m, a) for m, a, _ in after]
+    assert all(f is g for (_, _, f), (_, _, g) in zip(before, after))
+
+
+def test_a_replay_makes_the_calls_it_was_made_from(hybrid):
+    # zeros of the recorded shapes and dtypes, and the same constants: recorded
+    # again, the replay's calls are the survey's, which is what names MLX's kernels
+    for group in survey(hybrid):
+        with calls_ahead.recording() as again:
+            calls_ahead.replay(group)
+        assert [c for g in calls_ahead.grouped(again) for c in g] == group
+
+
+def test_a_nested_call_is_left_to_the_outer_one(monkeypatch):
+    mod = types.ModuleType("mlx_lm.models._nested_probe")
+    mod.outer = mx.compile(lambda x: nn.silu(x) * 2)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    with calls_ahead.recording() as calls:
+        mod.outer(mx.zeros((2, 3)))
+        nn.silu(mx.zeros((4,), mx.float16))
+    assert [(c["name"], c["args"][0]["d"]) for c in calls] == [
+        ("outer", "float32"), ("silu", "float16")]
+
+
+def test_a_failing_forward_leaves_the_probes_to_say_why():
+    def bad():
+        nn.silu(mx.zeros((3,)))
+        raise ValueError("this model cannot run")
+
+    assert names(calls_ahead.survey([bad, lambda: pytest.fail("ran on")])) == [
+        ("mlx.nn.layers.activations", "silu")]
+
+
+def test_calls_that_cannot_be_made_again_are_not_recorded(monkeypatch):
+    mod = types.ModuleType("mlx_lm.models._dict_probe")
+    mod.fn = mx.compile(lambda d: d["x"] + 1)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    with calls_ahead.recording() as calls:
+        assert mod.fn({"x": mx.zeros((2,))}).tolist() == [1.0, 1.0]  # (still runs)
+    assert calls == []
+
+
+def test_the_engine_compiles_the_surveyed_calls_ahead_once(hybrid, tmp_path, monkeypatch):
+    # a helper process per group beside the fixed pieces; each marks its calls done
+    from mlxnb.models.tiny import byte_tokenizer
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setattr(kernels_ahead, "wanted", lambda: True)
+    ahead = kernels_ahead.ModelKernels.for_model(hybrid, byte_tokenizer())
+    assert ahead.start()
+    calls = [p for p in ahead.pieces if p.startswith("[")]
+    assert len(calls) == len(survey(hybrid)) >= 5
+    procs = list(ahead.procs)
+    ahead.wait(timeout=120)
+    assert [p.returncode for p in procs] == [0] * len(procs)
+    for piece in calls:
+        key = calls_ahead.key(json.loads(piece))
+        assert (tmp_path / "ptx" / f"mlxnb-model-call-{key}.done").exists()
+    again = kernels_ahead.ModelKernels.for_model(hybrid, byte_tokenizer())
+    assert not again.start() and again.missing() == []
+
+
+def test_no_survey_where_no_kernels_are_kept(hybrid, monkeypatch):
+    monkeypatch.setattr(kernels_ahead, "wanted", lambda: False)
+    monkeypatch.setattr(calls_ahead, "survey", lambda f: pytest.fail("surveyed"))
+    assert kernels_ahead.ModelKernels.for_model(hybrid, None).missing() == []
+
+
+def test_a_replay_imports_no_more_of_mlx_lm_than_its_models(hybrid):
+    group = next(g for g in survey(hybrid) if g[0]["name"] == "compute_g")
+    code = ("import json, runpy, sys\n"
+            f"sys.argv = ['kernels_ahead', {json.dumps(json.dumps(group))}, 'bfloat16']\n"
+            "runpy.run_module('mlxnb.core.worker.kernels_ahead', run_name='__main__')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[]"
