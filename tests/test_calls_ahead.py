@@ -3,9 +3,11 @@ evaluated and replayed in helper processes (on the CPU, which keeps no kernels, 
 replays run and write nothing)."""
 
 import json
+import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,9 +61,10 @@ def test_a_replay_makes_the_calls_it_was_made_from(hybrid):
     # zeros of the recorded shapes and dtypes, and the same constants: recorded
     # again, the replay's calls are the survey's, which is what names MLX's kernels
     for group in survey(hybrid):
-        with calls_ahead.recording() as again:
-            calls_ahead.replay(group)
-        assert [c for g in calls_ahead.grouped(again) for c in g] == group
+        for inline in (False, True):
+            with calls_ahead.recording() as again:
+                calls_ahead.replay(group, inline)
+            assert [c for g in calls_ahead.grouped(again) for c in g] == group
 
 
 def test_a_nested_call_is_left_to_the_outer_one(monkeypatch):
@@ -101,14 +104,15 @@ def test_the_engine_compiles_the_surveyed_calls_ahead_once(hybrid, tmp_path, mon
     monkeypatch.setattr(kernels_ahead, "wanted", lambda: True)
     ahead = kernels_ahead.ModelKernels.for_model(hybrid, byte_tokenizer())
     assert ahead.start()
-    calls = [p for p in ahead.pieces if p.startswith("[")]
-    assert len(calls) == len(survey(hybrid)) >= 5
+    calls = [p for p in ahead.pieces if calls_ahead.is_piece(p)]
+    # each group as it is and inlined in a fixed-shape compile (the decode steps')
+    assert len(calls) == 2 * len(survey(hybrid)) >= 10
     procs = list(ahead.procs)
     ahead.wait(timeout=120)
     assert [p.returncode for p in procs] == [0] * len(procs)
-    for piece in calls:
-        key = calls_ahead.key(json.loads(piece))
-        assert (tmp_path / "ptx" / f"mlxnb-model-call-{key}.done").exists()
+    done = sorted(f.name for f in (tmp_path / "ptx").glob("mlxnb-model-call-*.done"))
+    assert done == sorted(calls_ahead.done_name(p) for p in calls)
+    assert len(set(done)) == len(calls)
     again = kernels_ahead.ModelKernels.for_model(hybrid, byte_tokenizer())
     assert not again.start() and again.missing() == []
 
@@ -122,10 +126,63 @@ def test_no_survey_where_no_kernels_are_kept(hybrid, monkeypatch):
 def test_a_replay_imports_no_more_of_mlx_lm_than_its_models(hybrid):
     group = next(g for g in survey(hybrid) if g[0]["name"] == "compute_g")
     code = ("import json, runpy, sys\n"
-            f"sys.argv = ['kernels_ahead', {json.dumps(json.dumps(group))}, 'bfloat16']\n"
+            f"sys.argv = ['kernels_ahead', {json.dumps(calls_ahead.pieces([group])[1])}, "
+            "'bfloat16']\n"
             "runpy.run_module('mlxnb.core.worker.kernels_ahead', run_name='__main__')\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "[]"
+
+
+_KERNELS = r'''
+import glob, os, sys
+import mlxnb
+from mlxnb.core.worker import calls_ahead
+from mlxnb.core.worker.caches import make_row_cache
+from mlxnb.core.worker.loadchecks import load_forwards
+from bench.cache_kinds import build_hybrid
+
+model, tokenizer, _ = build_hybrid("qwen3_5-0.8b", "bfloat16", "quick")  # dense MLPs
+if sys.argv[1] == "replay":
+    groups = calls_ahead.survey(load_forwards(model, lambda: make_row_cache(model),
+                                              list(range(3, 20))))
+    for piece in calls_ahead.pieces(groups):
+        calls_ahead.run_piece(piece)
+else:
+    mlxnb.Engine((model, tokenizer), warmup=False, kv_budget=None).close()
+names = {os.path.basename(f).split("_contiguous")[0].split("_strided")[0]
+         for f in glob.glob(os.path.join(os.environ["TMPDIR"], "mlx", "*", "cpu", "*.cpp"))}
+print("\n".join(sorted(names)))
+'''
+
+
+@pytest.mark.integration
+def test_the_replays_compile_kernels_the_engines_load_runs(tmp_path):
+    # MLX's CPU backend names its fused kernels as the CUDA backend does and keeps
+    # their source under $TMPDIR: a fresh folder each shows what a process compiled
+    def kernels(mode):
+        tmp = tmp_path / mode
+        tmp.mkdir()
+        out = subprocess.run([sys.executable, "-c", _KERNELS, mode], capture_output=True,
+                             text=True, timeout=600, cwd=str(Path(__file__).parents[1]),
+                             env=dict(os.environ, TMPDIR=str(tmp)))
+        assert out.returncode == 0, out.stderr[-2000:]
+        return set(out.stdout.split())
+
+    replayed, loaded = kernels("replay"), kernels("engine")
+    assert len(replayed) >= 8
+    # nothing compiled in vain, but for one that only CUDA's load runs: the gated
+    # norm's float32 swish (mlx-lm's precise_swiglu) in a fixed-shape compile, which
+    # on the CPU the decode step fuses with the norm itself
+    assert all("f4ISigmoid" in k for k in replayed - loaded), replayed - loaded
+    assert len(replayed - loaded) <= 1
+    # what the load compiled beyond them: the sampler's kernels (precompile.py's
+    # helpers) and, on the CPU, the decode step's fused norms, which CUDA runs as
+    # this package's kernels (gated_delta.py). (Ops outside any compiled function
+    # that a decode step fuses, as a MoE block's shared-expert gate, are left to
+    # the load.)
+    left = [k for k in loaded - replayed if not ("u4" in k or "Select" in k or "Divide" in k
+                                                 or "Rsqrt" in k)]
+    assert left == []

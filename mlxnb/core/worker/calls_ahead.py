@@ -15,7 +15,10 @@ the same file. `survey` builds the load's probe forwards lazily (MLX computes
 nothing until an eval, and none is asked) with every compiled function that the
 model's code reaches through MLX's and mlx-lm's modules replaced by a recorder;
 `replay` (a helper process, kernels_ahead.py starts one per function and argument
-dtypes) calls the recorded function on zeros. A call nested in another recorded call is left to the outer one,
+dtypes) calls the recorded function on zeros, and another calls it inside a
+compiled function of fixed shapes, as the engine's compiled decode steps do: there
+it fuses into other kernels (a shapeless function's kernels carry broadcasts that a
+fixed-shape trace leaves out). A call nested in another recorded call is left to the outer one,
 whose fused kernels are the ones the model runs.
 
 What is not recorded (a function bound elsewhere, arguments other than arrays,
@@ -34,7 +37,7 @@ from typing import Callable, List
 
 import mlx.core as mx
 
-__all__ = ["replay", "survey"]
+__all__ = ["done_name", "pieces", "replay", "run_piece", "survey"]
 
 PREFIXES = ("mlx.nn", "mlx_lm.models")  # where the model's compiled functions live
 _COMPILED = type(mx.compile(lambda x: x))
@@ -177,6 +180,27 @@ def survey(forwards: List[Callable[[], object]]) -> List[List[dict]]:
     return grouped(calls)
 
 
+def pieces(groups: List[List[dict]]) -> List[str]:
+    """Each group as it is and `inline`, a helper's work each (JSON)."""
+    return [json.dumps({"calls": g, "inline": inline}) for inline in (False, True)
+            for g in groups]
+
+
+def is_piece(text: str) -> bool:
+    return text.startswith("{")
+
+
+def done_name(text: str) -> str:
+    """The file that marks a piece compiled on this machine."""
+    piece = json.loads(text)
+    return f"mlxnb-model-call-{key(piece['calls'])}{'-inline' if piece['inline'] else ''}.done"
+
+
+def run_piece(text: str) -> None:
+    piece = json.loads(text)
+    replay(piece["calls"], piece["inline"])
+
+
 def _mlx_lm_models():
     """Lets `import mlx_lm.models.X` run without mlx_lm's package `__init__`, which
     imports transformers (seconds in every helper)."""
@@ -194,13 +218,17 @@ def _mlx_lm_models():
     sys.modules["mlx_lm"] = pkg
 
 
-def replay(calls: List[dict]) -> None:
-    """Run the recorded calls on zeros of their shapes (a helper process)."""
+def replay(calls: List[dict], inline: bool = False) -> None:
+    """Run the recorded calls on zeros of their shapes (a helper process); `inline`:
+    each inside a compiled function of fixed shapes, as the engine's compiled decode
+    steps (recurrent.py) run them, which fuses them into other kernels."""
     import importlib
 
     for call in calls:
         if call["module"].startswith("mlx_lm."):
             _mlx_lm_models()
         fn = getattr(importlib.import_module(call["module"]), call["name"])
+        if inline:
+            fn = mx.compile(lambda *a, _fn=fn, **kw: _fn(*a, **kw))
         mx.eval(fn(*[decode(a) for a in call["args"]],
                    **{k: decode(v) for k, v in call["kwargs"].items()}))

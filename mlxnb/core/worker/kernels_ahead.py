@@ -21,8 +21,7 @@ bench/results/first-token-2026-12-03-h200.md).
 
 Beside these pieces, the compiled-function calls that calls_ahead.py's survey of the
 load's forwards found (a hybrid model's recurrent layers: mlx-lm's gated delta rule,
-MLX's activations) run in processes of their own, a JSON list of calls in place of a
-piece's name.
+MLX's activations) run in processes of their own, JSON in place of a piece's name.
 
 `start` runs one process per piece (each importing mlx alone: about a second) into
 a private folder; `wait` moves what they wrote into MLX's folder, where the engine's
@@ -34,7 +33,6 @@ engine compiles whatever it does not find.
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -51,7 +49,6 @@ from .compilers import move_kernels, piece_folder, spawn, wanted
 
 PIECES = ("gather", "rows", "roll", "swiglu")
 _DONE = "mlxnb-model-kernels-{dtype}-{piece}.done"
-_CALL_DONE = "mlxnb-model-call-{key}.done"
 
 
 def model_dtype(model) -> Optional[str]:
@@ -88,8 +85,8 @@ class ModelKernels:
             model, lambda: make_row_cache(model), probe_ids(tokenizer)))
 
     def _done(self, piece: str) -> Path:
-        if piece.startswith("["):
-            return ptx_dir() / _CALL_DONE.format(key=calls_ahead.key(json.loads(piece)))
+        if calls_ahead.is_piece(piece):
+            return ptx_dir() / calls_ahead.done_name(piece)
         return ptx_dir() / _DONE.format(dtype=self.dtype, piece=piece)
 
     def missing(self) -> List[str]:
@@ -98,7 +95,7 @@ class ModelKernels:
         if self.dtype is None or not wanted():
             return []
         if self.forwards:
-            self.wanted += [json.dumps(g) for g in calls_ahead.survey(self.forwards)]
+            self.wanted += calls_ahead.pieces(calls_ahead.survey(self.forwards))
             self.forwards = []
         return [p for p in self.wanted if not self._done(p).exists()]
 
@@ -181,8 +178,8 @@ def _compile(piece: str, dtype: str) -> None:
     from .tokens import ids
 
     dt = getattr(mx, dtype)
-    if piece.startswith("["):  # recorded calls of a compiled function
-        calls_ahead.replay(json.loads(piece))
+    if calls_ahead.is_piece(piece):  # recorded calls of a compiled function
+        calls_ahead.run_piece(piece)
         return
     if piece == "gather":  # the embedding lookup [B, L] and a cache's row filter
         w = mx.zeros((16, 8), dt)
