@@ -31,7 +31,7 @@
       recurrent.py  gated_delta.py  short_conv.py   hybrid models' recurrent layers, compiled
       kv_attention.py  kv_kernels.py  kv_onekey.py  wideattn.py  wide_kernel.py  qk_rope.py
       rows_gemv.py  lowrank_kernels.py  GPU kernels (`mx.fast.cuda_kernel`), each self-checked at load
-      kernels_ahead.py  precompile.py  compilers.py   CUDA kernels compiled ahead, in processes
+      kernels_ahead.py  calls_ahead.py  precompile.py  compilers.py   CUDA kernels compiled ahead, in processes
       kernel_files.py     this package's CUDA kernels kept where MLX reads compiled kernels
 
 Threads. MLX keeps arrays on thread-local streams, so the rule is about threads:
