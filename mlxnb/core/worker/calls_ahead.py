@@ -1,5 +1,6 @@
-"""The model's compiled functions, found in a forward that never runs and compiled in
-helper processes, each call in its own, before the load's first forward.
+"""The model's compiled functions, found in forwards that never run and compiled in
+helper processes, one per function and argument dtypes, before the load's first
+forward.
 
 On a fresh CUDA machine a hybrid model's first forwards were mostly NVRTC compiling
 the fused kernels of `mx.compile`d functions one after another, 5-8 s each on an H100
@@ -18,8 +19,8 @@ model's code reaches through MLX's and mlx-lm's modules replaced by a recorder;
 dtypes) calls the recorded function on zeros, and another calls it inside a
 compiled function of fixed shapes, as the engine's compiled decode steps do: there
 it fuses into other kernels (a shapeless function's kernels carry broadcasts that a
-fixed-shape trace leaves out). A call nested in another recorded call is left to the outer one,
-whose fused kernels are the ones the model runs.
+fixed-shape trace leaves out). A call nested in another recorded call is left to
+the outer one, whose fused kernels are the ones the model runs.
 
 What is not recorded (a function bound elsewhere, arguments other than arrays,
 numbers and None, in lists or tuples) is compiled by the engine as before: the
