@@ -32,6 +32,7 @@
       kv_attention.py  kv_kernels.py  kv_onekey.py  wideattn.py  wide_kernel.py  qk_rope.py
       rows_gemv.py  lowrank_kernels.py  GPU kernels (`mx.fast.cuda_kernel`), each self-checked at load
       kernels_ahead.py  calls_ahead.py  precompile.py  compilers.py   CUDA kernels compiled ahead, in processes
+      own_kernels.py      this package's kernels, compiled meanwhile in the engine's process
       kernel_files.py     this package's CUDA kernels kept where MLX reads compiled kernels
 
 Threads. MLX keeps arrays on thread-local streams, so the rule is about threads:

@@ -38,7 +38,7 @@ from .prefill_policy import PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
 from .readback import ReadBack
 from .kernels_ahead import ModelKernels
-from . import precompile
+from . import own_kernels, precompile
 from .sampling import BatchSampler
 from .setup import BatchModel
 from .draft import DraftSource
@@ -63,6 +63,7 @@ class BatchExecutor(ReadBack, Membership):
         self.precompiler.start()  # (or goes on with the compile another engine began)
         ahead = ModelKernels.for_model(model, tokenizer)
         if ahead.start():
+            own_kernels.warm(model, kv_bits)  # meanwhile, this package's (own_kernels.py)
             ahead.wait()
         laps("kernels compiled ahead")
         self.setup = BatchModel(model, tokenizer, fuse=fuse, kv_bits=kv_bits,

@@ -47,7 +47,9 @@ from ...models.kernel_cache import ptx_dir
 from . import calls_ahead
 from .compilers import move_kernels, piece_folder, spawn, wanted
 
-PIECES = ("gather", "rows", "roll", "swiglu")
+# one kernel each: a process compiles its kernels one after another, so the wait is
+# the slowest piece's
+PIECES = ("gather", "rows", "counters", "roll", "dynamic_roll", "swiglu")
 _DONE = "mlxnb-model-kernels-{dtype}-{piece}.done"
 
 
@@ -184,19 +186,22 @@ def _compile(piece: str, dtype: str) -> None:
     if piece == "gather":  # the embedding lookup [B, L] and a cache's row filter
         w = mx.zeros((16, 8), dt)
         out = [w[ids([[1, 2, 3]])], mx.zeros((3, 2, 5, 4), dt)[ids([2, 0])]]
-    elif piece == "rows":  # the next-token vector, the sampler's counters, and
-        # mlx-lm's batch caches' int32 offsets and paddings, filtered by row
-        out = [ids([5, 6, 7])[ids([2, 0])], mx.array([5, 6, 7])[ids([2, 0])]]
-    elif piece == "roll":  # finalize() of a right-padded prefill group, rollbacks
-        # roll.py's gather of [D] vectors by a flat int32 index; mlx-lm's
-        # dynamic_roll (its sliding-window caches): take_along_axis with int32
-        # positions [B, 1, S, 1] (importing mlx_lm.models.cache would import
-        # mlx_lm whole, roll.py imports mlx alone)
+    elif piece == "rows":  # the next-token vector filtered by row
+        out = [ids([5, 6, 7])[ids([2, 0])]]
+    elif piece == "counters":  # the sampler's counters, and mlx-lm's batch caches'
+        # int32 offsets and paddings, filtered by row
+        out = [mx.array([5, 6, 7])[ids([2, 0])]]
+    elif piece == "roll":  # finalize() of a right-padded prefill group, rollbacks:
+        # roll.py's gather of [D] vectors by a flat int32 index
         from .roll import RowRoll
 
+        out = [RowRoll(mx.array([0, 3]))(mx.zeros((2, 2, 8, 4), dt), 6)]
+    elif piece == "dynamic_roll":  # mlx-lm's dynamic_roll (its sliding-window
+        # caches): take_along_axis with int32 positions [B, 1, S, 1] (importing
+        # mlx_lm.models.cache would import mlx_lm whole)
         x, shifts = mx.zeros((2, 2, 8, 4), dt), mx.array([0, 3])[:, None]
         out = [mx.take_along_axis(x, (mx.arange(8)[:, None] - shifts[..., None, None]) % 8,
-                                  axis=2), RowRoll(shifts[:, 0])(x, 6)]
+                                  axis=2)]
     else:  # swiglu over the two halves of a fused gate/up product (fuse.py)
         swiglu = _activations().swiglu
         out = []
