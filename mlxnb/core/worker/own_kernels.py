@@ -14,7 +14,8 @@ that misses costs its compile and nothing else; the checks still decide what run
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from functools import partial
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,16 +40,22 @@ def _attention(m) -> Optional[tuple]:
     kv_attention.self_check_dense runs it, on zeros; None for other modules."""
     heads = next(((getattr(m, a), getattr(m, b)) for a, b in _HEADS
                   if hasattr(m, a) and hasattr(m, b)), None)
-    D, scale, dt = getattr(m, "head_dim", None), getattr(m, "scale", None), _dtype(m)
-    if heads is None or not isinstance(D, int) or not isinstance(scale, float) or dt is None:
+    scale, dt = getattr(m, "scale", None), _dtype(m)
+    if heads is None or not isinstance(scale, float) or dt is None:
         return None
     (Hq, Hkv), S = heads, 64
+    D = getattr(m, "head_dim", None)
+    wq = getattr(getattr(m, "q_proj", None), "weight", None)  # (quantized too: [out, .])
+    if not isinstance(D, int) and isinstance(wq, mx.array):
+        D = wq.shape[0] // Hq  # (no head_dim kept: q_proj gives the heads alone)
+    if not isinstance(D, int):
+        return None
     q = mx.zeros((1, Hq, 1, D), dt)
     k = mx.zeros((1, Hkv, S + 8, D), dt)[..., :S, :]  # a view of a cache's buffer
     mask = mx.zeros((1, 1, 1, S), mx.bool_)
     if not kv_attention.dense_supports(q.shape, k, mask, scale):
         return None
-    return (Hq, Hkv, D, dt, scale), lambda: kv_attention.dense_attention(q, k, k, scale, mask)
+    return (Hq, Hkv, D, dt, scale), partial(kv_attention.dense_attention, q, k, k, scale, mask)
 
 
 def _qk(m) -> Optional[tuple]:
@@ -60,9 +67,9 @@ def _qk(m) -> Optional[tuple]:
     H, HK = (getattr(m, n) for n in form.heads)
     D, rope, dt = qn.weight.shape[0], m.rope, qn.weight.dtype
     q, k = mx.zeros((1, 1, H, D), dt), mx.zeros((1, 1, HK, D), dt)
-    return (H, HK, D, rope.dims, form.plus_one, dt), lambda: qk_rope.norm_rope(
-        q, k, qn.weight, kn.weight, qn.eps, kn.eps, 0, rope.scale, rope.base, rope.dims,
-        form.plus_one)
+    return (H, HK, D, rope.dims, form.plus_one, dt), partial(
+        qk_rope.norm_rope, q, k, qn.weight, kn.weight, qn.eps, kn.eps, 0, rope.scale,
+        rope.base, rope.dims, form.plus_one)
 
 
 def _conv(m) -> Optional[tuple]:
@@ -75,11 +82,12 @@ def _conv(m) -> Optional[tuple]:
     x = mx.zeros((1, 1, 3 * C if kind == "gated" else C), w.dtype)
     state = mx.zeros((1, L - 1, C), w.dtype)
     step = short_conv.gated_step if kind == "gated" else short_conv.silu_step
-    return (kind, C, L, w.dtype), lambda: step(x, state, w)
+    return (kind, C, L, w.dtype), partial(step, x, state, w)
 
 
-def calls(model, kv_bits: Optional[int] = None) -> List[Callable]:
-    """One call per kernel and template the load's checks will run."""
+def calls(model, kv_bits: Optional[int] = None) -> Dict[tuple, Callable]:
+    """{(finder, what names the kernel): a call}, one per kernel and template the
+    load's checks will run."""
     finders = [_qk] + ([_conv] if short_conv.wanted() else [])
     finders += [_attention] if kv_bits is None else []  # (quantized KV: another kernel)
     found = {}
@@ -91,7 +99,7 @@ def calls(model, kv_bits: Optional[int] = None) -> List[Callable]:
                 got = None
             if got is not None:
                 found.setdefault((find.__name__,) + got[0], got[1])
-    return list(found.values())
+    return found
 
 
 def warm(model, kv_bits: Optional[int] = None) -> int:
@@ -100,7 +108,7 @@ def warm(model, kv_bits: Optional[int] = None) -> int:
     if not kv_attention.cuda_backend():
         return 0
     t0, n = time.perf_counter(), 0
-    for call in calls(model, kv_bits):
+    for call in calls(model, kv_bits).values():
         try:
             mx.eval(call())
             n += 1
