@@ -42,8 +42,9 @@ def _kernel_dir():
 def _kernel_files(since=None) -> list:
     """The compiled kernels in MLX's kernel folder (CUDA; none elsewhere); with
     `since` (a wall-clock time), each as [name, seconds after it when written],
-    in the order they were written: a process compiles one after another, so the
-    gaps are each kernel's compile time."""
+    in the order they were written. The engine's process compiles one after
+    another, so there the gaps are each kernel's compile time; kernels from helper
+    processes carry the time they were moved in."""
     d = _kernel_dir()
     files = list(d.rglob("*.ptx")) if d.is_dir() else []
     if since is None:

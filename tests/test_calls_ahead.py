@@ -78,6 +78,41 @@ def test_a_nested_call_is_left_to_the_outer_one(monkeypatch):
         ("outer", "float32"), ("silu", "float16")]
 
 
+def test_calls_another_load_compiled_are_left_out(hybrid, tmp_path):
+    # a model sharing some calls with one loaded before (a swiglu at the same
+    # dtypes) starts helpers for the rest only
+    groups = survey(hybrid)
+    first = calls_ahead.pieces(groups)
+    done = {n for p in first[:2] for n in calls_ahead.done_names(p)}
+    left = calls_ahead.pieces(groups, done.__contains__)
+    assert len(left) == len(first) - 2 and left == first[2:]
+    one = json.loads(first[2])
+    marked = calls_ahead.done_names(first[2])[:1]
+    part = calls_ahead.pieces(groups, set(done | set(marked)).__contains__)
+    assert json.loads(part[0])["calls"] == one["calls"][1:]
+
+
+def test_the_functions_come_back_when_a_forward_raises():
+    before = calls_ahead._bindings()
+    with pytest.raises(RuntimeError):
+        with calls_ahead.recording():
+            assert not isinstance(nn.silu, calls_ahead._COMPILED)  # (the recorder)
+            raise RuntimeError("a forward failed")
+    assert [(m, a, id(f)) for m, a, f in calls_ahead._bindings()] == [
+        (m, a, id(f)) for m, a, f in before]
+
+
+def test_other_threads_pass_through_the_recorder():
+    import threading
+
+    with calls_ahead.recording() as calls:
+        t = threading.Thread(target=lambda: mx.eval(nn.silu(mx.zeros((7, 3), mx.float16))))
+        t.start()
+        t.join()
+        nn.silu(mx.zeros((2,)))
+    assert [c["args"][0]["a"] for c in calls] == [[2]]
+
+
 def test_a_failing_forward_leaves_the_probes_to_say_why():
     def bad():
         nn.silu(mx.zeros((3,)))
@@ -111,8 +146,8 @@ def test_the_engine_compiles_the_surveyed_calls_ahead_once(hybrid, tmp_path, mon
     ahead.wait(timeout=120)
     assert [p.returncode for p in procs] == [0] * len(procs)
     done = sorted(f.name for f in (tmp_path / "ptx").glob("mlxnb-model-call-*.done"))
-    assert done == sorted(calls_ahead.done_name(p) for p in calls)
-    assert len(set(done)) == len(calls)
+    assert done == sorted(n for p in calls for n in calls_ahead.done_names(p))
+    assert len(set(done)) == sum(len(json.loads(p)["calls"]) for p in calls)
     again = kernels_ahead.ModelKernels.for_model(hybrid, byte_tokenizer())
     assert not again.start() and again.missing() == []
 

@@ -38,7 +38,7 @@ from typing import Callable, List
 
 import mlx.core as mx
 
-__all__ = ["done_name", "pieces", "replay", "run_piece", "survey"]
+__all__ = ["done_names", "pieces", "replay", "run_piece", "survey"]
 
 PREFIXES = ("mlx.nn", "mlx_lm.models")  # where the model's compiled functions live
 _COMPILED = type(mx.compile(lambda x: x))
@@ -88,10 +88,20 @@ def _dtypes(x):
     return [_dtypes(v) for v in x.get("l", x.get("t", []))]
 
 
-def key(calls: List[dict]) -> str:
-    """A short name of what `calls` compile (their done-marker's name)."""
-    what = sorted(json.dumps(_what(c)) for c in calls)
+def key(call: dict, inline: bool) -> str:
+    """A short name of what `call` compiles, plain or `inline`, with mlx-lm's version
+    (a new one may change a function's body, not its name)."""
+    what = [_what(call), inline, _mlx_lm_version()]
     return hashlib.sha1(json.dumps(what).encode()).hexdigest()[:16]
+
+
+def _mlx_lm_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("mlx-lm")
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def grouped(calls: List[dict]) -> List[List[dict]]:
@@ -127,13 +137,17 @@ def _home(fn, mod, attr):
 
 @contextmanager
 def recording():
-    """Within it, calls of the bound compiled functions are noted (each pattern once,
-    outermost calls only) in the list it yields."""
+    """Within it, this thread's calls of the bound compiled functions are noted (each
+    pattern once, outermost calls only) in the list it yields. The functions are
+    module attributes, so other threads (another engine's worker, a user's
+    generate) see the recorder too: it passes their calls straight through."""
     calls, seen, depth = [], set(), threading.local()
-    patched = []
+    patched, me = [], threading.get_ident()
 
     def recorder(fn, where):
         def call(*args, **kwargs):
+            if threading.get_ident() != me:
+                return fn(*args, **kwargs)
             outer = getattr(depth, "n", 0) == 0
             depth.n = getattr(depth, "n", 0) + 1
             try:
@@ -181,20 +195,32 @@ def survey(forwards: List[Callable[[], object]]) -> List[List[dict]]:
     return grouped(calls)
 
 
-def pieces(groups: List[List[dict]]) -> List[str]:
-    """Each group as it is and `inline`, a helper's work each (JSON)."""
-    return [json.dumps({"calls": g, "inline": inline}) for inline in (False, True)
-            for g in groups]
+def pieces(groups: List[List[dict]], done: Callable[[str], bool] = lambda name: False
+           ) -> List[str]:
+    """Each group as it is and `inline`, a helper's work each (JSON), with only the
+    calls whose marker file (`done_names`) `done` does not find: another model's
+    load may have compiled some of them."""
+    out = []
+    for inline in (False, True):
+        for g in groups:
+            left = [c for c in g if not done(_marker(c, inline))]
+            if left:
+                out.append(json.dumps({"calls": left, "inline": inline}))
+    return out
+
+
+def _marker(call: dict, inline: bool) -> str:
+    return f"mlxnb-model-call-{key(call, inline)}.done"
 
 
 def is_piece(text: str) -> bool:
     return text.startswith("{")
 
 
-def done_name(text: str) -> str:
-    """The file that marks a piece compiled on this machine."""
+def done_names(text: str) -> List[str]:
+    """The files that mark a piece's calls compiled on this machine."""
     piece = json.loads(text)
-    return f"mlxnb-model-call-{key(piece['calls'])}{'-inline' if piece['inline'] else ''}.done"
+    return [_marker(c, piece["inline"]) for c in piece["calls"]]
 
 
 def run_piece(text: str) -> None:

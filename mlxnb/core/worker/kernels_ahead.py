@@ -86,10 +86,11 @@ class ModelKernels:
         return cls(model_dtype(model), load_forwards(
             model, lambda: make_row_cache(model), probe_ids(tokenizer)))
 
-    def _done(self, piece: str) -> Path:
+    def _done(self, piece: str) -> List[Path]:
+        """The files that mark `piece` compiled on this machine."""
         if calls_ahead.is_piece(piece):
-            return ptx_dir() / calls_ahead.done_name(piece)
-        return ptx_dir() / _DONE.format(dtype=self.dtype, piece=piece)
+            return [ptx_dir() / n for n in calls_ahead.done_names(piece)]
+        return [ptx_dir() / _DONE.format(dtype=self.dtype, piece=piece)]
 
     def missing(self) -> List[str]:
         """The wanted pieces not compiled before for this dtype, where this backend
@@ -97,9 +98,10 @@ class ModelKernels:
         if self.dtype is None or not wanted():
             return []
         if self.forwards:
-            self.wanted += calls_ahead.pieces(calls_ahead.survey(self.forwards))
+            self.wanted += calls_ahead.pieces(calls_ahead.survey(self.forwards),
+                                              lambda name: (ptx_dir() / name).exists())
             self.forwards = []
-        return [p for p in self.wanted if not self._done(p).exists()]
+        return [p for p in self.wanted if not all(f.exists() for f in self._done(p))]
 
     @property
     def finished(self) -> bool:
@@ -142,7 +144,8 @@ class ModelKernels:
             moved = sum(move_kernels(piece_folder(self.private, i), ptx_dir())
                         for i in range(len(self.procs)))
             for piece in done:
-                self._done(piece).touch()
+                for f in self._done(piece):
+                    f.touch()
             log.info("model kernels compiled in %.1f s (%d files)",
                      time.perf_counter() - self.started_at, moved)
         except OSError:
