@@ -45,7 +45,7 @@ def test_a_hybrids_load_forwards_reach_its_gated_delta_rule(hybrid):
     assert len(steps) == 2 and any('"bool"' in m for m in masks), masks
     # each group's calls differ only in sizes
     for g in groups:
-        assert len({json.dumps(calls_ahead._what(c, calls_ahead._dtypes)) for c in g}) == 1
+        assert len({json.dumps(calls_ahead._what(c, sizes=False)) for c in g}) == 1
 
 
 def test_the_survey_puts_every_function_back(hybrid):

@@ -34,6 +34,7 @@ import json
 import sys
 import threading
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Callable, List
 
 import mlx.core as mx
@@ -64,28 +65,20 @@ def decode(x):
     return items if "l" in x else tuple(items)
 
 
-def _pattern(x):
+def _pattern(x, sizes: bool = True):
     """What of a call decides its kernels' names and fusion: dtypes, the sizes that
-    are 1 (broadcasts, scalars) and constants' values; not the other sizes."""
+    are 1 (broadcasts, scalars) and constants' values, not the other sizes; without
+    `sizes`, the dtypes and constants alone."""
     if "a" in x:
-        return [x["d"], [1 if n == 1 else 0 for n in x["a"]]]
+        return [x["d"], [1 if n == 1 else 0 for n in x["a"]]] if sizes else x["d"]
     if "v" in x:
         return x["v"]
-    return [_pattern(v) for v in x.get("l", x.get("t", []))]
+    return [_pattern(v, sizes) for v in x.get("l", x.get("t", []))]
 
 
-def _what(call: dict, pattern=_pattern) -> list:
-    return [call["module"], call["name"], pattern({"l": call["args"]}),
-            sorted((k, pattern(v)) for k, v in call["kwargs"].items())]
-
-
-def _dtypes(x):
-    """A call's argument structure and dtypes, sizes left out."""
-    if "a" in x:
-        return x["d"]
-    if "v" in x:
-        return x["v"]
-    return [_dtypes(v) for v in x.get("l", x.get("t", []))]
+def _what(call: dict, sizes: bool = True) -> list:
+    return [call["module"], call["name"], _pattern({"l": call["args"]}, sizes),
+            sorted((k, _pattern(v, sizes)) for k, v in call["kwargs"].items())]
 
 
 def key(call: dict, inline: bool) -> str:
@@ -95,6 +88,7 @@ def key(call: dict, inline: bool) -> str:
     return hashlib.sha1(json.dumps(what).encode()).hexdigest()[:16]
 
 
+@lru_cache(maxsize=1)
 def _mlx_lm_version() -> str:
     from importlib import metadata
 
@@ -110,7 +104,7 @@ def grouped(calls: List[dict]) -> List[List[dict]]:
     ones find them in its memory)."""
     groups = {}
     for c in calls:
-        groups.setdefault(json.dumps(_what(c, _dtypes)), []).append(c)
+        groups.setdefault(json.dumps(_what(c, sizes=False)), []).append(c)
     return list(groups.values())
 
 

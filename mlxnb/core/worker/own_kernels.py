@@ -18,21 +18,14 @@ from functools import partial
 from typing import Callable, Dict, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..._log import log, swallowed
 from . import kv_attention, qk_rope, short_conv
+from .kernels_ahead import model_dtype
 
 __all__ = ["warm"]
 
 _HEADS = (("n_heads", "n_kv_heads"), ("num_attention_heads", "num_key_value_heads"))
-
-
-def _dtype(m: nn.Module):
-    from mlx.utils import tree_flatten
-
-    return next((v.dtype for _, v in tree_flatten(m.parameters())
-                 if mx.issubdtype(v.dtype, mx.floating)), None)
 
 
 def _attention(m) -> Optional[tuple]:
@@ -40,9 +33,10 @@ def _attention(m) -> Optional[tuple]:
     kv_attention.self_check_dense runs it, on zeros; None for other modules."""
     heads = next(((getattr(m, a), getattr(m, b)) for a, b in _HEADS
                   if hasattr(m, a) and hasattr(m, b)), None)
-    scale, dt = getattr(m, "scale", None), _dtype(m)
+    scale, dt = getattr(m, "scale", None), model_dtype(m)
     if heads is None or not isinstance(scale, float) or dt is None:
         return None
+    dt = getattr(mx, dt)
     (Hq, Hkv), S = heads, 64
     D = getattr(m, "head_dim", None)
     wq = getattr(getattr(m, "q_proj", None), "weight", None)  # (quantized too: [out, .])
