@@ -16,7 +16,8 @@ import pytest
 from mlxnb.core.worker import calls_ahead, kernels_ahead
 from mlxnb.core.worker.caches import make_row_cache
 from mlxnb.core.worker.loadchecks import load_forwards
-from zoo import build  # tests/ is on sys.path (pytest)
+from procs import imported_by_main  # tests/ is on sys.path (pytest)
+from zoo import build
 
 
 @pytest.fixture(scope="module")
@@ -160,15 +161,9 @@ def test_no_survey_where_no_kernels_are_kept(hybrid, monkeypatch):
 
 def test_a_replay_imports_no_more_of_mlx_lm_than_its_models(hybrid):
     group = next(g for g in survey(hybrid) if g[0]["name"] == "compute_g")
-    code = ("import json, runpy, sys\n"
-            f"sys.argv = ['kernels_ahead', {json.dumps(calls_ahead.pieces([group])[1])}, "
-            "'bfloat16']\n"
-            "runpy.run_module('mlxnb.core.worker.kernels_ahead', run_name='__main__')\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[-2] == "[]"
+    assert imported_by_main("mlxnb.core.worker.kernels_ahead",
+                            [calls_ahead.pieces([group])[1], "bfloat16"],
+                            ("transformers",)) == []
 
 
 _KERNELS = r'''

@@ -204,15 +204,10 @@ def test_a_compiler_process_imports_no_more_of_mlx_lm_than_sample_utils():
     """Six compilers start at once on a fresh machine: importing mlx-lm's package (and
     with it transformers: some 10 s on a fresh GPU host) in each would come before any
     kernel compiles. The piece still runs mlx-lm's own filters."""
-    code = ("import runpy, sys\n"
-            "sys.argv = ['precompile', 'top_p', '512']\n"
-            "runpy.run_module('mlxnb.core.worker.precompile', run_name='__main__')\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('mlx_lm', 'transformers')))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[-2] == "['mlx_lm', 'mlx_lm.sample_utils']"
+    from procs import imported_by_main  # tests/ is on sys.path (pytest)
+
+    assert imported_by_main("mlxnb.core.worker.precompile", ["top_p", "512"],
+                            ("mlx_lm", "transformers")) == ["mlx_lm", "mlx_lm.sample_utils"]
 
 
 def test_a_compile_outlives_the_engine_that_started_it(tiny, arun, tmp_path, monkeypatch):
