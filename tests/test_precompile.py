@@ -71,7 +71,7 @@ def test_compilers_run_then_sampling_is_fused_again(tmp_path, monkeypatch):
     cache = tmp_path / "ptx"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
     monkeypatch.setattr(precompile, "wanted", lambda: True)
-    monkeypatch.setattr(precompile, "PIECES", ("gumbel", "top_p"))
+    monkeypatch.setattr(precompile, "PIECES", ("gumbel", "top_k"))
     p = precompile.Precompiler(512)
     assert p.start() and p.pending
     assert sampling._gumbel_argmax is sampling._gumbel_argmax_unfused
@@ -113,8 +113,8 @@ def gated_spawn(root, gate, waits):
 
 
 def test_each_pieces_kernels_land_as_soon_as_it_exits(tmp_path, monkeypatch):
-    """The filters' kernels reach MLX's folder while the slow fused Gumbel piece still
-    compiles: a top-p row's unfused draw then finds them on disk."""
+    """The other pieces' kernels reach MLX's folder while the slow fused Gumbel piece
+    still compiles: a top-k row's unfused draw then finds its filter on disk."""
     cache, gate = tmp_path / "ptx", tmp_path / "gumbel-done"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
     monkeypatch.setattr(precompile, "wanted", lambda: True)

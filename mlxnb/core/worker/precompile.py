@@ -2,20 +2,21 @@
 
 On MLX's CUDA backend every fused kernel is compiled with NVRTC on its first use and
 kept on disk (models/kernel_cache.py). On a fresh H200 host the fused Gumbel
-sampling kernel took 36 s to compile, each truncation filter another 6-14 s,
-logprobs 19 s and the repetition penalty 8 s, while the unfused ops of the same
-draw are prebuilt in MLX's library (0.08 s on first use, ~0.6 ms more per step at
-B=8) (bench/results/cold-start-2026-11-29-h200.md). Compiled inline, these paths held an
-Engine's start (its warm-up samples) or a row's first token for that long.
+sampling kernel took 36 s to compile, top-k's scatter 6-14 s, logprobs 19 s and the
+repetition penalty 8 s, while the unfused ops of the same draw are prebuilt in MLX's
+library (0.08 s on first use, ~0.6 ms more per step at B=8)
+(bench/results/cold-start-2026-11-29-h200.md). Compiled inline, these paths held an
+Engine's start (its warm-up samples) or a row's first token for that long. (Top-p
+and min-p compile nothing: sampling.py's filters are plain ops.)
 
 So when the sampling kernels are not yet on disk, `Precompiler` starts one process
 per piece (they compile in parallel, one CPU core each) into private folders, and
 the sampler draws with the unfused ops meanwhile (`sampling.use_fused(False)`). Each
-process's files move into MLX's folder as soon as it exits: the filters (mlx-lm's
-compiled top-p, min-p and top-k, 3-11 s each on a fresh H200 host, which the unfused
-draw needs too) land before the fused Gumbel kernel, so a top-p row's first token
-need not wait for the slowest piece. Once all have exited the sampler switches to
-the fused kernel, which MLX then loads from disk in milliseconds. Both
+process's files move into MLX's folder as soon as it exits: top-k's (mlx-lm's
+compiled filter, which the unfused draw needs too) lands before the fused Gumbel
+kernel, so a top-k row's first token need not wait for the slowest piece. Once all
+have exited the sampler switches to the fused kernel, which MLX then loads from disk
+in milliseconds. Both
 draw the same tokens: the same ops on the same values (the fused kernel may contract
 a multiply-add, which changes a noise value by an ulp at most: a token whose
 perturbed logit ties the best one to that precision could differ).
@@ -43,7 +44,7 @@ from ...models.kernel_cache import ptx_dir
 from .compilers import move_kernels as _move_kernels, piece_folder, spawn, wanted
 
 # One process per piece: a piece's kernels compile serially within a process.
-PIECES = ("gumbel", "top_k", "top_p", "min_p", "logprobs", "penalty")
+PIECES = ("gumbel", "top_k", "logprobs", "penalty")
 _DONE = "mlxnb-sampling-{vocab}.done"
 
 
@@ -205,8 +206,7 @@ def _compile(piece: str, vocab: int) -> None:
     for B in (1, 8):
         logits = mx.random.normal((B, vocab)).astype(mx.float32)
         s = sampling.BatchSampler()
-        filters = {"top_k": (20, 1.0, 0.0), "top_p": (0, 0.9, 0.0),
-                   "min_p": (0, 1.0, 0.1)}.get(piece, (0, 1.0, 0.0))
+        filters = (20, 1.0, 0.0) if piece == "top_k" else (0, 1.0, 0.0)
         temp = 0.0 if piece == "logprobs" else 0.8
         s.extend([temp] * B, [filters] * B, list(range(B)), [0] * B)
         if piece == "penalty":
@@ -224,7 +224,7 @@ def _mlx_lm_without_its_package() -> None:
     """In a compiler process: let `import mlx_lm.sample_utils` (all that sampling.py
     needs of mlx-lm, itself needing only MLX) run that one file. mlx-lm's package
     __init__ imports its generate and load paths and with them transformers: 1.5 s
-    on a 2-core CPU, some 10 s on a fresh H200 host, in each of six processes at
+    on a 2-core CPU, some 10 s on a fresh H200 host, in each of the processes at
     once, before any kernel compiles. The engine's own process imports the package."""
     import importlib.util
     import types

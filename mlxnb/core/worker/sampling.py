@@ -4,8 +4,9 @@ Each row's randomness comes from a counter-based hash of (row seed, token index,
 vocab id), not from a global RNG: a seeded row draws the same tokens whether it runs
 alone or at any position of any batch. Sampling is the Gumbel-max trick,
 argmax(logits / T + g), with g computed from that hash on the device for all rows at
-once. Truncation filters (top-k, top-p, min-p) are mlx-lm's own, applied per group of
-rows that share them.
+once. Truncation filters (top-k, top-p, min-p) are mlx-lm's, applied per group of rows
+that share them: top-k is mlx-lm's function, top-p and min-p are its arithmetic in
+plain ops (`top_p_filter`, `min_p_filter`), which give the same logits bit for bit.
 
 What a sampled row draws is exactly categorical(softmax(filtered / T)), where
 `filtered` is the logits it is given (after processors and constraint masks) with
@@ -17,11 +18,12 @@ quantization of the noise). `BatchSampler.logprobs` reports that same distributi
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_top_k
 
 from .tokens import ids
 
@@ -38,12 +40,12 @@ MIN_TEMPERATURE = 1e-5
 # filters keep, as any larger temperature would give.
 MAX_TEMPERATURE = 1e38
 
-# apply_top_p keeps the tokens whose mass above them is below top_p * total. When
-# that product underflows to 0 (top_p = 1e-45 is 0 in float32) every token counts as
-# dropped and its threshold index runs past the row, reading whatever lies there.
-# Any top_p at or below the top token's probability keeps just the top token (and its
-# ties); the top token of a row with V finite logits has probability >= 1/V, far
-# above this floor, so the floor changes no row and keeps the product a normal float.
+# top_p_filter keeps the tokens whose mass above them is below top_p * total. When that
+# product underflows to 0 (top_p = 1e-45 is 0 in float32) every token counts as
+# dropped and no token would be kept. Any top_p at or below the top token's
+# probability keeps just the top token (and its ties); the top token of a row with V
+# finite logits has probability >= 1/V, far above this floor, so the floor changes no
+# row and keeps the product a normal float.
 _MIN_TOP_P = 1e-30
 
 _M1 = 0x85EBCA6B
@@ -114,16 +116,43 @@ def use_fused(on: bool) -> None:
     _gumbel_argmax = _gumbel_argmax_fused if on else _gumbel_argmax_unfused
 
 
+def top_p_filter(logprobs: mx.array, top_p: mx.array) -> mx.array:
+    """mlx-lm's `apply_top_p` (nucleus filter) of logprobs [B, V] at top_p (a float32
+    scalar array), bit for bit, in ops that MLX ships built.
+
+    mlx-lm's is an `mx.compile`d function: on CUDA its first call compiles two fused
+    kernels and a gather with NVRTC, one after another, some 20 s on a fresh host
+    (bench/results/first-token-2026-12-06-h100.md), which a top-p row's first token
+    waited for. Sort, cumsum, reductions and elementwise ops compile nothing, so here
+    the threshold, sorted[number dropped], is the smallest sorted logprob at or past
+    that position, not a gather (equal: sorted ascends)."""
+    ordered = mx.sort(logprobs, axis=-1)  # [B, V] ascending
+    probs = mx.exp(ordered.astype(mx.float32))
+    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + probs[..., :1]
+    dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)  # [B, 1]
+    at = mx.arange(logprobs.shape[-1], dtype=dropped.dtype)
+    threshold = mx.min(mx.where(at >= dropped, ordered, mx.inf), axis=-1, keepdims=True)
+    return mx.where(logprobs < threshold, -mx.inf, logprobs)
+
+
+def min_p_filter(logprobs: mx.array, min_p: float) -> mx.array:
+    """mlx-lm's `apply_min_p` (keeping one token at least), bit for bit, in plain ops:
+    compiled, each new min_p value is a constant of a new fused kernel, which on CUDA
+    is an NVRTC compile of seconds in the middle of a running batch."""
+    floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(min_p)
+    return mx.where(logprobs < floor, -mx.inf, logprobs)
+
+
 def _apply_filters(logprobs: mx.array, top_k: int, top_p: float, min_p: float) -> mx.array:
     """mlx-lm's top-p, min-p and top-k of `logprobs`, in mlx-lm's order. Each keeps
     the top token, so a row with any finite logprob keeps at least one."""
     out = logprobs
     if 0 < top_p < 1.0:
-        # as an array: a float is a constant of mlx-lm's compiled filter, and each new
-        # value would compile it anew (about a second on the CPU)
-        out = apply_top_p(out, mx.array(max(top_p, _MIN_TOP_P), dtype=mx.float32))
+        # as an array, as mlx-lm's takes it: the same float32 product with the total
+        out = top_p_filter(out, mx.array(max(top_p, _MIN_TOP_P), dtype=mx.float32))
     if min_p > 0.0:
-        out = apply_min_p(out, min_p)
+        out = min_p_filter(out, min_p)
     if 0 < top_k < out.shape[-1]:
         out = apply_top_k(out, top_k)
     return out
