@@ -29,6 +29,7 @@
       lookup.py  draft.py  draftrule.py  rollback.py  roll.py   when, two ways, drafts, rollback
       adapters.py  lowrank.py  gathered.py   rows with different LoRA/DoRA adapters
       recurrent.py  gated_delta.py  short_conv.py   hybrid models' recurrent layers, compiled
+      gated_delta_prefill.py   a delta-net's prompt chunk as one kernel
       kv_attention.py  kv_kernels.py  kv_onekey.py  wideattn.py  wide_kernel.py  qk_rope.py
       rows_gemv.py  lowrank_kernels.py  GPU kernels (`mx.fast.cuda_kernel`), each self-checked at load
       kernels_ahead.py  calls_ahead.py  precompile.py  compilers.py   CUDA kernels compiled ahead, in processes

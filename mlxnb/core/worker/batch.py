@@ -38,7 +38,7 @@ from .prefill_policy import PrefillPolicy, ShapeMemory
 from .prefix import PrefixStore
 from .readback import ReadBack
 from .kernels_ahead import ModelKernels
-from . import own_kernels, precompile
+from . import gated_delta_prefill, own_kernels, precompile
 from .sampling import BatchSampler
 from .setup import BatchModel
 from .draft import DraftSource
@@ -61,6 +61,9 @@ class BatchExecutor(ReadBack, Membership):
         laps = Laps("load")
         self.precompiler = precompile.for_vocab(precompile.logit_width(model))
         self.precompiler.start()  # (or goes on with the compile another engine began)
+        # a delta-net's recurrence over a chunk as one kernel, this thread's forwards
+        # (checked in BatchModel; offered first, so the survey sees what loads run)
+        gated_delta_prefill.offer(model)
         ahead = ModelKernels.for_model(model, tokenizer)
         if ahead.start():
             own_kernels.warm(model, kv_bits)  # meanwhile, this package's (own_kernels.py)

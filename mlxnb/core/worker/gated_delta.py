@@ -36,6 +36,10 @@ __all__ = ["install", "tracing", "current", "fits_ab", "MODES"]
 MODES = ("gates", "kernel", "fast", "ops")
 _TRACING = [None]  # the mode of the trace being made (None: not an engine's step)
 SEEN = [0]  # recurrences routed off mlx-lm's ops (a probe reads it)
+# gated_delta_prefill's route for calls outside the traces, once it is offered:
+# (gated_delta_update's arguments) -> its result, or None for mlx-lm's code
+PREFILL = [None]
+SEEN_PREFILL = [0]  # calls that took it
 
 # Every input is read through its strides (the kernels are made with
 # ensure_row_contiguous=False): v, a and b are slices of one fused projection's
@@ -58,6 +62,7 @@ _BODY = r"""
     const int64_t so = bi * state_in_strides[0] + hv * state_in_strides[1]
         + dv * state_in_strides[2];
     const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk + lane * NPT;
+    const int t = 0;  // (the gates' token)
 GATES_HERE
     float kk[NPT];
     float qq[NPT];
@@ -90,8 +95,10 @@ NORM_HERE
 
 # the decay g and the write strength beta, given
 _GIVEN = r"""
-    const float gv = static_cast<float>(g[bi * g_strides[0] + hv * g_strides[2]]);
-    const float bt = static_cast<float>(beta[bi * beta_strides[0] + hv * beta_strides[2]]);
+    const float gv = static_cast<float>(
+        g[bi * g_strides[0] + t * g_strides[1] + hv * g_strides[2]]);
+    const float bt = static_cast<float>(
+        beta[bi * beta_strides[0] + t * beta_strides[1] + hv * beta_strides[2]]);
 """
 
 # ... or from the layer's raw projections, as mlx-lm's gated_delta_update computes
@@ -109,8 +116,9 @@ _OPS = """
 _FROM_AB = r"""
     namespace cu = mlx::core::cu;
     const float bt = static_cast<float>(cu::Sigmoid{}(static_cast<BT>(
-        b_in[bi * b_in_strides[0] + hv * b_in_strides[2]])));
-    const XT ax = cu::Add{}(static_cast<XT>(a_in[bi * a_in_strides[0] + hv * a_in_strides[2]]),
+        b_in[bi * b_in_strides[0] + t * b_in_strides[1] + hv * b_in_strides[2]])));
+    const XT ax = cu::Add{}(static_cast<XT>(
+                                a_in[bi * a_in_strides[0] + t * a_in_strides[1] + hv * a_in_strides[2]]),
                             static_cast<XT>(dt_bias[hv * dt_bias_strides[0]]));
     const float sp = static_cast<float>(cu::LogAddExp{}(ax, static_cast<XT>(0.f)));
     const float decay = cu::Negative{}(cu::Exp{}(static_cast<float>(A_log[hv * A_log_strides[0]])));
@@ -230,14 +238,19 @@ def fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask=None) -> bool:
 
 def _wrap_update(orig):
     """mlx-lm's gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, ...),
-    which computes g and beta and then calls gated_delta_ops: in a "gates" trace,
-    one token, the plain gates (no lower bound, beta in [0, 1]): one kernel for all."""
+    which computes g and beta and then calls gated_delta_ops. With the plain gates
+    (no lower bound, beta in [0, 1]): in a "gates" trace, one token, one kernel for
+    all; outside any trace, the prefill route where it is offered."""
     def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
-        if (_TRACING[0] == "gates" and state is not None and kw.get("lower_bound") is None
-                and not kw.get("allow_neg_eigval")
+        plain = kw.get("lower_bound") is None and not kw.get("allow_neg_eigval")
+        if (plain and _TRACING[0] == "gates" and state is not None
                 and fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask)):
             SEEN[0] += 1
             return decode_step_ab(q, k, v, a, b, A_log, dt_bias, state)
+        if plain and _TRACING[0] is None and PREFILL[0] is not None:
+            out = PREFILL[0](q, k, v, a, b, A_log, dt_bias, state, mask)
+            if out is not None:
+                return out
         return orig(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)
 
     gated_delta_update._mlxnb = True

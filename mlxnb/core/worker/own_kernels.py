@@ -4,7 +4,8 @@ while helper processes compile the model's kernels (kernels_ahead.py).
 MLX compiles a kernel made with `mx.fast.cuda_kernel` in the process that first runs
 it (kernel_files.py), so on a fresh machine each load check that first runs one
 waited for NVRTC: 2-4 s for the padded decode attention, 3-7 s for a short conv, 1-2 s
-for the one-token q/k norms and RoPE (bench/results/first-token-2026-12-06-h100.md).
+for the one-token q/k norms and RoPE (bench/results/first-token-2026-12-06-h100.md),
+and a delta-net's prefill kernel (gated_delta_prefill.py).
 Meanwhile the process only waited for its helpers. `warm` runs each kernel those
 checks will run, on zeros at the sizes each layer gives it (the template arguments
 MLX names a kernel by): the checks then find them compiled in this process. A guess
@@ -20,7 +21,7 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 
 from ..._log import log, swallowed
-from . import kv_attention, qk_rope, short_conv
+from . import gated_delta_prefill, kv_attention, qk_rope, short_conv
 from .kernels_ahead import model_dtype
 
 __all__ = ["warm"]
@@ -79,10 +80,15 @@ def _conv(m) -> Optional[tuple]:
     return (kind, C, L, w.dtype), partial(step, x, state, w)
 
 
+def _delta(m) -> Optional[tuple]:
+    """(key, call): a delta-net's prefill and decode kernels (gated_delta_prefill.py)."""
+    return gated_delta_prefill.warm_call(m)
+
+
 def calls(model, kv_bits: Optional[int] = None) -> Dict[tuple, Callable]:
     """{(finder, what names the kernel): a call}, one per kernel and template the
     load's checks will run."""
-    finders = [_qk] + ([_conv] if short_conv.wanted() else [])
+    finders = [_qk, _delta] + ([_conv] if short_conv.wanted() else [])
     finders += [_attention] if kv_bits is None else []  # (quantized KV: another kernel)
     found = {}
     for _, m in model.named_modules():

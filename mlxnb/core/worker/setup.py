@@ -14,8 +14,8 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..._log import Laps
 from ..messages import LayerPaths
-from . import (caches, gated_delta, kv_attention, qk_rope, recurrent, rows_gemv,
-               short_conv, wide_kernel, wideattn)
+from . import (caches, gated_delta, gated_delta_prefill, kv_attention, qk_rope, recurrent,
+               rows_gemv, short_conv, wide_kernel, wideattn)
 from .fuse import fuse_projections
 from .caches import empty_batch
 from .loadchecks import decode_steps_agree, padding_stays_out, probe_forwards, probe_ids
@@ -49,6 +49,10 @@ class BatchModel:
             before.superseded = True
         self.paths = model.__dict__["_mlxnb_paths"] = LayerPaths()
         laps = Laps("load")
+        # gated_delta_prefill.py: before any forward here (batch.py offered it)
+        self.delta_prefill_note = gated_delta_prefill.check(model)
+        self.delta_prefill = gated_delta_prefill.taken(model)
+        laps("delta-net prefill kernel check")
         self.layer_costs = self._probe_costs()
         laps("cache probes")
         # fuse.py: in place, same outputs; its probe is a fresh 1-token forward
@@ -110,6 +114,10 @@ class BatchModel:
                 " (short conv: fused kernel)" if self.short_conv else "")
         elif self.compile_note:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
+        if self.delta_prefill:
+            self.cache_kinds += ", delta-net prefill: fused kernel"
+        elif self.delta_prefill_note:
+            self.cache_kinds += f", delta-net prefill: mlx-lm's ({self.delta_prefill_note})"
         if self.qk_rope:
             self.cache_kinds += ", one-token q/k norms and RoPE: fused kernel"
         elif self.qk_note:
