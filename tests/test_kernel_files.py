@@ -98,6 +98,45 @@ def test_each_new_build_is_noted_once(monkeypatch, tmp_path):
             t.cancel()
 
 
+def test_write_now_compiles_the_noted_builds_at_once_and_waits(monkeypatch, tmp_path):
+    """own_kernels' path: every build noted so far goes to one helper at normal
+    priority with a thread each, the quiet-time helper is called off, and the call
+    returns when the helper has (the kernels are then in MLX's folder)."""
+    import json
+    import subprocess
+
+    monkeypatch.setattr(kf, "_TOOLS", [dict(folder=str(tmp_path))])
+    monkeypatch.setattr(kf, "_PENDING", {})
+    monkeypatch.setattr(kf, "_TIMER", [])
+    monkeypatch.setattr(kf, "QUIET_S", 3600.0)
+    k = kf._Kernel(lambda **kw: "out", ("k", ["x"], ["y"], "y[0] = x[0];", ""))
+    x = mx.zeros((2,), mx.float32)
+    for v in (1, 2, 3):
+        k(inputs=[x], template=[("F", v)], output_dtypes=[mx.float32], output_shapes=[(2,)],
+          grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    timer = kf._TIMER[0]
+    seen = []
+
+    class Helper:
+        def __init__(self, argv, **kw):
+            with open(argv[-1]) as f:
+                seen.append(json.load(f))
+            self.waited = None
+
+        def wait(self, timeout):
+            seen.append(timeout)
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Helper)
+    assert kf.write_now(timeout=30) == 3
+    job, waited = seen
+    assert waited == 30 and job["threads"] == 3 and job["nice"] == 0
+    assert sorted(j[1] for j in job["jobs"]) == [f"custom_kernel_k_{v}" for v in (1, 2, 3)]
+    assert kf._PENDING == {} and kf._TIMER == [] and timer.finished.is_set()
+    assert kf.write_now() == 0  # nothing left: no helper
+    assert len(seen) == 2
+
+
 @pytest.mark.skipif(mx.cuda.is_available(), reason="the CPU and Metal path")
 def test_elsewhere_the_kernel_is_mlxs_own(monkeypatch):
     made = []

@@ -15,7 +15,10 @@ process (a few seconds later, at low priority) compiles the source as MLX would:
 NVRTC with MLX's own device headers (read from libmlx.so), its include paths and the
 device's architecture, and writes the result there as MLX's reader expects it. The
 process that runs a kernel first still compiles it; later ones load it in
-milliseconds. Nothing here is needed for a kernel to run: where a piece is missing
+milliseconds. A load that knows its kernels ahead (own_kernels.py) makes its calls
+unevaluated and has a helper compile them all at once (`write_now`) before it
+evaluates them, so even the first process loads them. Nothing here is needed for a
+kernel to run: where a piece is missing
 (no NVRTC library, headers not found, a compile error), MLX compiles it as before,
 and the engine's load checks still compare every kernel with MLX's ops.
 
@@ -34,7 +37,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["cuda_kernel", "generated", "module_file", "std_hash"]
+__all__ = ["cuda_kernel", "generated", "module_file", "std_hash", "write_now"]
 
 CHECKED_CALLS = 256  # calls of a kernel that look for new shapes; later ones go straight
 QUIET_S = 2.0  # a helper starts once no new kernel appeared for this long
@@ -240,27 +243,57 @@ def _loaded_libraries():
         return []
 
 
-def _start_helper() -> None:
+def _take_jobs() -> dict:
     with _LOCK:
         jobs = dict(_PENDING)
         _PENDING.clear()
-    tools = _toolchain()
-    if not jobs or tools is None:
-        return
+        for t in _TIMER:
+            t.cancel()
+        _TIMER.clear()
+    return jobs
+
+
+def _spawn(jobs: dict, tools: dict, **how):
+    """The helper for `jobs`, or None; `how`: threads, nice (the job file's keys)."""
     job = None
     try:
         fd, job = tempfile.mkstemp(prefix="mlxnb-kernels-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump(dict(tools, jobs=[[p, k, s] for p, (k, s) in jobs.items()]), f)
-        subprocess.Popen([sys.executable, __file__, job], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
-    except Exception:  # (this runs on a timer thread: nothing may escape)
+            json.dump(dict(tools, jobs=[[p, k, s] for p, (k, s) in jobs.items()], **how), f)
+        return subprocess.Popen([sys.executable, __file__, job], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    except Exception:  # (may run on a timer thread: nothing may escape)
         from ..._log import swallowed
 
         swallowed("starting the CUDA kernel writer")
         if job is not None and os.path.exists(job):
             os.unlink(job)
+        return None
+
+
+def _start_helper() -> None:
+    jobs, tools = _take_jobs(), _toolchain()
+    if jobs and tools is not None:
+        _spawn(jobs, tools)
+
+
+def write_now(timeout: float = 60.0) -> int:
+    """Compile every build noted so far (calls made, not yet evaluated) in a helper
+    now, one NVRTC thread each at normal priority, and wait for it up to `timeout` s;
+    how many. Evaluating those calls then loads each from MLX's folder instead of
+    compiling them one after another in this process. A build the helper could not
+    make, or not in time, MLX compiles as before."""
+    jobs, tools = _take_jobs(), _toolchain()
+    if not jobs or tools is None:
+        return 0
+    proc = _spawn(jobs, tools, threads=len(jobs), nice=0)
+    if proc is not None:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    return len(jobs)
 
 
 # -- the helper process --------------------------------------------------------------
@@ -362,13 +395,13 @@ def _write(path: Path, binary: bytes, full: str, mangled: str) -> None:
 
 
 def _helper(job: str) -> None:
-    try:
-        os.nice(10)
-    except OSError:
-        pass
     with open(job) as f:
         tools = json.load(f)
     os.unlink(job)
+    try:  # (low by default: it writes for later processes, beside a running engine)
+        os.nice(tools.get("nice", 10))
+    except OSError:
+        pass
     headers = device_headers(tools["libmlx"])
     if "mlx/backend/cuda/device/utils.cuh" not in headers:
         return
@@ -390,7 +423,8 @@ def _helper(job: str) -> None:
     # NVRTC compiles programs on several threads at once (ctypes lets go of the GIL)
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) // 2))) as pool:
+    threads = tools.get("threads") or max(1, min(4, (os.cpu_count() or 2) // 2))
+    with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, tools["jobs"]))
 
 

@@ -1,15 +1,18 @@
-"""This package's CUDA kernels at the model's sizes, compiled in the engine's process
-while helper processes compile the model's kernels (kernels_ahead.py).
+"""This package's CUDA kernels at the model's sizes, compiled ahead while helper
+processes compile the model's kernels (kernels_ahead.py).
 
 MLX compiles a kernel made with `mx.fast.cuda_kernel` in the process that first runs
 it (kernel_files.py), so on a fresh machine each load check that first runs one
 waited for NVRTC: 2-4 s for the padded decode attention, 3-7 s for a short conv, 1-2 s
 for the one-token q/k norms and RoPE (bench/results/first-token-2026-12-06-h100.md),
-and a delta-net's prefill kernel (gated_delta_prefill.py).
+and more for a delta-net's prefill and decode kernels (gated_delta_prefill.py).
 Meanwhile the process only waited for its helpers. `warm` runs each kernel those
 checks will run, on zeros at the sizes each layer gives it (the template arguments
-MLX names a kernel by): the checks then find them compiled in this process. A guess
+MLX names a kernel by): the checks then find them compiled. A guess
 that misses costs its compile and nothing else; the checks still decide what runs.
+They compile at once, in parallel, in a helper (kernel_files.write_now), and the
+process loads them from MLX's folder: one after another in the process they took
+14 s of a Qwen3.5 load on a fresh H100 host.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 
 from ..._log import log, swallowed
-from . import gated_delta_prefill, kv_attention, qk_rope, short_conv
+from . import gated_delta_prefill, kernel_files, kv_attention, qk_rope, short_conv
 from .kernels_ahead import model_dtype
 
 __all__ = ["warm"]
@@ -104,15 +107,24 @@ def calls(model, kv_bits: Optional[int] = None) -> Dict[tuple, Callable]:
 
 def warm(model, kv_bits: Optional[int] = None) -> int:
     """Compile (run on zeros) this package's kernels at the model's sizes, where MLX
-    runs on CUDA; returns how many calls ran."""
+    runs on CUDA; returns how many calls ran. The calls are made first, unevaluated,
+    so kernel_files.py notes each build and compiles them all at once in a helper;
+    evaluating them then loads each from MLX's folder."""
     if not kv_attention.cuda_backend():
         return 0
-    t0, n = time.perf_counter(), 0
+    t0, n, outs = time.perf_counter(), 0, []
     for call in calls(model, kv_bits).values():
         try:
-            mx.eval(call())
+            outs.append(call())
+        except Exception:
+            swallowed("compiling this package's kernels ahead")
+    written = kernel_files.write_now()
+    for out in outs:
+        try:
+            mx.eval(out)
             n += 1
         except Exception:
             swallowed("compiling this package's kernels ahead")
-    log.info("own kernels compiled in %.1f s (%d calls)", time.perf_counter() - t0, n)
+    log.info("own kernels compiled in %.1f s (%d calls, %d builds in a helper)",
+             time.perf_counter() - t0, n, written)
     return n
