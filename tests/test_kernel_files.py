@@ -99,9 +99,9 @@ def test_each_new_build_is_noted_once(monkeypatch, tmp_path):
 
 
 def test_write_now_compiles_the_noted_builds_at_once_and_waits(monkeypatch, tmp_path):
-    """own_kernels' path: every build noted so far goes to one helper at normal
-    priority with a thread each, the quiet-time helper is called off, and the call
-    returns when the helper has (the kernels are then in MLX's folder)."""
+    """own_kernels' path: every build noted so far goes to a helper of its own at
+    normal priority, the quiet-time helper is called off, and the call returns when
+    the helpers have (the kernels are then in MLX's folder)."""
     import json
     import subprocess
 
@@ -129,12 +129,13 @@ def test_write_now_compiles_the_noted_builds_at_once_and_waits(monkeypatch, tmp_
 
     monkeypatch.setattr(subprocess, "Popen", Helper)
     assert kf.write_now(timeout=30) == 3
-    job, waited = seen
-    assert waited == 30 and job["threads"] == 3 and job["nice"] == 0
-    assert sorted(j[1] for j in job["jobs"]) == [f"custom_kernel_k_{v}" for v in (1, 2, 3)]
+    jobs, waits = seen[:3], seen[3:]
+    assert all(j["threads"] == 1 and j["nice"] == 0 and len(j["jobs"]) == 1 for j in jobs)
+    assert sorted(j["jobs"][0][1] for j in jobs) == [f"custom_kernel_k_{v}" for v in (1, 2, 3)]
+    assert len(waits) == 3 and all(0 < w <= 30 for w in waits)
     assert kf._PENDING == {} and kf._TIMER == [] and timer.finished.is_set()
     assert kf.write_now() == 0  # nothing left: no helper
-    assert len(seen) == 2
+    assert len(seen) == 6
 
 
 @pytest.mark.skipif(mx.cuda.is_available(), reason="the CPU and Metal path")

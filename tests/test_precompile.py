@@ -188,25 +188,37 @@ def test_model_kernel_pieces_run_and_mark_their_dtype_done(tmp_path, monkeypatch
     dtype = kernels_ahead.model_dtype(tiny_model()[0])
     assert dtype == "float32"
     ahead = kernels_ahead.ModelKernels("bfloat16")
+    ahead.wanted.append("state_rows")  # (what a model with recurrent states adds)
     assert ahead.start()
     procs = list(ahead.procs)
-    assert len(procs) == len(kernels_ahead.PIECES)
+    assert len(procs) == len(kernels_ahead.PIECES) + 1
     ahead.wait(timeout=120)
     assert [p.returncode for p in procs] == [0] * len(procs)
-    for piece in kernels_ahead.PIECES:
+    for piece in kernels_ahead.PIECES + ("state_rows",):
         assert (tmp_path / "ptx" / f"mlxnb-model-kernels-bfloat16-{piece}.done").exists()
     assert ahead.private is None and not ahead.procs
     assert not kernels_ahead.ModelKernels("bfloat16").start()  # done: nothing to run
     assert not kernels_ahead.ModelKernels(None).start()
 
 
+def test_a_model_with_recurrent_states_compiles_their_row_filter_ahead():
+    from zoo import build  # tests/ is on sys.path (pytest)
+
+    from mlxnb.core.worker.kernels_ahead import ModelKernels
+    from mlxnb.models.tiny import byte_tokenizer
+
+    for family, states in (("qwen3_5", True), ("lfm2", True), ("llama", False)):
+        ahead = ModelKernels.for_model(build(family).model, byte_tokenizer())
+        assert ("state_rows" in ahead.wanted) is states, family
+
+
 def test_a_compiler_process_imports_no_more_of_mlx_lm_than_sample_utils():
-    """Six compilers start at once on a fresh machine: importing mlx-lm's package (and
+    """The compilers start at once on a fresh machine: importing mlx-lm's package (and
     with it transformers: some 10 s on a fresh GPU host) in each would come before any
-    kernel compiles. The piece still runs mlx-lm's own filters."""
+    kernel compiles. The piece still runs mlx-lm's own top-k filter."""
     from procs import imported_by_main  # tests/ is on sys.path (pytest)
 
-    assert imported_by_main("mlxnb.core.worker.precompile", ["top_p", "512"],
+    assert imported_by_main("mlxnb.core.worker.precompile", ["top_k", "512"],
                             ("mlx_lm", "transformers")) == ["mlx_lm", "mlx_lm.sample_utils"]
 
 

@@ -48,7 +48,7 @@ from . import calls_ahead
 from .compilers import move_kernels, piece_folder, spawn, wanted
 
 # one kernel each: a process compiles its kernels one after another, so the wait is
-# the slowest piece's
+# the slowest piece's (and "state_rows" where the model keeps recurrent states)
 PIECES = ("gather", "rows", "counters", "roll", "dynamic_roll", "swiglu")
 _DONE = "mlxnb-model-kernels-{dtype}-{piece}.done"
 
@@ -80,11 +80,16 @@ class ModelKernels:
     @classmethod
     def for_model(cls, model, tokenizer) -> "ModelKernels":
         """The pieces for the model's dtype and the calls of the load's forwards."""
-        from .caches import make_row_cache  # (imports mlx-lm: not in the compilers)
+        from mlx_lm.models.cache import ArraysCache  # (imports mlx-lm: not in the compilers)
+
+        from .caches import leaves, make_row_cache
         from .loadchecks import load_forwards, probe_ids
 
-        return cls(model_dtype(model), load_forwards(
+        ahead = cls(model_dtype(model), load_forwards(
             model, lambda: make_row_cache(model), probe_ids(tokenizer)))
+        if any(type(c) is ArraysCache for c in leaves(make_row_cache(model))):
+            ahead.wanted.append("state_rows")
+        return ahead
 
     def _done(self, piece: str) -> List[Path]:
         """The files that mark `piece` compiled on this machine."""
@@ -186,7 +191,9 @@ def _compile(piece: str, dtype: str) -> None:
     if calls_ahead.is_piece(piece):  # recorded calls of a compiled function
         calls_ahead.run_piece(piece)
         return
-    if piece == "gather":  # the embedding lookup [B, L] and a cache's row filter
+    if piece == "state_rows":  # a recurrent layer's float32 states filtered by row
+        out = [mx.zeros((3, 2, 5, 4), mx.float32)[ids([2, 0])]]
+    elif piece == "gather":  # the embedding lookup [B, L] and a cache's row filter
         w = mx.zeros((16, 8), dt)
         out = [w[ids([[1, 2, 3]])], mx.zeros((3, 2, 5, 4), dt)[ids([2, 0])]]
     elif piece == "rows":  # the next-token vector filtered by row
