@@ -7,6 +7,10 @@ the engine's compiled step (recurrent.py), and the gated delta rule alone.
   rule    the gated delta recurrence alone for one token: mlx-lm's ops, this
           package's CUDA kernel, mx.fast.gated_delta_update; us per call and the
           largest difference from the ops
+  prompt  the gated delta recurrence over a prompt chunk of --prompt tokens (one row
+          left-padded): mlx-lm's loop of per-token steps vs this package's prefill
+          kernel (gated_delta_prefill.py, CUDA); ms per call and the largest
+          difference from mlx-lm's, relative to the largest value
 
   python -m bench recurrent-step --quick
   python -m bench recurrent-step --batch 8,32,128
@@ -115,6 +119,44 @@ def rule_rows(B, args):
     return out
 
 
+def prompt_rows(B, args):
+    """The recurrence over args.prompt tokens at Qwen3.5-0.8B's sizes, gates from the
+    raw projections as the layer gives them."""
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    from mlxnb.core.worker import gated_delta_prefill as gdp
+
+    H, D = (2, 32) if args.quick else (16, 128)
+    key = (args.dtype, H, H, D, D)
+    A_log, dt_bias = mx.random.normal((H,)), mx.random.normal((H,))
+    one = gdp._inputs(key, A_log, dt_bias, T=args.prompt)  # three rows, one padded
+    rows = [mx.concatenate([x] * -(-B // 3))[:B] if x.ndim and x.shape[0] == 3 else x
+            for x in one]
+    mask = rows[-1]
+    mx.eval(rows)
+    want = gated_delta_update(*rows, use_kernel=False)
+    out = []
+    for name, fn in (("mlx-lm (a step per token)",
+                      lambda: gated_delta_update(*rows, use_kernel=False)),
+                     ("kernel", lambda: gdp.prefill(*rows))):
+        try:
+            _, t = _time(fn, max(1, args.iters // 4), args.rounds)
+            y, st = fn()
+            keep = mask[..., None, None]
+            errs = [(mx.where(keep, a.astype(mx.float32), 0) - mx.where(
+                keep, w.astype(mx.float32), 0)).abs().max().item()
+                / max(w.astype(mx.float32).abs().max().item(), 1e-9)
+                for a, w in ((y, want[0]),)]
+            errs.append((st - want[1]).abs().max().item() / max(
+                want[1].abs().max().item(), 1e-9))
+            out.append(dict(B=B, T=args.prompt, path=name, ms=t / 1e3, y=errs[0], state=errs[1]))
+        except Exception as e:
+            out.append(dict(B=B, T=args.prompt, path=name, ms=None, y=None, state=None,
+                            error=f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"))
+        log("  " + str(out[-1]))
+    return out
+
+
 def main(argv=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = common.parser(__doc__, prog)
@@ -124,21 +166,25 @@ def main(argv=None, prog=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--iters", type=common.count, default=20)
     ap.add_argument("--rounds", type=common.count, default=5)
+    ap.add_argument("--prompt", type=common.count, default=512,
+                    help="tokens of the prompt part's chunk")
     ap.add_argument("--quick", action="store_true", help="smoke run: toy width, seconds")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     args.size = None
     if args.quick:
         args.size = "quick"
-        common.quick(ap, args, argv, dtype="float32", batch=[2], iters=2, rounds=2)
+        common.quick(ap, args, argv, dtype="float32", batch=[2], iters=2, rounds=2,
+                     prompt=8)
     report = common.Report(NAME, RESULT, TITLE, args, argv)
     log(f"# recurrent-step  {report.env}")
-    rows, rules = [], []
+    rows, rules, prompts = [], [], []
     for B in args.batch:
         for name in args.shapes:
             rows += layer_rows(name, B, args)
             log("  " + str(rows[-1]))
         rules += rule_rows(B, args)
+        prompts += prompt_rows(B, args)
 
     def f(x, nd=1):
         return "-" if x is None else f"{x:.{nd}f}"
@@ -156,7 +202,15 @@ def main(argv=None, prog=None):
         err = "-" if r["err"] is None else f"{r['err']:.2g}"
         text.append(f"| {r['B']} | {r['path']} | {f(r['build'])} | {f(r['total'])} | {err}"
                     f"{' ' + r['error'] if r.get('error') else ''} |")
+    text += ["", f"## The gated delta rule over a prompt chunk ({args.prompt} tokens, "
+             "one row of three left-padded; Qwen3.5-0.8B's sizes)", "",
+             "| B | path | ms per call | y: max diff / max | state: max diff / max |",
+             "|---|---|---|---|---|"]
+    for r in prompts:
+        e = ["-" if r[k] is None else f"{r[k]:.2g}" for k in ("y", "state")]
+        text.append(f"| {r['B']} | {r['path']} | {f(r['ms'], 2)} | {e[0]} | {e[1]}"
+                    f"{' ' + r['error'] if r.get('error') else ''} |")
     out = "\n".join(text)
     log("\n" + out)
-    report.write(out, dict(layers=rows, rule=rules))
+    report.write(out, dict(layers=rows, rule=rules, prompt=prompts))
     return 0
