@@ -44,7 +44,8 @@ SEEN_PREFILL = [0]  # calls that took it
 # Every input is read through its strides (the kernels are made with
 # ensure_row_contiguous=False): v, a and b are slices of one fused projection's
 # output, and a copy to make each contiguous would cost a launch of its own.
-_BODY = r"""
+# A warp per value row of one head's state: grid (32, Dv, B * Hv), blocks (32, 4, 1).
+_WARP_ROW = r"""
     constexpr int NPT = Dk / 32;
     const int n = blockIdx.z;
     const int bi = n / Hv;
@@ -53,7 +54,8 @@ _BODY = r"""
     const int dv = blockIdx.y * blockDim.y + threadIdx.y;
     const int lane = threadIdx.x;
     if (dv >= Dv) return;
-
+"""
+_BODY = _WARP_ROW + r"""
     // q, k: [B, 1, Hk, Dk]; v: [B, 1, Hv, Dv]; gates: [B, 1, Hv] (A_log, dt_bias: [Hv])
     // state_in: [B, Hv, Dv, Dk]; y: [B, 1, Hv, Dv], state_out: [B, Hv, Dv, Dk]
     // (lane i holds elements i*NPT .. i*NPT+NPT-1 of a key-sized row)

@@ -35,16 +35,7 @@ from . import gated_delta, kernel_files
 __all__ = ["offer", "check", "taken", "prefill", "reference", "warm_call", "layer_key",
            "wanted"]
 
-_BODY = r"""
-    constexpr int NPT = Dk / 32;
-    const int n = blockIdx.z;
-    const int bi = n / Hv;
-    const int hv = n % Hv;
-    const int hk = hv / (Hv / Hk);
-    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
-    const int lane = threadIdx.x;
-    if (dv >= Dv) return;
-    const int T = q_shape[1];
+_BODY = gated_delta._WARP_ROW + r"""    const int T = q_shape[1];
 
     // q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; a_in, b_in: [B, T, Hv]; mask: [B, T]
     // state_in: [B, Hv, Dv, Dk]; y: [B, T, Hv, Dv], state_out: [B, Hv, Dv, Dk]
