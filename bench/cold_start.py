@@ -15,8 +15,8 @@ import sys
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
-from mlxnb.core.worker.sampling import BatchSampler
+from mlx_lm.sample_utils import apply_top_k, make_logits_processors
+from mlxnb.core.worker.sampling import BatchSampler, min_p_filter, top_p_filter
 
 from . import common
 from .common import log, pc
@@ -64,8 +64,8 @@ def main(argv=None, prog=None):
         ("greedy sample (argmax)", lambda: sampler(B, 0.0).sample(logits)),
         ("temperature sample (Gumbel)", lambda: sampler(B, 0.8).sample(logits)),
         ("top-k 20", lambda: apply_top_k(lp, 20)),
-        ("top-p 0.9", lambda: apply_top_p(lp, 0.9)),
-        ("min-p 0.1", lambda: apply_min_p(lp, 0.1)),
+        ("top-p 0.9", lambda: top_p_filter(lp, mx.array(0.9, dtype=mx.float32))),
+        ("min-p 0.1", lambda: min_p_filter(lp, 0.1)),
         ("logprobs k=5", lambda: logprobs(logits, 5)),
         ("repetition penalty", lambda: make_logits_processors(
             repetition_penalty=1.1)[0](hist, logits[:1])),

@@ -116,13 +116,15 @@ def test_the_check_catches_a_kernel_wrong_in_one_way(flaw, offered):
     assert not gdp.taken(model)
 
 
-@pytest.mark.parametrize("stand_in", [kernel_math, _no_mask_for_state])
-def test_an_engine_prefills_through_it_with_mlx_lms_tokens(stand_in, offered, arun):
+@pytest.mark.parametrize("stand_in,family", [(kernel_math, "qwen3_5"),
+                                             (kernel_math, "qwen3_next"),
+                                             (_no_mask_for_state, "qwen3_5")])
+def test_an_engine_prefills_through_it_with_mlx_lms_tokens(stand_in, family, offered, arun):
     """Padded groups, rows joining, decode: the engine's tokens are mlx-lm's. With a
     kernel that lets padding into the state, the load check turns it off first."""
     calls = offered(stand_in)
     mx.random.seed(5)
-    model = qwen(5)
+    model = build(family, seed=5, linear_key_head_dim=32).model
     tokens, ids, status = prompts_through(model, arun)
     good = stand_in is kernel_math
     assert ("delta-net prefill: fused kernel" in status) is good, status
@@ -137,7 +139,7 @@ def test_an_engine_prefills_through_it_with_mlx_lms_tokens(stand_in, offered, ar
     else:
         assert "delta-net prefill: mlx-lm's (kernel differs" in status
     mx.random.seed(5)
-    plain = qwen(5)
+    plain = build(family, seed=5, linear_key_head_dim=32).model
     for t, i in zip(tokens, ids):
         assert t == _mlx_lm_tokens(plain, i, 8)
 
@@ -175,8 +177,42 @@ def test_a_load_that_takes_it_leaves_no_per_token_step_to_compile(offered):
 
 
 def test_sizes_it_cannot_take_are_left_to_mlx_lm(offered):
+    offered(kernel_math)
     assert gdp.offer(build("qwen3_5").model) == 0  # 16-wide key rows
     assert gdp.offer(qwen()) == 1
+    # Qwen3-Next's delta-net (its own class name) too
+    assert gdp.offer(build("qwen3_next", linear_key_head_dim=32).model) == 1
+
+
+def _one_token_off(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
+    y, s = kernel_math(q, k, v, a, b, A_log, dt_bias, state, mask)
+    return (y * 1.5 if q.shape[1] == 1 else y), s
+
+
+def test_the_decode_check_compares_with_mlx_lms_math_not_the_kernel(offered, arun):
+    """A kernel wrong for one-token calls only passes the prefill check (chunks of
+    six); the decode check's plain side must still be mlx-lm's math, which the
+    compiled steps match: the engine compiles its recurrent decode."""
+    calls = offered(_one_token_off)
+    model = qwen(5)
+    _, _, status = prompts_through(model, arun)
+    assert "delta-net prefill: fused kernel" in status
+    assert "recurrent decode compiled" in status, status
+    assert calls
+
+
+def test_a_training_forward_keeps_mlx_lms_code(offered):
+    calls = offered(kernel_math)
+    model = qwen()
+    gdp.offer(model)
+    import sys
+    mod = sys.modules[type(next(m for _, m in model.named_modules()
+                                if gdp.layer_key(m))).__module__]
+    args = gdp._inputs(("float32", 2, 4, 32, 16), *_layer_params())
+    mod.gated_delta_update(*args, use_kernel=False)
+    assert calls == []
+    mod.gated_delta_update(*args)
+    assert len(calls) == 1
 
 
 def test_it_can_be_turned_off(monkeypatch):

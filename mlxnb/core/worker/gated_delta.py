@@ -244,7 +244,8 @@ def _wrap_update(orig):
     (no lower bound, beta in [0, 1]): in a "gates" trace, one token, one kernel for
     all; outside any trace, the prefill route where it is offered."""
     def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
-        plain = kw.get("lower_bound") is None and not kw.get("allow_neg_eigval")
+        plain = (kw.get("lower_bound") is None and not kw.get("allow_neg_eigval")
+                 and kw.get("use_kernel", True))  # (False: a training forward)
         if (plain and _TRACING[0] == "gates" and state is not None
                 and fits_ab(q, k, v, a, b, A_log, dt_bias, state, mask)):
             SEEN[0] += 1

@@ -115,7 +115,9 @@ class BatchModel:
         elif self.compile_note:
             self.cache_kinds += f", recurrent decode not compiled ({self.compile_note})"
         if self.delta_prefill:
-            self.cache_kinds += ", delta-net prefill: fused kernel"
+            self.cache_kinds += ", delta-net prefill: fused kernel" + (
+                f" (mlx-lm's at a size where {self.delta_prefill_note})"
+                if self.delta_prefill_note else "")
         elif self.delta_prefill_note:
             self.cache_kinds += f", delta-net prefill: mlx-lm's ({self.delta_prefill_note})"
         if self.qk_rope:
@@ -282,7 +284,9 @@ class BatchModel:
                                             convs)
             if not n:
                 return 0, ""
-            why = decode_steps_agree(self.model, probe_ids(self.tokenizer), live)
+            # (plain forwards' delta-net recurrence: mlx-lm's math, not the prefill kernel)
+            with gated_delta_prefill.as_reference():
+                why = decode_steps_agree(self.model, probe_ids(self.tokenizer), live)
             if not why:
                 used = gated_delta.SEEN[0] > seen
                 self.recurrence = mode if used else ""

@@ -13,11 +13,12 @@ the masked attention path) and rows leave the batch one by one: the paths of
 except which shapes it has seen, and a warm 256-token prefill seeds the prefill
 rate that sizes the first joiners' chunks.
 
-Truncation filters (top-k/top-p/min-p), logprobs and repetition penalties are left
-to their first use: off by default, and on a fresh CUDA machine (MLX's on-disk PTX
-cache empty) a warm-up that included them took 86 s against 57 s without; their
-kernels take 3-13 s each to compile (`python -m bench cold-start`,
-bench/results/cold-start-2026-11-29-h200.md).
+Top-k, logprobs and repetition penalties are left to their first use: off by
+default, and on a fresh CUDA machine (MLX's on-disk PTX cache empty) a warm-up that
+included them and mlx-lm's compiled top-p and min-p took 86 s against 57 s without;
+their kernels took 3-13 s each to compile (`python -m bench cold-start`,
+bench/results/cold-start-2026-11-29-h200.md), and precompile.py compiles them in the
+background. (The sampler's top-p and min-p are plain ops, which compile nothing.)
 """
 
 from __future__ import annotations
