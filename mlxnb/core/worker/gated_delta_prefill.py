@@ -19,8 +19,13 @@ padding, and prefill keeps no outputs but the last real token's).
 Which calls take it: mlx-lm's `gated_delta_update` with the plain gates (wrapped by
 gated_delta.install), outside the engine's compiled decode traces, on a thread that
 `offer` marked (an engine's worker: any other caller of the model runs mlx-lm's
-code), at sizes that `check` found equal to mlx-lm's ops. `MLXNB_DELTA_PREFILL=0`
-keeps mlx-lm's loop (a bench's other arm).
+code), at sizes that `check` found equal to mlx-lm's ops. The load's decode check
+compares the compiled decode steps with plain forwards whose recurrence is
+`reference` (`as_reference`): mlx-lm's math, not this kernel's. Offered before the
+load's survey, the kernel leaves mlx-lm's per-token step out of the kernels compiled
+ahead, so a load whose check turns it down compiles that step itself (some 20 s on a
+fresh CUDA machine). `MLXNB_DELTA_PREFILL=0` keeps mlx-lm's loop (a bench's other
+arm).
 """
 
 from __future__ import annotations
