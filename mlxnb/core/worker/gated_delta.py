@@ -39,7 +39,6 @@ SEEN = [0]  # recurrences routed off mlx-lm's ops (a probe reads it)
 # gated_delta_prefill's route for calls outside the traces, once it is offered:
 # (gated_delta_update's arguments) -> its result, or None for mlx-lm's code
 PREFILL = [None]
-SEEN_PREFILL = [0]  # calls that took it
 
 # Every input is read through its strides (the kernels are made with
 # ensure_row_contiguous=False): v, a and b are slices of one fused projection's

@@ -160,7 +160,6 @@ def _route(q, k, v, a, b, A_log, dt_bias, state, mask):
         y, state = reference(q, k, v, a, b, A_log, dt_bias, state, mask)
         return (y if mask is None else mx.where(mask[..., None, None], y, 0).astype(y.dtype),
                 state)
-    gated_delta.SEEN_PREFILL[0] += 1
     return prefill(q, k, v, a, b, A_log, dt_bias, state, mask)
 
 

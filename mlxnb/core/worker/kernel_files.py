@@ -16,7 +16,7 @@ NVRTC with MLX's own device headers (read from libmlx.so), its include paths and
 device's architecture, and writes the result there as MLX's reader expects it. The
 process that runs a kernel first still compiles it; later ones load it in
 milliseconds. A load that knows its kernels ahead (own_kernels.py) makes its calls
-unevaluated and has a helper compile them all at once (`write_now`) before it
+unevaluated and has helpers compile them all at once (`write_now`) before it
 evaluates them, so even the first process loads them. Nothing here is needed for a
 kernel to run: where a piece is missing
 (no NVRTC library, headers not found, a compile error), MLX compiles it as before,

@@ -10,8 +10,8 @@ Meanwhile the process only waited for its helpers. `warm` runs each kernel those
 checks will run, on zeros at the sizes each layer gives it (the template arguments
 MLX names a kernel by): the checks then find them compiled. A guess
 that misses costs its compile and nothing else; the checks still decide what runs.
-They compile at once, in parallel, in a helper (kernel_files.write_now), and the
-process loads them from MLX's folder: one after another in the process they took
+They compile at once, each in a helper process of its own (kernel_files.write_now),
+and the process loads them from MLX's folder: one after another in the process they took
 14 s of a Qwen3.5 load on a fresh H100 host.
 """
 
@@ -125,6 +125,6 @@ def warm(model, kv_bits: Optional[int] = None) -> int:
             n += 1
         except Exception:
             swallowed("compiling this package's kernels ahead")
-    log.info("own kernels compiled in %.1f s (%d calls, %d builds in a helper)",
+    log.info("own kernels compiled in %.1f s (%d calls, %d builds in helpers)",
              time.perf_counter() - t0, n, written)
     return n
